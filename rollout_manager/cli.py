@@ -1,0 +1,79 @@
+"""Command line: ``rollout-manager serve | cpu-engine``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Sequence
+
+from . import __version__
+from .config import ConfigError, load_config, parse_set_option
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .logs import setup_logging
+    from .server import StartupError, serve
+
+    overrides: dict[str, str] = {}
+    try:
+        for item in args.set or []:
+            key, value = parse_set_option(item)
+            overrides[key] = value
+        for key in ("bind", "log_level", "log_format"):
+            if getattr(args, key) is not None:
+                overrides[key] = getattr(args, key)
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"rollout-manager: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    try:
+        asyncio.run(serve(config))
+    except StartupError as exc:
+        print(f"rollout-manager: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cpu_engine(argv: Sequence[str]) -> int:
+    from .cpu_engine.__main__ import main as engine_main
+
+    return engine_main(list(argv)) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-manager",
+        description="Async disaggregated rollout manager for RL training with remote SGLang instances.",
+    )
+    parser.add_argument("--version", action="version", version=f"rollout-manager {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the manager daemon",
+        description="Run the manager. Settings: command line > ROLLOUT_MANAGER_<KEY> environment "
+        "variables > --config file > built-in defaults (the shipped config.toml).",
+    )
+    serve.add_argument("--config", help="TOML file (see config.toml for every key)")
+    serve.add_argument("--bind", help="HOST:PORT to listen on (default 0.0.0.0:5000)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", choices=["text", "json"])
+    serve.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    serve.set_defaults(func=_serve)
+
+    sub.add_parser(
+        "cpu-engine",
+        help="run the SGLang-compatible CPU engine (tests, demo)",
+        add_help=False,
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "cpu-engine":
+        return _cpu_engine(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)

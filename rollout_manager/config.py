@@ -1,0 +1,211 @@
+"""The daemon's configuration: one validated object built from defaults, file, environment, command line.
+
+Precedence is command line > environment (``ROLLOUT_MANAGER_<KEY>``) > file > defaults. Each layer is
+validated on its own so an error names the key, the value and where it came from; everything is
+refused before the daemon binds a port.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "ROLLOUT_MANAGER_"
+# Variables with our prefix that belong to the rollout-box side (launch_sglang.sh), not to the daemon.
+ENV_NOT_CONFIG = frozenset({"ROLLOUT_MANAGER_ADDR", "ROLLOUT_MANAGER_ENGINE"})
+DEFAULT_PORT = 5000
+
+Port = Field(ge=1, le=65535)
+
+
+class ConfigError(ValueError):
+    """A configuration the daemon refuses to start with; the message is one line for the user."""
+
+
+def parse_networks(value: str | list[str]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """``"10.0.0.0/8, 192.168.1.7"`` -> networks; an exact IP is a /32 (or /128)."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    nets = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"{item!r} is not an IP address or CIDR network") from None
+    if not nets:
+        raise ValueError("needs at least one IP address or CIDR network")
+    return nets
+
+
+def parse_bind(value: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> (host, port); IPv6 hosts in brackets."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be HOST:PORT, e.g. 0.0.0.0:5000")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"port {port_s!r} is not a number") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range 1-65535")
+    return host.strip("[]"), port
+
+
+class Config(BaseModel):
+    """Every key the daemon reads. ``config.toml`` documents each one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bind: str = f"0.0.0.0:{DEFAULT_PORT}"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+
+    # Weight transfer (names as users of the seed project already write them).
+    mooncake_transfer_device_name: str = ""
+    mooncake_transfer_protocol: Literal["tcp", "rdma"] = "tcp"
+    allowed_sender_ips: str = "0.0.0.0/0"
+    num_mooncake_groups_per_sender: int = Field(default=1, gt=0)
+    num_mooncake_engines_per_group: int = Field(default=4, gt=0)
+    weight_sender_base_port: int = Field(default=17000, ge=1, le=65535)
+
+    # Instance health.
+    startup_grace_period_s: float = Field(default=1800.0, gt=0)
+    pending_poll_interval_s: float = Field(default=2.0, gt=0)
+    health_check_interval_s: float = Field(default=10.0, gt=0)
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
+    health_failure_threshold: int = Field(default=3, gt=0)
+    health_check_path: Literal["/health_generate", "/health"] = "/health_generate"
+    drain_timeout_s: float = Field(default=120.0, gt=0)
+
+    # HTTP API.
+    max_request_body_mb: float = Field(default=64.0, gt=0)
+
+    @field_validator("allowed_sender_ips", mode="before")
+    @classmethod
+    def _check_networks(cls, value: Any) -> Any:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)
+        if isinstance(value, str):
+            parse_networks(value)
+        return value
+
+    @field_validator("bind")
+    @classmethod
+    def _check_bind(cls, value: str) -> str:
+        parse_bind(value)
+        return value
+
+    @property
+    def bind_host(self) -> str:
+        return parse_bind(self.bind)[0]
+
+    @property
+    def bind_port(self) -> int:
+        return parse_bind(self.bind)[1]
+
+    @property
+    def allowed_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return parse_networks(self.allowed_sender_ips)
+
+
+KEYS = tuple(Config.model_fields)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Values from one source, with the name used in error messages."""
+
+    source: str
+    values: Mapping[str, Any]
+    strict: bool  # file values keep their TOML types; env and CLI values are strings to coerce
+
+
+def _unknown_key_message(key: str, source: str) -> str:
+    close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {key!r} in {source}{hint}"
+
+
+def _check_layer(layer: Layer) -> None:
+    for key in layer.values:
+        if key not in Config.model_fields:
+            raise ConfigError(_unknown_key_message(key, layer.source))
+    try:
+        Config.model_validate(dict(layer.values), strict=layer.strict)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "?"
+        value = layer.values.get(str(err["loc"][0]), None) if err["loc"] else None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"config key {key!r} = {value!r} from {layer.source}: {msg}") from None
+
+
+def file_layer(path: str | os.PathLike[str]) -> Layer:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise ConfigError(f"config file {str(p)!r}: table [{key}] is not supported; keys are top-level")
+    return Layer(f"file {str(p)!r}", data, strict=True)
+
+
+def env_layer(environ: Mapping[str, str]) -> Layer:
+    values = {}
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and name not in ENV_NOT_CONFIG:
+            values[name[len(ENV_PREFIX) :].lower()] = value
+    return Layer("environment (" + ENV_PREFIX + "*)", values, strict=False)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the effective configuration; raises ConfigError with a one-line reason."""
+    layers: list[Layer] = []
+    if path is not None:
+        layers.append(file_layer(path))
+    layers.append(env_layer(os.environ if environ is None else environ))
+    if overrides:
+        layers.append(Layer("command line", dict(overrides), strict=False))
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        _check_layer(layer)
+        merged.update(layer.values)
+    return Config.model_validate(merged)
+
+
+def parse_set_option(text: str) -> tuple[str, str]:
+    """``--set key=value`` -> (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def describe(config: Config) -> str:
+    """The effective configuration on one line, for the start-up log."""
+    return " ".join(f"{k}={v!r}" for k, v in config.model_dump().items())

@@ -1,0 +1,264 @@
+"""The manager core: instances, their health, and weight-transfer assignment. No aiohttp requests here.
+
+The HTTP layer calls these methods with validated plain values; everything that changes state happens
+on the event loop in one place, so there are no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Sequence
+
+import aiohttp
+
+from . import sglang_wire as wire
+from .assignment import Group, assign, plan_groups
+from .config import Config
+from .registry import Event, Instance, Kind, Registry, State
+from .sglang_client import SGLangClient
+
+log = logging.getLogger("rollout_manager.manager")
+
+NOT_SERVING = (State.PENDING, State.SYNCING)
+
+
+class Manager:
+    def __init__(self, config: Config):
+        self.config = config
+        self.registry = Registry()
+        self.registry.listeners.append(self._on_event)
+        self.weight_version = 0
+        self.groups_per_sender = config.num_mooncake_groups_per_sender
+        self.engines_per_group = config.num_mooncake_engines_per_group
+        self.sender_ips: list[list[str]] = []
+        self.plan: list[list[Group]] = []
+        self.started_at = time.time()
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self._load_changed = asyncio.Condition()
+        self._session: aiohttp.ClientSession | None = None
+        self.sglang: SGLangClient | None = None
+
+    # ------------------------------------------------------------ lifecycle of the daemon
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.config.health_check_timeout_s),
+        )
+        self.sglang = SGLangClient(self._session)
+
+    async def close(self) -> None:
+        """Cancel every background task and close outgoing connections."""
+        tasks = list(self._watchers.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchers.clear()
+        if self._session is not None:
+            await self._session.close()
+
+    # ------------------------------------------------------------ registration
+    def register_remote(self, host: str, port: int, handshake_port: int | None) -> dict[str, Any]:
+        inst = self.registry.add(host, port, Kind.REMOTE, handshake_port)
+        self._reassign()
+        self._watch(inst)
+        return {
+            "id": inst.id,
+            "endpoint": inst.endpoint,
+            "state": inst.state.value,
+            "weight_version": self.weight_version,
+            "weight_transfer": self.assignment_of(inst),
+        }
+
+    def register_local(self, pairs: Sequence[tuple[str, int]]) -> dict[str, Any]:
+        added = self.registry.add_many([(h, p, Kind.LOCAL, None) for h, p in pairs])
+        for inst in added:
+            self._watch(inst)
+        return {"registered": [{"id": i.id, "endpoint": i.endpoint, "state": i.state.value} for i in added]}
+
+    def assignment_of(self, inst: Instance) -> dict[str, Any]:
+        group = self._group_of(inst)
+        return {
+            "sender": inst.sender,
+            "group": inst.group,
+            "sender_ip": group.ip if group else None,
+            "num_mooncake_engines_per_group": self.engines_per_group,
+            "mooncake_transfer_protocol": self.config.mooncake_transfer_protocol,
+            "mooncake_transfer_device_name": self.config.mooncake_transfer_device_name,
+        }
+
+    def _group_of(self, inst: Instance) -> Group | None:
+        if inst.sender is None or inst.group is None:
+            return None
+        return self.plan[inst.sender][inst.group]
+
+    # ------------------------------------------------------------ senders and groups
+    def update_weight_senders(
+        self,
+        sender_ips: list[list[str]],
+        groups_per_sender: int | None = None,
+        engines_per_group: int | None = None,
+    ) -> dict[str, Any]:
+        groups = groups_per_sender or self.groups_per_sender
+        plan = plan_groups(sender_ips, self.config.allowed_networks, groups)  # raises before any change
+        self.sender_ips, self.plan, self.groups_per_sender = sender_ips, plan, groups
+        if engines_per_group:
+            self.engines_per_group = engines_per_group
+        self._reassign()
+        log.info("weight senders updated: %d sender(s), %d group(s) each, %d engine(s) per group",
+                 len(plan), groups, self.engines_per_group)
+        return self.senders_status()
+
+    def _reassign(self) -> None:
+        remote = self.registry.in_state(*State, kind=Kind.REMOTE)
+        mapping = assign([i.id for i in remote], self.plan)
+        for inst in remote:
+            group = mapping.get(inst.id)
+            inst.sender, inst.group = (group.sender, group.group) if group else (None, None)
+
+    def senders_status(self) -> dict[str, Any]:
+        return {
+            "num_mooncake_groups_per_sender": self.groups_per_sender,
+            "num_mooncake_engines_per_group": self.engines_per_group,
+            "senders": [
+                {
+                    "sender": s,
+                    "ips": self.sender_ips[s],
+                    "groups": [
+                        {**g.to_dict(), "instances": [
+                            i.endpoint for i in self.registry if i.sender == s and i.group == g.group
+                        ]}
+                        for g in groups
+                    ],
+                }
+                for s, groups in enumerate(self.plan)
+            ],
+        }
+
+    # ------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        now = self.registry.clock()
+        ready = self.registry.in_state(State.ACTIVE)
+        pending = self.registry.in_state(*NOT_SERVING)
+        return {
+            "ready_instances": len(ready),
+            "pending_instances": len(pending),
+            "ready_instance_endpoints": [i.endpoint for i in ready],
+            "pending_instance_endpoints": [i.endpoint for i in pending],
+            "weight_version": self.weight_version,
+            "counts": self.registry.counts(),
+            "instances": [i.to_dict(now) for i in self.registry],
+            "weight_senders": self.senders_status(),
+            "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
+        }
+
+    # ------------------------------------------------------------ removal
+    async def shutdown_instances(self, endpoints: Sequence[str], check_weight_update: bool) -> dict[str, Any]:
+        """Drain the named instances (no new work; in-flight work finishes) and remove them.
+
+        With ``check_weight_update`` an instance in the middle of a weight push is left alone and
+        reported under ``skipped``, so a transfer is never cut short by an admin call.
+        """
+        removed, not_found, skipped, targets = [], [], [], []
+        for ep in dict.fromkeys(endpoints):
+            inst = self.registry.by_endpoint(ep)
+            if inst is None:
+                not_found.append(ep)
+            elif check_weight_update and inst.state == State.SYNCING:
+                skipped.append({"endpoint": ep, "reason": "weight update in progress"})
+            else:
+                targets.append(inst)
+        for inst in targets:
+            self.registry.transition(inst, State.DRAINING, "shutdown requested")
+        drained = await asyncio.gather(*(self._wait_idle(i, self.config.drain_timeout_s) for i in targets))
+        for inst, idle in zip(targets, drained):
+            reason = "removed by request" if idle else (
+                f"removed by request after drain timeout ({inst.in_flight} request(s) still in flight)"
+            )
+            if self.registry.transition(inst, State.DEAD, reason):
+                removed.append(inst.endpoint)
+        return {"removed": removed, "not_found": not_found, "skipped": skipped}
+
+    async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
+        async with self._load_changed:
+            try:
+                await asyncio.wait_for(
+                    self._load_changed.wait_for(lambda: inst.in_flight == 0), timeout_s
+                )
+                return True
+            except asyncio.TimeoutError:
+                return False
+
+    async def notify_load_changed(self) -> None:
+        async with self._load_changed:
+            self._load_changed.notify_all()
+
+    # ------------------------------------------------------------ health
+    def _watch(self, inst: Instance) -> None:
+        self._watchers[inst.id] = asyncio.get_running_loop().create_task(
+            self._watch_loop(inst), name=f"health:{inst.id}"
+        )
+
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.new == State.DEAD:
+            task = self._watchers.pop(inst.id, None)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    def _on_ready(self, inst: Instance) -> None:
+        """First successful /health_generate: serve at once if its weights are current."""
+        if inst.kind == Kind.LOCAL or inst.weight_version >= self.weight_version:
+            self.registry.transition(inst, State.ACTIVE, "healthy")
+        else:
+            self.registry.transition(inst, State.SYNCING, f"needs weight version {self.weight_version}")
+
+    async def _watch_loop(self, inst: Instance) -> None:
+        cfg = self.config
+        assert self.sglang is not None
+        deadline = self.registry.clock() + cfg.startup_grace_period_s
+        while inst.state == State.PENDING:
+            probe = await self.sglang.probe(inst.url, wire.HEALTH_GENERATE, cfg.health_check_timeout_s)
+            if inst.state != State.PENDING:
+                break
+            if probe.ready:
+                self._on_ready(inst)
+                break
+            inst.last_error = probe.describe()
+            if self.registry.clock() >= deadline:
+                self.registry.transition(
+                    inst, State.DEAD,
+                    f"not healthy within the start-up grace period ({cfg.startup_grace_period_s:g}s); "
+                    f"last probe: {inst.last_error}",
+                )
+                return
+            await asyncio.sleep(cfg.pending_poll_interval_s)
+        while self.registry.get(inst.id) is inst:
+            await asyncio.sleep(cfg.health_check_interval_s)
+            if inst.state == State.SYNCING:
+                continue  # a weight load may outlast the interval; the push has its own timeout
+            probe = await self.sglang.probe(inst.url, cfg.health_check_path, cfg.health_check_timeout_s)
+            if not probe.failed:
+                inst.consecutive_failures = 0
+                continue
+            inst.consecutive_failures += 1
+            inst.last_error = probe.describe()
+            if inst.consecutive_failures >= cfg.health_failure_threshold:
+                self.registry.transition(
+                    inst, State.DEAD,
+                    f"{inst.consecutive_failures} consecutive failed health checks; last: {inst.last_error}",
+                )
+                return
+            log.warning("instance %s %s failed health check %d/%d: %s", inst.id, inst.endpoint,
+                        inst.consecutive_failures, cfg.health_failure_threshold, inst.last_error)
+
+
+@contextlib.asynccontextmanager
+async def running_manager(config: Config):
+    manager = Manager(config)
+    await manager.start()
+    try:
+        yield manager
+    finally:
+        await manager.close()

@@ -1,0 +1,202 @@
+"""The instance registry: the manager's single source of truth about rollout instances.
+
+Pure state with no I/O: every lifecycle transition goes through :meth:`Registry.transition`, which checks
+it is allowed, logs one line, records an event (visible in status) and notifies listeners, so the
+scheduler and the version orchestrator never poll.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .errors import Conflict
+
+log = logging.getLogger("rollout_manager.registry")
+
+
+class State(str, enum.Enum):
+    PENDING = "pending"  # registered, waiting for its first successful /health_generate
+    SYNCING = "syncing"  # receiving weights; takes no new requests
+    ACTIVE = "active"  # serving
+    DRAINING = "draining"  # finishing in-flight work before removal; takes no new requests
+    DEAD = "dead"  # failed or removed; gone from the registry
+
+
+class Kind(str, enum.Enum):
+    REMOTE = "remote"  # a rollout box: gets weights pushed by the manager's senders
+    LOCAL = "local"  # trainer-side: the trainer updates its weights itself
+
+
+ALLOWED: dict[State, frozenset[State]] = {
+    State.PENDING: frozenset({State.ACTIVE, State.SYNCING, State.DRAINING, State.DEAD}),
+    State.SYNCING: frozenset({State.ACTIVE, State.DRAINING, State.DEAD}),
+    State.ACTIVE: frozenset({State.SYNCING, State.DRAINING, State.DEAD}),
+    State.DRAINING: frozenset({State.DEAD}),
+    State.DEAD: frozenset(),
+}
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class Instance:
+    id: str
+    host: str
+    port: int
+    kind: Kind
+    seq: int  # registration order; assignment is round-robin in this order
+    mooncake_handshake_port: int | None = None
+    state: State = State.PENDING
+    weight_version: int = 0
+    registered_at: float = 0.0
+    state_since: float = 0.0
+    sender: int | None = None
+    group: int | None = None
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return format_endpoint(self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "host": self.host,
+            "port": self.port,
+            "kind": self.kind.value,
+            "state": self.state.value,
+            "state_for_s": round(now - self.state_since, 3),
+            "weight_version": self.weight_version,
+            "sender": self.sender,
+            "group": self.group,
+            "mooncake_handshake_port": self.mooncake_handshake_port,
+            "in_flight": self.in_flight,
+            "in_flight_tokens": self.in_flight_tokens,
+            "consecutive_failures": self.consecutive_failures,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float  # wall-clock time
+    instance_id: str
+    endpoint: str
+    old: State | None
+    new: State
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at": self.at,
+            "instance": self.instance_id,
+            "endpoint": self.endpoint,
+            "from": self.old.value if self.old else None,
+            "to": self.new.value,
+            "reason": self.reason,
+        }
+
+
+Listener = Callable[[Instance, Event], None]
+
+
+@dataclass
+class Registry:
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    history: int = 200
+    _instances: dict[str, Instance] = field(default_factory=dict)
+    _by_endpoint: dict[str, str] = field(default_factory=dict)
+    _ids: Iterable[int] = field(default_factory=lambda: itertools.count(1))
+    events: deque[Event] = field(default_factory=deque)
+    listeners: list[Listener] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.events = deque(maxlen=self.history)
+
+    # ------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def __iter__(self):
+        return iter(sorted(self._instances.values(), key=lambda i: i.seq))
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def by_endpoint(self, endpoint: str) -> Instance | None:
+        iid = self._by_endpoint.get(endpoint)
+        return self._instances.get(iid) if iid else None
+
+    def in_state(self, *states: State, kind: Kind | None = None) -> list[Instance]:
+        return [i for i in self if i.state in states and (kind is None or i.kind == kind)]
+
+    # ------------------------------------------------------------ changes
+    def add_many(self, specs: list[tuple[str, int, Kind, int | None]]) -> list[Instance]:
+        """Register several instances at once: all or none (409 names the duplicates)."""
+        endpoints = [format_endpoint(h, p) for h, p, _, _ in specs]
+        taken = [ep for ep in endpoints if ep in self._by_endpoint]
+        repeated = sorted({ep for ep in endpoints if endpoints.count(ep) > 1})
+        if taken:
+            states = ", ".join(f"{ep} ({self.by_endpoint(ep).state.value})" for ep in taken)  # type: ignore[union-attr]
+            raise Conflict(f"already registered: {states}")
+        if repeated:
+            raise Conflict(f"listed more than once: {', '.join(repeated)}")
+        now, added = self.clock(), []
+        for (host, port, kind, hs_port), ep in zip(specs, endpoints):
+            n = next(self._ids)  # type: ignore[call-overload]
+            inst = Instance(
+                id=f"inst-{n}", host=host, port=port, kind=kind, seq=n,
+                mooncake_handshake_port=hs_port, registered_at=now, state_since=now,
+            )
+            self._instances[inst.id] = inst
+            self._by_endpoint[ep] = inst.id
+            self._record(inst, None, State.PENDING, f"registered ({kind.value})")
+            added.append(inst)
+        return added
+
+    def add(self, host: str, port: int, kind: Kind, handshake_port: int | None = None) -> Instance:
+        return self.add_many([(host, port, kind, handshake_port)])[0]
+
+    def transition(self, inst: Instance, new: State, reason: str) -> bool:
+        """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed."""
+        if inst.id not in self._instances or new not in ALLOWED[inst.state]:
+            return False
+        old = inst.state
+        inst.state, inst.state_since = new, self.clock()
+        if new == State.DEAD:
+            del self._instances[inst.id]
+            del self._by_endpoint[inst.endpoint]
+        self._record(inst, old, new, reason)
+        return True
+
+    def _record(self, inst: Instance, old: State | None, new: State, reason: str) -> None:
+        event = Event(self.wall(), inst.id, inst.endpoint, old, new, reason)
+        self.events.append(event)
+        level = logging.WARNING if new == State.DEAD and "removed by request" not in reason else logging.INFO
+        log.log(level, "instance %s %s %s -> %s: %s", inst.id, inst.endpoint,
+                old.value if old else "new", new.value, reason)
+        for listener in list(self.listeners):
+            listener(inst, event)
+
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in State if s != State.DEAD}
+        for inst in self._instances.values():
+            out[inst.state.value] += 1
+        return out

@@ -1,0 +1,54 @@
+"""Run the daemon: bind, serve until SIGINT/SIGTERM, then shut down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import signal
+
+from aiohttp import web
+
+from .config import Config, describe
+from .http_api import create_app
+from .manager import Manager
+
+log = logging.getLogger("rollout_manager.server")
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message is the one-line reason."""
+
+
+async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
+    """Serve until a termination signal arrives. Raises StartupError if the port cannot be bound."""
+    manager = Manager(config)
+    await manager.start()
+    runner = web.AppRunner(create_app(manager), handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.bind_host, config.bind_port, shutdown_timeout=10.0)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        await manager.close()
+        why = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise StartupError(f"cannot listen on {config.bind}: {why}") from None
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("rollout-manager listening on http://%s", config.bind)
+    log.info("effective configuration: %s", describe(config))
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+        log.info("shutting down: refusing new connections, finishing in-flight requests")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
+        await manager.close()  # cancels health checks and other background tasks
+        log.info("stopped")

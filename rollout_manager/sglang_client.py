@@ -1,0 +1,68 @@
+"""Outgoing HTTP calls to SGLang servers (real ones or the CPU engine), via the wire module."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from . import sglang_wire as wire
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The outcome of one health probe."""
+
+    status: int | None  # HTTP status, None when no answer came
+    error: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def failed(self) -> bool:
+        """Counts against the instance: no answer or a 5xx. A 4xx is the caller's fault, not the box's."""
+        return self.status is None or self.status >= 500
+
+    def describe(self) -> str:
+        return self.error or f"HTTP {self.status}"
+
+
+class SGLangClient:
+    """One shared aiohttp session; every call has its own timeout."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        self.session = session
+
+    async def probe(self, base_url: str, path: str, timeout_s: float) -> Probe:
+        try:
+            async with self.session.get(
+                base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                await resp.read()
+                return Probe(resp.status)
+        except asyncio.TimeoutError:
+            return Probe(None, f"{path} timed out after {timeout_s:g}s")
+        except aiohttp.ClientError as exc:
+            return Probe(None, f"{path}: {type(exc).__name__}: {exc}")
+
+    async def post_json(self, base_url: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
+        async with self.session.post(
+            base_url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            try:
+                data = await resp.json(content_type=None)
+            except ValueError:
+                data = {"raw": (await resp.text())[:500]}
+            return resp.status, data
+
+    async def abort(self, base_url: str, rid: str, timeout_s: float = 5.0) -> bool:
+        """Best effort: the instance may already be gone."""
+        try:
+            status, _ = await self.post_json(base_url, wire.ABORT_REQUEST, wire.abort_body(rid), timeout_s)
+            return status < 300
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            return False

@@ -1,0 +1,353 @@
+"""SGLang's HTTP wire format, and nothing else.
+
+This is the one module that knows how SGLang (0.5.x) spells its endpoints, request bodies, streaming
+frames and ``meta_info``. The manager's client decodes with it; the CPU engine encodes with it, so the
+stand-in and the real server are held to the same contract.
+
+Streaming replies are server-sent events: ``data: {json}\\n\\n`` frames ending with ``data: [DONE]``.
+By default each chunk is cumulative (``output_ids`` is the whole output so far, ``text`` is null until
+the last chunk); with ``--incremental-streaming-output`` chunks carry deltas, and so do the log-probs
+in ``meta_info``. A batch request's chunks carry ``index``. An error inside the stream is a frame
+``data: {"error": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+# Paths (SGLang's http_server.py).
+GENERATE = "/generate"
+HEALTH = "/health"
+HEALTH_GENERATE = "/health_generate"
+SERVER_INFO = "/server_info"
+GET_SERVER_INFO = "/get_server_info"  # deprecated alias of SERVER_INFO
+ABORT_REQUEST = "/abort_request"
+PAUSE_GENERATION = "/pause_generation"
+CONTINUE_GENERATION = "/continue_generation"
+FLUSH_CACHE = "/flush_cache"
+UPDATE_WEIGHT_VERSION = "/update_weight_version"
+UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
+UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+SHUTDOWN = "/shutdown"
+
+DONE_FRAME = b"data: [DONE]\n\n"
+_DATA_PREFIX = b"data: "
+
+# finish_reason types.
+STOP = "stop"
+LENGTH = "length"
+ABORT = "abort"
+
+
+# ---------------------------------------------------------------- encoding (the engine side)
+
+
+def sse_frame(obj: Any) -> bytes:
+    """One server-sent-event frame carrying a JSON object."""
+    return _DATA_PREFIX + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def finish_reason(kind: str | None, **extra: Any) -> dict[str, Any] | None:
+    """SGLang's finish_reason object: ``{"type": "stop"|"length"|"abort", ...}`` or null while running."""
+    if kind is None:
+        return None
+    reason: dict[str, Any] = {"type": kind}
+    if kind == LENGTH:
+        reason.setdefault("length", extra.pop("length", None))
+    if kind == ABORT:
+        reason.setdefault("message", extra.pop("message", "Abort"))
+    reason.update(extra)
+    return reason
+
+
+def logprob_entry(logprob: float, token_id: int) -> list[Any]:
+    """One ``output_token_logprobs`` entry: ``[logprob, token_id, text_or_null]``."""
+    return [float(logprob), int(token_id), None]
+
+
+def output_chunk(
+    *,
+    rid: str,
+    output_ids: list[int],
+    prompt_tokens: int,
+    completion_tokens: int,
+    finish: dict[str, Any] | None,
+    weight_version: str,
+    logprobs: list[list[Any]] | None = None,
+    text: str | None = None,
+    index: int | None = None,
+    e2e_latency: float | None = None,
+) -> dict[str, Any]:
+    """One ``/generate`` output object (a stream chunk, or the whole non-streaming answer)."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "weight_version": weight_version,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": 0,
+    }
+    if logprobs is not None:
+        meta["output_token_logprobs"] = logprobs
+    if e2e_latency is not None:
+        meta["e2e_latency"] = e2e_latency
+    out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def error_object(message: str, status_code: int = 400, err_type: str = "BadRequest") -> dict[str, Any]:
+    """SGLang's error body, also sent inside a stream as ``data: {"error": ...}``."""
+    return {"error": {"message": message, "type": err_type, "code": status_code}}
+
+
+# ---------------------------------------------------------------- decoding (the manager side)
+
+
+class StreamError(Exception):
+    """The engine reported an error inside the stream (a ``data: {"error": ...}`` frame)."""
+
+    def __init__(self, error: Any):
+        self.error = error
+        message = error.get("message") if isinstance(error, dict) else None
+        super().__init__(message or str(error))
+
+
+class SSEDecoder:
+    """Incremental decoder of SGLang's event stream: feed bytes, get JSON objects.
+
+    ``done`` turns true at ``data: [DONE]``; a stream that ends before it is a broken stream.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buf += data
+        out: list[dict[str, Any]] = []
+        while True:
+            cut = self._buf.find(b"\n\n")
+            if cut < 0:
+                break
+            frame, self._buf = self._buf[:cut], self._buf[cut + 2 :]
+            for line in frame.split(b"\n"):
+                line = line.strip()
+                if not line.startswith(_DATA_PREFIX.strip()):
+                    continue
+                payload = line[len(_DATA_PREFIX.strip()) :].strip()
+                if payload == b"[DONE]":
+                    self.done = True
+                    continue
+                obj = json.loads(payload)
+                if isinstance(obj, dict) and "error" in obj and "meta_info" not in obj:
+                    raise StreamError(obj["error"])
+                out.append(obj)
+        return out
+
+
+@dataclass
+class SequenceProgress:
+    """What one sequence has produced so far on one engine, whatever the chunk mode.
+
+    Chunks are classified by ``meta_info.completion_tokens`` (always cumulative): if ``output_ids``
+    is as long as that count the chunk is cumulative, otherwise it is a delta.
+    """
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[Any]] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None
+
+    def apply(self, chunk: dict[str, Any]) -> int:
+        """Fold one chunk in; return how many new tokens it brought."""
+        meta = chunk.get("meta_info") or {}
+        ids = list(chunk.get("output_ids") or [])
+        total = meta.get("completion_tokens")
+        before = len(self.output_ids)
+        cumulative = total is not None and len(ids) == total and total >= before
+        lps = meta.get("output_token_logprobs")
+        if cumulative:
+            self.output_ids = ids
+            if lps is not None:
+                self.logprobs = list(lps)
+        else:
+            self.output_ids.extend(ids)
+            if lps is not None:
+                self.logprobs.extend(lps)
+        if chunk.get("text") is not None:
+            self.text = chunk["text"] if cumulative else (self.text or "") + chunk["text"]
+        self.meta_info = meta
+        self.finish_reason = meta.get("finish_reason")
+        return len(self.output_ids) - before
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+def is_batched(body: dict[str, Any]) -> bool:
+    """A ``/generate`` body is a batch when ``input_ids`` is a list of lists."""
+    ids = body.get("input_ids")
+    return isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+
+
+def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Split a batched ``/generate`` body into one body per sequence (per-item params honoured)."""
+    if not is_batched(body):
+        return [dict(body)]
+    n = len(body["input_ids"])
+    out = []
+    for i in range(n):
+        sub = {}
+        for key, value in body.items():
+            if key in ("input_ids", "rid") or (key in _PER_ITEM_KEYS and isinstance(value, list)):
+                sub[key] = value[i] if isinstance(value, list) else value
+            else:
+                sub[key] = value
+        out.append(sub)
+    return out
+
+
+_PER_ITEM_KEYS = ("sampling_params", "return_logprob", "rid")
+
+
+def continuation_body(
+    body: dict[str, Any], made: list[int], *, rid: str
+) -> dict[str, Any]:
+    """The body that continues a single sequence elsewhere from the tokens already made.
+
+    ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
+    original budget, so the context never overflows and no token is produced twice.
+    """
+    new = dict(body)
+    new["input_ids"] = list(body["input_ids"]) + list(made)
+    params = dict(body.get("sampling_params") or {})
+    budget = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if budget is not None:
+        params["max_new_tokens"] = max(int(budget) - len(made), 0)
+    if "min_new_tokens" in params:
+        params["min_new_tokens"] = max(int(params["min_new_tokens"] or 0) - len(made), 0)
+    new["sampling_params"] = params
+    new["stream"] = True
+    new["rid"] = rid
+    return new
+
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+
+
+def update_weight_version_body(version: str | int) -> dict[str, Any]:
+    """``/update_weight_version`` body; never let SGLang abort in-flight requests (its default)."""
+    return {"new_version": str(version), "abort_all_requests": False}
+
+
+def update_weights_from_tensor_body(
+    serialized_per_rank: list[str], *, flush_cache: bool, weight_version: str | None
+) -> dict[str, Any]:
+    """``/update_weights_from_tensor`` body: one base64 string per TP rank."""
+    body: dict[str, Any] = {
+        "serialized_named_tensors": serialized_per_rank,
+        "load_format": None,
+        "flush_cache": flush_cache,
+    }
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def abort_body(rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:
+    return {"rid": rid or "", "abort_all": abort_all}
+
+
+def iter_frames(chunks: Iterable[bytes]) -> list[dict[str, Any]]:
+    """Decode a whole stream at once (tests, tools)."""
+    dec = SSEDecoder()
+    out: list[dict[str, Any]] = []
+    for c in chunks:
+        out.extend(dec.feed(c))
+    return out
+
+
+# ---------------------------------------------------------------- tensors for /update_weights_from_tensor
+
+# Module prefixes a serialized tensor list may reference when unpickled (SGLang restricts its
+# unpickler the same way): tensors rebuilt by value, or through torch's shared-memory reductions.
+_TENSOR_PICKLE_MODULES = ("collections", "copyreg", "torch", "multiprocessing.resource_sharer")
+_TENSOR_PICKLE_BUILTINS = frozenset(
+    {"list", "tuple", "dict", "set", "frozenset", "int", "float", "complex", "bool", "str", "bytes",
+     "bytearray", "slice", "range", "object"}
+)
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, Any]], *, share_memory: bool = False) -> str:
+    """One TP rank's ``serialized_named_tensors`` entry: base64 of a pickled ``[(name, tensor), ...]``.
+
+    ``share_memory=True`` pickles with ``multiprocessing.reduction.ForkingPickler`` exactly as SGLang's
+    ``MultiprocessingSerializer.serialize(obj, output_str=True)`` does: CUDA tensors become IPC
+    handles and CPU tensors shared-memory handles, so the payload is only valid on the same box while
+    the sender keeps the tensors alive (for CPU tensors between unrelated processes, also call
+    ``torch.multiprocessing.set_sharing_strategy("file_system")`` first). The default pickles CPU
+    tensors by value, which any receiver can load, SGLang included (its unpickler admits ``torch.*``).
+    """
+    import base64
+    import io
+    import pickle
+
+    pairs = [(str(name), tensor) for name, tensor in named_tensors]
+    buf = io.BytesIO()
+    if share_memory:
+        import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler(buf).dump(pairs)
+    else:
+        pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(pairs)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, Any]]:
+    """Inverse of :func:`serialize_named_tensors` (and of SGLang's serializer), for one rank's entry.
+
+    Raises ValueError when the payload is not base64, not an allowed pickle, or not name/tensor pairs.
+    """
+    import base64
+    import binascii
+    import io
+    import pickle
+
+    import torch
+    import torch.multiprocessing  # noqa: F401  (shared-memory rebuild functions)
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == "builtins" and name in _TENSOR_PICKLE_BUILTINS:
+                return super().find_class(module, name)
+            if not any(module == m or module.startswith(m + ".") for m in _TENSOR_PICKLE_MODULES):
+                raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a tensor payload")
+            return super().find_class(module, name)
+
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError, TypeError) as exc:
+        raise ValueError(f"serialized_named_tensors entry is not base64: {exc}") from None
+    try:
+        obj = _Unpickler(io.BytesIO(raw)).load()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad payload
+        raise ValueError(f"cannot unpickle serialized_named_tensors entry: {exc}") from None
+    if not isinstance(obj, (list, tuple)):
+        raise ValueError(f"expected a list of (name, tensor), got {type(obj).__name__}")
+    out: list[tuple[str, Any]] = []
+    for item in obj:
+        if (
+            not isinstance(item, (list, tuple))
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], torch.Tensor)
+        ):
+            raise ValueError("expected a list of (name, tensor) pairs")
+        out.append((item[0], item[1]))
+    return out

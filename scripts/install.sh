@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install rollout-manager into ./.venv on a fresh machine (CPU build of Mooncake; tests included).
+# Idempotent: a second run only checks. Env: PYTHON (default python3), EXTRAS (default cpu,test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+EXTRAS=${EXTRAS:-cpu,test}
+
+# Mooncake's transfer engine links libibverbs even in its TCP-only CPU build.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "install.sh: installing libibverbs1 (needed by mooncake-transfer-engine)"
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+  else
+    echo "install.sh: warning: libibverbs.so.1 not found; install your distribution's libibverbs package" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# torch first and pinned, so that no later dependency range pulls a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
+"${PIP[@]}" -e ".[${EXTRAS}]"
+echo "install.sh: ready: $(.venv/bin/rollout-manager --version)"

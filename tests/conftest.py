@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from support import PY, Proc, free_port, wait_http_ok, wait_http_ok_sync
+
+# Fast health settings for tests; production defaults are minutes.
+FAST = {
+    "pending_poll_interval_s": "0.1",
+    "health_check_interval_s": "0.2",
+    "health_check_timeout_s": "2",
+    "health_failure_threshold": "2",
+}
+
+
+@dataclass
+class ManagerHandle:
+    proc: Proc
+    url: str
+    session: aiohttp.ClientSession
+
+    async def get(self, path: str) -> tuple[int, Any]:
+        async with self.session.get(self.url + path) as r:
+            return r.status, await r.json()
+
+    async def post(self, path: str, body: Any = None, *, data: bytes | None = None,
+                   method: str = "POST") -> tuple[int, Any]:
+        kwargs = {"data": data} if data is not None else {"json": body}
+        async with self.session.request(method, self.url + path, **kwargs) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def put_senders(self, ips: list[list[str]], groups: int | None,
+                          engines: int | None = None) -> tuple[int, Any]:
+        body: dict[str, Any] = {"weight_sender_ips": ips}
+        if groups is not None:
+            body["num_mooncake_groups_per_sender"] = groups
+        if engines is not None:
+            body["num_mooncake_engines_per_group"] = engines
+        return await self.post("/update_weight_senders", body, method="PUT")
+
+    async def status(self) -> dict[str, Any]:
+        return (await self.get("/get_instances_status"))[1]
+
+    async def state_of(self, endpoint: str) -> str | None:
+        for inst in (await self.status())["instances"]:
+            if inst["endpoint"] == endpoint:
+                return inst["state"]
+        return None
+
+
+@pytest.fixture
+async def start_manager(tmp_path):
+    """Start real daemons as child processes; all are killed at the end of the test."""
+    started: list[ManagerHandle] = []
+    session = aiohttp.ClientSession()
+
+    async def start(**settings: Any) -> ManagerHandle:
+        port = free_port()
+        proc = Proc(_manager_args(port, settings), tmp_path / f"manager-{port}.log")
+        handle = ManagerHandle(proc, f"http://127.0.0.1:{port}", session)
+        started.append(handle)
+        await wait_http_ok(handle.url + "/health", proc)
+        return handle
+
+    yield start
+    for handle in started:
+        handle.proc.stop()
+    await session.close()
+
+
+def _manager_args(port: int, settings: dict[str, Any]) -> list[str]:
+    args = [PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{port}"]
+    for key, value in {**FAST, **settings}.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def shared_manager_url(tmp_path_factory):
+    """One daemon for a module's many small requests (the malformed-body table)."""
+    port = free_port()
+    proc = Proc(_manager_args(port, {}), tmp_path_factory.mktemp("shared") / "manager.log")
+    try:
+        wait_http_ok_sync(f"http://127.0.0.1:{port}/health", proc)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def start_manager_shared(shared_manager_url):
+    url, proc = shared_manager_url
+    async with aiohttp.ClientSession() as session:
+        yield ManagerHandle(proc, url, session)
+
+
+@dataclass
+class StubEngine:
+    """A minimal in-process SGLang stand-in whose health answers the test controls."""
+
+    port: int
+    health_status: int = 200
+    probes: int = 0
+    runner: web.AppRunner | None = None
+    seen: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.probes += 1
+        self.seen.append(request.path)
+        return web.json_response({}, status=self.health_status)
+
+
+@pytest.fixture
+async def stub_engine():
+    stubs: list[StubEngine] = []
+
+    async def start(health_status: int = 200) -> StubEngine:
+        stub = StubEngine(free_port(), health_status)
+        app = web.Application()
+        app.router.add_get("/health", stub._health)
+        app.router.add_get("/health_generate", stub._health)
+        stub.runner = web.AppRunner(app)
+        await stub.runner.setup()
+        await web.TCPSite(stub.runner, "127.0.0.1", stub.port).start()
+        stubs.append(stub)
+        return stub
+
+    yield start
+    for stub in stubs:
+        if stub.runner:
+            await stub.runner.cleanup()

@@ -1,0 +1,112 @@
+"""Shared test plumbing: free loopback ports, child processes that are always reaped, polling with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process in its own process group, killed with its children on stop()."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait(10)
+        self._log.close()
+
+
+async def wait_until(pred: Callable[[], Awaitable[Any] | Any], timeout: float = 20.0,
+                     interval: float = 0.05, what: str = "condition") -> Any:
+    """Poll ``pred`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if asyncio.iscoroutine(last):
+            last = await last
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+async def http_ok(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+async def wait_http_ok(url: str, proc: Proc | None = None, timeout: float = 60.0) -> None:
+    async def ready() -> bool:
+        if proc is not None and proc.popen.poll() is not None:
+            raise AssertionError(f"{proc.args} exited with {proc.popen.returncode}:\n{proc.log()}")
+        return await http_ok(url)
+
+    await wait_until(ready, timeout, 0.1, f"{url} to answer 200")
+
+
+def wait_http_ok_sync(url: str, proc: Proc | None = None, timeout: float = 60.0) -> None:
+    """The same, for synchronous fixtures."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise AssertionError(f"{proc.args} exited with {proc.popen.returncode}:\n{proc.log()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {url}")
