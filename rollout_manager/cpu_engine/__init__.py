@@ -1,0 +1,49 @@
+"""An SGLang stand-in on CPU: SGLang's HTTP contract over a tiny random torch causal LM.
+
+It serves the manager's tests, demo and benchmarks where no GPU is available, computes every step
+batch-invariantly (exact continuation, DESIGN.md section 8) and can inject faults.
+
+    python -m rollout_manager.cpu_engine --port 30000 --seed 0 [--incremental-streaming-output] [faults]
+"""
+
+from .engine import BadRequest, Engine, EngineConfig, parse_generate_body
+from .faults import Faults
+from .model import (
+    ModelConfig,
+    SamplingParams,
+    TinyCausalLM,
+    build_model,
+    make_config,
+    reference_generate,
+    state_dict_checksums,
+    tensor_checksum,
+)
+from .server import create_app, run, serve
+
+
+def main(argv=None, prog=None) -> int:
+    """CLI entry (``rollout-manager cpu-engine ...`` can delegate here)."""
+    from .__main__ import main as _main
+
+    return _main(argv, prog)
+
+
+__all__ = [
+    "BadRequest",
+    "Engine",
+    "EngineConfig",
+    "Faults",
+    "ModelConfig",
+    "SamplingParams",
+    "TinyCausalLM",
+    "build_model",
+    "create_app",
+    "main",
+    "make_config",
+    "parse_generate_body",
+    "reference_generate",
+    "run",
+    "serve",
+    "state_dict_checksums",
+    "tensor_checksum",
+]

@@ -1,0 +1,543 @@
+"""The CPU engine's core: request validation, the fair decoding loop, abort/pause, weights.
+
+No aiohttp in here. The decoding loop advances every running sequence by one token per round; the
+torch work of a round runs on one worker thread (so the event loop stays free for /health and control
+calls, and weight loads never interleave with a forward). Each sequence is computed alone with a full
+forward (see model.py), so a sequence's tokens never depend on its neighbours or on how its prefix
+arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout_manager import sglang_wire as wire
+
+from .faults import Faults
+from .model import (
+    COMPUTE_THREADS,
+    SamplingParams,
+    TinyCausalLM,
+    build_model,
+    choose_token,
+    state_dict_checksums,
+    stop_reason,
+)
+
+log = logging.getLogger("rollout_manager.cpu_engine")
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses (HTTP 400)."""
+
+
+@dataclass
+class EngineConfig:
+    seed: int = 0
+    model_size: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    incremental_streaming_output: bool = False
+    weight_version: str = "0"
+    max_running_requests: int | None = None  # None: admit everything at once
+    health_generate_timeout_s: float = 20.0
+    served_model_name: str | None = None
+    faults: Faults = field(default_factory=Faults)
+
+
+# ------------------------------------------------------------------ requests
+
+# SGLang sampling keys accepted but without effect here (no tokenizer, no penalties, no grammars).
+_NOOP_SAMPLING_KEYS = {
+    "stop",
+    "stop_regex",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+}
+_SAMPLING_KEYS = {
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+    "n",
+} | _NOOP_SAMPLING_KEYS
+
+
+@dataclass
+class SequenceSpec:
+    """One validated sequence of a /generate call."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    index: int | None  # position in a batch, None for a single request
+
+
+@dataclass
+class GenerateRequest:
+    specs: list[SequenceSpec]
+    stream: bool
+    batched: bool
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_sampling(raw: Any, *, where: str) -> SamplingParams:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{where}sampling_params must be an object")
+    unknown = set(raw) - _SAMPLING_KEYS
+    if unknown:
+        raise BadRequest(f"{where}unknown sampling_params {sorted(unknown)}")
+    p = SamplingParams()
+    if "max_new_tokens" in raw:
+        v = raw["max_new_tokens"]
+        if v is not None and (not _is_int(v) or v < 0):
+            raise BadRequest(f"{where}max_new_tokens must be a non-negative integer or null")
+        p.max_new_tokens = v
+    if raw.get("min_new_tokens") is not None:
+        v = raw["min_new_tokens"]
+        if not _is_int(v) or v < 0:
+            raise BadRequest(f"{where}min_new_tokens must be a non-negative integer")
+        p.min_new_tokens = v
+    if raw.get("temperature") is not None:
+        v = raw["temperature"]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise BadRequest(f"{where}temperature must be a number >= 0")
+        p.temperature = float(v)
+    if raw.get("top_p") is not None:
+        v = raw["top_p"]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
+            raise BadRequest(f"{where}top_p must be in (0, 1]")
+        p.top_p = float(v)
+    if raw.get("top_k") is not None:
+        v = raw["top_k"]
+        if not _is_int(v) or (v < 1 and v != -1):
+            raise BadRequest(f"{where}top_k must be -1 (disabled) or at least 1")
+        p.top_k = v
+    if raw.get("stop_token_ids") is not None:
+        v = raw["stop_token_ids"]
+        if not isinstance(v, list) or not all(_is_int(t) for t in v):
+            raise BadRequest(f"{where}stop_token_ids must be a list of integers")
+        p.stop_token_ids = list(v)
+    if raw.get("ignore_eos") is not None:
+        if not isinstance(raw["ignore_eos"], bool):
+            raise BadRequest(f"{where}ignore_eos must be a boolean")
+        p.ignore_eos = raw["ignore_eos"]
+    if raw.get("sampling_seed") is not None:
+        if not _is_int(raw["sampling_seed"]):
+            raise BadRequest(f"{where}sampling_seed must be an integer")
+        p.sampling_seed = raw["sampling_seed"]
+    if raw.get("n", 1) != 1:
+        raise BadRequest(f"{where}only n=1 is supported")
+    return p
+
+
+def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> GenerateRequest:
+    """Validate a /generate body into sequence specs. Raises BadRequest with a clear message."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    if body.get("text") is not None:
+        raise BadRequest("this engine has no tokenizer: send input_ids, not text")
+    for key in ("input_embeds", "image_data", "audio_data", "video_data"):
+        if body.get(key) is not None:
+            raise BadRequest(f"{key} is not supported by this engine")
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("input_ids must be a non-empty list of token ids (or a list of such lists)")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean")
+    batched = wire.is_batched(body)
+    if batched:
+        n = len(ids)
+        for key in ("sampling_params", "return_logprob", "rid"):
+            value = body.get(key)
+            if isinstance(value, list) and len(value) != n:
+                raise BadRequest(f"{key} is a list of {len(value)} items for a batch of {n}")
+        if isinstance(body.get("rid"), str):
+            raise BadRequest("rid must be a list with one id per item for a batch")
+        parts = wire.split_batch(body)
+    else:
+        for key in ("sampling_params", "rid"):
+            if isinstance(body.get(key), list):
+                raise BadRequest(f"{key} must not be a list for a single (unbatched) request")
+        parts = [body]
+    specs: list[SequenceSpec] = []
+    seen: set[str] = set()
+    for i, part in enumerate(parts):
+        where = f"item {i}: " if batched else ""
+        seq = part.get("input_ids")
+        if not isinstance(seq, list) or not seq:
+            raise BadRequest(f"{where}input_ids must be a non-empty list of token ids")
+        for t in seq:
+            if not _is_int(t) or not 0 <= t < vocab_size:
+                raise BadRequest(f"{where}input_ids holds {t!r}, not a token id in [0, {vocab_size})")
+        params = _parse_sampling(part.get("sampling_params"), where=where)
+        n_in = len(seq)
+        if n_in >= context_len:
+            raise BadRequest(
+                f"{where}The input ({n_in} tokens) is longer than the model's context length ({context_len} tokens)."
+            )
+        if params.max_new_tokens is not None and params.max_new_tokens + n_in >= context_len:
+            raise BadRequest(
+                f"{where}Requested token count exceeds the model's maximum context length of {context_len} "
+                f"tokens. You requested a total of {params.max_new_tokens + n_in} tokens: {n_in} tokens from the "
+                f"input and {params.max_new_tokens} tokens for the completion."
+            )
+        rlp = part.get("return_logprob", False)
+        if rlp is None:
+            rlp = False
+        if not isinstance(rlp, bool):
+            raise BadRequest(f"{where}return_logprob must be a boolean (or a list of booleans)")
+        rid = part.get("rid")
+        if rid is None or rid == "":
+            rid = uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise BadRequest(f"{where}rid must be a string")
+        if rid in seen:
+            raise BadRequest(f"duplicate rid {rid!r} in the batch")
+        seen.add(rid)
+        specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None))
+    return GenerateRequest(specs, stream, batched)
+
+
+# ------------------------------------------------------------------ running state
+
+
+class Group:
+    """The sequences of one /generate call; ``changed`` wakes its HTTP handler."""
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+        self.sequences: list[Sequence] = []
+        self.changed = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish is not None for s in self.sequences)
+
+
+class Sequence:
+    def __init__(self, spec: SequenceSpec, group: Group, *, internal: bool = False):
+        self.spec = spec
+        self.rid = spec.rid
+        self.group = group
+        self.internal = internal
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: dict[str, Any] | None = None
+        self.created = time.monotonic()
+        self.finished_at: float | None = None
+        seed = spec.params.sampling_seed
+        if seed is None and not spec.params.greedy:
+            seed = random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.spec.input_ids + self.output_ids
+
+    def set_finish(self, kind: str, **extra: Any) -> None:
+        if self.finish is None:
+            self.finish = wire.finish_reason(kind, **extra)
+            self.finished_at = time.monotonic()
+
+
+def decode_text(ids: list[int]) -> str:
+    """Byte-level 'detokenizer': ids below 256 are bytes (UTF-8, errors replaced), others ``<id>``."""
+    out: list[str] = []
+    buf = bytearray()
+    for t in ids:
+        if t < 256:
+            buf.append(t)
+        else:
+            if buf:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf.clear()
+            out.append(f"<{t}>")
+    if buf:
+        out.append(buf.decode("utf-8", errors="replace"))
+    return "".join(out)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: TinyCausalLM | None = None):
+        self.config = config
+        self.faults = config.faults
+        self.model = model or build_model(config.seed, config.model_size, **config.model_overrides)
+        self.weight_version = str(config.weight_version)
+        self.paused = False
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.last_gen_throughput = 0.0
+        self.total_generated = 0
+        self._rounds: deque[tuple[float, float, int]] = deque()  # (end time, duration, tokens)
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no decoding round is in flight
+        self._idle.set()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine-compute")
+        self._executor.submit(torch.set_num_threads, COMPUTE_THREADS).result()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def context_len(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="cpu-engine-loop")
+
+    async def close(self) -> None:
+        self._closed = True
+        self.abort(abort_all=True, message="Server shutting down")
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------ requests
+
+    def parse(self, body: Any) -> GenerateRequest:
+        return parse_generate_body(body, vocab_size=self.model.config.vocab_size, context_len=self.context_len)
+
+    def submit(self, req: GenerateRequest, *, internal: bool = False) -> Group:
+        active = {s.rid for s in self._all_live()}
+        for spec in req.specs:
+            if spec.rid in active:
+                raise BadRequest(f"rid {spec.rid!r} is already running")
+        group = Group(req.stream)
+        for spec in req.specs:
+            seq = Sequence(spec, group, internal=internal)
+            group.sequences.append(seq)
+            if spec.params.max_new_tokens == 0:
+                seq.set_finish(wire.LENGTH, length=0)
+            else:
+                self.waiting.append(seq)
+        if group.finished:
+            group.changed.set()
+        self._wake.set()
+        return group
+
+    def _all_live(self) -> list[Sequence]:
+        return [s for s in list(self.running) + list(self.waiting) if s.finish is None]
+
+    def cancel_group(self, group: Group) -> None:
+        """The client went away: drop its unfinished sequences."""
+        for s in group.sequences:
+            s.set_finish(wire.ABORT, message="client disconnected")
+        self._reap()
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "Abort") -> int:
+        """Finish matching live sequences with finish_reason abort; return how many."""
+        n = 0
+        for s in self._all_live():
+            if s.internal and not abort_all:
+                continue
+            if abort_all or (rid and s.rid == rid):
+                s.set_finish(wire.ABORT, message=message)
+                s.group.changed.set()
+                n += 1
+        self._reap()
+        return n
+
+    async def pause(self, mode: str = "abort") -> int:
+        """SGLang's pause_generation: 'abort' aborts everything in flight first; 'in_place' and
+        'retract' keep it. Either way nothing advances and new requests wait until continue.
+        Returns once the decoding round in flight (if any) is done, so no token follows the answer."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest("mode must be one of 'abort', 'retract', 'in_place'")
+        aborted = self.abort(abort_all=True, message="Abort by pause_generation") if mode == "abort" else 0
+        self.paused = True
+        await self._idle.wait()
+        return aborted
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
+
+    def kick(self) -> None:
+        """Re-check whether the loop can run (after a fault setting changed)."""
+        self._wake.set()
+
+    def counts(self) -> tuple[int, int]:
+        """(running, queued) client requests; health probes are not counted."""
+        running = sum(1 for s in self.running if s.finish is None and not s.internal)
+        queued = sum(1 for s in self.waiting if s.finish is None and not s.internal)
+        if self.paused:
+            return 0, running + queued
+        return running, queued
+
+    # ------------------------------------------------------------ weights
+
+    async def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors in by name between two decoding rounds. Raises ValueError."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.model.load_named_tensors, named)
+
+    async def checksums(self) -> dict[str, str]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, state_dict_checksums, self.model)
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = str(version)
+
+    # ------------------------------------------------------------ the decoding loop
+
+    def _reap(self) -> None:
+        self.running = [s for s in self.running if s.finish is None]
+        self.waiting = deque(s for s in self.waiting if s.finish is None)
+
+    def _admit(self) -> None:
+        cap = self.config.max_running_requests
+        while self.waiting and (cap is None or len(self.running) < cap):
+            self.running.append(self.waiting.popleft())
+
+    def _can_run(self) -> bool:
+        return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
+
+    def _compute_round(self, work: list[tuple[list[int], SamplingParams, torch.Generator | None]]):
+        out = []
+        for tokens, params, gen in work:
+            out.append(choose_token(self.model.logits_last(tokens), params, gen))
+        return out
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            self._reap()
+            if not self._can_run():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._admit()
+            batch = list(self.running)
+            budget = self.faults.generation_budget()
+            if budget is not None:
+                # Internal health probes do not count towards the stall budget.
+                keep, spent = [], 0
+                for s in batch:
+                    if s.internal:
+                        keep.append(s)
+                    elif spent < budget:
+                        keep.append(s)
+                        spent += 1
+                batch = keep
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            work = [(s.tokens, s.spec.params, s.generator) for s in batch]
+            t0 = time.perf_counter()
+            self._idle.clear()
+            try:
+                results = await loop.run_in_executor(self._executor, self._compute_round, work)
+            except Exception as exc:  # noqa: BLE001 - a broken forward must not kill the loop
+                log.exception("decoding round failed")
+                for s in batch:
+                    s.set_finish(wire.ABORT, message=f"engine error: {exc}")
+                    s.group.changed.set()
+                self._idle.set()
+                continue
+            except BaseException:
+                self._idle.set()
+                raise
+            elapsed = time.perf_counter() - t0
+            made = 0
+            for s, (token, lp) in zip(batch, results):
+                if s.finish is not None:  # aborted while the round ran
+                    continue
+                self._append(s, token, lp)
+                made += 1
+                if not s.internal:
+                    self.faults.note_generated(1)
+                    if not s.group.stream:
+                        self.faults.note_emitted(1)
+                s.group.changed.set()
+            self.total_generated += made
+            self._note_round(elapsed, made)
+            self._idle.set()
+            delay = (self.faults.slowdown - 1.0) * elapsed + self.faults.token_delay_s
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.sleep(0)
+
+    def _append(self, s: Sequence, token: int, lp: float) -> None:
+        s.output_ids.append(token)
+        s.logprobs.append(lp)
+        p = s.spec.params
+        matched = stop_reason(token, len(s.output_ids), p, self.model.config.eos_token_id)
+        if matched is not None:
+            s.set_finish(wire.STOP, matched=matched)
+        elif p.max_new_tokens is not None and len(s.output_ids) >= p.max_new_tokens:
+            s.set_finish(wire.LENGTH, length=p.max_new_tokens)
+        elif len(s.tokens) >= self.context_len:
+            s.set_finish(wire.LENGTH, length=len(s.output_ids))
+
+    def _note_round(self, elapsed: float, tokens: int) -> None:
+        now = time.monotonic()
+        self._rounds.append((now, elapsed, tokens))
+        while self._rounds and now - self._rounds[0][0] > 2.0:
+            self._rounds.popleft()
+        busy = sum(r[1] for r in self._rounds)
+        if busy > 0:
+            self.last_gen_throughput = sum(r[2] for r in self._rounds) / busy
+
+    # ------------------------------------------------------------ output objects
+
+    def chunk(self, s: Sequence, upto: int, *, since: int = 0, final: bool) -> dict[str, Any]:
+        """The output object for ``s`` with its first ``upto`` tokens; ``since`` > 0 gives a delta."""
+        ids = s.output_ids[since:upto]
+        lps = None
+        if s.spec.return_logprob:
+            lps = [wire.logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
+        return wire.output_chunk(
+            rid=s.rid,
+            output_ids=ids,
+            prompt_tokens=len(s.spec.input_ids),
+            completion_tokens=upto,
+            finish=s.finish if final else None,
+            weight_version=self.weight_version,
+            logprobs=lps,
+            text=decode_text(s.output_ids[:upto]) if final else None,
+            index=s.spec.index if s.group.stream else None,  # streamed batch items carry index
+            e2e_latency=(s.finished_at or time.monotonic()) - s.created if final else None,
+        )
+

@@ -1,0 +1,109 @@
+"""Fault injection for the CPU engine: set from the command line, changed at runtime via /debug/faults."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Faults:
+    die_after_tokens: int | None = None  # os._exit(1) once this many tokens were emitted to clients
+    stall_after_tokens: int | None = None  # stop generating after this many tokens; connections stay open
+    slowdown: float = 1.0  # each decoding round takes this many times its compute time
+    token_delay_s: float = 0.0  # extra sleep per decoding round (every running sequence: one token)
+    fail_rate: float = 0.0  # probability that /generate answers fail_status at once
+    fail_status: int = 503
+    health_fail: bool = False  # /health and /health_generate answer 503
+    # Counters, since start or since the matching fault was last armed.
+    emitted_tokens: int = field(default=0)
+    generated_tokens: int = field(default=0)
+    _rng: random.Random = field(default_factory=lambda: random.Random(0), repr=False)
+
+    SETTABLE = (
+        "die_after_tokens",
+        "stall_after_tokens",
+        "slowdown",
+        "token_delay_s",
+        "fail_rate",
+        "fail_status",
+        "health_fail",
+    )
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        for name in ("die_after_tokens", "stall_after_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be a non-negative integer or null")
+        if not isinstance(self.slowdown, (int, float)) or self.slowdown < 1.0:
+            raise ValueError("slowdown must be a number >= 1")
+        if not isinstance(self.token_delay_s, (int, float)) or self.token_delay_s < 0:
+            raise ValueError("token_delay_s must be >= 0")
+        if not isinstance(self.fail_rate, (int, float)) or not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError("fail_rate must be within [0, 1]")
+        if not isinstance(self.fail_status, int) or not 400 <= self.fail_status <= 599:
+            raise ValueError("fail_status must be an HTTP error status (400..599)")
+        if not isinstance(self.health_fail, bool):
+            raise ValueError("health_fail must be a boolean")
+
+    def update(self, changes: dict[str, Any]) -> None:
+        """Apply a runtime change; arming die/stall restarts its counter. Raises ValueError."""
+        unknown = set(changes) - set(self.SETTABLE) - {"seed"}
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}; settable: {list(self.SETTABLE)}")
+        backup = {f.name: getattr(self, f.name) for f in fields(self) if f.name in self.SETTABLE}
+        for key, value in changes.items():
+            if key == "seed":
+                continue
+            if key in ("slowdown", "token_delay_s", "fail_rate") and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            setattr(self, key, value)
+        try:
+            self._check()
+        except ValueError:
+            for k, v in backup.items():
+                setattr(self, k, v)
+            raise
+        if "seed" in changes:
+            self._rng.seed(changes["seed"])
+        if "die_after_tokens" in changes:
+            self.emitted_tokens = 0
+        if "stall_after_tokens" in changes:
+            self.generated_tokens = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("_rng", None)
+        return d
+
+    # ------------------------------------------------------------ hooks used by the engine
+
+    def should_fail_request(self) -> bool:
+        return self.fail_rate > 0 and self._rng.random() < self.fail_rate
+
+    @property
+    def stalled(self) -> bool:
+        return self.stall_after_tokens is not None and self.generated_tokens >= self.stall_after_tokens
+
+    def generation_budget(self) -> int | None:
+        """How many more tokens may be generated before the stall fault bites (None: no limit)."""
+        if self.stall_after_tokens is None:
+            return None
+        return max(self.stall_after_tokens - self.generated_tokens, 0)
+
+    def note_generated(self, n: int) -> None:
+        self.generated_tokens += n
+
+    def note_emitted(self, n: int) -> None:
+        """Count tokens that reached a client; die at once when the budget is spent."""
+        self.emitted_tokens += n
+        if self.die_after_tokens is not None and self.emitted_tokens >= self.die_after_tokens:
+            sys.stderr.write(f"cpu-engine: fault die_after_tokens={self.die_after_tokens} reached; exiting\n")
+            sys.stderr.flush()
+            os._exit(1)

@@ -1,0 +1,344 @@
+"""A tiny Llama-shaped causal LM on CPU, computed so that results never depend on the neighbours.
+
+Every decoding step is a full forward over the one sequence's whole token list (no KV cache, no
+batching across sequences), on a fixed number of intra-op threads. The logits at a step are therefore
+a pure function of (weights, tokens so far): a prefix gives the same next token whether it arrived as a
+prompt or was generated here, and whatever else the engine is running (DESIGN.md section 8).
+
+Parameter names follow Hugging Face Llama/Qwen (``model.layers.0.self_attn.q_proj.weight``, ...) so
+that weight pushes address tensors by the same names as for a real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# Threads used for every forward. One thread keeps kernel choice and reduction order fixed.
+COMPUTE_THREADS = 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    intermediate_size: int = 128
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    eos_token_id: int | None = None
+    init_std: float = 0.5
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embedding)")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError("eos_token_id outside the vocabulary")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "small": dict(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=2048,
+    ),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.eps) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[0]
+        q = self.q_proj(x).view(seq, self.n_heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(seq, self.n_kv, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(seq, self.n_kv, self.head_dim).transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k = k.repeat_interleave(rep, dim=0)
+            v = v.repeat_interleave(rep, dim=0)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return self.o_proj(out.transpose(0, 1).reshape(seq, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TinyCausalLM(nn.Module):
+    """``model.*`` backbone plus ``lm_head``; ``logits_last(ids)`` is the one compute entry point."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+        angles = torch.outer(pos, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("_cos", angles.cos().to(torch.float32), persistent=False)
+        self.register_buffer("_sin", angles.sin().to(torch.float32), persistent=False)
+
+    @torch.inference_mode()
+    def logits_last(self, input_ids: Sequence[int]) -> torch.Tensor:
+        """Raw float32 logits for the token after ``input_ids`` (a full forward, no cache)."""
+        n = len(input_ids)
+        if n == 0:
+            raise ValueError("empty input")
+        if n > self.config.max_position_embeddings:
+            raise ValueError("sequence longer than the context")
+        with fixed_threads():
+            ids = torch.tensor(list(input_ids), dtype=torch.long)
+            x = self.model.embed_tokens(ids)
+            cos, sin = self._cos[:n], self._sin[:n]
+            mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, mask)
+            x = self.model.norm(x[-1:])
+            return self.lm_head(x)[0].float()
+
+    # -------------------------------------------------------------- weights by name
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: p for name, p in self.named_parameters()}
+
+    def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors in place by name; all are checked before any is written. Returns the count.
+
+        Raises ValueError on an unknown name, a shape mismatch or a non-floating dtype.
+        """
+        own = self.named_tensors()
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for item in named:
+            try:
+                name, tensor = item
+            except (TypeError, ValueError):
+                raise ValueError(f"expected (name, tensor) pairs, got {type(item).__name__}") from None
+            if not isinstance(name, str) or name not in own:
+                raise ValueError(f"unknown parameter name: {name!r}")
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+            target = own[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+            if not (tensor.dtype.is_floating_point):
+                raise ValueError(f"{name}: dtype {tensor.dtype} cannot be loaded into {target.dtype}")
+            staged.append((target, tensor))
+        with torch.no_grad():
+            for target, tensor in staged:
+                target.copy_(tensor.detach().to(device="cpu", dtype=target.dtype))
+        return len(staged)
+
+
+@contextmanager
+def fixed_threads(n: int | None = None) -> Iterator[None]:
+    n = COMPUTE_THREADS if n is None else n
+    before = torch.get_num_threads()
+    if before != n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if before != n:
+            torch.set_num_threads(before)
+
+
+def make_config(seed: int = 0, size: str = "tiny", **overrides: Any) -> ModelConfig:
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
+    base = ModelConfig(seed=seed, **MODEL_SIZES[size])
+    cfg = replace(base, **overrides)
+    cfg.validate()
+    return cfg
+
+
+def build_model(seed: int = 0, size: str = "tiny", **cfg: Any) -> TinyCausalLM:
+    """A model with random float32 weights drawn from ``seed`` (same seed and config, same bits)."""
+    config = make_config(seed, size, **cfg)
+    gen = torch.Generator().manual_seed(config.seed)
+    model = TinyCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name == "model.embed_tokens.weight":
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[1]
+                p.copy_(torch.randn(p.shape, generator=gen) * (config.init_std / math.sqrt(fan_in)) * 2)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+# ------------------------------------------------------------------ sampling
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+    """Pick the next token; return it with the log-prob of the raw (temperature-free) logits."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.greedy:
+        token = int(torch.argmax(logits).item())  # first maximum: ties go to the lowest id
+    else:
+        scaled = logits / params.temperature
+        if params.top_k is not None and params.top_k > 0 and params.top_k < scaled.numel():
+            kth = torch.topk(scaled, params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if params.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True, stable=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = (cum - sorted_p) > params.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+        token = int(torch.multinomial(probs, 1, generator=generator).item())
+    return token, float(logprobs[token].item())
+
+
+def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_token_id: int | None) -> int | None:
+    """The matched stop token when ``token`` ends the sequence, else None."""
+    if params.ignore_eos or n_generated < params.min_new_tokens:
+        return None
+    if token in params.stop_token_ids or (eos_token_id is not None and token == eos_token_id):
+        return token
+    return None
+
+
+def reference_generate(
+    model: TinyCausalLM,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Sequence[int] = (),
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs, computed the same way the engine does (tests' oracle)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
+    ids = list(input_ids)
+    out: list[int] = []
+    lps: list[float] = []
+    limit = model.config.max_position_embeddings
+    while len(out) < max_new_tokens and len(ids) < limit:
+        token, lp = choose_token(model.logits_last(ids), params, None)
+        ids.append(token)
+        out.append(token)
+        lps.append(lp)
+        if stop_reason(token, len(out), params, model.config.eos_token_id) is not None:
+            break
+    return out, lps
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """sha256 over dtype, shape and the raw bytes of a CPU tensor."""
+    t = tensor.detach().to("cpu").contiguous()
+    h = hashlib.sha256()
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_dict_checksums(model: TinyCausalLM) -> dict[str, str]:
+    return {name: tensor_checksum(t) for name, t in model.named_tensors().items()}

@@ -1,0 +1,425 @@
+"""HTTP face of the CPU engine: SGLang's endpoints (paths and encoders from sglang_wire) plus /debug/*.
+
+Handlers only parse, validate and call into :class:`engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import sys
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rollout_manager import sglang_wire as wire
+
+from .engine import BadRequest, Engine, EngineConfig, GenerateRequest, Group, SequenceSpec
+from .model import SamplingParams
+
+log = logging.getLogger("rollout_manager.cpu_engine")
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+STOP_KEY = web.AppKey("stop", asyncio.Event)
+
+DEBUG_FAULTS = "/debug/faults"
+DEBUG_CHECKSUM = "/debug/state_dict_checksum"
+
+VERSION = "cpu-engine-0.1"
+
+
+def _error(message: str, status: int = 400, err_type: str = "BadRequest") -> web.Response:
+    return web.json_response(wire.error_object(message, status, err_type), status=status)
+
+
+async def _json_body(request: web.Request, *, required: bool = True) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise BadRequest("a JSON body is required")
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+
+
+def _engine(request: web.Request) -> Engine:
+    return request.app[ENGINE_KEY]
+
+
+# ------------------------------------------------------------------ /generate
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = _engine(request)
+    try:
+        body = await _json_body(request)
+        req = engine.parse(body)
+    except BadRequest as exc:
+        return _error(str(exc))
+    if engine.faults.should_fail_request():
+        status = engine.faults.fail_status
+        return _error(f"injected failure (fail_rate={engine.faults.fail_rate})", status, "ServiceUnavailable")
+    try:
+        group = engine.submit(req)
+    except BadRequest as exc:
+        return _error(str(exc))
+    if req.stream:
+        return await _stream(request, engine, group)
+    try:
+        while not group.finished:
+            group.changed.clear()
+            await group.changed.wait()
+    finally:
+        if not group.finished:
+            engine.cancel_group(group)
+    outs = [engine.chunk(s, len(s.output_ids), final=True) for s in group.sequences]
+    return web.json_response(outs if req.batched else outs[0])
+
+
+async def _stream(request: web.Request, engine: Engine, group: Group) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    incremental = engine.config.incremental_streaming_output
+    sent = [0] * len(group.sequences)
+    closed = [False] * len(group.sequences)
+    try:
+        await resp.prepare(request)
+        while True:
+            group.changed.clear()
+            for i, s in enumerate(group.sequences):
+                if closed[i]:
+                    continue
+                finished = s.finish is not None
+                n = len(s.output_ids)
+                while sent[i] < n:  # one chunk per token
+                    k = sent[i] + 1
+                    final = finished and k == n
+                    chunk = engine.chunk(s, k, since=k - 1 if incremental else 0, final=final)
+                    await resp.write(wire.sse_frame(chunk))
+                    sent[i] = k
+                    engine.faults.note_emitted(1)
+                    closed[i] = final
+                if finished and not closed[i]:  # finished without a new token (abort, max_new_tokens=0)
+                    chunk = engine.chunk(s, n, since=n if incremental else 0, final=True)
+                    await resp.write(wire.sse_frame(chunk))
+                    closed[i] = True
+            if all(closed):
+                break
+            await group.changed.wait()
+        await resp.write(wire.DONE_FRAME)
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError) as exc:
+        log.debug("stream client went away: %s", exc)
+    finally:
+        if not group.finished:  # the client went away (or we are shutting down)
+            engine.cancel_group(group)
+    return resp
+
+
+# ------------------------------------------------------------------ health and info
+
+
+async def health(request: web.Request) -> web.Response:
+    if _engine(request).faults.health_fail:
+        return web.Response(status=503, text="unhealthy (injected)")
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    if engine.faults.health_fail:
+        return web.Response(status=503, text="unhealthy (injected)")
+    if engine.paused:
+        return web.Response(status=503, text="generation is paused")
+    spec = SequenceSpec(
+        rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        input_ids=[0],
+        params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        return_logprob=False,
+        index=None,
+    )
+    group = engine.submit(GenerateRequest([spec], stream=False, batched=False), internal=True)
+    try:
+        await asyncio.wait_for(_wait_finished(group), engine.config.health_generate_timeout_s)
+    except asyncio.TimeoutError:
+        return web.Response(status=503, text="health generation timed out")
+    finally:
+        if not group.finished:
+            engine.cancel_group(group)
+    if group.sequences[0].output_ids:
+        return web.Response(status=200)
+    return web.Response(status=503, text="health generation was aborted")
+
+
+async def _wait_finished(group: Group) -> None:
+    while not group.finished:
+        group.changed.clear()
+        await group.changed.wait()
+
+
+def server_info_dict(engine: Engine) -> dict[str, Any]:
+    cfg = engine.model.config
+    running, queued = engine.counts()
+    name = engine.config.served_model_name or f"cpu-engine-{engine.config.model_size}"
+    return {
+        "version": VERSION,
+        "model_path": f"cpu-engine/{engine.config.model_size}",
+        "served_model_name": name,
+        "skip_tokenizer_init": True,
+        "context_length": engine.context_len,
+        "weight_version": engine.weight_version,
+        "incremental_streaming_output": engine.config.incremental_streaming_output,
+        "max_running_requests": engine.config.max_running_requests,
+        "random_seed": engine.config.seed,
+        "model_config": cfg.to_dict(),
+        "internal_states": [{"last_gen_throughput": float(engine.last_gen_throughput)}],
+        # Engine-specific (SGLang 0.5.23 has no such counts in server_info): for debugging only.
+        "cpu_engine": {
+            "running": running,
+            "queued": queued,
+            "paused": engine.paused,
+            "total_generated_tokens": engine.total_generated,
+            "faults": engine.faults.snapshot(),
+        },
+    }
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(server_info_dict(_engine(request)))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    running, queued = engine.counts()
+    name = engine.config.served_model_name or f"cpu-engine-{engine.config.model_size}"
+    text = wire.metrics_text(
+        {
+            wire.METRIC_NUM_RUNNING_REQS: running,
+            wire.METRIC_NUM_QUEUE_REQS: queued,
+            wire.METRIC_GEN_THROUGHPUT: engine.last_gen_throughput,
+        },
+        model_name=name,
+    )
+    return web.Response(text=text, content_type="text/plain")
+
+
+# ------------------------------------------------------------------ control
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    try:
+        body = await _json_body(request, required=False)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        rid = body.get("rid") or None
+        abort_all = body.get("abort_all", False)
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest("rid must be a string")
+        if not isinstance(abort_all, bool):
+            raise BadRequest("abort_all must be a boolean")
+    except BadRequest as exc:
+        return _error(str(exc))
+    engine.abort(rid, abort_all=abort_all)
+    return web.Response(status=200)
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    try:
+        body = await _json_body(request, required=False)
+        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+        await engine.pause(mode)
+    except BadRequest as exc:
+        return _error(str(exc))
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    _engine(request).resume()
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    return web.Response(status=200, text="Cache flushed.\n")
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        version = body.get("new_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool) or str(version) == "":
+            raise BadRequest("new_version must be a non-empty string")
+        abort_all = body.get("abort_all_requests", True)  # SGLang's default: abort in-flight requests
+        if not isinstance(abort_all, bool):
+            raise BadRequest("abort_all_requests must be a boolean")
+    except BadRequest as exc:
+        return _error(str(exc))
+    if abort_all:
+        engine.abort(abort_all=True, message="Abort by update_weight_version")
+    engine.set_weight_version(str(version))
+    return web.json_response(
+        {"success": True, "message": f"Weight version updated to {version}", "new_version": str(version)}
+    )
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    engine = _engine(request)
+
+    def fail(message: str) -> web.Response:
+        return web.json_response({"success": False, "message": message}, status=400)
+
+    try:
+        body = await _json_body(request)
+    except BadRequest as exc:
+        return fail(str(exc))
+    if not isinstance(body, dict):
+        return fail("the body must be a JSON object")
+    payloads = body.get("serialized_named_tensors")
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        return fail("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
+    load_format = body.get("load_format")
+    if load_format not in (None, "direct"):
+        return fail(f"load_format {load_format!r} is not supported by this engine (use null or 'direct')")
+    version = body.get("weight_version")
+    if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
+        return fail("weight_version must be a string")
+    if body.get("abort_all_requests", False) is True:
+        engine.abort(abort_all=True, message="Abort by update_weights_from_tensor")
+    try:
+        named = await asyncio.to_thread(wire.deserialize_named_tensors, payloads[0])  # TP rank 0
+        count = await engine.load_weights(named)
+    except ValueError as exc:
+        return fail(f"Failed to update weights: {exc}")
+    message = f"Succeeded to update model weights ({count} tensors)."
+    if version is not None:
+        engine.set_weight_version(str(version))
+        message += f" Weight version updated to {version}."
+    return web.json_response({"success": True, "message": message})
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    request.app[STOP_KEY].set()
+    return web.json_response({"success": True, "message": "shutting down"})
+
+
+# ------------------------------------------------------------------ debug (engine-specific)
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).faults.snapshot())
+
+
+async def set_faults(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        engine.faults.update(body)
+    except (BadRequest, ValueError) as exc:
+        return _error(str(exc))
+    engine.kick()  # a lifted stall resumes at once
+    return web.json_response(engine.faults.snapshot())
+
+
+async def state_dict_checksum(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    sums = await engine.checksums()
+    total = hashlib.sha256("".join(f"{k}={v};" for k, v in sorted(sums.items())).encode()).hexdigest()
+    return web.json_response({"weight_version": engine.weight_version, "total": total, "tensors": sums})
+
+
+# ------------------------------------------------------------------ app and process
+
+
+def create_app(engine_config: EngineConfig | None = None) -> web.Application:
+    config = engine_config or EngineConfig()
+    app = web.Application(client_max_size=1 << 30)
+    app[STOP_KEY] = asyncio.Event()
+
+    async def on_startup(app: web.Application) -> None:
+        engine = Engine(config)
+        app[ENGINE_KEY] = engine
+        engine.start()
+
+    async def on_shutdown(app: web.Application) -> None:
+        # End open streams (finish_reason abort) before the server waits for its handlers.
+        if ENGINE_KEY in app:
+            app[ENGINE_KEY].abort(abort_all=True, message="Server shutting down")
+
+    async def on_cleanup(app: web.Application) -> None:
+        if ENGINE_KEY in app:
+            await app[ENGINE_KEY].close()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    r = app.router
+    r.add_post(wire.GENERATE, generate)
+    r.add_get(wire.HEALTH, health)
+    r.add_get(wire.HEALTH_GENERATE, health_generate)
+    r.add_get(wire.SERVER_INFO, server_info)
+    r.add_get(wire.GET_SERVER_INFO, server_info)
+    r.add_get(wire.METRICS, metrics)
+    r.add_post(wire.ABORT_REQUEST, abort_request)
+    r.add_post(wire.PAUSE_GENERATION, pause_generation)
+    r.add_post(wire.CONTINUE_GENERATION, continue_generation)
+    r.add_post(wire.FLUSH_CACHE, flush_cache)
+    r.add_get(wire.FLUSH_CACHE, flush_cache)
+    r.add_post(wire.UPDATE_WEIGHT_VERSION, update_weight_version)
+    r.add_post(wire.UPDATE_WEIGHTS_FROM_TENSOR, update_weights_from_tensor)
+    r.add_post(wire.SHUTDOWN, shutdown)
+    r.add_get(DEBUG_FAULTS, get_faults)
+    r.add_post(DEBUG_FAULTS, set_faults)
+    r.add_get(DEBUG_CHECKSUM, state_dict_checksum)
+    return app
+
+
+async def serve(host: str, port: int, engine_config: EngineConfig | None = None) -> None:
+    """Serve until SIGTERM/SIGINT or POST /shutdown; print one ready line with the bound port."""
+    config = engine_config or EngineConfig()
+    app = create_app(config)
+    stop = app[STOP_KEY]
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+            pass
+    engine = app[ENGINE_KEY]
+    print(
+        f"cpu-engine ready on http://{host}:{bound} (model={config.model_size} seed={config.seed} "
+        f"weight_version={engine.weight_version} incremental={config.incremental_streaming_output})",
+        flush=True,
+    )
+    try:
+        await stop.wait()
+        log.info("cpu-engine shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def run(host: str = "127.0.0.1", port: int = 30000, engine_config: EngineConfig | None = None) -> int:
+    """Blocking entry point; returns the process exit status."""
+    try:
+        asyncio.run(serve(host, port, engine_config))
+    except OSError as exc:
+        print(f"cpu-engine: cannot serve on {host}:{port}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
