@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Sequence
+from typing import Any, Coroutine, Sequence
 
 from . import __version__
 from .config import ConfigError, load_config, parse_set_option
@@ -29,11 +29,21 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     setup_logging(config.log_level, config.log_format)
     try:
-        asyncio.run(serve(config))
+        run_async(serve(config))
     except StartupError as exc:
         print(f"rollout-manager: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_async(main: Coroutine[Any, Any, None]) -> None:
+    """asyncio.run, on uvloop when it is installed (the ``fast`` extra): the daemon is syscall-bound."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def _cpu_engine(argv: Sequence[str]) -> int:

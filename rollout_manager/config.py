@@ -91,6 +91,19 @@ class Config(BaseModel):
     health_check_path: Literal["/health_generate", "/health"] = "/health_generate"
     drain_timeout_s: float = Field(default=120.0, gt=0)
 
+    # Generation.
+    scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin"] = "throughput_aware"
+    max_attempts_per_request: int = Field(default=8, gt=0)
+    no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
+    stream_stall_timeout_s: float = Field(default=300.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    # Local (trainer-side) instances.
+    local_budget_initial_s: float = Field(default=60.0, ge=0)
+    local_budget_min_s: float = Field(default=0.0, ge=0)
+    local_budget_max_s: float = Field(default=600.0, gt=0)
+    local_budget_gain: float = Field(default=0.5, gt=0, le=1)
+
     # HTTP API.
     max_request_body_mb: float = Field(default=64.0, gt=0)
 

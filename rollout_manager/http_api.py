@@ -10,9 +10,15 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from . import __version__
+from . import sglang_wire as wire
 from .errors import ManagerError
+from .generation import run_batch
 from .manager import Manager
 from .schemas import (
+    BatchGenerateRequests,
+    Empty,
+    GenerateRequest,
+    UpdateMetrics,
     RegisterLocalRolloutInstances,
     RegisterRolloutInstance,
     ShutdownInstances,
@@ -35,8 +41,8 @@ def format_loc(loc: tuple[int | str, ...]) -> str:
     """``("weight_sender_ips", 0, 1)`` -> ``weight_sender_ips[0][1]``; the body itself is ``body``."""
     out = ""
     for part in loc:
-        if part == "root":
-            continue
+        if part == "root" or (isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())):
+            continue  # pydantic's names for union branches and models, not fields
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
 
@@ -52,9 +58,11 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-async def parse_body(request: web.Request, model: type[M]) -> M:
+async def parse_body(request: web.Request, model: type[M], *, optional: bool = False) -> M:
     """Read, decode and validate a JSON body; raises ManagerError (400) naming what is wrong."""
     raw = await request.read()
+    if not raw.strip() and optional:
+        raw = b"{}"
     if not raw:
         raise ManagerError("request body is empty; expected JSON")
     try:
@@ -131,6 +139,54 @@ async def update_weight_senders(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def generate(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, GenerateRequest)
+    generator = manager_of(request).generator
+    assert generator is not None
+    if not body.stream:
+        return web.json_response(await generator.generate(body.model_dump(exclude_unset=True)))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    chunks = generator.generate_stream(body.model_dump(exclude_unset=True))
+    try:
+        async for chunk in chunks:
+            await resp.write(wire.sse_frame(chunk))
+    finally:
+        await chunks.aclose()
+    await resp.write(wire.DONE_FRAME)
+    await resp.write_eof()
+    return resp
+
+
+async def batch_generate_requests(request: web.Request) -> web.StreamResponse:
+    body = await parse_body(request, BatchGenerateRequests)
+    generator = manager_of(request).generator
+    assert generator is not None
+    items = [(rid, req.model_dump(exclude_unset=True)) for rid, req in body.root]
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    lines = run_batch(generator, items)
+    try:
+        async for line in lines:
+            await resp.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+    finally:
+        await lines.aclose()  # on a client disconnect this aborts what is still running
+    await resp.write_eof()
+    return resp
+
+
+async def abort_local_requests(request: web.Request) -> web.Response:
+    await parse_body(request, Empty, optional=True)
+    return web.json_response(manager_of(request).abort_local_requests())
+
+
+async def update_metrics(request: web.Request) -> web.Response:
+    body = await parse_body(request, UpdateMetrics)
+    result = manager_of(request).update_metrics(body.step_time_s, body.trainer_bubble_time_s,
+                                                body.step_throughput)
+    return web.json_response(result)
+
+
 ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/health", health),
     ("POST", "/register_rollout_instance", register_rollout_instance),
@@ -138,6 +194,10 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/get_instances_status", get_instances_status),
     ("POST", "/shutdown_instances", shutdown_instances),
     ("PUT", "/update_weight_senders", update_weight_senders),
+    ("POST", "/generate", generate),
+    ("POST", "/batch_generate_requests", batch_generate_requests),
+    ("POST", "/abort_local_requests", abort_local_requests),
+    ("POST", "/update_metrics", update_metrics),
 ]
 
 

@@ -17,7 +17,11 @@ import aiohttp
 from . import sglang_wire as wire
 from .assignment import Group, assign, plan_groups
 from .config import Config
+from .dispatch import Dispatcher
+from .generation import GenerationSettings, Generator
+from .local_budget import LocalBudget
 from .registry import Event, Instance, Kind, Registry, State
+from .scheduling import make_policy
 from .sglang_client import SGLangClient
 
 log = logging.getLogger("rollout_manager.manager")
@@ -37,9 +41,13 @@ class Manager:
         self.plan: list[list[Group]] = []
         self.started_at = time.time()
         self._watchers: dict[str, asyncio.Task[None]] = {}
-        self._load_changed = asyncio.Condition()
+        self.dispatcher = Dispatcher(self.registry, make_policy(config.scheduler_policy))
         self._session: aiohttp.ClientSession | None = None
         self.sglang: SGLangClient | None = None
+        self.generator: Generator | None = None
+        self.local_budget = LocalBudget(config.local_budget_initial_s, config.local_budget_min_s,
+                                        config.local_budget_max_s, config.local_budget_gain)
+        self.last_metrics: dict[str, Any] = {}
 
     # ------------------------------------------------------------ lifecycle of the daemon
     async def start(self) -> None:
@@ -48,6 +56,14 @@ class Manager:
             timeout=aiohttp.ClientTimeout(total=None, connect=self.config.health_check_timeout_s),
         )
         self.sglang = SGLangClient(self._session)
+        cfg = self.config
+        self.generator = Generator(
+            self.dispatcher, self.sglang,
+            GenerationSettings(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s,
+                               cfg.connect_timeout_s, cfg.stream_stall_timeout_s),
+            self.local_budget,
+            on_instance_failure=self.report_failure, on_instance_success=self.report_success,
+        )
 
     async def close(self) -> None:
         """Cancel every background task and close outgoing connections."""
@@ -151,8 +167,33 @@ class Manager:
             "counts": self.registry.counts(),
             "instances": [i.to_dict(now) for i in self.registry],
             "weight_senders": self.senders_status(),
+            "local": {**(self.generator.local.to_dict() if self.generator else {}),
+                      "budget_s": self.local_budget.budget_s, "last_metrics": self.last_metrics},
+            "generation": dict(self.generator.stats) if self.generator else {},
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
         }
+
+    # ------------------------------------------------------------ local + remote balance
+    def abort_local_requests(self) -> dict[str, Any]:
+        """The trainer needs its GPUs: sequences on local instances continue on remote ones now."""
+        assert self.generator is not None
+        moving = sum(i.in_flight for i in self.registry.in_state(*State, kind=Kind.LOCAL))
+        closed = self.generator.local.close("trainer called /abort_local_requests")
+        return {"local_window_was_open": closed, "moved_sequences": moving if closed else 0}
+
+    def update_metrics(self, step_time_s: float, bubble_s: float, throughput: float) -> dict[str, Any]:
+        """A step ended: adapt the local budget from the trainer's bubble and the remote idle time."""
+        assert self.generator is not None
+        self.generator.local.close("step ended")
+        remote_idle = self.dispatcher.take_idle_seconds(Kind.REMOTE)
+        before = self.local_budget.budget_s
+        after = self.local_budget.update(bubble_s, remote_idle)
+        self.generator.local.rearm()
+        self.last_metrics = {"step_time_s": step_time_s, "trainer_bubble_time_s": bubble_s,
+                             "step_throughput": throughput, "remote_idle_s": round(remote_idle, 6)}
+        log.info("step metrics: %s; local budget %.3gs -> %.3gs", self.last_metrics, before, after)
+        return {**self.last_metrics, "previous_local_budget_s": before, "local_budget_s": after,
+                "generation": dict(self.generator.stats)}
 
     # ------------------------------------------------------------ removal
     async def shutdown_instances(self, endpoints: Sequence[str], check_weight_update: bool) -> dict[str, Any]:
@@ -182,18 +223,22 @@ class Manager:
         return {"removed": removed, "not_found": not_found, "skipped": skipped}
 
     async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
-        async with self._load_changed:
-            try:
-                await asyncio.wait_for(
-                    self._load_changed.wait_for(lambda: inst.in_flight == 0), timeout_s
-                )
-                return True
-            except asyncio.TimeoutError:
-                return False
+        return await self.dispatcher.changed.wait_for(lambda: inst.in_flight == 0, timeout_s)
 
-    async def notify_load_changed(self) -> None:
-        async with self._load_changed:
-            self._load_changed.notify_all()
+    # ------------------------------------------------------------ failures seen while serving
+    def report_failure(self, inst: Instance, reason: str) -> None:
+        """A request failed on ``inst`` through the instance's fault; same threshold as health checks."""
+        if self.registry.get(inst.id) is not inst:
+            return
+        inst.consecutive_failures += 1
+        inst.last_error = reason
+        if inst.consecutive_failures >= self.config.health_failure_threshold:
+            self.registry.transition(
+                inst, State.DEAD, f"{inst.consecutive_failures} consecutive failures; last: {reason}"
+            )
+
+    def report_success(self, inst: Instance) -> None:
+        inst.consecutive_failures = 0
 
     # ------------------------------------------------------------ health
     def _watch(self, inst: Instance) -> None:
@@ -242,16 +287,10 @@ class Manager:
             if not probe.failed:
                 inst.consecutive_failures = 0
                 continue
-            inst.consecutive_failures += 1
-            inst.last_error = probe.describe()
-            if inst.consecutive_failures >= cfg.health_failure_threshold:
-                self.registry.transition(
-                    inst, State.DEAD,
-                    f"{inst.consecutive_failures} consecutive failed health checks; last: {inst.last_error}",
-                )
-                return
-            log.warning("instance %s %s failed health check %d/%d: %s", inst.id, inst.endpoint,
-                        inst.consecutive_failures, cfg.health_failure_threshold, inst.last_error)
+            log.warning("instance %s %s failed a health check (%d/%d before removal): %s", inst.id,
+                        inst.endpoint, inst.consecutive_failures + 1, cfg.health_failure_threshold,
+                        probe.describe())
+            self.report_failure(inst, f"health check: {probe.describe()}")
 
 
 @contextlib.asynccontextmanager

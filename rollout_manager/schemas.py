@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Strict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Strict, model_validator
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
@@ -83,3 +83,82 @@ class UpdateWeightSenders(StrictModel):
     ]
     num_mooncake_groups_per_sender: Optional[PositiveCount] = None
     num_mooncake_engines_per_group: Optional[PositiveCount] = None
+
+
+TokenId = Annotated[int, Strict(), Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class SamplingParams(BaseModel):
+    """The sampling fields the manager itself relies on; SGLang's other fields pass through."""
+
+    model_config = ConfigDict(extra="allow")
+    max_new_tokens: Optional[Annotated[int, Strict(), Field(ge=0)]] = None
+    min_new_tokens: Optional[Annotated[int, Strict(), Field(ge=0)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0)]] = None
+
+
+class GenerateRequest(BaseModel):
+    """An SGLang ``/generate`` body. ``input_ids`` is required: continuation works on tokens, so the
+    trainer tokenizes (verl always does). Other SGLang fields pass through unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+    input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
+    sampling_params: Optional[Union[SamplingParams, list[SamplingParams]]] = None
+    return_logprob: Optional[Union[Annotated[bool, Strict()], list[Annotated[bool, Strict()]]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    stream: Annotated[bool, Strict()] = False
+    @model_validator(mode="before")
+    @classmethod
+    def _no_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "text" in data:
+            raise ValueError("'text' input is not supported: the manager continues sequences token by "
+                             "token, so send 'input_ids' (tokenize on the trainer side)")
+        return data
+
+    @model_validator(mode="after")
+    def _per_item_lists_match_batch(self) -> "GenerateRequest":
+        batched = isinstance(self.input_ids[0], list)
+        n = len(self.input_ids)
+        for name in ("sampling_params", "return_logprob", "rid"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if not batched:
+                    raise ValueError(f"'{name}' is a list but input_ids is a single sequence")
+                if len(value) != n:
+                    raise ValueError(f"'{name}' has {len(value)} items for {n} sequences")
+        return self
+
+
+RequestId = Union[Annotated[str, Strict(), Field(max_length=512)], Annotated[int, Strict()]]
+
+
+class BatchGenerateRequests(RootModel[list[tuple[RequestId, GenerateRequest]]]):
+    """``[[id, generate_body], ...]``; ids must be unique within the batch."""
+
+    root: Annotated[list[tuple[RequestId, GenerateRequest]], Field(min_length=1, max_length=100_000)]
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> "BatchGenerateRequests":
+        seen: set[Any] = set()
+        for rid, _ in self.root:
+            key = (type(rid).__name__, rid)
+            if key in seen:
+                raise ValueError(f"request id {rid!r} appears more than once")
+            seen.add(key)
+        return self
+
+
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class UpdateMetrics(StrictModel):
+    """What the trainer measured in the step that just ended."""
+
+    step_time_s: Seconds
+    trainer_bubble_time_s: Seconds
+    step_throughput: Seconds
+
+
+class Empty(StrictModel):
+    """A body with no fields (``{}``); an absent body is accepted too."""

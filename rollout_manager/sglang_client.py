@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 
@@ -66,3 +67,64 @@ class SGLangClient:
             return status < 300
         except (asyncio.TimeoutError, aiohttp.ClientError):
             return False
+
+
+class EngineRejected(Exception):
+    """The engine refused the request as malformed (4xx, or an error frame in the stream).
+
+    This is the caller's error: returned as is, never retried, never held against the instance.
+    """
+
+    def __init__(self, status: int, error: Any):
+        self.status = status
+        self.error = error
+        super().__init__(f"HTTP {status}: {error}")
+
+
+class EngineFailed(Exception):
+    """The instance failed while serving (no answer, 5xx, reset, stall, stream cut short)."""
+
+
+async def stream_generate(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: dict[str, Any],
+    *,
+    connect_timeout_s: float,
+    stall_timeout_s: float,
+) -> AsyncIterator[dict[str, Any]]:
+    """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
+
+    ``stall_timeout_s`` bounds the silence between two reads, not the whole request, so long
+    generations are fine while a hung engine is detected.
+    """
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
+    decoder = wire.SSEDecoder()
+    try:
+        async with session.post(base_url + wire.GENERATE, json=body, timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = (await resp.text())[:2000]
+                try:
+                    error: Any = json.loads(text)
+                except ValueError:
+                    error = text
+                if resp.status < 500:
+                    raise EngineRejected(resp.status, error)
+                raise EngineFailed(f"HTTP {resp.status}: {text[:200]}")
+            async for data in resp.content.iter_any():
+                try:
+                    chunks = decoder.feed(data)
+                except wire.StreamError as exc:
+                    raise EngineRejected(400, exc.error) from None
+                except ValueError as exc:
+                    raise EngineFailed(f"undecodable stream: {exc}") from None
+                for chunk in chunks:
+                    yield chunk
+                if decoder.done:
+                    return
+    except asyncio.TimeoutError:
+        raise EngineFailed(f"no data for {stall_timeout_s:g}s (stalled)") from None
+    except aiohttp.ClientError as exc:
+        raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
+    if not decoder.done:
+        raise EngineFailed("stream ended without [DONE]")

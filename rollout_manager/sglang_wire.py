@@ -31,6 +31,12 @@ UPDATE_WEIGHT_VERSION = "/update_weight_version"
 UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
 UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
 SHUTDOWN = "/shutdown"
+METRICS = "/metrics"  # Prometheus text, only with --enable-metrics
+
+# Prometheus gauges of SGLang's /metrics that the manager may read as a supplement.
+METRIC_NUM_RUNNING_REQS = "sglang:num_running_reqs"
+METRIC_NUM_QUEUE_REQS = "sglang:num_queue_reqs"
+METRIC_GEN_THROUGHPUT = "sglang:gen_throughput"
 
 DONE_FRAME = b"data: [DONE]\n\n"
 _DATA_PREFIX = b"data: "
@@ -350,4 +356,39 @@ def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, Any]]:
         ):
             raise ValueError("expected a list of (name, tensor) pairs")
         out.append((item[0], item[1]))
+    return out
+
+
+# ---------------------------------------------------------------- /metrics
+
+
+def metrics_text(values: dict[str, float], *, model_name: str) -> str:
+    """Prometheus text exposition of gauges named like SGLang's (``sglang:...``)."""
+    label = model_name.replace("\\", "\\\\").replace('"', '\\"')
+    lines = []
+    for name, value in values.items():
+        lines.append(f"# TYPE {name} gauge")
+        lines.append(f'{name}{{model_name="{label}"}} {float(value)}')
+    return "\n".join(lines) + "\n"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum each metric's samples over its labels (``sglang:num_running_reqs`` -> 3.0, ...)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, rest = line.partition(" ")
+        if "{" in line:
+            name_part = line[: line.index("{")]
+            rest = line[line.rindex("}") + 1 :]
+        fields_ = rest.split()
+        if not fields_:
+            continue
+        try:
+            value = float(fields_[0])
+        except ValueError:
+            continue
+        out[name_part] = out.get(name_part, 0.0) + value
     return out

@@ -138,3 +138,41 @@ async def stub_engine():
     for stub in stubs:
         if stub.runner:
             await stub.runner.cleanup()
+
+
+@dataclass
+class EngineHandle:
+    proc: Proc
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+
+@pytest.fixture
+async def start_engines(tmp_path):
+    """Start CPU engines (real processes, seed 0 unless told) in parallel; all are killed at the end."""
+    started: list[EngineHandle] = []
+
+    async def start(*flag_sets: list[str]) -> list[EngineHandle]:
+        handles = []
+        for flags in flag_sets:
+            port = free_port()
+            args = [PY, "-m", "rollout_manager.cpu_engine", "--port", str(port), *flags]
+            if "--seed" not in flags:
+                args += ["--seed", "0"]
+            handle = EngineHandle(Proc(args, tmp_path / f"engine-{port}.log"), port)
+            started.append(handle)
+            handles.append(handle)
+        for handle in handles:
+            await wait_http_ok(handle.url + "/health", handle.proc)
+        return handles
+
+    yield start
+    for handle in started:
+        handle.proc.stop()

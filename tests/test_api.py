@@ -98,7 +98,7 @@ async def test_active_instance_evicted_after_consecutive_failures_but_not_for_4x
     engine.health_status = 503
     await wait_until(lambda: _gone(m, engine.endpoint), what="eviction after 5xx")
     reason = (await m.status())["recent_events"][-1]["reason"]
-    assert "2 consecutive failed health checks" in reason and "503" in reason
+    assert "2 consecutive failures" in reason and "health check: HTTP 503" in reason
 
 
 async def test_shutdown_instances_drains_and_removes(start_manager, stub_engine):
@@ -190,6 +190,35 @@ MALFORMED = [
                                       b'"num_mooncake_engines_per_group": "4"}', 400,
      "'num_mooncake_engines_per_group'"),
     ("POST", "/update_weight_senders", b'{"weight_sender_ips": [["127.0.0.1"]]}', 405, "not allowed"),
+    ("POST", "/generate", b'{}', 400, "'input_ids'"),
+    ("POST", "/generate", b'{"text": "hello"}', 400, "send 'input_ids'"),
+    ("POST", "/generate", b'{"input_ids": []}', 400, "input_ids"),
+    ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "input_ids[1]"),
+    ("POST", "/generate", b'{"input_ids": [1, "2"]}', 400, "input_ids[1]"),
+    ("POST", "/generate", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}', 400,
+     "sampling_params.max_new_tokens"),
+    ("POST", "/generate", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}', 400,
+     "sampling_params.max_new_tokens"),
+    ("POST", "/generate", b'{"input_ids": [[1], [2]], "rid": ["a"]}', 400, "'rid' has 1 items for 2"),
+    ("POST", "/generate", b'{"input_ids": [1], "return_logprob": "yes"}', 400, "return_logprob"),
+    ("POST", "/generate", b'{"input_ids": [1], "stream": 1}', 400, "stream"),
+    ("POST", "/batch_generate_requests", b'{}', 400, "body"),
+    ("POST", "/batch_generate_requests", b'[]', 400, "at least 1"),
+    ("POST", "/batch_generate_requests", b'[["a"]]', 400, "[0]"),
+    ("POST", "/batch_generate_requests", b'[["a", {"input_ids": [1]}], ["a", {"input_ids": [2]}]]', 400,
+     "'a' appears more than once"),
+    ("POST", "/batch_generate_requests", b'[["a", {"input_ids": [1]}], ["b", {"input_ids": "x"}]]', 400,
+     "[1][1].input_ids"),
+    ("POST", "/batch_generate_requests", b'[[1.5, {"input_ids": [1]}]]', 400, "[0][0]"),
+    ("POST", "/update_metrics", b'{}', 400, "'step_time_s'"),
+    ("POST", "/update_metrics", b'{"step_time_s": -1, "trainer_bubble_time_s": 0, "step_throughput": 0}', 400,
+     "'step_time_s'"),
+    ("POST", "/update_metrics", b'{"step_time_s": 1, "trainer_bubble_time_s": "2", "step_throughput": 0}', 400,
+     "'trainer_bubble_time_s'"),
+    ("POST", "/update_metrics", b'{"step_time_s": 1, "trainer_bubble_time_s": 2, "step_throughput": 0, "x": 1}',
+     400, "'x'"),
+    ("POST", "/abort_local_requests", b'{"all": true}', 400, "'all'"),
+    ("POST", "/abort_local_requests", b'[1]', 400, "body"),
     ("GET", "/no_such_endpoint", b"", 404, "no such endpoint"),
 ]
 
@@ -206,6 +235,7 @@ async def test_malformed_bodies_get_4xx_json_and_change_nothing(start_manager_sh
     after = await m.status()
     assert after["instances"] == before["instances"]
     assert after["weight_senders"] == before["weight_senders"]
+    assert after["local"] == before["local"] and after["weight_version"] == before["weight_version"]
     assert (await m.get("/health"))[0] == 200
 
 

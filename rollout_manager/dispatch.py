@@ -1,0 +1,128 @@
+"""Dispatch accounting: which instance serves the next sequence, and the load it carries.
+
+The manager sends every request itself, so it counts in-flight requests and tokens per instance and
+measures token rates from its own streams; the pure policy in ``scheduling.py`` decides from those
+numbers. Requests wait here (bounded) while no instance can take them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Collection
+
+from .errors import Unavailable
+from .notify import Signal
+from .registry import Event, Instance, Kind, Registry, State
+from .scheduling import InstanceLoad, Policy, TokenRateMeter
+
+
+class Dispatcher:
+    def __init__(self, registry: Registry, policy: Policy, *, clock: Callable[[], float] = time.monotonic):
+        self.registry = registry
+        self.policy = policy
+        self.clock = clock
+        self.changed = Signal()  # any change in who can take work, or in load
+        self.local_allowed: Callable[[], bool] = lambda: True  # the local window, set by the generator
+        self.meters: dict[str, TokenRateMeter] = {}
+        self._idle_since: dict[str, float] = {}
+        self._idle_s: dict[str, float] = {}
+        registry.listeners.append(self._on_event)
+
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.new == State.DEAD:
+            self.meters.pop(inst.id, None)
+            self._idle_since.pop(inst.id, None)
+            self._idle_s.pop(inst.id, None)
+        elif event.new == State.ACTIVE and inst.in_flight == 0:
+            self._idle_since.setdefault(inst.id, self.clock())
+        self.changed.notify()
+
+    def meter(self, inst: Instance) -> TokenRateMeter:
+        return self.meters.setdefault(inst.id, TokenRateMeter())
+
+    def load_of(self, inst: Instance, now: float) -> InstanceLoad:
+        return InstanceLoad(inst.id, inst.kind.value, inst.in_flight, inst.in_flight_tokens,
+                            self.meter(inst).rate(now))
+
+    def try_acquire(self, tokens: int, avoid: Collection[str] = ()) -> Instance | None:
+        """Pick an instance now, or None. Local (trainer-side) instances are offered the work first.
+
+        An instance this sequence already failed on is used again only once it has recovered (a
+        health check or another request succeeded there); instances with recent failures get work
+        only when no clean instance is there.
+        """
+        usable = [i for i in self.registry.in_state(State.ACTIVE)
+                  if i.id not in avoid or i.consecutive_failures == 0]
+        local = [i for i in usable if i.kind == Kind.LOCAL] if self.local_allowed() else []
+        remote = [i for i in usable if i.kind == Kind.REMOTE]
+        for group in (local, remote):
+            inst = self._pick([i for i in group if i.consecutive_failures == 0] or group, tokens)
+            if inst is not None:
+                return inst
+        return None
+
+    def _pick(self, candidates: list[Instance], tokens: int) -> Instance | None:
+        if not candidates:
+            return None
+        now = self.clock()
+        chosen = self.policy.pick([self.load_of(i, now) for i in candidates], tokens, now)
+        inst = self.registry.get(chosen) if chosen else None
+        if inst is None:
+            return None
+        inst.in_flight += 1
+        inst.in_flight_tokens += tokens
+        self._busy_changed(inst, now)
+        return inst
+
+    async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = ()) -> Instance:
+        """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline."""
+        deadline = self.clock() + timeout_s
+        while True:
+            inst = self.try_acquire(tokens, avoid)
+            if inst is not None:
+                return inst
+            left = deadline - self.clock()
+            if left <= 0:
+                active = len(self.registry.in_state(State.ACTIVE))
+                raise Unavailable(
+                    f"no rollout instance could take the request within {timeout_s:g}s "
+                    f"({active} active)"
+                )
+            await self.changed.wait(left)
+
+    def progress(self, inst: Instance, tokens: int) -> None:
+        """``tokens`` new tokens streamed from ``inst``."""
+        inst.in_flight_tokens = max(inst.in_flight_tokens - tokens, 0)
+        self.meter(inst).observe(tokens, self.clock())
+
+    def release(self, inst: Instance, tokens_left: int) -> None:
+        """A sequence left ``inst`` (finished or failed) with ``tokens_left`` of its budget unused."""
+        inst.in_flight = max(inst.in_flight - 1, 0)
+        inst.in_flight_tokens = max(inst.in_flight_tokens - tokens_left, 0)
+        self._busy_changed(inst, self.clock())
+        self.changed.notify()
+
+    # ------------------------------------------------------------ idle time, for the local budget
+    def _busy_changed(self, inst: Instance, now: float) -> None:
+        self.meter(inst).set_in_flight(inst.in_flight, now)
+        since = self._idle_since.get(inst.id)
+        if inst.in_flight > 0 and since is not None:
+            self._idle_s[inst.id] = self._idle_s.get(inst.id, 0.0) + now - since
+            del self._idle_since[inst.id]
+        elif inst.in_flight == 0 and since is None:
+            self._idle_since[inst.id] = now
+
+    def take_idle_seconds(self, kind: Kind) -> float:
+        """Mean idle seconds of active ``kind`` instances since the last call (then restart counting)."""
+        now = self.clock()
+        insts = self.registry.in_state(State.ACTIVE, kind=kind)
+        total = 0.0
+        for inst in insts:
+            idle = self._idle_s.pop(inst.id, 0.0)
+            if inst.id in self._idle_since:
+                idle += now - self._idle_since[inst.id]
+                self._idle_since[inst.id] = now
+            elif inst.in_flight == 0:
+                self._idle_since[inst.id] = now
+            total += idle
+        return total / len(insts) if insts else 0.0

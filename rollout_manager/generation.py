@@ -1,0 +1,339 @@
+"""Generation with token-level continuation.
+
+Every sequence is streamed from SGLang whatever the caller asked, and the tokens (and log-probs) seen
+so far are kept. When the instance fails mid-sequence, the sequence continues on another instance
+with ``input_ids`` extended by those tokens and ``max_new_tokens`` reduced by them, so no token is
+lost and none is generated twice; the result lists the segments it was made of (instance, weight
+version, token range) so a sample mixing weight versions is visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import aiohttp
+
+from . import sglang_wire as wire
+from .dispatch import Dispatcher
+from .errors import ManagerError, Unavailable
+from .local_budget import LocalBudget, LocalWindow
+from .registry import Instance, Kind, State
+from .sglang_client import EngineFailed, EngineRejected, SGLangClient, stream_generate
+
+log = logging.getLogger("rollout_manager.generation")
+
+
+class Preempted(Exception):
+    """The manager took the sequence off a local instance on purpose; not the instance's fault."""
+
+
+class GenerationFailed(ManagerError):
+    """A sequence could not be completed; ``status`` says whose fault (4xx caller, 5xx/503 ours)."""
+
+    def __init__(self, status: int, message: str, detail: Any = None):
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_attempts: int
+    wait_timeout_s: float  # how long a request waits for an instance that can take it
+    connect_timeout_s: float
+    stall_timeout_s: float
+
+
+@dataclass
+class Segment:
+    instance: str
+    endpoint: str
+    weight_version: str | None
+    start: int
+    end: int
+    outcome: str = "running"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instance": self.instance, "endpoint": self.endpoint, "weight_version": self.weight_version,
+                "start": self.start, "end": self.end, "outcome": self.outcome}
+
+
+@dataclass
+class SequenceState:
+    """Everything known about one sequence across the instances it has been on."""
+
+    body: dict[str, Any]
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[Any]] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    finish: dict[str, Any] | None = None
+
+    @property
+    def budget(self) -> int:
+        params = self.body.get("sampling_params") or {}
+        value = params.get("max_new_tokens")
+        return wire.DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
+
+    @property
+    def remaining(self) -> int:
+        return max(self.budget - len(self.output_ids), 0)
+
+
+class Generator:
+    """Runs sequences on the pool; the HTTP layer only hands it validated bodies."""
+
+    def __init__(self, dispatcher: Dispatcher, client: SGLangClient, settings: GenerationSettings,
+                 budget: LocalBudget,
+                 on_instance_failure: Callable[[Instance, str], None],
+                 on_instance_success: Callable[[Instance], None]):
+        self.dispatcher = dispatcher
+        self.budget = budget
+        self.client = client
+        self.settings = settings
+        self.on_instance_failure = on_instance_failure
+        self.on_instance_success = on_instance_success
+        self.local = LocalWindow(on_change=dispatcher.changed.notify)
+        dispatcher.local_allowed = lambda: self.local.is_open
+        self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0}
+
+    # ------------------------------------------------------------ public
+    def begin_rollout(self) -> None:
+        """A request arrived: open the local window if a step just began and local instances serve."""
+        if self.local.armed and self.dispatcher.registry.in_state(State.ACTIVE, kind=Kind.LOCAL):
+            self.local.open(self.budget.budget_s)
+
+    async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """An SGLang ``/generate`` body -> SGLang's final answer (a list for batched input)."""
+        self.begin_rollout()
+        subs = wire.split_batch(body)
+        if not wire.is_batched(body):
+            return await self.run_sequence(subs[0])
+        tasks = [asyncio.ensure_future(self.run_sequence(sub, index=i)) for i, sub in enumerate(subs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
+
+        A sequence that fails yields one ``{"error": ...}`` chunk, as SGLang does inside a stream.
+        """
+        self.begin_rollout()
+        batched = wire.is_batched(body)
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | None, Exception | None]] = asyncio.Queue()
+
+        def on_tokens(index: int) -> Callable[[SequenceState], None]:
+            return lambda seq: queue.put_nowait((index, self._partial(seq, index if batched else None), None))
+
+        async def one(i: int, sub: dict[str, Any]) -> None:
+            try:
+                final = await self.run_sequence(sub, i if batched else None, on_tokens=on_tokens(i))
+                queue.put_nowait((i, final, None))
+            except GenerationFailed as exc:
+                queue.put_nowait((i, None, exc))
+
+        tasks = [asyncio.ensure_future(one(i, sub)) for i, sub in enumerate(wire.split_batch(body))]
+        finished = 0
+        try:
+            while finished < len(tasks):
+                _, chunk, error = await queue.get()
+                if error is not None:
+                    yield wire.error_object(str(error), getattr(error, "status", 500))
+                    return
+                assert chunk is not None
+                if chunk["meta_info"]["finish_reason"] is not None:
+                    finished += 1
+                yield chunk
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _partial(self, seq: SequenceState, index: int | None) -> dict[str, Any]:
+        return wire.output_chunk(
+            rid=seq.rid, output_ids=list(seq.output_ids), prompt_tokens=len(seq.body["input_ids"]),
+            completion_tokens=len(seq.output_ids), finish=None,
+            weight_version=str(seq.segments[-1].weight_version) if seq.segments else "",
+            logprobs=list(seq.logprobs) if _wants_logprobs(seq.body) else None, index=index,
+        )
+
+    async def run_sequence(self, body: dict[str, Any], index: int | None = None,
+                           on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
+        caller_rid = body.get("rid")
+        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{uuid.uuid4().hex[:12]}"))
+        self.stats["sequences"] += 1
+        started = time.monotonic()
+        tried: list[Instance] = []
+        while seq.finish is None:
+            if seq.remaining == 0:  # the budget was used up just as an instance died
+                seq.finish = wire.finish_reason(wire.LENGTH, length=seq.budget)
+                break
+            if len(seq.failures) >= self.settings.max_attempts:
+                self.stats["failed"] += 1
+                raise GenerationFailed(
+                    502,
+                    f"sequence {seq.rid} failed on {len(seq.failures)} attempt(s) "
+                    f"(limit {self.settings.max_attempts}); instances tried: {', '.join(i.endpoint for i in tried)}; "
+                    f"last error: {seq.failures[-1] if seq.failures else 'none'}",
+                )
+            try:
+                inst = await self.dispatcher.acquire(seq.remaining, self.settings.wait_timeout_s,
+                                                     avoid={i.id for i in tried})
+            except Unavailable as exc:
+                self.stats["failed"] += 1
+                raise GenerationFailed(503, str(exc)) from None
+            tried.append(inst)
+            if seq.segments:
+                self.stats["continuations"] += 1
+                log.info("continuing %s on %s from token %d (%d left)", seq.rid, inst.endpoint,
+                         len(seq.output_ids), seq.remaining)
+            await self._attempt(seq, inst, len(seq.segments), on_tokens)
+        self.stats["tokens"] += len(seq.output_ids)
+        return self._result(seq, index, time.monotonic() - started)
+
+    # ------------------------------------------------------------ one instance
+    async def _attempt(self, seq: SequenceState, inst: Instance, attempt: int,
+                       on_tokens: Callable[[SequenceState], None] | None = None) -> None:
+        """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable."""
+        rid = seq.rid if attempt == 0 else f"{seq.rid}~{attempt}"
+        body = wire.continuation_body(seq.body, seq.output_ids, rid=rid)
+        progress = wire.SequenceProgress()
+        segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
+        seq.segments.append(segment)
+        base, base_lp = list(seq.output_ids), list(seq.logprobs)
+        reserved = seq.remaining
+
+        async def consume() -> None:
+            async for chunk in stream_generate(
+                self.client.session, inst.url, body,
+                connect_timeout_s=self.settings.connect_timeout_s,
+                stall_timeout_s=self.settings.stall_timeout_s,
+            ):
+                new = progress.apply(chunk)
+                if new:
+                    self.dispatcher.progress(inst, new)
+                seq.output_ids = base + progress.output_ids
+                seq.logprobs = base_lp + progress.logprobs
+                segment.end = len(seq.output_ids)
+                segment.weight_version = progress.meta_info.get("weight_version", segment.weight_version)
+                if new and on_tokens is not None and progress.finish_reason is None:
+                    on_tokens(seq)
+
+        stream = asyncio.ensure_future(consume())
+        try:
+            if inst.kind == Kind.LOCAL:
+                closed = asyncio.ensure_future(self.local.closed.wait())
+                await asyncio.wait({stream, closed}, return_when=asyncio.FIRST_COMPLETED)
+                closed.cancel()
+                if not stream.done():  # the trainer wants its GPUs back: move the sequence on
+                    stream.cancel()
+                    await asyncio.gather(stream, return_exceptions=True)
+                    raise Preempted("local window closed")
+            await stream
+            finish = progress.finish_reason
+            if finish is None:
+                raise EngineFailed("stream finished without a finish_reason")
+            if isinstance(finish, dict) and finish.get("type") == wire.ABORT:
+                raise EngineFailed(f"aborted by the instance: {finish.get('message') or finish}")
+            seq.finish, seq.meta = finish, progress.meta_info
+            seq.texts.append(progress.text)
+            segment.outcome = "finished"
+            self.on_instance_success(inst)
+        except EngineRejected as exc:
+            segment.outcome = "rejected"
+            raise GenerationFailed(exc.status, _error_message(exc.error), exc.error) from None
+        except Preempted:
+            segment.outcome = "preempted: local window closed"
+            seq.texts.append(None)
+            self.stats["preempted"] += 1
+        except EngineFailed as exc:
+            segment.outcome = f"failed: {exc}"
+            seq.failures.append(f"{inst.endpoint}: {exc}")
+            seq.texts.append(None)
+            log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
+                        segment.end - segment.start, exc)
+            self.on_instance_failure(inst, str(exc))
+        finally:
+            if not stream.done():
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+            self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))
+            if segment.outcome in ("running", "preempted: local window closed"):
+                if segment.outcome == "running":  # cancelled: the caller went away
+                    segment.outcome = "cancelled"
+                await asyncio.shield(self.client.abort(inst.url, rid))
+
+    def _result(self, seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
+        meta = dict(seq.meta)
+        meta.update({
+            "id": seq.rid,
+            "finish_reason": seq.finish,
+            "prompt_tokens": len(seq.body.get("input_ids") or []),
+            "completion_tokens": len(seq.output_ids),
+            "weight_version": seq.segments[-1].weight_version if seq.segments else meta.get("weight_version"),
+            "e2e_latency": round(latency, 6),
+            "segments": [s.to_dict() for s in seq.segments],
+        })
+        if _wants_logprobs(seq.body):
+            meta["output_token_logprobs"] = seq.logprobs
+        else:
+            meta.pop("output_token_logprobs", None)
+        text = "".join(seq.texts) if seq.texts and all(t is not None for t in seq.texts) else None
+        out: dict[str, Any] = {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+def _wants_logprobs(body: dict[str, Any]) -> bool:
+    return bool(body.get("return_logprob"))
+
+
+def _error_message(error: Any) -> str:
+    if isinstance(error, dict):
+        inner = error.get("error", error)
+        if isinstance(inner, dict):
+            return str(inner.get("message") or inner)
+        return str(inner)
+    return str(error)
+
+
+async def run_batch(generator: Generator, items: list[tuple[Any, dict[str, Any]]]):
+    """Run many requests at once; yield one NDJSON-ready dict per request in completion order.
+
+    Every id appears exactly once. Closing the iterator early (the client went away) cancels the
+    outstanding requests, which aborts them on their instances.
+    """
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def one(rid: Any, body: dict[str, Any]) -> None:
+        try:
+            line = {"id": rid, "success": True, "data": await generator.generate(body)}
+        except ManagerError as exc:
+            line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
+        except Exception as exc:  # never lose an id, whatever happened
+            log.exception("request %r failed unexpectedly", rid)
+            line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
+        queue.put_nowait(line)
+
+    generator.begin_rollout()
+    tasks = [asyncio.ensure_future(one(rid, body)) for rid, body in items]
+    try:
+        for _ in range(len(tasks)):
+            yield await queue.get()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
