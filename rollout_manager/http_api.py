@@ -19,6 +19,7 @@ from .schemas import (
     Empty,
     GenerateRequest,
     UpdateMetrics,
+    UpdateWeightVersion,
     RegisterLocalRolloutInstances,
     RegisterRolloutInstance,
     ShutdownInstances,
@@ -112,7 +113,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def register_rollout_instance(request: web.Request) -> web.Response:
     body = await parse_body(request, RegisterRolloutInstance)
-    result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port)
+    result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
+                                                 body.weight_receiver_port)
     return web.json_response(result)
 
 
@@ -187,6 +189,13 @@ async def update_metrics(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def update_weight_version(request: web.Request) -> web.Response:
+    body = await parse_body(request, UpdateWeightVersion, optional=True)
+    result = await manager_of(request).update_weight_version(body.new_version, body.wait_for_instances,
+                                                              body.timeout_s)
+    return web.json_response(result)
+
+
 ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/health", health),
     ("POST", "/register_rollout_instance", register_rollout_instance),
@@ -198,6 +207,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/batch_generate_requests", batch_generate_requests),
     ("POST", "/abort_local_requests", abort_local_requests),
     ("POST", "/update_metrics", update_metrics),
+    ("POST", "/update_weight_version", update_weight_version),
 ]
 
 

@@ -20,9 +20,10 @@ from .config import Config
 from .dispatch import Dispatcher
 from .generation import GenerationSettings, Generator
 from .local_budget import LocalBudget
-from .registry import Event, Instance, Kind, Registry, State
+from .registry import Event, Instance, Kind, Registry, State, format_endpoint
 from .scheduling import make_policy
 from .sglang_client import SGLangClient
+from .versions import WeightSync
 
 log = logging.getLogger("rollout_manager.manager")
 
@@ -48,6 +49,7 @@ class Manager:
         self.local_budget = LocalBudget(config.local_budget_initial_s, config.local_budget_min_s,
                                         config.local_budget_max_s, config.local_budget_gain)
         self.last_metrics: dict[str, Any] = {}
+        self.weights = WeightSync(self)
 
     # ------------------------------------------------------------ lifecycle of the daemon
     async def start(self) -> None:
@@ -67,6 +69,7 @@ class Manager:
 
     async def close(self) -> None:
         """Cancel every background task and close outgoing connections."""
+        await self.weights.close()
         tasks = list(self._watchers.values())
         for task in tasks:
             task.cancel()
@@ -76,8 +79,10 @@ class Manager:
             await self._session.close()
 
     # ------------------------------------------------------------ registration
-    def register_remote(self, host: str, port: int, handshake_port: int | None) -> dict[str, Any]:
+    def register_remote(self, host: str, port: int, handshake_port: int | None,
+                        receiver_port: int | None = None) -> dict[str, Any]:
         inst = self.registry.add(host, port, Kind.REMOTE, handshake_port)
+        inst.weight_receiver_port = receiver_port
         self._reassign()
         self._watch(inst)
         return {
@@ -95,7 +100,7 @@ class Manager:
         return {"registered": [{"id": i.id, "endpoint": i.endpoint, "state": i.state.value} for i in added]}
 
     def assignment_of(self, inst: Instance) -> dict[str, Any]:
-        group = self._group_of(inst)
+        group = self.group_of(inst)
         return {
             "sender": inst.sender,
             "group": inst.group,
@@ -105,10 +110,14 @@ class Manager:
             "mooncake_transfer_device_name": self.config.mooncake_transfer_device_name,
         }
 
-    def _group_of(self, inst: Instance) -> Group | None:
+    def group_of(self, inst: Instance) -> Group | None:
         if inst.sender is None or inst.group is None:
             return None
         return self.plan[inst.sender][inst.group]
+
+    def sender_url(self, sender: int) -> str:
+        """A sender's control API: its node's first allowed IP, on ``weight_sender_base_port``."""
+        return f"http://{format_endpoint(self.plan[sender][0].ip, self.config.weight_sender_base_port)}"
 
     # ------------------------------------------------------------ senders and groups
     def update_weight_senders(
@@ -123,6 +132,7 @@ class Manager:
         if engines_per_group:
             self.engines_per_group = engines_per_group
         self._reassign()
+        self.dispatcher.changed.notify()  # pushes waiting for a sender can go
         log.info("weight senders updated: %d sender(s), %d group(s) each, %d engine(s) per group",
                  len(plan), groups, self.engines_per_group)
         return self.senders_status()
@@ -171,6 +181,7 @@ class Manager:
                       "budget_s": self.local_budget.budget_s, "last_metrics": self.last_metrics},
             "generation": dict(self.generator.stats) if self.generator else {},
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
+            "recent_weight_pushes": self.weights.pushes[-10:],
         }
 
     # ------------------------------------------------------------ local + remote balance
@@ -194,6 +205,15 @@ class Manager:
         log.info("step metrics: %s; local budget %.3gs -> %.3gs", self.last_metrics, before, after)
         return {**self.last_metrics, "previous_local_budget_s": before, "local_budget_s": after,
                 "generation": dict(self.generator.stats)}
+
+    # ------------------------------------------------------------ weight versions
+    async def update_weight_version(self, new_version: int | None, wait_for: int | str | None,
+                                    timeout_s: float) -> dict[str, Any]:
+        version = self.weights.bump(new_version)
+        out: dict[str, Any] = {"new_weight_version": version}
+        if wait_for is not None:
+            out.update(await self.weights.wait(version, None if wait_for == "all" else int(wait_for), timeout_s))
+        return out
 
     # ------------------------------------------------------------ removal
     async def shutdown_instances(self, endpoints: Sequence[str], check_weight_update: bool) -> dict[str, Any]:
@@ -248,6 +268,7 @@ class Manager:
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         if event.new == State.DEAD:
+            self.weights.forget(inst)
             task = self._watchers.pop(inst.id, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -257,7 +278,8 @@ class Manager:
         if inst.kind == Kind.LOCAL or inst.weight_version >= self.weight_version:
             self.registry.transition(inst, State.ACTIVE, "healthy")
         else:
-            self.registry.transition(inst, State.SYNCING, f"needs weight version {self.weight_version}")
+            self.registry.transition(inst, State.SYNCING, f"bootstrap to weight version {self.weight_version}")
+            self.weights.ensure_sync(inst)
 
     async def _watch_loop(self, inst: Instance) -> None:
         cfg = self.config

@@ -54,6 +54,7 @@ class Instance:
     kind: Kind
     seq: int  # registration order; assignment is round-robin in this order
     mooncake_handshake_port: int | None = None
+    weight_receiver_port: int | None = None
     state: State = State.PENDING
     weight_version: int = 0
     registered_at: float = 0.0
@@ -86,6 +87,7 @@ class Instance:
             "sender": self.sender,
             "group": self.group,
             "mooncake_handshake_port": self.mooncake_handshake_port,
+            "weight_receiver_port": self.weight_receiver_port,
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
             "consecutive_failures": self.consecutive_failures,

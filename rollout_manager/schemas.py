@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Strict, model_validator
 
@@ -60,6 +60,8 @@ class RegisterRolloutInstance(StrictModel):
     host: Host
     port: Port
     mooncake_handshake_port: Optional[Port] = None
+    weight_receiver_port: Optional[Port] = Field(
+        default=None, description="control port of the box's weight receiver agent (needed after version 0)")
 
 
 class RegisterLocalRolloutInstances(RootModel[list[tuple[Host, Port]]]):
@@ -162,3 +164,11 @@ class UpdateMetrics(StrictModel):
 
 class Empty(StrictModel):
     """A body with no fields (``{}``); an absent body is accepted too."""
+
+
+class UpdateWeightVersion(StrictModel):
+    """The trainer finished a step and staged new weights; optionally wait until instances have them."""
+
+    new_version: Optional[Annotated[int, Strict(), Field(ge=1)]] = None
+    wait_for_instances: Optional[Union[Annotated[int, Strict(), Field(ge=0)], Literal["all"]]] = None
+    timeout_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 600.0

@@ -1,0 +1,278 @@
+"""The weight receiver: runs beside SGLang on each rollout box and loads verified weights into it.
+
+The manager drives it over HTTP (it is one brain; this agent only moves and checks bytes):
+
+- ``POST /prepare {version, layout}``: make sure a registered receive buffer matching the layout
+  exists (allocated once, reused every step while the layout stays the same) and answer where the
+  sender should write: Mooncake session ids and the buffer address.
+- ``POST /commit {version, fingerprint, shards, checksums}``: after the sender wrote, verify every
+  shard's checksum; only then load the tensors into SGLang with ``/update_weights_from_tensor`` in
+  buckets (``flush_cache`` and ``weight_version`` on the last one). A corrupt or partial transfer is
+  refused with 422 and never loaded.
+- ``GET /health``, ``GET /info``.
+
+SGLang is never patched: the same HTTP endpoints serve real SGLang and the CPU engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from .. import sglang_wire as wire
+from .layout import HostBuffer, WeightLayout, unpack
+from .mooncake_engine import MooncakeEngine
+from .shards import verify_shards
+
+log = logging.getLogger("rollout_manager.receiver")
+
+AGENT: web.AppKey["ReceiverAgent"] = web.AppKey("agent", object)  # type: ignore[arg-type]
+
+
+class ReceiverAgent:
+    def __init__(self, host: str, sglang_url: str, *, protocol: str = "tcp", device_name: str = "",
+                 num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
+                 fault_corrupt: bool = False, fault_die_after_prepare: bool = False):
+        self.host = host
+        self.sglang_url = sglang_url.rstrip("/")
+        self.engines = [MooncakeEngine(host, protocol, device_name) for _ in range(max(num_engines, 1))]
+        self.bucket_bytes = bucket_bytes
+        self.load_timeout_s = load_timeout_s
+        self.buffer: HostBuffer | None = None
+        self.layout: WeightLayout | None = None
+        self.version: int | None = None  # last version loaded into SGLang
+        self.busy = asyncio.Lock()
+        # Test faults: flip a byte of what landed before verifying; exit once the sender may write.
+        self.fault_corrupt = fault_corrupt
+        self.fault_die_after_prepare = fault_die_after_prepare
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        for engine in self.engines:
+            await asyncio.to_thread(engine.start)
+        self.session = aiohttp.ClientSession()
+
+    async def close(self) -> None:
+        if self.session:
+            await self.session.close()
+        for engine in self.engines:
+            engine.close()
+
+    @property
+    def session_ids(self) -> list[str]:
+        return [e.session_id for e in self.engines]
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "session_ids": self.session_ids,
+            "handshake_port": self.engines[0].rpc_port,
+            "sglang_url": self.sglang_url,
+            "weight_version": self.version,
+            "buffer_bytes": self.buffer.nbytes if self.buffer else 0,
+            "layout_fingerprint": self.layout.fingerprint() if self.layout else None,
+        }
+
+    # ------------------------------------------------------------ prepare
+    def prepare(self, layout: WeightLayout) -> dict[str, Any]:
+        """A registered buffer for ``layout``; reallocated only when it no longer fits."""
+        if self.buffer is None or not self.buffer.fits(layout):
+            if self.buffer is not None:
+                for engine in self.engines:
+                    engine.unregister(self.buffer.addr)
+            self.buffer = HostBuffer.for_layout(layout)
+            for engine in self.engines:
+                engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
+            log.info("receive buffer of %d bytes registered at 0x%x", self.buffer.nbytes, self.buffer.addr)
+        self.layout = layout
+        return {"session_ids": self.session_ids, "buffer_addr": self.buffer.addr,
+                "buffer_bytes": self.buffer.nbytes, "fingerprint": layout.fingerprint()}
+
+    # ------------------------------------------------------------ commit
+    async def commit(self, version: int, fingerprint: str, shards: Sequence[tuple[int, int]],
+                     checksums: Sequence[str]) -> dict[str, Any]:
+        if self.buffer is None or self.layout is None or self.layout.fingerprint() != fingerprint:
+            raise CommitRefused(409, "no prepared buffer for this layout; call /prepare first")
+        if self.fault_corrupt and self.layout.total_bytes:
+            self.buffer.array[self.layout.total_bytes // 2] ^= 0xFF
+        t0 = time.perf_counter()
+        bad = await asyncio.to_thread(verify_shards, self.buffer.array, list(shards), list(checksums))
+        verify_s = time.perf_counter() - t0
+        if bad:
+            raise CommitRefused(422, f"checksum mismatch in shard(s) {bad}; nothing loaded")
+        t1 = time.perf_counter()
+        buckets = await self._load(version)
+        self.version = version
+        return {"ok": True, "version": version, "verify_s": round(verify_s, 6),
+                "load_s": round(time.perf_counter() - t1, 6), "buckets": buckets}
+
+    async def _load(self, version: int) -> int:
+        """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``."""
+        assert self.buffer is not None and self.layout is not None and self.session is not None
+        named = unpack(self.buffer, self.layout)
+        cuda = torch.cuda.is_available()
+        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for name, tensor in named:
+            if buckets[-1] and size + tensor.nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, tensor))
+            size += tensor.nbytes
+        tp_size = await self._tp_size()
+        for i, bucket in enumerate(buckets):
+            if cuda:  # hand GPU memory to SGLang by IPC handle instead of copying through the pickle
+                bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
+                torch.cuda.synchronize()
+            else:  # views share the whole buffer's storage, which pickling would copy once per tensor
+                bucket = [(n, t.clone()) for n, t in bucket]
+            payload = wire.serialize_named_tensors(bucket, share_memory=cuda)
+            last = i == len(buckets) - 1
+            body = wire.update_weights_from_tensor_body([payload] * tp_size, flush_cache=last,
+                                                        weight_version=str(version) if last else None)
+            async with self.session.post(self.sglang_url + wire.UPDATE_WEIGHTS_FROM_TENSOR, json=body,
+                                         timeout=aiohttp.ClientTimeout(total=self.load_timeout_s)) as r:
+                text = await r.text()
+                try:
+                    answer = json.loads(text)
+                except ValueError:
+                    answer = {"raw": text[:300]}
+                if r.status != 200 or not answer.get("success", False):
+                    raise CommitRefused(502, f"SGLang refused bucket {i}: HTTP {r.status} {answer}")
+        return len(buckets)
+
+    async def _tp_size(self) -> int:
+        assert self.session is not None
+        try:
+            async with self.session.get(self.sglang_url + wire.SERVER_INFO,
+                                        timeout=aiohttp.ClientTimeout(total=30)) as r:
+                info = await r.json(content_type=None)
+            return int(info.get("tp_size") or 1)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return 1
+
+
+class CommitRefused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(text='{"error": "body is not JSON"}', content_type="application/json")
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text='{"error": "body must be an object"}', content_type="application/json")
+    return body
+
+
+async def handle_prepare(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    body = await _json(request)
+    try:
+        layout = WeightLayout.from_dict(body["layout"])
+        int(body["version"])
+    except (KeyError, TypeError, ValueError) as exc:
+        return web.json_response({"error": f"bad prepare body: {exc}"}, status=400)
+    async with agent.busy:
+        answer = await asyncio.to_thread(agent.prepare, layout)
+    if agent.fault_die_after_prepare:
+        asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+    return web.json_response(answer)
+
+
+async def handle_commit(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    body = await _json(request)
+    try:
+        version, fingerprint = int(body["version"]), str(body["fingerprint"])
+        shards = [(int(o), int(n)) for o, n in body["shards"]]
+        checksums = [str(c) for c in body["checksums"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        return web.json_response({"error": f"bad commit body: {exc}"}, status=400)
+    async with agent.busy:
+        try:
+            result = await agent.commit(version, fingerprint, shards, checksums)
+        except CommitRefused as exc:
+            log.warning("commit of version %d refused: %s", version, exc)
+            return web.json_response({"error": str(exc)}, status=exc.status)
+    log.info("version %d loaded into SGLang (verify %.3fs, load %.3fs)", version, result["verify_s"],
+             result["load_s"])
+    return web.json_response(result)
+
+
+async def handle_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[AGENT].info())
+
+
+def create_app(agent: ReceiverAgent) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+    app[AGENT] = agent
+    app.router.add_get("/health", handle_info)
+    app.router.add_get("/info", handle_info)
+    app.router.add_post("/prepare", handle_prepare)
+    app.router.add_post("/commit", handle_commit)
+    return app
+
+
+async def serve(agent: ReceiverAgent, bind_host: str, port: int) -> None:
+    await agent.start()
+    runner = web.AppRunner(create_app(agent), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, bind_host, port).start()
+    except OSError as exc:
+        await agent.close()
+        raise SystemExit(f"receiver-agent: cannot listen on {bind_host}:{port}: {exc.strerror or exc}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"receiver-agent ready on http://{bind_host}:{port} mooncake {agent.session_ids[0]}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await agent.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout-manager receiver-agent", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", required=True, help="this box's address the senders write to")
+    parser.add_argument("--port", type=int, required=True, help="control port (HTTP) for the manager")
+    parser.add_argument("--bind", default=None, help="address to listen on (default: --host)")
+    parser.add_argument("--sglang-url", required=True, help="e.g. http://127.0.0.1:30000")
+    parser.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    parser.add_argument("--device-name", default="")
+    parser.add_argument("--engines", type=int, default=1, help="Mooncake engines sharing the buffer")
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--fault-corrupt", action="store_true", help="test: corrupt every transfer")
+    parser.add_argument("--fault-die-after-prepare", action="store_true", help="test: exit mid-transfer")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    agent = ReceiverAgent(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
+                          num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
+                          fault_corrupt=args.fault_corrupt, fault_die_after_prepare=args.fault_die_after_prepare)
+    asyncio.run(serve(agent, args.bind or args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

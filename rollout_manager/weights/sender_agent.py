@@ -1,0 +1,201 @@
+"""The weight sender: runs on each trainer node, holds the staged weights, writes them where told.
+
+The trainer stages its full state dict into one registered host buffer (:meth:`SenderAgent.stage`);
+the manager then asks, per transfer group, ``POST /push`` to one receiver. A group is a set of
+Mooncake engines bound to one of this node's interfaces; a push splits the buffer into
+``num_engines`` shards written in parallel, one engine each. Pushes of one group run one after the
+other; groups run side by side. Per-shard checksums are computed once per version and returned, so
+the receiver can refuse a corrupt transfer.
+
+The control API runs on its own thread and event loop, so the trainer's code stays synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Mapping, Sequence
+
+import torch
+from aiohttp import web
+
+from .layout import HostBuffer, WeightLayout, build_layout, stage
+from .mooncake_engine import MooncakeEngine
+from .pusher import push_buffer, source_view
+from .shards import shard_checksums, split_shards
+
+log = logging.getLogger("rollout_manager.sender")
+
+AGENT: web.AppKey["SenderAgent"] = web.AppKey("sender", object)  # type: ignore[arg-type]
+
+
+class SenderAgent:
+    def __init__(self, ips: Sequence[str], port: int, *, protocol: str = "tcp", device_name: str = ""):
+        self.ips = list(ips)
+        self.port = port
+        self.protocol = protocol
+        self.device_name = device_name
+        self.buffer: HostBuffer | None = None
+        self.layout: WeightLayout | None = None
+        self.version: int | None = None
+        self._engines: dict[str, list[MooncakeEngine]] = {}
+        self._group_locks: dict[str, threading.Lock] = {}
+        self._checksums: dict[tuple[int, int], list[str]] = {}
+        self._gate = threading.Condition()
+        self._pushes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------ trainer side
+    def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightLayout:
+        """Copy the state dict into the registered buffer as ``version`` (waits for running pushes)."""
+        layout = build_layout(state_dict)
+        with self._gate:
+            self._gate.wait_for(lambda: self._pushes == 0)
+            if self.buffer is None or not self.buffer.fits(layout):
+                old = self.buffer
+                self.buffer = HostBuffer.for_layout(layout)
+                for engines in self._engines.values():
+                    for engine in engines:
+                        if old is not None:
+                            engine.unregister(old.addr)
+                        engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
+            stage(state_dict, layout, self.buffer)
+            self.layout, self.version = layout, version
+            self._checksums.clear()
+        log.info("staged version %d: %d tensors, %d bytes", version, len(layout), layout.total_bytes)
+        return layout
+
+    # ------------------------------------------------------------ pushes
+    def _group(self, ip: str, n: int) -> list[MooncakeEngine]:
+        engines = self._engines.setdefault(ip, [])
+        while len(engines) < n:
+            engine = MooncakeEngine(ip, self.protocol, self.device_name).start()
+            if self.buffer is not None:
+                engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
+            engines.append(engine)
+        return engines[:n]
+
+    def push(self, version: int, ip: str, num_engines: int, session_ids: Sequence[str],
+             buffer_addr: int) -> dict[str, Any]:
+        """Write the staged buffer to one receiver through group ``ip`` (blocking)."""
+        if ip not in self.ips:
+            raise PushRefused(400, f"{ip} is not one of this sender's interfaces {self.ips}")
+        with self._gate:
+            if self.version != version or self.buffer is None or self.layout is None:
+                raise PushRefused(409, f"version {version} is not staged (staged: {self.version})")
+            self._pushes += 1
+        try:
+            with self._group_locks.setdefault(ip, threading.Lock()):
+                engines = self._group(ip, num_engines)
+                total = self.layout.total_bytes
+                key = (version, num_engines)
+                if key not in self._checksums:
+                    shards = split_shards(total, num_engines)
+                    self._checksums[key] = shard_checksums(source_view(self.buffer.addr, total), shards)
+                result = push_buffer(engines, self.buffer.addr, total, list(session_ids), buffer_addr,
+                                     num_engines, checksums=self._checksums[key])
+        finally:
+            with self._gate:
+                self._pushes -= 1
+                self._gate.notify_all()
+        return {"version": version, "bytes": result.bytes, "seconds": round(result.seconds, 6),
+                "gbps": round(result.gbps, 3), "shards": result.shards, "checksums": result.checksums,
+                "fingerprint": self.layout.fingerprint()}
+
+    # ------------------------------------------------------------ control API on its own thread
+    def start(self) -> "SenderAgent":
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._serve())
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup() if self._runner else asyncio.sleep(0))
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="weight-sender", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise RuntimeError(f"weight sender cannot start: {errors[0]}")
+        return self
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=8 << 20)
+        app[AGENT] = self
+        app.router.add_get("/health", handle_info)
+        app.router.add_get("/layout", handle_layout)
+        app.router.add_post("/push", handle_push)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        for ip in self.ips:
+            await web.TCPSite(self._runner, ip, self.port).start()
+        log.info("weight sender listening on %s port %d", ", ".join(self.ips), self.port)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        for engines in self._engines.values():
+            for engine in engines:
+                engine.close()
+        self._engines.clear()
+
+    def __enter__(self) -> "SenderAgent":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PushRefused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def handle_info(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    return web.json_response({"status": "ok", "ips": agent.ips, "version": agent.version,
+                              "fingerprint": agent.layout.fingerprint() if agent.layout else None})
+
+
+async def handle_layout(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    if agent.layout is None:
+        return web.json_response({"error": "nothing staged yet"}, status=404)
+    return web.json_response({"version": agent.version, "layout": agent.layout.to_dict(),
+                              "fingerprint": agent.layout.fingerprint()})
+
+
+async def handle_push(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    try:
+        body = await request.json()
+        version, ip = int(body["version"]), str(body["ip"])
+        num_engines = int(body["num_engines"])
+        session_ids = [str(s) for s in body["session_ids"]]
+        buffer_addr = int(body["buffer_addr"])
+        if num_engines < 1 or not session_ids:
+            raise ValueError("num_engines must be >= 1 and session_ids non-empty")
+    except (KeyError, TypeError, ValueError) as exc:
+        return web.json_response({"error": f"bad push body: {exc}"}, status=400)
+    try:
+        result = await asyncio.to_thread(agent.push, version, ip, num_engines, session_ids, buffer_addr)
+    except PushRefused as exc:
+        return web.json_response({"error": str(exc)}, status=exc.status)
+    except Exception as exc:  # a transfer failure: report it, the manager decides
+        log.warning("push of version %d via %s to %s failed: %s", version, ip, session_ids[0], exc)
+        return web.json_response({"error": f"transfer failed: {exc}"}, status=502)
+    return web.json_response(result)

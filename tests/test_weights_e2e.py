@@ -1,0 +1,166 @@
+"""Weight versions end to end: trainer-side sender -> Mooncake TCP over loopback -> receivers -> CPU engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import torch
+
+from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
+from rollout_manager.weights.sender_agent import SenderAgent
+from support import PY, Proc, free_port, wait_http_ok, wait_until
+
+MODEL = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 4}  # ~9.6 M params
+MODEL_JSON = json.dumps(MODEL)
+SENDER_IPS = ["127.0.0.1", "127.0.0.2"]
+
+
+def trainer_weights(step: int) -> dict[str, torch.Tensor]:
+    """A new 'trained' state dict per step, in mixed dtypes (bf16, fp16, fp32) as trainers have."""
+    model = build_model(100 + step, **MODEL)
+    out = {}
+    for i, (name, t) in enumerate(model.state_dict().items()):
+        out[name] = t.to((torch.bfloat16, torch.float16, torch.float32)[i % 3])
+    return out
+
+
+async def engine_checksums(url: str) -> dict[str, str]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/debug/state_dict_checksum") as r:
+        return (await r.json())["tensors"]
+
+
+def expected_checksums(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: tensor_checksum(t.to(torch.float32)) for n, t in weights.items()}
+
+
+class Box:
+    """One rollout box: a CPU engine and its weight receiver agent."""
+
+    def __init__(self, tmp_path, *receiver_flags: str):
+        self.port, self.rport = free_port(), free_port()
+        self.engine = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(self.port), "--seed", "0",
+                            "--model-config", MODEL_JSON], tmp_path / f"engine-{self.port}.log")
+        self.receiver = Proc([PY, "-m", "rollout_manager.weights.receiver_agent", "--host", "127.0.0.1",
+                              "--port", str(self.rport), "--sglang-url", f"http://127.0.0.1:{self.port}",
+                              *receiver_flags], tmp_path / f"receiver-{self.rport}.log",
+                             env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    async def ready(self) -> None:
+        await wait_http_ok(self.url + "/health", self.engine)
+        await wait_http_ok(f"http://127.0.0.1:{self.rport}/health", self.receiver)
+
+    def stop(self) -> None:
+        self.engine.stop()
+        self.receiver.stop()
+
+
+@pytest.fixture
+async def rig(start_manager, tmp_path):
+    sender_port = free_port()
+    m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
+                            weight_push_retry_s="0.2", weight_push_max_attempts="2")
+    sender = SenderAgent(SENDER_IPS, sender_port).start()
+    boxes: list[Box] = []
+
+    async def add_box(*flags: str) -> Box:
+        box = Box(tmp_path, *flags)
+        boxes.append(box)
+        await box.ready()
+        status, body = await m.post("/register_rollout_instance",
+                                    {"host": "127.0.0.1", "port": box.port, "weight_receiver_port": box.rport})
+        assert status == 200, body
+        return box
+
+    status, _ = await m.put_senders([SENDER_IPS], 2, engines=2)
+    assert status == 200
+    yield m, sender, add_box
+    sender.stop()
+    for box in boxes:
+        box.stop()
+
+
+async def greedy_via(m, prompt, n=8):
+    status, out = await m.post("/generate", {"input_ids": prompt, "sampling_params": {"temperature": 0,
+                                                                                     "max_new_tokens": n}})
+    assert status == 200, out
+    return out
+
+
+async def test_push_to_three_engines_in_two_groups_is_bit_exact_and_changes_outputs(rig):
+    m, sender, add_box = rig
+    boxes = [await add_box() for _ in range(3)]
+    for box in boxes:
+        await wait_until(lambda b=box: _state(m, b, "active"), what="version-0 instances active")
+    before = (await greedy_via(m, [1, 2, 3]))["output_ids"]
+    groups = {(i["sender"], i["group"]) for i in (await m.status())["instances"]}
+    assert groups == {(0, 0), (0, 1)}  # 3 instances dealt over the 2 groups
+
+    weights = trainer_weights(1)
+    layout = await asyncio.to_thread(sender.stage, weights, 1)
+    assert layout.total_bytes > 20 << 20  # tens of MB
+    status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
+    assert status == 200 and res["new_weight_version"] == 1 and not res["timed_out"], res
+    assert res["instances_at_version"] == 3
+    want = expected_checksums(weights)
+    for box in boxes:
+        assert await engine_checksums(box.url) == want
+    reference = build_model(0, **MODEL)
+    reference.load_named_tensors([(n, t.to(torch.float32)) for n, t in weights.items()])
+    out = await greedy_via(m, [1, 2, 3])
+    assert out["output_ids"] == reference_generate(reference, [1, 2, 3], 8)[0] != before
+    assert out["meta_info"]["weight_version"] == "1"
+    st = await m.status()
+    assert {i["weight_version"] for i in st["instances"]} == {1}
+    pushes = st["recent_weight_pushes"]
+    assert {p["ip"] for p in pushes} == set(SENDER_IPS) and all(p["bytes"] == layout.total_bytes for p in pushes)
+
+
+async def _state(m, box, state):
+    return await m.state_of(box.endpoint) == state
+
+
+async def test_consecutive_versions_bootstrap_and_faulty_receivers_kept_out(rig):
+    m, sender, add_box = rig
+    good = await add_box()
+    await wait_until(lambda: _state(m, good, "active"))
+    for step in (1, 2):
+        weights = trainer_weights(step)
+        await asyncio.to_thread(sender.stage, weights, step)
+        status, res = await m.post("/update_weight_version", {"wait_for_instances": 1, "timeout_s": 60})
+        assert status == 200 and res["new_weight_version"] == step and not res["timed_out"]
+        assert await engine_checksums(good.url) == expected_checksums(weights)
+    # A box registered mid-training is bootstrapped to the current version before it serves.
+    late = await add_box()
+    await wait_until(lambda: _state(m, late, "active"), timeout=60, what="late box bootstrapped")
+    assert await engine_checksums(late.url) == expected_checksums(weights)
+    # A receiver that corrupts what lands and one that dies mid-transfer never serve version 3.
+    corrupt = await add_box("--fault-corrupt")
+    dying = await add_box("--fault-die-after-prepare")
+    for box in (corrupt, dying):  # they join at version 2 through the same (faulty) path
+        await wait_until(lambda b=box: _gone(m, b), timeout=60, what="faulty box removed")
+    weights = trainer_weights(3)
+    await asyncio.to_thread(sender.stage, weights, 3)
+    status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
+    assert not res["timed_out"] and res["instances_at_version"] == 2
+    st = await m.status()
+    assert {i["endpoint"] for i in st["instances"]} == {good.endpoint, late.endpoint}
+    assert {i["weight_version"] for i in st["instances"]} == {3}
+    reasons = [e["reason"] for e in st["recent_events"] if e["to"] == "dead"]
+    assert any("checksum mismatch" in r for r in reasons), reasons
+    assert len(reasons) == 2
+    assert await engine_checksums(corrupt.url) != expected_checksums(trainer_weights(2))  # never loaded
+
+
+async def _gone(m, box):
+    return await m.state_of(box.endpoint) is None
