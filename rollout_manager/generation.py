@@ -231,17 +231,18 @@ class Generator:
                 if new and on_tokens is not None and progress.finish_reason is None:
                     on_tokens(seq)
 
-        stream = asyncio.ensure_future(consume())
+        # Only a local instance's stream races the local window; remote ones need no extra task.
+        stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
         try:
-            if inst.kind == Kind.LOCAL:
+            if stream is None:
+                await consume()
+            else:
                 closed = asyncio.ensure_future(self.local.closed.wait())
                 await asyncio.wait({stream, closed}, return_when=asyncio.FIRST_COMPLETED)
                 closed.cancel()
                 if not stream.done():  # the trainer wants its GPUs back: move the sequence on
-                    stream.cancel()
-                    await asyncio.gather(stream, return_exceptions=True)
                     raise Preempted("local window closed")
-            await stream
+                await stream
             finish = progress.finish_reason
             if finish is None:
                 raise EngineFailed("stream finished without a finish_reason")
@@ -266,7 +267,7 @@ class Generator:
                         segment.end - segment.start, exc)
             self.on_instance_failure(inst, str(exc))
         finally:
-            if not stream.done():
+            if stream is not None and not stream.done():
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
             self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from . import __version__
+from . import __version__, jsonutil
 from . import sglang_wire as wire
 from .errors import ManagerError
 from .generation import run_batch
@@ -34,8 +33,12 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=jsonutil.dumps(data), status=status, content_type="application/json")
+
+
 def error_response(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+    return json_response({"error": message}, status=status)
 
 
 def format_loc(loc: tuple[int | str, ...]) -> str:
@@ -59,21 +62,29 @@ def describe_validation_error(exc: ValidationError) -> str:
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-async def parse_body(request: web.Request, model: type[M], *, optional: bool = False) -> M:
-    """Read, decode and validate a JSON body; raises ManagerError (400) naming what is wrong."""
+async def read_json(request: web.Request, *, optional: bool = False) -> Any:
+    """Read and decode a JSON body; raises ManagerError (400) when it is empty or not JSON."""
     raw = await request.read()
     if not raw.strip() and optional:
         raw = b"{}"
     if not raw:
         raise ManagerError("request body is empty; expected JSON")
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return jsonutil.loads(raw)
+    except (UnicodeDecodeError, jsonutil.JSONDecodeError) as exc:
         raise ManagerError(f"request body is not valid JSON: {exc}") from None
+
+
+def validate(data: Any, model: type[M]) -> M:
+    """Validate decoded JSON against a schema; raises ManagerError (400) naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise ManagerError(describe_validation_error(exc)) from None
+
+
+async def parse_body(request: web.Request, model: type[M], *, optional: bool = False) -> M:
+    return validate(await read_json(request, optional=optional), model)
 
 
 @web.middleware
@@ -105,7 +116,7 @@ def manager_of(request: web.Request) -> Manager:
 async def health(request: web.Request) -> web.Response:
     m = manager_of(request)
     counts = m.registry.counts()
-    return web.json_response({
+    return json_response({
         "status": "healthy", "version": __version__, "weight_version": m.weight_version,
         "instances": counts,
     })
@@ -115,22 +126,22 @@ async def register_rollout_instance(request: web.Request) -> web.Response:
     body = await parse_body(request, RegisterRolloutInstance)
     result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
                                                  body.weight_receiver_port)
-    return web.json_response(result)
+    return json_response(result)
 
 
 async def register_local_rollout_instances(request: web.Request) -> web.Response:
     body = await parse_body(request, RegisterLocalRolloutInstances)
-    return web.json_response(manager_of(request).register_local(body.root))
+    return json_response(manager_of(request).register_local(body.root))
 
 
 async def get_instances_status(request: web.Request) -> web.Response:
-    return web.json_response(manager_of(request).status())
+    return json_response(manager_of(request).status())
 
 
 async def shutdown_instances(request: web.Request) -> web.Response:
     body = await parse_body(request, ShutdownInstances)
     result = await manager_of(request).shutdown_instances(body.endpoints, body.check_weight_update)
-    return web.json_response(result)
+    return json_response(result)
 
 
 async def update_weight_senders(request: web.Request) -> web.Response:
@@ -138,18 +149,19 @@ async def update_weight_senders(request: web.Request) -> web.Response:
     result = manager_of(request).update_weight_senders(
         body.weight_sender_ips, body.num_mooncake_groups_per_sender, body.num_mooncake_engines_per_group
     )
-    return web.json_response(result)
+    return json_response(result)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await parse_body(request, GenerateRequest)
+    data = await read_json(request)
+    body = validate(data, GenerateRequest)  # validated, then the caller's own dict goes on unchanged
     generator = manager_of(request).generator
     assert generator is not None
     if not body.stream:
-        return web.json_response(await generator.generate(body.model_dump(exclude_unset=True)))
+        return json_response(await generator.generate(data))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    chunks = generator.generate_stream(body.model_dump(exclude_unset=True))
+    chunks = generator.generate_stream(data)
     try:
         async for chunk in chunks:
             await resp.write(wire.sse_frame(chunk))
@@ -161,16 +173,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def batch_generate_requests(request: web.Request) -> web.StreamResponse:
-    body = await parse_body(request, BatchGenerateRequests)
+    data = await read_json(request)
+    validate(data, BatchGenerateRequests)
     generator = manager_of(request).generator
     assert generator is not None
-    items = [(rid, req.model_dump(exclude_unset=True)) for rid, req in body.root]
+    items = [(rid, req) for rid, req in data]
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     lines = run_batch(generator, items)
     try:
         async for line in lines:
-            await resp.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+            await resp.write(jsonutil.dumps(line) + b"\n")
     finally:
         await lines.aclose()  # on a client disconnect this aborts what is still running
     await resp.write_eof()
@@ -179,21 +192,21 @@ async def batch_generate_requests(request: web.Request) -> web.StreamResponse:
 
 async def abort_local_requests(request: web.Request) -> web.Response:
     await parse_body(request, Empty, optional=True)
-    return web.json_response(manager_of(request).abort_local_requests())
+    return json_response(manager_of(request).abort_local_requests())
 
 
 async def update_metrics(request: web.Request) -> web.Response:
     body = await parse_body(request, UpdateMetrics)
     result = manager_of(request).update_metrics(body.step_time_s, body.trainer_bubble_time_s,
                                                 body.step_throughput)
-    return web.json_response(result)
+    return json_response(result)
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
     body = await parse_body(request, UpdateWeightVersion, optional=True)
     result = await manager_of(request).update_weight_version(body.new_version, body.wait_for_instances,
                                                               body.timeout_s)
-    return web.json_response(result)
+    return json_response(result)
 
 
 ROUTES: list[tuple[str, str, Handler]] = [

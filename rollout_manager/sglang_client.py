@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import aiohttp
 
+from . import jsonutil
 from . import sglang_wire as wire
+
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,12 @@ async def stream_generate(
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
     decoder = wire.SSEDecoder()
     try:
-        async with session.post(base_url + wire.GENERATE, json=body, timeout=timeout) as resp:
+        async with session.post(base_url + wire.GENERATE, data=jsonutil.dumps(body), timeout=timeout,
+                                headers=JSON_HEADERS) as resp:
             if resp.status >= 400:
                 text = (await resp.text())[:2000]
                 try:
-                    error: Any = json.loads(text)
+                    error: Any = jsonutil.loads(text)
                 except ValueError:
                     error = text
                 if resp.status < 500:

@@ -13,9 +13,10 @@ in ``meta_info``. A batch request's chunks carry ``index``. An error inside the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from . import jsonutil
 
 # Paths (SGLang's http_server.py).
 GENERATE = "/generate"
@@ -52,7 +53,7 @@ ABORT = "abort"
 
 def sse_frame(obj: Any) -> bytes:
     """One server-sent-event frame carrying a JSON object."""
-    return _DATA_PREFIX + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return _DATA_PREFIX + jsonutil.dumps(obj) + b"\n\n"
 
 
 def finish_reason(kind: str | None, **extra: Any) -> dict[str, Any] | None:
@@ -148,7 +149,7 @@ class SSEDecoder:
                 if payload == b"[DONE]":
                     self.done = True
                     continue
-                obj = json.loads(payload)
+                obj = jsonutil.loads(payload)
                 if isinstance(obj, dict) and "error" in obj and "meta_info" not in obj:
                     raise StreamError(obj["error"])
                 out.append(obj)

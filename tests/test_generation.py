@@ -296,3 +296,21 @@ async def test_streaming_generate_looks_like_sglang_and_survives_a_death(start_m
         lengths = [len(c["output_ids"]) for c in partial]
         assert lengths == sorted(lengths) and all(c["output_ids"] == finals[i]["output_ids"][:n]
                                                   for c, n in zip(partial, lengths))  # cumulative
+
+
+async def test_incremental_engine_and_stalled_engine(start_manager, start_engines, model):
+    m = await start_manager(stream_stall_timeout_s="1.5")
+    stalling, incremental = await start_engines(["--stall-after-tokens", "6"], ["--incremental-streaming-output"])
+    await register(m, stalling)
+    req = asyncio.ensure_future(m.post("/generate", {"input_ids": [4, 4], "sampling_params": greedy(20),
+                                                     "return_logprob": True}))
+    await wait_until(lambda: _engine_running_at_least(stalling, 1), what="request on the stalling engine")
+    await register(m, incremental)
+    status, out = await req
+    assert status == 200, out
+    ref_ids, ref_lps = reference_generate(model, [4, 4], 20)
+    assert out["output_ids"] == ref_ids
+    assert [lp[0] for lp in out["meta_info"]["output_token_logprobs"]] == pytest.approx(ref_lps, abs=1e-5)
+    first, second = out["meta_info"]["segments"]
+    assert first["endpoint"] == stalling.endpoint and "stalled" in first["outcome"] and first["end"] == 6
+    assert second["endpoint"] == incremental.endpoint and second["start"] == 6

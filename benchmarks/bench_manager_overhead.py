@@ -1,0 +1,155 @@
+"""Manager overhead: the same streaming requests sent directly, through the manager, and through sglang-router.
+
+Two fake backends answer at once (benchmarks/fake_sglang.py: 8 streamed chunks per request), so what is
+measured is the cost of the layer in front of them. Everything runs on this machine over 127.0.0.1, in one
+run, so the ratios are comparable. Prints requests/s and p50/p99 latency per path, and manager / router.
+
+    .venv/bin/python benchmarks/bench_manager_overhead.py --requests 4000 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+async def wait_ok(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def load(urls: list[str], n: int, concurrency: int, stream: bool) -> dict[str, float]:
+    """n POST /generate over ``urls`` round-robin, ``concurrency`` at a time; reads every byte."""
+    latencies: list[float] = []
+    counter = iter(range(n))
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+            "stream": stream}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        async def worker() -> None:
+            for i in counter:
+                t0 = time.perf_counter()
+                async with s.post(urls[i % len(urls)] + "/generate", json=body) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}")
+                latencies.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    latencies.sort()
+    return {"rps": n / wall, "p50_ms": 1000 * statistics.median(latencies),
+            "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))]}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
+    parser.add_argument("--no-router", action="store_true", help="skip sglang-router (not installed)")
+    args = parser.parse_args()
+    logs = Path(os.environ.get("BENCH_LOGS", "/tmp/bench-manager-overhead"))
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        backends = []
+        for k in range(2):
+            port = free_port()
+            procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)],
+                               logs / f"backend{k}.log"))
+            backends.append(f"http://127.0.0.1:{port}")
+        mport = free_port()
+        procs.append(spawn([PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{mport}",
+                            "--log-level", "warning", "--set", "pending_poll_interval_s=0.1",
+                            "--set", "scheduler_policy=least_in_flight"], logs / "manager.log"))
+        manager = f"http://127.0.0.1:{mport}"
+        router = None
+        if not args.no_router:
+            rport = free_port()
+            procs.append(spawn([PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                "--port", str(rport), "--policy", "round_robin", "--log-level", "warn",
+                                "--worker-urls", *backends], logs / "router.log"))
+            router = f"http://127.0.0.1:{rport}"
+        for url in backends:
+            await wait_ok(url + "/health")
+        await wait_ok(manager + "/health")
+        async with aiohttp.ClientSession() as s:
+            for url in backends:
+                host_port = url.removeprefix("http://")
+                host, port = host_port.rsplit(":", 1)
+                async with s.post(manager + "/register_rollout_instance",
+                                  json={"host": host, "port": int(port)}) as r:
+                    assert r.status == 200, await r.text()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                async with s.get(manager + "/get_instances_status") as r:
+                    if (await r.json())["ready_instances"] == 2:
+                        break
+                await asyncio.sleep(0.1)
+        if router:
+            await wait_ok(router + "/health", timeout=120)
+
+        paths = [("direct (client round-robin)", backends, True), ("rollout-manager", [manager], True)]
+        if router:
+            paths.append(("sglang-router 0.3.2 round_robin", [router], True))
+        for _, urls, stream in paths:  # warm-up: connections, caches, rate meters
+            await load(urls, 400, args.concurrency, stream)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in paths}
+        for _ in range(args.rounds):  # interleaved, so background noise hits every path alike
+            for name, urls, stream in paths:
+                runs[name].append(await load(urls, args.requests, args.concurrency, stream))
+        results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+        print(f"\n{args.requests} streaming requests (8 chunks each), {args.concurrency} concurrent, "
+              f"2 instant fake backends, {os.cpu_count()} cores, median of {args.rounds} interleaved rounds\n")
+        print("| path | req/s | p50 ms | p99 ms |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, r in results.items():
+            print(f"| {name} | {r['rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+        if router:
+            ratio = results["rollout-manager"]["rps"] / results["sglang-router 0.3.2 round_robin"]["rps"]
+            print(f"\nmanager / sglang-router throughput ratio: {ratio:.2f}")
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
