@@ -1,4 +1,4 @@
-"""Command line: ``rollout-manager serve | cpu-engine``."""
+"""Command line: ``rollout-manager serve | demo | receiver-agent | cpu-engine``."""
 
 from __future__ import annotations
 
@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     serve.set_defaults(func=_serve)
 
+    sub.add_parser("demo", help="the whole system on this machine: manager, CPU boxes, a training loop",
+                   add_help=False)
+    sub.add_parser("receiver-agent", help="the weight receiver that runs beside SGLang on a rollout box",
+                   add_help=False)
     sub.add_parser(
         "cpu-engine",
         help="run the SGLang-compatible CPU engine (tests, demo)",
@@ -85,5 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cpu-engine":
         return _cpu_engine(argv[1:])
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
+    if argv and argv[0] == "receiver-agent":
+        from .weights.receiver_agent import main as receiver_main
+
+        return receiver_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)

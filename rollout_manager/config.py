@@ -24,7 +24,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 ENV_PREFIX = "ROLLOUT_MANAGER_"
 # Variables with our prefix that belong to the rollout-box side (launch_sglang.sh), not to the daemon.
-ENV_NOT_CONFIG = frozenset({"ROLLOUT_MANAGER_ADDR", "ROLLOUT_MANAGER_ENGINE"})
+ENV_NOT_CONFIG = frozenset({"ROLLOUT_MANAGER_ADDR", "ROLLOUT_MANAGER_ADDRESS", "ROLLOUT_MANAGER_ENGINE",
+                            "ROLLOUT_MANAGER_AUTH_TOKEN", "ROLLOUT_MANAGER_VERL_ARGV_ALIASES"})
 DEFAULT_PORT = 5000
 
 Port = Field(ge=1, le=65535)

@@ -125,37 +125,46 @@ class Generator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
+        Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
+        sequence that advanced several times since the last write gets one chunk with all of it.
         A sequence that fails yields one ``{"error": ...}`` chunk, as SGLang does inside a stream.
         """
         self.begin_rollout()
         batched = wire.is_batched(body)
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | None, Exception | None]] = asyncio.Queue()
-
-        def on_tokens(index: int) -> Callable[[SequenceState], None]:
-            return lambda seq: queue.put_nowait((index, self._partial(seq, index if batched else None), None))
+        queue: asyncio.Queue[tuple[int, SequenceState | dict[str, Any] | GenerationFailed]] = asyncio.Queue()
 
         async def one(i: int, sub: dict[str, Any]) -> None:
             try:
-                final = await self.run_sequence(sub, i if batched else None, on_tokens=on_tokens(i))
-                queue.put_nowait((i, final, None))
+                final = await self.run_sequence(sub, i if batched else None,
+                                                on_tokens=lambda seq: queue.put_nowait((i, seq)))
+                queue.put_nowait((i, final))
             except GenerationFailed as exc:
-                queue.put_nowait((i, None, exc))
+                queue.put_nowait((i, exc))
 
         tasks = [asyncio.ensure_future(one(i, sub)) for i, sub in enumerate(wire.split_batch(body))]
         finished = 0
         try:
             while finished < len(tasks):
-                _, chunk, error = await queue.get()
-                if error is not None:
-                    yield wire.error_object(str(error), getattr(error, "status", 500))
-                    return
-                assert chunk is not None
-                if chunk["meta_info"]["finish_reason"] is not None:
-                    finished += 1
-                yield chunk
+                ready = [await queue.get()]
+                while not queue.empty():
+                    ready.append(queue.get_nowait())
+                out: list[dict[str, Any]] = []
+                partial: dict[int, SequenceState] = {}
+                for i, item in ready:
+                    if isinstance(item, GenerationFailed):
+                        yield out + [wire.error_object(str(item), item.status)]
+                        return
+                    if isinstance(item, SequenceState):
+                        partial[i] = item
+                    else:  # the final answer supersedes any progress of the same sequence
+                        partial.pop(i, None)
+                        out.append(item)
+                        finished += 1
+                out.extend(self._partial(seq, i if batched else None) for i, seq in partial.items())
+                yield out
         finally:
             for task in tasks:
                 task.cancel()
@@ -312,7 +321,7 @@ def _error_message(error: Any) -> str:
 
 
 async def run_batch(generator: Generator, items: list[tuple[Any, dict[str, Any]]]):
-    """Run many requests at once; yield one NDJSON-ready dict per request in completion order.
+    """Run many requests at once; yield NDJSON-ready dicts in completion order, in lists of what is ready.
 
     Every id appears exactly once. Closing the iterator early (the client went away) cancels the
     outstanding requests, which aborts them on their instances.
@@ -332,8 +341,13 @@ async def run_batch(generator: Generator, items: list[tuple[Any, dict[str, Any]]
     generator.begin_rollout()
     tasks = [asyncio.ensure_future(one(rid, body)) for rid, body in items]
     try:
-        for _ in range(len(tasks)):
-            yield await queue.get()
+        done = 0
+        while done < len(tasks):
+            lines = [await queue.get()]
+            while not queue.empty():
+                lines.append(queue.get_nowait())
+            done += len(lines)
+            yield lines
     finally:
         for task in tasks:
             task.cancel()

@@ -117,7 +117,7 @@ async def health(request: web.Request) -> web.Response:
     m = manager_of(request)
     counts = m.registry.counts()
     return json_response({
-        "status": "healthy", "version": __version__, "weight_version": m.weight_version,
+        "status": "healthy", "service": "rollout-manager", "version": __version__, "weight_version": m.weight_version,
         "instances": counts,
     })
 
@@ -163,8 +163,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     chunks = generator.generate_stream(data)
     try:
-        async for chunk in chunks:
-            await resp.write(wire.sse_frame(chunk))
+        async for ready in chunks:
+            await resp.write(b"".join(wire.sse_frame(chunk) for chunk in ready))
     finally:
         await chunks.aclose()
     await resp.write(wire.DONE_FRAME)
@@ -182,8 +182,8 @@ async def batch_generate_requests(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     lines = run_batch(generator, items)
     try:
-        async for line in lines:
-            await resp.write(jsonutil.dumps(line) + b"\n")
+        async for ready in lines:
+            await resp.write(b"".join(jsonutil.dumps(line) + b"\n" for line in ready))
     finally:
         await lines.aclose()  # on a client disconnect this aborts what is still running
     await resp.write_eof()

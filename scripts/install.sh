@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install rollout-manager into ./.venv on a fresh machine (CPU build of Mooncake; tests included).
-# Idempotent: a second run only checks. Env: PYTHON (default python3), EXTRAS (default cpu,test).
+# Idempotent: a second run only checks. Env: PYTHON (default python3), EXTRAS (default cpu,test),
+# WITH_VERL (default 1: verl 0.9.1 for the trainer plugin and its tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -21,4 +22,9 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first and pinned, so that no later dependency range pulls a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[${EXTRAS}]"
+# verl 0.9.1 for the trainer plugin, after torch so no range replaces the CPU build; every version pinned.
+if [ "${WITH_VERL:-1}" = 1 ]; then
+  .venv/bin/python -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'" 2>/dev/null \
+    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1"
+fi
 echo "install.sh: ready: $(.venv/bin/rollout-manager --version)"

@@ -182,6 +182,19 @@ class TinyCausalLM(nn.Module):
             x = self.model.norm(x[-1:])
             return self.lm_head(x)[0].float()
 
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of one sequence (``[n] -> [n, vocab]``), with autograd: training only.
+
+        The same computation as :meth:`logits_last`, so a trainer holding these weights scores exactly
+        what the engine sampled from.
+        """
+        n = input_ids.shape[0]
+        x = self.model.embed_tokens(input_ids)
+        mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).triu(1)
+        for layer in self.model.layers:
+            x = layer(x, self._cos[:n], self._sin[:n], mask)
+        return self.lm_head(self.model.norm(x)).float()
+
     # -------------------------------------------------------------- weights by name
 
     def named_tensors(self) -> dict[str, torch.Tensor]:

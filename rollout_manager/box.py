@@ -1,0 +1,463 @@
+"""Rollout-box helper for ``scripts/launch_sglang.sh``: the fiddly parts, kept testable and out of bash.
+
+``python -m rollout_manager.box <command> ...``; standard library only, so it runs in SGLang's
+environment before anything heavy is imported. Every failure is ONE line on stderr,
+``launch_sglang: error: ...``, and a non-zero exit status; results go to stdout.
+
+Commands:
+
+- ``normalize-addr ADDR``: ``1.2.3.4:5000`` -> ``http://1.2.3.4:5000`` (no trailing slash).
+- ``detect-host --manager ADDR``: this box's address on the route to the manager (a UDP ``connect``
+  sends nothing; the kernel picks the source address of the route).
+- ``preflight --manager ADDR --bind H --port P --agent-port A``: both ports distinct and free, the
+  manager answers ``GET /health``; all before anything heavy starts.
+- ``exec --parent-pid PID -- CMD ...``: run CMD in its own process group (a terminal's Ctrl-C reaches
+  only the launcher, which drains first) that gets SIGTERM if the launcher dies (Linux
+  ``PR_SET_PDEATHSIG``), so a killed launcher leaves nothing behind.
+- ``wait-ready --url U ... --pid P ... --timeout S``: until every URL answers 200; fails at once when
+  a watched process exits, or at the deadline.
+- ``register --manager ADDR --host H --port P --agent-url URL``: reads the receiver agent's
+  ``/info`` (``handshake_port``: Mooncake's RPC port, chosen by Mooncake), registers, prints the
+  endpoint the manager files the instance under. A stale registration of the same endpoint (a box
+  restarted on the same address) is removed first.
+- ``deregister --manager ADDR --endpoint E --timeout S``: ``POST /shutdown_instances`` (the manager
+  drains it: no new work, in-flight requests finish).
+
+``ROLLOUT_MANAGER_AUTH_TOKEN``, when set, is sent as ``Authorization: Bearer <token>`` on every call
+to the manager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import http.client
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, NoReturn, Sequence
+
+PREFIX = "launch_sglang: error: "
+AUTH_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
+PR_SET_PDEATHSIG = 1
+
+
+class BoxError(Exception):
+    """A failure the user must act on; its message is the one line they see."""
+
+
+class Unreachable(BoxError):
+    def __init__(self, message: str, timed_out: bool):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    print(PREFIX + " ".join(message.split()), file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def normalize_addr(addr: str) -> str:
+    """``host:port`` or ``http(s)://host:port[/]`` -> ``http(s)://host:port``."""
+    addr = addr.strip()
+    if not addr:
+        raise BoxError("no manager address: set ROLLOUT_MANAGER_ADDR=http://<ip>:<port> or pass --manager-addr")
+    if "://" not in addr:
+        addr = "http://" + addr
+    parsed = urllib.parse.urlsplit(addr)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise BoxError(f"manager address {addr!r} is not http://<ip>:<port>")
+    try:
+        parsed.port
+    except ValueError:
+        raise BoxError(f"manager address {addr!r} has a bad port") from None
+    return addr.rstrip("/")
+
+
+def manager_host_port(addr: str) -> tuple[str, int]:
+    parsed = urllib.parse.urlsplit(normalize_addr(addr))
+    assert parsed.hostname
+    return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def detect_host(manager: str) -> str:
+    """The local address the kernel would use to reach the manager (nothing is sent)."""
+    host, port = manager_host_port(manager)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise BoxError(f"cannot resolve the manager's host {host!r}: {exc.strerror}; pass --host") from None
+    last: OSError | None = None
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+            except OSError as exc:
+                last = exc
+    raise BoxError(f"no route from this box to the manager at {host}:{port} ({last}); pass --host")
+
+
+def format_endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://{format_endpoint(host, port)}"
+
+
+# ---------------------------------------------------------------- ports
+
+
+def port_in_use(bind: str, port: int) -> str | None:
+    """None when ``bind:port`` can be listened on (as SGLang and aiohttp do, with SO_REUSEADDR, so a
+    socket in TIME_WAIT does not count), else the reason."""
+    try:
+        infos = socket.getaddrinfo(bind or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {bind!r}: {exc.strerror}"
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+            s.listen(1)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "already in use"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"{bind} is not an address of this box"
+            return exc.strerror or str(exc)
+    return None
+
+
+def check_ports(bind: str, ports: Sequence[tuple[str, int]]) -> None:
+    seen: dict[int, str] = {}
+    for what, port in ports:
+        if not 1 <= port <= 65535:
+            raise BoxError(f"{what} {port} is out of range 1-65535")
+        if port in seen:
+            raise BoxError(f"{what} and {seen[port]} are both {port}; they must differ")
+        seen[port] = what
+    for what, port in ports:
+        reason = port_in_use(bind, port)
+        if reason:
+            raise BoxError(f"port {port} on {bind} ({what}) is {reason}; each instance on a box needs its own "
+                           f"ports: pick another --port / --transfer-agent-handshake-port")
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def request(method: str, url: str, body: Any = None, *, timeout: float = 10.0,
+            auth: bool = True) -> tuple[int, Any]:
+    """(status, decoded JSON or text); raises OSError (urllib.error.URLError included) when unreachable,
+    also for an answer that is not HTTP at all."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Accept": "application/json"}
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    token = os.environ.get(AUTH_ENV, "")
+    if auth and token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except http.client.HTTPException as exc:  # something else listens there
+        raise ConnectionError(f"not an HTTP answer ({type(exc).__name__})") from None
+    try:
+        return status, json.loads(raw or b"null")
+    except ValueError:
+        return status, raw.decode(errors="replace")[:300]
+
+
+def describe_os_error(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
+        exc = exc.reason if isinstance(exc.reason, BaseException) else exc
+    if isinstance(exc, socket.timeout) or isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__
+
+
+def error_of(answer: Any) -> str:
+    if isinstance(answer, dict) and "error" in answer:
+        return str(answer["error"])
+    return str(answer)[:300]
+
+
+def manager_call(manager: str, method: str, path: str, body: Any = None, *,
+                 timeout: float = 10.0) -> tuple[int, Any]:
+    url = normalize_addr(manager) + path
+    try:
+        status, answer = request(method, url, body, timeout=timeout)
+    except OSError as exc:
+        why = describe_os_error(exc)
+        raise Unreachable(f"rollout manager at {normalize_addr(manager)} is unreachable ({method} {path}: "
+                          f"{why}); check ROLLOUT_MANAGER_ADDR / --manager-addr", why == "timed out") from None
+    if status in (401, 403):
+        hint = "set ROLLOUT_MANAGER_AUTH_TOKEN to the manager's token" if not os.environ.get(AUTH_ENV) \
+            else "ROLLOUT_MANAGER_AUTH_TOKEN does not match the manager's token"
+        raise BoxError(f"rollout manager at {normalize_addr(manager)} refused {method} {path} "
+                       f"(HTTP {status}): {hint}")
+    return status, answer
+
+
+def manager_health(manager: str, timeout: float = 5.0) -> dict[str, Any]:
+    status, answer = manager_call(manager, "GET", "/health", timeout=timeout)
+    if status != 200 or not isinstance(answer, dict) or answer.get("status") != "healthy":
+        raise BoxError(f"rollout manager at {normalize_addr(manager)} is not healthy (GET /health: "
+                       f"HTTP {status} {error_of(answer)}); check ROLLOUT_MANAGER_ADDR / --manager-addr")
+    return answer
+
+
+# ---------------------------------------------------------------- commands
+
+
+def check_modules(modules: Sequence[str]) -> None:
+    """Find (without importing: torch alone takes seconds) what the children will import."""
+    import importlib.util
+
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        hint = {"sglang": "pip install 'sglang>=0.5.23'", "mooncake": "pip install mooncake-transfer-engine "
+                "(mooncake-transfer-engine-non-cuda on CPU boxes)"}
+        how = "; ".join(hint.get(m, f"pip install {m}") for m in missing)
+        raise BoxError(f"{sys.executable} cannot import {', '.join(missing)} ({how}; or pick the right "
+                       f"interpreter with --python / PYTHON)")
+
+
+def cmd_preflight(args: argparse.Namespace) -> None:
+    check_modules([m for m in args.modules.split(",") if m])
+    check_ports(args.bind, [("--port (SGLang)", args.port),
+                            ("--transfer-agent-handshake-port (receiver agent)", args.agent_port)])
+    health = manager_health(args.manager, args.timeout)
+    print(json.dumps({"manager": normalize_addr(args.manager), "version": health.get("version"),
+                      "weight_version": health.get("weight_version")}))
+
+
+def cmd_exec(args: argparse.Namespace) -> NoReturn:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        fail("exec: no command given", 2)
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - exotic libc
+            pass
+        if args.parent_pid and os.getppid() != args.parent_pid:  # the launcher is gone already
+            fail(f"exec: parent {args.parent_pid} is gone; not starting {command[0]}")
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        fail(f"cannot run {command[0]!r}: {exc.strerror}", 127)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)  # only works for our own children
+        return done == 0
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def cmd_wait_ready(args: argparse.Namespace) -> None:
+    names = dict(zip(args.pid, args.pid_name or [])) if args.pid else {}
+    deadline = time.monotonic() + args.timeout
+    pending = list(args.url)
+    while pending:
+        for pid in args.pid or []:
+            if not _alive(pid):
+                fail(f"{names.get(pid, f'process {pid}')} exited before it was ready (see its log above)")
+        still = []
+        for url in pending:
+            try:
+                status, _ = request("GET", url, timeout=min(5.0, args.interval * 10), auth=False)
+            except OSError:
+                status = 0
+            if status != 200:
+                still.append(url)
+        pending = still
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            fail(f"not ready after {args.timeout:g}s: {', '.join(pending)} did not answer 200 "
+                 f"(raise --ready-timeout-s if the model loads slowly)")
+        time.sleep(args.interval)
+
+
+def agent_info(agent_url: str, timeout: float = 10.0) -> dict[str, Any]:
+    try:
+        status, info = request("GET", agent_url.rstrip("/") + "/info", timeout=timeout, auth=False)
+    except OSError as exc:
+        raise BoxError(f"receiver agent at {agent_url} does not answer /info: {describe_os_error(exc)}") from None
+    if status != 200 or not isinstance(info, dict) or not isinstance(info.get("handshake_port"), int):
+        raise BoxError(f"receiver agent at {agent_url} gave no handshake_port in /info: HTTP {status} {info}")
+    return info
+
+
+def register_with_retry(manager: str, body: dict[str, Any], timeout: float) -> tuple[int, Any]:
+    """``POST /register_rollout_instance``, retried for up to ``timeout`` seconds while the manager is
+    unreachable or answers 5xx (it may be restarting while the model loaded)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.5
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            status, answer = manager_call(manager, "POST", "/register_rollout_instance", body,
+                                          timeout=max(min(left, 30.0), 1.0))
+        except Unreachable:
+            if time.monotonic() + delay >= deadline:
+                raise
+        else:
+            if status < 500 or time.monotonic() + delay >= deadline:
+                return status, answer
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+def cmd_register(args: argparse.Namespace) -> None:
+    info = agent_info(args.agent_url)
+    body = {"host": args.host, "port": args.port, "mooncake_handshake_port": info["handshake_port"],
+            "weight_receiver_port": args.agent_port}
+    endpoint = format_endpoint(args.host, args.port)
+    status, answer = register_with_retry(args.manager, body, args.timeout)
+    if status == 409:
+        # Same host:port still on file: an earlier run of this box (preempted, killed) that the manager
+        # has not declared dead yet. Our port was free, so that registration cannot be alive.
+        print(f"launch_sglang: {endpoint} is still registered from an earlier run; replacing it",
+              file=sys.stderr, flush=True)
+        manager_call(args.manager, "POST", "/shutdown_instances",
+                     {"endpoints": [endpoint], "check_weight_update": False}, timeout=args.timeout)
+        status, answer = register_with_retry(args.manager, body, args.timeout)
+    if status != 200 or not isinstance(answer, dict):
+        raise BoxError(f"rollout manager refused the registration of {endpoint}: HTTP {status} {error_of(answer)}")
+    endpoint = str(answer.get("endpoint", endpoint))
+    if args.endpoint_file:
+        with open(args.endpoint_file, "w") as f:
+            f.write(endpoint)
+    print(json.dumps({"endpoint": endpoint, "id": answer.get("id"),
+                      "state": answer.get("state"), "weight_version": answer.get("weight_version"),
+                      "mooncake_handshake_port": info["handshake_port"],
+                      "weight_transfer": answer.get("weight_transfer")}, separators=(",", ":")))
+
+
+def cmd_deregister(args: argparse.Namespace) -> None:
+    try:
+        status, answer = manager_call(args.manager, "POST", "/shutdown_instances",
+                                      {"endpoints": [args.endpoint], "check_weight_update": False},
+                                      timeout=args.timeout)
+    except Unreachable as exc:
+        if not exc.timed_out:
+            raise
+        raise BoxError(f"{args.endpoint} still draining after {args.timeout:g}s (--drain-timeout-s); stopping "
+                       f"anyway: the manager removes it and continues its unfinished requests elsewhere") from None
+    if status != 200 or not isinstance(answer, dict):
+        raise BoxError(f"rollout manager refused to remove {args.endpoint}: HTTP {status} {error_of(answer)}")
+    print(json.dumps(answer, separators=(",", ":")))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rollout_manager.box", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("normalize-addr")
+    s.add_argument("addr")
+    s.set_defaults(func=lambda a: print(normalize_addr(a.addr)))
+
+    s = sub.add_parser("detect-host")
+    s.add_argument("--manager", required=True)
+    s.set_defaults(func=lambda a: print(detect_host(a.manager)))
+
+    s = sub.add_parser("preflight")
+    s.add_argument("--manager", required=True)
+    s.add_argument("--bind", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--agent-port", type=int, required=True)
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.add_argument("--modules", default="", help="comma-separated modules the children need")
+    s.set_defaults(func=cmd_preflight)
+
+    s = sub.add_parser("exec")
+    s.add_argument("--parent-pid", type=int, default=0)
+    s.add_argument("command", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_exec)
+
+    s = sub.add_parser("wait-ready")
+    s.add_argument("--url", action="append", required=True)
+    s.add_argument("--pid", type=int, action="append")
+    s.add_argument("--pid-name", action="append", help="names of the --pid processes, in order")
+    s.add_argument("--timeout", type=float, required=True)
+    s.add_argument("--interval", type=float, default=0.2)
+    s.set_defaults(func=cmd_wait_ready)
+
+    s = sub.add_parser("register")
+    s.add_argument("--manager", required=True)
+    s.add_argument("--host", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--agent-url", required=True)
+    s.add_argument("--agent-port", type=int, required=True)
+    s.add_argument("--timeout", type=float, default=60.0, help="keep retrying an unreachable manager this long")
+    s.add_argument("--endpoint-file", help="also write the registered endpoint here")
+    s.set_defaults(func=cmd_register)
+
+    s = sub.add_parser("deregister")
+    s.add_argument("--manager", required=True)
+    s.add_argument("--endpoint", required=True)
+    s.add_argument("--timeout", type=float, default=60.0)
+    s.set_defaults(func=cmd_deregister)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except BoxError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+#!/usr/bin/env bash
+# launch_sglang.sh: run one rollout instance on this box and keep it registered with the rollout manager.
+# `scripts/launch_sglang.sh --help` documents it; rollout_manager/box.py holds its helpers.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: launch_sglang.sh --model-path PATH [options] [-- SGLANG_FLAGS...]
+       ROLLOUT_MANAGER_ADDR=http://<ip>:<port> launch_sglang.sh --model-path PATH --port 30000
+
+Starts one rollout instance on this box: SGLang (or the CPU engine) plus the weight receiver agent,
+waits until both answer, registers the instance with the rollout manager, and keeps them running.
+On Ctrl-C, SIGTERM or SIGHUP it deregisters (the manager drains the instance: no new work, in-flight
+requests finish), then stops both children. If SGLang or the agent dies, it deregisters, stops the
+other and exits. A second Ctrl-C skips the drain. Nothing is left running when it exits; if the
+launcher itself is killed (kill -9) its children get SIGTERM from the kernel.
+
+Before anything heavy starts it checks, and reports in one line on stderr:
+  - that --port and --transfer-agent-handshake-port are distinct and free on this box,
+  - that the manager answers GET /health,
+  - that the interpreter can import what the instance needs.
+
+Manager and box:
+  --manager-addr ADDR     the manager, http://<ip>:<port> (a bare <ip>:<port> gets http://).
+                          Default: $ROLLOUT_MANAGER_ADDR (or $ROLLOUT_MANAGER_ADDRESS).
+  --host HOST             this box's address as the manager and the trainer's weight senders reach it.
+                          Default: detected, the source address of this box's route to the manager.
+  --bind ADDR             address SGLang and the agent listen on (default: --host; 0.0.0.0 for all).
+  --port PORT             SGLang's HTTP port (default 30000). Each instance on a box needs its own.
+  --transfer-agent-handshake-port PORT
+                          the weight receiver agent's control port (HTTP; the manager drives weight
+                          loads through it and registers it as weight_receiver_port). Default:
+                          --port + 1111, outside SGLang's own range (--port+100..+1000 for NCCL).
+                          Mooncake's P2P handshake/RPC port is not set here: Mooncake picks a free
+                          one itself (15000-17000 unless MC_MIN_RPC_PORT/MC_MAX_RPC_PORT say
+                          otherwise); the agent reports it and it is registered as
+                          mooncake_handshake_port. So several instances on one box never collide on it.
+                          Alias: --receiver-port.
+
+Engine:
+  --engine sglang|cpu     what serves /generate (default sglang; env ROLLOUT_MANAGER_ENGINE).
+                          cpu runs `python -m rollout_manager.cpu_engine` (tiny model on CPU, for CI
+                          and demos; pass-through flags such as --seed, --token-delay-s,
+                          --die-after-tokens go to it; --model-path is ignored).
+  --model-path PATH       the model SGLang loads (required for --engine sglang).
+  --python PY             interpreter for SGLang, the agent and the helpers (env PYTHON; default
+                          python3 on PATH). It needs sglang, and rollout-manager with Mooncake
+                          (pip install 'rollout-manager[cuda]'); this checkout is put on PYTHONPATH.
+  --deterministic         add --enable-deterministic-inference: bit-identical continuation of a
+                          sequence on another instance (the manager continues sequences whose box
+                          dies) at some throughput cost. Without it a continued greedy sequence
+                          can differ from an uninterrupted one after the switch.
+  --no-metrics            do not add --enable-metrics (the manager reads /metrics when it is there).
+  Other arguments, and everything after --, go to SGLang (or the CPU engine) unchanged, e.g.
+  -- --tp-size 2 --mem-fraction-static 0.8. Added by default for SGLang: --enable-metrics,
+  --weight-version 0 (yours win). The tokenizer is kept (no --skip-tokenizer-init): the manager
+  sends token ids, and the tokenizer still serves text requests and detokenized output.
+
+Weight receiver agent:
+  --mooncake-protocol tcp|rdma   transport for incoming weights (default tcp).
+  --mooncake-device-name NAMES   RDMA NICs, comma-separated (default: all).
+  --receiver-arg ARG      extra argument for the agent, repeatable (e.g. --receiver-arg=--engines=2).
+
+Timing:
+  --ready-timeout-s S     how long SGLang and the agent may take to answer (default 1800: large
+                          models load and compile for a long time). The manager then checks
+                          /health_generate itself, with its own grace period.
+  --drain-timeout-s S     how long deregistration waits for in-flight requests (default 60).
+  --stop-timeout-s S      SIGTERM to SIGKILL grace for the children (default 30).
+  --dry-run               print the commands it would run, then exit (no checks, nothing started).
+  -h, --help              this text.
+
+Environment:
+  ROLLOUT_MANAGER_ADDR        the manager's address (as --manager-addr; ROLLOUT_MANAGER_ADDRESS, the
+                              seed project's name, is read when it is unset).
+  ROLLOUT_MANAGER_AUTH_TOKEN  when set, sent as "Authorization: Bearer <token>" on every manager call.
+  ROLLOUT_MANAGER_ENGINE      sglang or cpu (as --engine).
+  PYTHON                      the interpreter (as --python).
+  MC_*                        Mooncake settings, seen by the agent (e.g. MC_LOG_LEVEL=ERROR).
+
+Network: the manager must reach --port and --transfer-agent-handshake-port on --host; the trainer's
+weight senders must reach Mooncake's port range (TCP 15000-17000 by default, RDMA for rdma) on --host.
+
+Supervisors: a terminal's Ctrl-C reaches only this launcher (the children run in their own process
+groups), so the drain happens before SGLang stops. Under systemd use KillMode=mixed (the default
+control-group sends SIGTERM to SGLang at the same time); give Kubernetes pods a
+terminationGracePeriodSeconds above --drain-timeout-s + --stop-timeout-s.
+
+Exit status: 0 stopped by a signal, after deregistering; 1 a check or the start-up failed
+(port in use, manager unreachable, not ready in time, registration refused); 2 bad usage;
+3 SGLang or the agent died while serving.
+
+Example, two instances on one 8-GPU box:
+  export ROLLOUT_MANAGER_ADDR=http://10.0.0.1:5000
+  CUDA_VISIBLE_DEVICES=0,1,2,3 scripts/launch_sglang.sh --model-path Qwen/Qwen3-8B --port 30000 -- --tp-size 4
+  CUDA_VISIBLE_DEVICES=4,5,6,7 scripts/launch_sglang.sh --model-path Qwen/Qwen3-8B --port 30001 -- --tp-size 4
+EOF
+}
+
+log() { printf 'launch_sglang: %s\n' "$*" >&2; }
+usage_error() { printf 'launch_sglang: error: %s (see --help)\n' "$*" >&2; exit 2; }
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# ------------------------------------------------------------------ arguments
+MANAGER_ADDR=${ROLLOUT_MANAGER_ADDR:-${ROLLOUT_MANAGER_ADDRESS:-}}
+ENGINE=${ROLLOUT_MANAGER_ENGINE:-sglang}
+PY=${PYTHON:-python3}
+MODEL_PATH="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
+PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 DRY_RUN=0
+READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30
+RECEIVER_ARGS=() EXTRA=()
+
+need_value() { [[ $# -ge 2 ]] || usage_error "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  arg=$1
+  if [[ $arg == --*=* ]]; then  # --opt=value -> --opt value, for our own options only
+    case ${arg%%=*} in
+      --manager-addr|--model-path|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
+      --engine|--python|--mooncake-protocol|--mooncake-device-name|--receiver-arg|--ready-timeout-s|\
+      --drain-timeout-s|--stop-timeout-s)
+        shift; set -- "${arg%%=*}" "${arg#*=}" "$@"; continue ;;
+    esac
+  fi
+  case $arg in
+    -h|--help) usage; exit 0 ;;
+    --manager-addr) need_value "$@"; MANAGER_ADDR=$2; shift 2 ;;
+    --model-path) need_value "$@"; MODEL_PATH=$2; shift 2 ;;
+    --host) need_value "$@"; HOST=$2; shift 2 ;;
+    --bind) need_value "$@"; BIND=$2; shift 2 ;;
+    --port) need_value "$@"; PORT=$2; shift 2 ;;
+    --transfer-agent-handshake-port|--receiver-port) need_value "$@"; AGENT_PORT=$2; shift 2 ;;
+    --engine) need_value "$@"; ENGINE=$2; shift 2 ;;
+    --python) need_value "$@"; PY=$2; shift 2 ;;
+    --mooncake-protocol) need_value "$@"; PROTOCOL=$2; shift 2 ;;
+    --mooncake-device-name) need_value "$@"; DEVICE_NAME=$2; shift 2 ;;
+    --receiver-arg) need_value "$@"; RECEIVER_ARGS+=("$2"); shift 2 ;;
+    --deterministic) DETERMINISTIC=1; shift ;;
+    --no-metrics) METRICS=0; shift ;;
+    --ready-timeout-s) need_value "$@"; READY_TIMEOUT=$2; shift 2 ;;
+    --drain-timeout-s) need_value "$@"; DRAIN_TIMEOUT=$2; shift 2 ;;
+    --stop-timeout-s) need_value "$@"; STOP_TIMEOUT=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --) shift; EXTRA+=("$@"); break ;;
+    *) EXTRA+=("$arg"); shift ;;  # SGLang's own flags, passed through in order
+  esac
+done
+
+is_port() { [[ $1 =~ ^[1-9][0-9]{0,4}$ ]] && (( $1 <= 65535 )); }
+is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
+is_port "$PORT" || usage_error "--port must be a port number, got '$PORT'"
+[[ -n $AGENT_PORT ]] || AGENT_PORT=$(( PORT + 1111 <= 65535 ? PORT + 1111 : PORT - 1111 ))
+is_port "$AGENT_PORT" || usage_error "--transfer-agent-handshake-port must be a port number, got '$AGENT_PORT'"
+for pair in "ready-timeout-s:$READY_TIMEOUT" "drain-timeout-s:$DRAIN_TIMEOUT" "stop-timeout-s:$STOP_TIMEOUT"; do
+  is_num "${pair#*:}" || usage_error "--${pair%%:*} must be a number of seconds, got '${pair#*:}'"
+done
+STOP_TIMEOUT=${STOP_TIMEOUT%%.*}
+case $ENGINE in sglang|cpu) ;; *) usage_error "--engine must be sglang or cpu, got '$ENGINE'" ;; esac
+case $PROTOCOL in tcp|rdma) ;; *) usage_error "--mooncake-protocol must be tcp or rdma, got '$PROTOCOL'" ;; esac
+[[ $ENGINE == cpu || -n $MODEL_PATH ]] || usage_error "--model-path is required for --engine sglang"
+[[ -n $MANAGER_ADDR ]] || usage_error "no manager address: set ROLLOUT_MANAGER_ADDR=http://<ip>:<port> or pass --manager-addr"
+command -v "$PY" >/dev/null 2>&1 || usage_error "no python interpreter '$PY' (set --python or PYTHON)"
+
+# The helpers and the agent come from this checkout when the script runs from one.
+if [[ -f $ROOT/rollout_manager/box.py ]]; then
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+box() { "$PY" -m rollout_manager.box "$@"; }
+
+MANAGER=$(box normalize-addr "$MANAGER_ADDR") || exit 1
+[[ -n $HOST ]] || HOST=$(box detect-host --manager "$MANAGER") || exit 1
+[[ -n $BIND ]] || BIND=$HOST
+case $BIND in 0.0.0.0|::) LOCAL=$HOST ;; *) LOCAL=$BIND ;; esac
+url() { if [[ $1 == *:* ]]; then echo "http://[$1]:$2"; else echo "http://$1:$2"; fi; }
+ENGINE_URL=$(url "$LOCAL" "$PORT")
+AGENT_URL=$(url "$LOCAL" "$AGENT_PORT")
+
+if [[ $ENGINE == sglang ]]; then
+  ENGINE_NAME=SGLang
+  ENGINE_CMD=("$PY" -m sglang.launch_server --model-path "$MODEL_PATH" --host "$BIND" --port "$PORT"
+              --weight-version 0)
+  (( METRICS )) && ENGINE_CMD+=(--enable-metrics)
+  (( DETERMINISTIC )) && ENGINE_CMD+=(--enable-deterministic-inference)
+  MODULES=sglang,aiohttp,torch,mooncake
+else
+  ENGINE_NAME="CPU engine"
+  ENGINE_CMD=("$PY" -m rollout_manager.cpu_engine --host "$BIND" --port "$PORT")
+  MODULES=aiohttp,torch,mooncake
+fi
+ENGINE_CMD+=(${EXTRA[@]+"${EXTRA[@]}"})
+AGENT_CMD=("$PY" -m rollout_manager.weights.receiver_agent --host "$HOST" --bind "$BIND" --port "$AGENT_PORT"
+           --sglang-url "$ENGINE_URL" --protocol "$PROTOCOL")
+[[ -n $DEVICE_NAME ]] && AGENT_CMD+=(--device-name "$DEVICE_NAME")
+AGENT_CMD+=(${RECEIVER_ARGS[@]+"${RECEIVER_ARGS[@]}"})
+
+if (( DRY_RUN )); then
+  printf 'manager: %s\nhost: %s\nengine:' "$MANAGER" "$HOST"; printf ' %q' "${ENGINE_CMD[@]}"; echo
+  printf 'agent:'; printf ' %q' "${AGENT_CMD[@]}"; echo
+  exit 0
+fi
+
+# ------------------------------------------------------------------ checks, before anything heavy
+box preflight --manager "$MANAGER" --bind "$BIND" --port "$PORT" --agent-port "$AGENT_PORT" \
+  --modules "$MODULES" >/dev/null || exit 1
+
+# ------------------------------------------------------------------ supervision
+ENGINE_PID="" AGENT_PID="" HELPER_PID="" ENDPOINT="" STOP="" SIGNALS=0 DONE=0
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/launch_sglang.XXXXXX")
+
+on_signal() {  # only note it and interrupt what runs; the main flow does the stopping
+  SIGNALS=$((SIGNALS + 1))
+  [[ -n $STOP ]] || STOP=$1
+  if [[ -n $HELPER_PID ]]; then kill -TERM "$HELPER_PID" 2>/dev/null || true; fi
+}
+trap 'on_signal SIGINT' INT
+trap 'on_signal SIGTERM' TERM
+trap 'on_signal SIGHUP' HUP
+trap 'finish 1' EXIT  # any unforeseen exit (set -e) still cleans up
+
+# Run a box helper in the background so that a signal is handled at once; returns its exit status.
+run_box() {
+  "$PY" -m rollout_manager.box "$@" &  # a simple command: $! is python itself, not a subshell
+  HELPER_PID=$!
+  local rc
+  while :; do
+    rc=0
+    wait "$HELPER_PID" || rc=$?
+    kill -0 "$HELPER_PID" 2>/dev/null || break  # else a signal interrupted the wait; the helper is ending
+  done
+  HELPER_PID=""
+  return "$rc"
+}
+
+start_child() {  # own process group (Ctrl-C reaches only us) that dies with us; stdin from /dev/null
+  "$PY" -m rollout_manager.box exec --parent-pid $$ -- "$@" </dev/null &  # not via box(): no subshell
+}
+
+groups_alive() {
+  local p
+  for p in "$@"; do kill -0 -- "-$p" 2>/dev/null && return 0; done
+  return 1
+}
+
+stop_children() {
+  local pids=() p
+  for p in "$AGENT_PID" "$ENGINE_PID"; do if [[ -n $p ]]; then pids+=("$p"); fi; done
+  (( ${#pids[@]} )) || return 0
+  groups_alive "${pids[@]}" || { AGENT_PID="" ENGINE_PID=""; return 0; }
+  log "stopping $ENGINE_NAME and the receiver agent"
+  for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
+  local deadline=$((SECONDS + STOP_TIMEOUT)) signals=$SIGNALS
+  while groups_alive "${pids[@]}" && (( SECONDS < deadline && SIGNALS == signals )); do sleep 0.1; done
+  if groups_alive "${pids[@]}"; then
+    log "still running after SIGTERM; sending SIGKILL"
+    for p in "${pids[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
+    while groups_alive "${pids[@]}"; do sleep 0.05; done
+  fi
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  AGENT_PID="" ENGINE_PID=""
+}
+
+deregister() {
+  [[ -n $ENDPOINT ]] || return 0
+  local timeout=$DRAIN_TIMEOUT
+  if (( SIGNALS >= 2 )); then
+    timeout=2  # asked twice: tell the manager, do not wait for the drain
+  else
+    log "deregistering $ENDPOINT: the manager drains it (up to ${DRAIN_TIMEOUT}s; a second Ctrl-C skips this)"
+  fi
+  if run_box deregister --manager "$MANAGER" --endpoint "$ENDPOINT" --timeout "$timeout" >/dev/null; then
+    log "deregistered $ENDPOINT"
+  fi
+  ENDPOINT=""
+}
+
+finish() {  # deregister, stop the children, exit with $1
+  local status=$1
+  trap - EXIT
+  if (( ! DONE )); then
+    DONE=1
+    deregister || true
+    stop_children || true
+    rm -rf "$TMP"
+  fi
+  exit "$status"
+}
+
+stop_if_asked() {
+  if [[ -n $STOP ]]; then
+    log "$STOP received: shutting down"
+    finish 0
+  fi
+}
+
+start_child "${AGENT_CMD[@]}"
+AGENT_PID=$!
+start_child "${ENGINE_CMD[@]}"
+ENGINE_PID=$!
+log "started $ENGINE_NAME (pid $ENGINE_PID, $ENGINE_URL) and the receiver agent (pid $AGENT_PID, $AGENT_URL); waiting up to ${READY_TIMEOUT}s for both"
+
+if ! run_box wait-ready --url "$ENGINE_URL/health" --url "$AGENT_URL/info" \
+      --pid "$ENGINE_PID" --pid-name "$ENGINE_NAME" --pid "$AGENT_PID" --pid-name "receiver agent" \
+      --timeout "$READY_TIMEOUT"; then
+  stop_if_asked
+  finish 1
+fi
+stop_if_asked
+
+if ! run_box register --manager "$MANAGER" --host "$HOST" --port "$PORT" --agent-url "$AGENT_URL" \
+      --agent-port "$AGENT_PORT" --endpoint-file "$TMP/endpoint" >"$TMP/registration.json"; then
+  if [[ -n $STOP ]]; then  # interrupted: the manager may have filed us before the helper was stopped
+    if [[ $HOST == *:* ]]; then ENDPOINT="[$HOST]:$PORT"; else ENDPOINT="$HOST:$PORT"; fi
+  fi
+  stop_if_asked
+  finish 1
+fi
+REGISTRATION=$(<"$TMP/registration.json")
+ENDPOINT=$(<"$TMP/endpoint")
+log "registered $ENDPOINT with $MANAGER: $REGISTRATION"
+stop_if_asked
+
+while :; do
+  wait -n "$ENGINE_PID" "$AGENT_PID" 2>/dev/null || true
+  stop_if_asked
+  for pair in "$ENGINE_PID:$ENGINE_NAME" "$AGENT_PID:receiver agent"; do
+    if ! kill -0 "${pair%%:*}" 2>/dev/null; then
+      rc=0
+      wait "${pair%%:*}" 2>/dev/null || rc=$?
+      log "${pair#*:} exited (status $rc) while serving; shutting down"
+      finish 3
+    fi
+  done
+done

@@ -1,0 +1,84 @@
+"""Report each step's timings to the manager (``POST /update_metrics``), which adapts its local budget."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .client import ManagerClient
+
+
+async def post_step_metrics(client: ManagerClient, *, step_time_s: float, trainer_bubble_time_s: float,
+                            step_throughput: float) -> dict[str, Any]:
+    """Post the step's figures; returns the manager's answer (log it: it has the new local budget,
+    ``remote_idle_s`` and the generation counters)."""
+    return await client.update_metrics(step_time_s=step_time_s, trainer_bubble_time_s=trainer_bubble_time_s,
+                                       step_throughput=step_throughput)
+
+
+def post_step_metrics_sync(manager_url: str, **figures: float) -> dict[str, Any]:
+    """The same from synchronous code (opens and closes its own connection)."""
+
+    async def run() -> dict[str, Any]:
+        async with ManagerClient(manager_url) as client:
+            return await post_step_metrics(client, **figures)
+
+    return asyncio.run(run())
+
+
+def as_log_metrics(answer: dict[str, Any], prefix: str = "rollout_manager/") -> dict[str, float]:
+    """Flatten the answer into ``{name: number}`` for the trainer's logger."""
+    out: dict[str, float] = {}
+    for key, value in answer.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"{prefix}{key}/{sub}"] = float(v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{prefix}{key}"] = float(value)
+    return out
+
+
+@dataclass
+class StepTimer:
+    """Measures a step and the trainer's bubble (time spent waiting for rollouts).
+
+    ``timer.start_step()``; wrap each wait for generation in ``with timer.waiting(): ...``;
+    ``figures = timer.end_step(samples)`` -> the three numbers ``/update_metrics`` takes
+    (throughput = samples per second of step time).
+    """
+
+    _step_started: float | None = None
+    _bubble: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def start_step(self) -> None:
+        self._step_started = time.monotonic()
+        self._bubble = 0.0
+
+    def waiting(self) -> "_Wait":
+        return _Wait(self)
+
+    def end_step(self, samples: int) -> dict[str, float]:
+        if self._step_started is None:
+            raise RuntimeError("end_step() without start_step()")
+        elapsed = time.monotonic() - self._step_started
+        figures = {"step_time_s": elapsed, "trainer_bubble_time_s": min(self._bubble, elapsed),
+                   "step_throughput": samples / elapsed if elapsed > 0 else 0.0}
+        self.history.append(figures)
+        self._step_started = None
+        return figures
+
+
+class _Wait:
+    def __init__(self, timer: StepTimer):
+        self.timer = timer
+        self.t0 = 0.0
+
+    def __enter__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timer._bubble += time.monotonic() - self.t0

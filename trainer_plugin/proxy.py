@@ -1,0 +1,185 @@
+"""The light "server" verl's rollout replicas point at: each call is one HTTP call to the manager.
+
+verl 0.9.1 has no config field that points at servers it did not start; its route for generation is
+``LLMServerClient.generate`` -> load balancer -> ``server_handle.generate.remote(...)`` on a Ray actor
+that its ``RolloutReplica`` launched. :class:`ManagerProxyServer` is that actor for
+``rollout.name=sglang-disaggregated``: ``generate`` becomes ``POST /generate`` on the manager (which
+picks the instance, continues a sequence whose instance dies, and records the weight version of
+every segment), and the memory controls verl sends to colocated engines (sleep, wake_up, KV-cache
+release) are no-ops, because the remote boxes do not share GPUs with the trainer.
+
+Nothing here imports verl at module level except inside :meth:`ManagerProxyServer.generate` (for
+``TokenOutput``), so the translation helpers are testable on their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .client import ManagerClient
+
+log = logging.getLogger("trainer_plugin.proxy")
+
+# verl sampling keys that SGLang's /generate knows under the same name
+_PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                 "n", "min_new_tokens", "seed", "no_stop_trim", "spaces_between_special_tokens")
+
+
+def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None, *,
+                        prompt_length: int, response_length: int, max_model_len: int | None = None) -> dict[str, Any]:
+    """verl's sampling dict -> a manager ``/generate`` body, as verl's own SGLang server does it.
+
+    ``max_new_tokens``: the caller's ``max_new_tokens``/``max_tokens``, else
+    ``min(response_length, prompt_length + response_length - len(prompt))``; clamped to what the
+    model context leaves. ``logprobs`` -> ``return_logprob``.
+    """
+    params = dict(sampling_params)
+    if params.get("max_new_tokens") is not None:
+        budget = int(params.pop("max_new_tokens"))
+        params.pop("max_tokens", None)
+    elif params.get("max_tokens") is not None:
+        budget = int(params.pop("max_tokens"))
+    else:
+        params.pop("max_tokens", None)
+        params.pop("max_new_tokens", None)
+        budget = min(response_length, prompt_length + response_length - len(prompt_ids))
+    if max_model_len:
+        room = max_model_len - len(prompt_ids) - 1
+        if room < 0:
+            raise ValueError(f"prompt length ({len(prompt_ids)}) exceeds the model's maximum context "
+                             f"length ({max_model_len})")
+        budget = min(budget, room)
+    return_logprob = bool(params.pop("logprobs", False))
+    sampling = {k: params[k] for k in _PASS_THROUGH if k in params and params[k] is not None}
+    sampling["max_new_tokens"] = max(0, budget)
+    body: dict[str, Any] = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling}
+    if return_logprob:
+        body["return_logprob"] = True
+    if request_id:
+        body["rid"] = str(request_id)
+    return body
+
+
+def token_output_fields(result: dict[str, Any], return_logprob: bool,
+                        fallback_global_steps: int | None = None) -> dict[str, Any]:
+    """A manager ``/generate`` answer -> keyword arguments of verl's ``TokenOutput``."""
+    meta = result.get("meta_info") or {}
+    token_ids = [int(t) for t in result.get("output_ids") or []]
+    log_probs = None
+    if return_logprob:
+        raw = meta.get("output_token_logprobs") or []
+        if len(raw) != len(token_ids):
+            raise ValueError(f"request {meta.get('id')}: {len(raw)} log-probs for {len(token_ids)} tokens")
+        log_probs = [float(item[0]) for item in raw]
+    finish = meta.get("finish_reason")
+    stop_reason = finish.get("type") if isinstance(finish, dict) else finish
+    segments = meta.get("segments") or []
+    versions = [s.get("weight_version") for s in segments] or [meta.get("weight_version")]
+    steps = [_as_int(v) for v in versions]
+    known = [s for s in steps if s is not None]
+    global_steps = _as_int(meta.get("weight_version"))
+    if global_steps is None:
+        global_steps = fallback_global_steps
+    extra = {
+        "global_steps": global_steps,
+        "min_global_steps": min(known) if known else global_steps,
+        "max_global_steps": max(known) if known else global_steps,
+        "weight_version": meta.get("weight_version"),
+        "weight_versions": versions,
+        "segments": segments,
+        "request_id": meta.get("id"),
+    }
+    return {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": stop_reason, "extra_fields": extra}
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+class ManagerProxyServer:
+    """The server object behind every ``sglang-disaggregated`` replica (run as a Ray actor).
+
+    Method names and signatures are those verl calls on its rollout servers
+    (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``).
+    """
+
+    def __init__(self, manager_url: str, *, prompt_length: int, response_length: int,
+                 max_model_len: int | None = None, timeout_s: float = 30.0):
+        self.manager_url = manager_url
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.max_model_len = max_model_len
+        self.timeout_s = timeout_s
+        self.global_steps: int | None = None
+        self._client: ManagerClient | None = None
+
+    @property
+    def client(self) -> ManagerClient:
+        if self._client is None:
+            self._client = ManagerClient(self.manager_url, timeout_s=self.timeout_s)
+        return self._client
+
+    def get_server_address(self) -> tuple[str, int]:
+        hostport = self.manager_url.split("://", 1)[-1]
+        host, _, port = hostport.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str,
+                       image_data: Any = None, video_data: Any = None, **kwargs: Any) -> Any:
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data or video_data or kwargs.get("audio_data"):
+            raise NotImplementedError("sglang-disaggregated rollout is text-only: the manager continues "
+                                      "sequences token by token and does not forward multi-modal data")
+        if hasattr(prompt_ids, "tolist"):
+            prompt_ids = prompt_ids.tolist()
+        body = build_generate_body(list(prompt_ids), sampling_params, request_id,
+                                   prompt_length=self.prompt_length, response_length=self.response_length,
+                                   max_model_len=self.max_model_len)
+        result = await self.client.generate(body)
+        return TokenOutput(**token_output_fields(result, bool(body.get("return_logprob")), self.global_steps))
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    # The remote boxes do not share the trainer's GPUs: nothing to free or restore.
+    async def wake_up(self) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        return None
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        # Partial-rollout aborts target colocated engines about to receive weights; remote instances
+        # get their weights through the manager, which keeps in-flight sequences running.
+        log.debug("abort_all_requests ignored: the manager keeps remote sequences running")
+
+    async def resume_generation(self) -> None:
+        return None
+
+    async def start_profile(self, **kwargs: Any) -> None:
+        return None
+
+    async def stop_profile(self) -> None:
+        return None
+
+    async def health(self) -> dict[str, Any]:
+        return await self.client.health()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()

@@ -1,0 +1,199 @@
+"""The plugin's settings, read from verl's ``actor_rollout_ref.rollout`` config, and the key mapping.
+
+verl 0.9.1's ``RolloutConfig`` is a dataclass and Hydra runs in struct mode, so a new key such as
+``actor_rollout_ref.rollout.rollout_manager.port`` is refused (by Hydra on the command line, and by
+the dataclass when it is instantiated). The config's own extension point is ``rollout.custom`` (a
+free dict), so the plugin's keys live there:
+
+======================================================== ===================================================
+as the issue / seed guide writes it                      where it lives on verl 0.9.1
+======================================================== ===================================================
+``actor_rollout_ref.rollout.rollout_manager.port``        ``actor_rollout_ref.rollout.custom.rollout_manager.port``
+``actor_rollout_ref.rollout.rollout_manager.config_path`` ``actor_rollout_ref.rollout.custom.rollout_manager.config_path``
+``actor_rollout_ref.rollout.rollout_manager.<key>``       ``actor_rollout_ref.rollout.custom.rollout_manager.<key>``
+``actor_rollout_ref.rollout.min_stream_batch_size``       ``actor_rollout_ref.rollout.custom.min_stream_batch_size``
+======================================================== ===================================================
+
+On the command line the ``custom`` form needs a leading ``+`` with verl's own ``ppo_trainer`` config
+(``custom`` is absent from its YAML) and none with the shipped config
+``trainer_plugin/config/sglang_disaggregated_trainer.yaml``, which declares it. The literal form of
+the left column is also accepted on the command line: when verl is imported, the plugin rewrites
+such arguments of ``sys.argv`` to the right column (``++`` form, which works with both configs) and
+says so on stderr (:func:`rewrite_argv`; ``ROLLOUT_MANAGER_VERL_ARGV_ALIASES=0`` turns that off, and
+then the literal form fails with Hydra's "Key 'rollout_manager' is not in struct").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Sequence
+
+ROLLOUT_NAME = "sglang-disaggregated"
+PREFIX = "actor_rollout_ref.rollout."
+_ALIAS = re.compile(r"^(?P<plus>\+{0,2})actor_rollout_ref\.rollout\."
+                    r"(?P<key>rollout_manager\.[A-Za-z0-9_.]+|min_stream_batch_size)=(?P<value>.*)$", re.S)
+
+
+class SettingsError(ValueError):
+    """A plugin setting is missing or invalid; the message names the full config key."""
+
+
+def rewrite_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Map the literal keys to ``rollout.custom`` (see the module doc). Returns (argv, notes)."""
+    out, notes = [], []
+    for arg in argv:
+        m = _ALIAS.match(arg)
+        if m is None:
+            out.append(arg)
+            continue
+        new = f"++{PREFIX}custom.{m.group('key')}={m.group('value')}"
+        out.append(new)
+        notes.append(f"{arg.split('=', 1)[0]} -> {new.split('=', 1)[0]}")
+    return out, notes
+
+
+def apply_argv_aliases() -> None:
+    """Rewrite ``sys.argv`` in place (called when verl loads the plugin)."""
+    if os.environ.get("ROLLOUT_MANAGER_VERL_ARGV_ALIASES", "1").lower() in ("0", "false", "no", "off"):
+        return
+    new, notes = rewrite_argv(sys.argv)
+    if notes:
+        sys.argv[:] = new
+        print("rollout-manager plugin: verl 0.9.1 keeps extra rollout keys under rollout.custom; mapped "
+              + "; ".join(notes), file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """``rollout.custom.rollout_manager``: how the trainer starts or finds the manager."""
+
+    port: int = 5000
+    config_path: str | None = None
+    # Where the manager listens. 0.0.0.0: rollout boxes on other hosts register with it.
+    host: str = "0.0.0.0"
+    # How the trainer's processes reach it; empty: this node's IP (or 127.0.0.1 when host is loopback).
+    address: str = ""
+    # start it on rank zero (or attach to one already listening); false: use one started elsewhere
+    launch: bool = True
+    attach_existing: bool = True
+    startup_timeout_s: float = 60.0
+    log_path: str | None = None
+    # extra "KEY=VALUE" overrides passed as --set to the manager
+    overrides: tuple[str, ...] = ()
+    # dotted path "module:function" called with the weights after each update (the weight push hook)
+    weight_push: str = "trainer_plugin.weight_push:discard_weights"
+    request_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    manager: ManagerSettings
+    min_stream_batch_size: int = 1
+    # what a finally failed request does to the step: "raise" (default) or "drop_group"
+    on_failure: str = "raise"
+
+    @property
+    def manager_url(self) -> str:
+        host = self.manager.address or _reach_host(self.manager.host)
+        return f"http://{host}:{self.manager.port}"
+
+
+def _reach_host(bind_host: str) -> str:
+    if bind_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1" if bind_host != "::1" else "[::1]"
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - any failure: fall back to loopback
+        pass
+    return "127.0.0.1"
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    getter = getattr(config, "get", None)
+    if callable(getter):  # DictConfig and verl's BaseConfig
+        try:
+            return getter(key, default)
+        except Exception:  # noqa: BLE001
+            pass
+    return getattr(config, key, default)
+
+
+def _to_plain(value: Any) -> Any:
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(value, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return value
+
+
+def from_rollout_config(rollout: Any) -> PluginSettings:
+    """Read the settings from ``actor_rollout_ref.rollout`` (DictConfig, RolloutConfig or dict).
+
+    Refuses the literal keys that verl cannot hold with a message giving the ``custom`` form.
+    """
+    for literal in ("rollout_manager", "min_stream_batch_size"):
+        if _get(rollout, literal) is not None:
+            raise SettingsError(
+                f"{PREFIX}{literal} is not a verl 0.9.1 rollout key; write it as {PREFIX}custom.{literal}")
+    custom = _to_plain(_get(rollout, "custom")) or {}
+    if not isinstance(custom, Mapping):
+        raise SettingsError(f"{PREFIX}custom must be a mapping, got {type(custom).__name__}")
+    raw = _to_plain(custom.get("rollout_manager")) or {}
+    if not isinstance(raw, Mapping):
+        raise SettingsError(f"{PREFIX}custom.rollout_manager must be a mapping, got {raw!r}")
+    known = {f.name: f for f in fields(ManagerSettings)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise SettingsError(f"unknown key {PREFIX}custom.rollout_manager.{key}; known: {', '.join(sorted(known))}")
+        values[key] = _coerce(f"{PREFIX}custom.rollout_manager.{key}", value, ManagerSettings.__dataclass_fields__[key].default)
+    port = values.get("port", 5000)
+    if not 1 <= int(port) <= 65535:
+        raise SettingsError(f"{PREFIX}custom.rollout_manager.port={port} is out of range 1-65535")
+    if values.get("config_path") and not os.path.isfile(values["config_path"]):
+        raise SettingsError(f"{PREFIX}custom.rollout_manager.config_path={values['config_path']}: no such file")
+    msbs = _coerce(f"{PREFIX}custom.min_stream_batch_size", custom.get("min_stream_batch_size", 1), 1)
+    if msbs < 1:
+        raise SettingsError(f"{PREFIX}custom.min_stream_batch_size must be >= 1, got {msbs}")
+    on_failure = custom.get("on_failure", "raise")
+    if on_failure not in ("raise", "drop_group"):
+        raise SettingsError(f"{PREFIX}custom.on_failure must be 'raise' or 'drop_group', got {on_failure!r}")
+    return PluginSettings(ManagerSettings(**values), min_stream_batch_size=msbs, on_failure=on_failure)
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            return tuple(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+        return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{key}={value!r} is not a valid {type(default).__name__}") from None

@@ -1,0 +1,123 @@
+"""verl 0.9.1 classes behind ``actor_rollout_ref.rollout.name=sglang-disaggregated``.
+
+A rollout backend in verl 0.9.1 is two registrations under one name (see
+:mod:`trainer_plugin.verl_registration`):
+
+- :class:`DisaggregatedReplica` (``RolloutReplicaRegistry``): what the trainer's driver side
+  (``LLMServerManager``) launches. Its ``launch_servers`` starts the rollout manager on this node
+  (or attaches to one already there), and sets the server handle/address verl routes generation to:
+  one shared :class:`~trainer_plugin.proxy.ManagerProxyServer` Ray actor (CPU only, no GPU pool
+  sliced for it). All replicas share it and its address, so verl's load balancer sees one server:
+  the manager, which does the real balancing over the remote instances.
+- :class:`ManagerServerAdapter` (``_ROLLOUT_REGISTRY[(name, "async")]``): what each training rank
+  builds. ``resume``/``release`` are no-ops (no colocated engine); ``update_weights`` hands the
+  weights to the weight-push hook (:mod:`trainer_plugin.weight_push`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, Generator
+
+import ray
+import torch
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica
+
+from .launcher import ManagerProcess
+from .proxy import ManagerProxyServer
+from .settings import PluginSettings, from_rollout_config
+from .weight_push import WeightPushContext, call_weight_push, load_weight_push
+
+log = logging.getLogger("trainer_plugin.verl")
+
+PROXY_ACTOR_NAME = "rollout_manager_proxy"
+_MANAGERS: dict[tuple[str, int], ManagerProcess] = {}
+_MANAGERS_LOCK = threading.Lock()
+
+
+def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
+    """Start (or attach to) the manager once per process; None when ``launch`` is off."""
+    m = settings.manager
+    if not m.launch:
+        return None
+    key = (m.host, m.port)
+    with _MANAGERS_LOCK:
+        proc = _MANAGERS.get(key)
+        if proc is not None and (proc.attached or proc.running()):
+            return proc
+        extra: list[str] = []
+        for item in m.overrides:
+            extra += ["--set", item]
+        proc = ManagerProcess(m.host, m.port, m.config_path, extra_args=extra, log_path=m.log_path,
+                              startup_timeout_s=m.startup_timeout_s, attach_existing=m.attach_existing)
+        proc.start()
+        _MANAGERS[key] = proc
+        return proc
+
+
+class DisaggregatedReplica(RolloutReplica):
+    """A replica whose "server" is a proxy for the rollout manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.settings: PluginSettings = from_rollout_config(self.config)
+        self.manager: ManagerProcess | None = None
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self) -> None:
+        # The blocking start-up (probe, spawn, wait for /health) runs off the event loop; the launcher
+        # forks from its own long-lived thread so PR_SET_PDEATHSIG stays tied to this process.
+        self.manager = await asyncio.to_thread(ensure_manager, self.settings)
+        url = self.settings.manager_url
+        proxy = ray.remote(ManagerProxyServer).options(
+            name=PROXY_ACTOR_NAME, get_if_exists=True, num_cpus=0, max_concurrency=self.max_concurrency,
+        ).remote(url, prompt_length=self.config.prompt_length, response_length=self.config.response_length,
+                 max_model_len=self.config.max_model_len, timeout_s=self.settings.manager.request_timeout_s)
+        health = await proxy.health.remote()  # fails fast if the workers cannot reach the manager
+        log.info("replica %d -> rollout manager %s (%s)", self.replica_rank, url, health)
+        self.servers = [proxy]
+        self._server_handle = proxy
+        host, port = await proxy.get_server_address.remote()
+        self._server_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ManagerServerAdapter(BaseRollout):
+    """Training-rank side: no engine to wake or put to sleep; weights go to the push hook."""
+
+    def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, **kwargs: Any):
+        super().__init__(config, model_config, device_mesh)
+        self.settings = from_rollout_config(self.config)
+        self.replica_rank = replica_rank
+        self._push = None
+
+    async def resume(self, tags: list[str]) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+                             global_steps: int | None = None, wire_format: str = "named_tensors",
+                             **kwargs: Any) -> Any:
+        if self._push is None:
+            self._push = load_weight_push(self.settings.manager.weight_push)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
+        world = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                 else int(os.environ.get("WORLD_SIZE", 1)))
+        context = WeightPushContext(rank=rank, world_size=world, manager_url=self.settings.manager_url,
+                                    rollout_config=self.config, wire_format=wire_format, kwargs=kwargs)
+        return await call_weight_push(self._push, weights, global_steps, context)
+
+
+def rollout_config_of(config: Any) -> Any:
+    """``RolloutConfig`` from a DictConfig/dict (helper for tests and tools)."""
+    from verl.workers.config import RolloutConfig
+
+    return omega_conf_to_dataclass(config, RolloutConfig)
