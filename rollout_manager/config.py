@@ -82,6 +82,7 @@ class Config(BaseModel):
     num_mooncake_groups_per_sender: int = Field(default=1, gt=0)
     num_mooncake_engines_per_group: int = Field(default=4, gt=0)
     weight_sender_base_port: int = Field(default=17000, ge=1, le=65535)
+    weight_transport: Literal["mooncake", "tcp"] = "mooncake"
     weight_push_max_attempts: int = Field(default=3, gt=0)
     weight_push_timeout_s: float = Field(default=600.0, gt=0)
     weight_push_retry_s: float = Field(default=2.0, gt=0)

@@ -137,9 +137,11 @@ class WeightSync:
         layout = await self._call("GET", sender_url + "/layout")
         if int(layout["version"]) != version:
             raise PushFailed(f"sender {group.sender} has version {layout['version']} staged, not {version}")
-        prep = await self._call("POST", receiver_url + "/prepare", {"version": version, "layout": layout["layout"]})
+        transport = m.config.weight_transport
+        prep = await self._call("POST", receiver_url + "/prepare",
+                                {"version": version, "layout": layout["layout"], "transport": transport})
         push = await self._call("POST", sender_url + "/push", {
-            "version": version, "ip": group.ip, "num_engines": m.engines_per_group,
+            "version": version, "ip": group.ip, "num_engines": m.engines_per_group, "transport": transport,
             "session_ids": prep["session_ids"], "buffer_addr": prep["buffer_addr"],
         })
         commit = await self._call("POST", receiver_url + "/commit", {
@@ -147,7 +149,7 @@ class WeightSync:
             "checksums": push["checksums"],
         })
         return {"instance": inst.id, "endpoint": inst.endpoint, "version": version, "sender": group.sender,
-                "group": group.group, "ip": group.ip, "bytes": push["bytes"], "transfer_s": push["seconds"],
+                "group": group.group, "ip": group.ip, "transport": transport, "bytes": push["bytes"], "transfer_s": push["seconds"],
                 "gbps": push["gbps"], "verify_s": commit.get("verify_s"), "load_s": commit.get("load_s"),
                 "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
 

@@ -66,10 +66,11 @@ class Box:
 
 
 @pytest.fixture
-async def rig(start_manager, tmp_path):
+async def rig(start_manager, tmp_path, request):
     sender_port = free_port()
     m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_push_retry_s="0.2", weight_push_max_attempts="2")
+                            weight_push_retry_s="0.2", weight_push_max_attempts="2",
+                            weight_transport=getattr(request, "param", "mooncake"))
     sender = SenderAgent(SENDER_IPS, sender_port).start()
     boxes: list[Box] = []
 
@@ -97,6 +98,7 @@ async def greedy_via(m, prompt, n=8):
     return out
 
 
+@pytest.mark.parametrize("rig", ["mooncake", "tcp"], indirect=True)
 async def test_push_to_three_engines_in_two_groups_is_bit_exact_and_changes_outputs(rig):
     m, sender, add_box = rig
     boxes = [await add_box() for _ in range(3)]
@@ -124,6 +126,7 @@ async def test_push_to_three_engines_in_two_groups_is_bit_exact_and_changes_outp
     assert {i["weight_version"] for i in st["instances"]} == {1}
     pushes = st["recent_weight_pushes"]
     assert {p["ip"] for p in pushes} == set(SENDER_IPS) and all(p["bytes"] == layout.total_bytes for p in pushes)
+    assert len({p["transport"] for p in pushes}) == 1
 
 
 async def _state(m, box, state):

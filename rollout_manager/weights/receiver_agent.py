@@ -33,6 +33,7 @@ from aiohttp import web
 from .. import sglang_wire as wire
 from .layout import HostBuffer, WeightLayout, unpack
 from .mooncake_engine import MooncakeEngine
+from .tcp_transport import TcpEngine
 from .shards import verify_shards
 
 log = logging.getLogger("rollout_manager.receiver")
@@ -46,7 +47,9 @@ class ReceiverAgent:
                  fault_corrupt: bool = False, fault_die_after_prepare: bool = False):
         self.host = host
         self.sglang_url = sglang_url.rstrip("/")
-        self.engines = [MooncakeEngine(host, protocol, device_name) for _ in range(max(num_engines, 1))]
+        self.engines: list[MooncakeEngine | TcpEngine] = [
+            MooncakeEngine(host, protocol, device_name) for _ in range(max(num_engines, 1))]
+        self.tcp: TcpEngine | None = None  # the plain-TCP transport, started when first asked for
         self.bucket_bytes = bucket_bytes
         self.load_timeout_s = load_timeout_s
         self.buffer: HostBuffer | None = None
@@ -66,8 +69,11 @@ class ReceiverAgent:
     async def close(self) -> None:
         if self.session:
             await self.session.close()
-        for engine in self.engines:
+        for engine in self._all_engines():
             engine.close()
+
+    def _all_engines(self) -> list[MooncakeEngine | TcpEngine]:
+        return self.engines + ([self.tcp] if self.tcp else [])
 
     @property
     def session_ids(self) -> list[str]:
@@ -84,18 +90,23 @@ class ReceiverAgent:
         }
 
     # ------------------------------------------------------------ prepare
-    def prepare(self, layout: WeightLayout) -> dict[str, Any]:
+    def prepare(self, layout: WeightLayout, transport: str = "mooncake") -> dict[str, Any]:
         """A registered buffer for ``layout``; reallocated only when it no longer fits."""
+        if transport == "tcp" and self.tcp is None:
+            self.tcp = TcpEngine(self.host).start()
+            if self.buffer is not None:
+                self.tcp.register(self.buffer.addr, max(self.buffer.nbytes, 1))
         if self.buffer is None or not self.buffer.fits(layout):
             if self.buffer is not None:
-                for engine in self.engines:
+                for engine in self._all_engines():
                     engine.unregister(self.buffer.addr)
             self.buffer = HostBuffer.for_layout(layout)
-            for engine in self.engines:
+            for engine in self._all_engines():
                 engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
             log.info("receive buffer of %d bytes registered at 0x%x", self.buffer.nbytes, self.buffer.addr)
         self.layout = layout
-        return {"session_ids": self.session_ids, "buffer_addr": self.buffer.addr,
+        sessions = [self.tcp.session_id] if transport == "tcp" and self.tcp else self.session_ids
+        return {"session_ids": sessions, "buffer_addr": self.buffer.addr,
                 "buffer_bytes": self.buffer.nbytes, "fingerprint": layout.fingerprint()}
 
     # ------------------------------------------------------------ commit
@@ -187,10 +198,13 @@ async def handle_prepare(request: web.Request) -> web.Response:
     try:
         layout = WeightLayout.from_dict(body["layout"])
         int(body["version"])
+        transport = str(body.get("transport", "mooncake"))
+        if transport not in ("mooncake", "tcp"):
+            raise ValueError(f"unknown transport {transport!r}")
     except (KeyError, TypeError, ValueError) as exc:
         return web.json_response({"error": f"bad prepare body: {exc}"}, status=400)
     async with agent.busy:
-        answer = await asyncio.to_thread(agent.prepare, layout)
+        answer = await asyncio.to_thread(agent.prepare, layout, transport)
     if agent.fault_die_after_prepare:
         asyncio.get_running_loop().call_later(0.05, os._exit, 1)
     return web.json_response(answer)

@@ -15,18 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from aiohttp import web
 
 from .layout import HostBuffer, WeightLayout, build_layout, stage
 from .mooncake_engine import MooncakeEngine
+from .tcp_transport import TcpEngine
 from .pusher import push_buffer, source_view
 from .shards import shard_checksums, split_shards
 
 log = logging.getLogger("rollout_manager.sender")
 
+Transport = Union[MooncakeEngine, TcpEngine]
+TRANSPORTS = ("mooncake", "tcp")
 AGENT: web.AppKey["SenderAgent"] = web.AppKey("sender", object)  # type: ignore[arg-type]
 
 
@@ -39,7 +42,7 @@ class SenderAgent:
         self.buffer: HostBuffer | None = None
         self.layout: WeightLayout | None = None
         self.version: int | None = None
-        self._engines: dict[str, MooncakeEngine] = {}
+        self._engines: dict[tuple[str, str], Transport] = {}
         self._group_locks: dict[str, threading.Lock] = {}
         self._checksums: dict[tuple[int, int], list[str]] = {}
         self._gate = threading.Condition()
@@ -68,22 +71,25 @@ class SenderAgent:
         return layout
 
     # ------------------------------------------------------------ pushes
-    def _engine(self, ip: str) -> MooncakeEngine:
+    def _engine(self, ip: str, transport: str = "mooncake") -> Transport:
         """The group's engine, bound to ``ip``; created (and given the buffer) on first use.
 
         One engine per group, every shard of a push in flight through it at once: on TCP that
         measured faster and cheaper in CPU than one engine per shard (README, weight transfer).
         """
-        engine = self._engines.get(ip)
+        engine = self._engines.get((ip, transport))
         if engine is None:
-            engine = MooncakeEngine(ip, self.protocol, self.device_name).start()
+            if transport == "tcp":
+                engine = TcpEngine(ip, listen=False).start()
+            else:
+                engine = MooncakeEngine(ip, self.protocol, self.device_name).start()
             if self.buffer is not None:
                 engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
-            self._engines[ip] = engine
+            self._engines[(ip, transport)] = engine
         return engine
 
     def push(self, version: int, ip: str, num_engines: int, session_ids: Sequence[str],
-             buffer_addr: int) -> dict[str, Any]:
+             buffer_addr: int, transport: str = "mooncake") -> dict[str, Any]:
         """Write the staged buffer to one receiver through group ``ip`` (blocking)."""
         if ip not in self.ips:
             raise PushRefused(400, f"{ip} is not one of this sender's interfaces {self.ips}")
@@ -93,7 +99,7 @@ class SenderAgent:
             self._pushes += 1
         try:
             with self._group_locks.setdefault(ip, threading.Lock()):
-                engine = self._engine(ip)
+                engine = self._engine(ip, transport)
                 total = self.layout.total_bytes
                 key = (version, num_engines)
                 if key not in self._checksums:
@@ -190,12 +196,14 @@ async def handle_push(request: web.Request) -> web.Response:
         num_engines = int(body["num_engines"])
         session_ids = [str(s) for s in body["session_ids"]]
         buffer_addr = int(body["buffer_addr"])
-        if num_engines < 1 or not session_ids:
-            raise ValueError("num_engines must be >= 1 and session_ids non-empty")
+        transport = str(body.get("transport", "mooncake"))
+        if num_engines < 1 or not session_ids or transport not in TRANSPORTS:
+            raise ValueError(f"num_engines must be >= 1, session_ids non-empty, transport one of {TRANSPORTS}")
     except (KeyError, TypeError, ValueError) as exc:
         return web.json_response({"error": f"bad push body: {exc}"}, status=400)
     try:
-        result = await asyncio.to_thread(agent.push, version, ip, num_engines, session_ids, buffer_addr)
+        result = await asyncio.to_thread(agent.push, version, ip, num_engines, session_ids, buffer_addr,
+                                         transport)
     except PushRefused as exc:
         return web.json_response({"error": str(exc)}, status=exc.status)
     except Exception as exc:  # a transfer failure: report it, the manager decides
