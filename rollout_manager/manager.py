@@ -148,6 +148,9 @@ class Manager:
         return {
             "num_mooncake_groups_per_sender": self.groups_per_sender,
             "num_mooncake_engines_per_group": self.engines_per_group,
+            "weight_sender_base_port": self.config.weight_sender_base_port,
+            "mooncake_transfer_protocol": self.config.mooncake_transfer_protocol,
+            "mooncake_transfer_device_name": self.config.mooncake_transfer_device_name,
             "senders": [
                 {
                     "sender": s,
@@ -269,6 +272,8 @@ class Manager:
     def _on_event(self, inst: Instance, event: Event) -> None:
         if event.new == State.DEAD:
             self.weights.forget(inst)
+            if inst.kind == Kind.REMOTE:
+                self._reassign()  # keep the groups even as instances leave
             task = self._watchers.pop(inst.id, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()

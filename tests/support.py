@@ -110,3 +110,32 @@ def wait_http_ok_sync(url: str, proc: Proc | None = None, timeout: float = 60.0)
             pass
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {url}")
+
+
+class Box:
+    """One rollout box: a CPU engine and its weight receiver agent."""
+
+    def __init__(self, tmp_path: Path, model_json: str = "{}", *receiver_flags: str):
+        self.port, self.rport = free_port(), free_port()
+        self.engine = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(self.port), "--seed", "0",
+                            "--model-config", model_json], tmp_path / f"engine-{self.port}.log")
+        self.receiver = Proc([PY, "-m", "rollout_manager.weights.receiver_agent", "--host", "127.0.0.1",
+                              "--port", str(self.rport), "--sglang-url", f"http://127.0.0.1:{self.port}",
+                              *receiver_flags], tmp_path / f"receiver-{self.rport}.log",
+                             env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    async def ready(self) -> None:
+        await wait_http_ok(self.url + "/health", self.engine)
+        await wait_http_ok(f"http://127.0.0.1:{self.rport}/health", self.receiver)
+
+    def stop(self) -> None:
+        self.engine.stop()
+        self.receiver.stop()

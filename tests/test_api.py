@@ -133,6 +133,10 @@ async def test_weight_senders_filtered_grouped_and_instances_dealt_round_robin(s
     _, reg = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": engines[3].port})
     assert (reg["weight_transfer"]["sender"], reg["weight_transfer"]["group"]) == (1, 1)
     assert reg["weight_transfer"]["sender_ip"] == "127.0.1.9"
+    # Instances leaving: the rest is re-dealt so the groups stay even.
+    await m.post("/shutdown_instances", {"endpoints": [engines[0].endpoint, engines[2].endpoint]})
+    slots = [(i["sender"], i["group"]) for i in (await m.status())["instances"]]
+    assert slots == [(0, 0), (1, 0)]
     # Senders change: everything is re-dealt evenly over the new groups.
     status, body = await m.put_senders([["127.0.0.2"]], 1, engines=8)
     assert status == 200 and body["num_mooncake_engines_per_group"] == 8

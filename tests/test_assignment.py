@@ -58,3 +58,11 @@ def test_more_groups_than_instances_and_no_senders():
     plan = plan_groups([["1.1.1.1"]], ALL, 8)
     assert len({(g.sender, g.group) for g in assign(["a", "b"], plan).values()}) == 2
     assert assign(["a"], []) == {}
+
+
+def test_re_dealing_after_instances_leave_stays_even():
+    plan = plan_groups([["1.1.1.1", "1.1.1.2"]], ALL, 2)
+    ids = [f"i{k}" for k in range(6)]
+    survivors = [i for i in ids if i not in ("i0", "i2", "i4")]  # every instance of group 0 left
+    load = Counter((g.sender, g.group) for g in assign(survivors, plan).values())
+    assert sorted(load.values()) == [1, 2]

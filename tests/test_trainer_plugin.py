@@ -549,7 +549,8 @@ async def test_replica_starts_one_manager_and_adapter_hands_weights_to_the_push_
         manager.stop()
     assert not pid_alive(manager.pid)
 
-    config = RolloutConfig(name="sglang-disaggregated", custom={"rollout_manager": {"port": 6010}})
+    config = RolloutConfig(name="sglang-disaggregated", custom={"rollout_manager": {
+        "port": 6010, "weight_push": "trainer_plugin.weight_push:discard_weights"}})
     adapter = ManagerServerAdapter(config, None, None)
     await adapter.resume(["weights"])
     await adapter.release()

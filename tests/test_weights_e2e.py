@@ -11,7 +11,7 @@ import torch
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
-from support import PY, Proc, free_port, wait_http_ok, wait_until
+from support import Box, free_port, wait_until
 
 MODEL = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 4}  # ~9.6 M params
 MODEL_JSON = json.dumps(MODEL)
@@ -36,35 +36,6 @@ def expected_checksums(weights: dict[str, torch.Tensor]) -> dict[str, str]:
     return {n: tensor_checksum(t.to(torch.float32)) for n, t in weights.items()}
 
 
-class Box:
-    """One rollout box: a CPU engine and its weight receiver agent."""
-
-    def __init__(self, tmp_path, *receiver_flags: str):
-        self.port, self.rport = free_port(), free_port()
-        self.engine = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(self.port), "--seed", "0",
-                            "--model-config", MODEL_JSON], tmp_path / f"engine-{self.port}.log")
-        self.receiver = Proc([PY, "-m", "rollout_manager.weights.receiver_agent", "--host", "127.0.0.1",
-                              "--port", str(self.rport), "--sglang-url", f"http://127.0.0.1:{self.port}",
-                              *receiver_flags], tmp_path / f"receiver-{self.rport}.log",
-                             env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
-
-    async def ready(self) -> None:
-        await wait_http_ok(self.url + "/health", self.engine)
-        await wait_http_ok(f"http://127.0.0.1:{self.rport}/health", self.receiver)
-
-    def stop(self) -> None:
-        self.engine.stop()
-        self.receiver.stop()
-
-
 @pytest.fixture
 async def rig(start_manager, tmp_path, request):
     sender_port = free_port()
@@ -75,7 +46,7 @@ async def rig(start_manager, tmp_path, request):
     boxes: list[Box] = []
 
     async def add_box(*flags: str) -> Box:
-        box = Box(tmp_path, *flags)
+        box = Box(tmp_path, MODEL_JSON, *flags)
         boxes.append(box)
         await box.ready()
         status, body = await m.post("/register_rollout_instance",

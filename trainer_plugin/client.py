@@ -238,6 +238,16 @@ class ManagerClient:
     async def abort_local_requests(self) -> dict[str, Any]:
         return await self._call("POST", "/abort_local_requests", {})
 
+    async def update_weight_version(self, new_version: int | None = None, *, wait_for: int | str | None = None,
+                                    timeout_s: float = 600.0) -> dict[str, Any]:
+        """Publish a staged weight version; with ``wait_for`` ("all" or a count) wait until served."""
+        body: dict[str, Any] = {"timeout_s": float(timeout_s)}
+        if new_version is not None:
+            body["new_version"] = int(new_version)
+        if wait_for is not None:
+            body["wait_for_instances"] = wait_for
+        return await self._call("POST", "/update_weight_version", body, total=timeout_s + 30)
+
     async def update_metrics(self, *, step_time_s: float, trainer_bubble_time_s: float,
                              step_throughput: float) -> dict[str, Any]:
         return await self._call("POST", "/update_metrics", {

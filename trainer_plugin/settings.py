@@ -84,7 +84,13 @@ class ManagerSettings:
     # extra "KEY=VALUE" overrides passed as --set to the manager
     overrides: tuple[str, ...] = ()
     # dotted path "module:function" called with the weights after each update (the weight push hook)
-    weight_push: str = "trainer_plugin.weight_push:discard_weights"
+    weight_push: str = "trainer_plugin.weight_push:push_to_rollout_manager"
+    # this node's interfaces for weight traffic (filtered by the manager's allowed_sender_ips);
+    # empty: the address of the route to the manager
+    sender_ips: tuple[str, ...] = ()
+    # after a push: wait until "all" remote instances serve the new version, a number of them, or "none"
+    weight_push_wait: str = "all"
+    weight_push_timeout_s: float = 600.0
     request_timeout_s: float = 30.0
 
 
