@@ -25,7 +25,8 @@ else:  # pragma: no cover - exercised on 3.10 only
 ENV_PREFIX = "ROLLOUT_MANAGER_"
 # Variables with our prefix that belong to the rollout-box side (launch_sglang.sh), not to the daemon.
 ENV_NOT_CONFIG = frozenset({"ROLLOUT_MANAGER_ADDR", "ROLLOUT_MANAGER_ADDRESS", "ROLLOUT_MANAGER_ENGINE",
-                            "ROLLOUT_MANAGER_AUTH_TOKEN", "ROLLOUT_MANAGER_VERL_ARGV_ALIASES"})
+                            "ROLLOUT_MANAGER_VERL_ARGV_ALIASES"})
+SECRET_KEYS = frozenset({"auth_token"})  # never logged
 DEFAULT_PORT = 5000
 
 Port = Field(ge=1, le=65535)
@@ -95,6 +96,7 @@ class Config(BaseModel):
     health_failure_threshold: int = Field(default=3, gt=0)
     health_check_path: Literal["/health_generate", "/health"] = "/health_generate"
     drain_timeout_s: float = Field(default=120.0, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     # Generation.
     scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin"] = "throughput_aware"
@@ -109,10 +111,14 @@ class Config(BaseModel):
     local_budget_max_s: float = Field(default=600.0, gt=0)
     local_budget_gain: float = Field(default=0.5, gt=0, le=1)
 
-    # HTTP API.
+    # HTTP API and security.
     max_request_body_mb: float = Field(default=64.0, gt=0)
+    max_admin_body_kb: float = Field(default=256.0, gt=0)
+    auth_token: str = ""
+    registration_allowed_networks: str = "0.0.0.0/0,::/0"
+    allow_registration_host_mismatch: bool = False
 
-    @field_validator("allowed_sender_ips", mode="before")
+    @field_validator("allowed_sender_ips", "registration_allowed_networks", mode="before")
     @classmethod
     def _check_networks(cls, value: Any) -> Any:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -138,6 +144,10 @@ class Config(BaseModel):
     @property
     def allowed_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
         return parse_networks(self.allowed_sender_ips)
+
+    @property
+    def registration_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return parse_networks(self.registration_allowed_networks)
 
 
 KEYS = tuple(Config.model_fields)
@@ -226,4 +236,4 @@ def parse_set_option(text: str) -> tuple[str, str]:
 
 def describe(config: Config) -> str:
     """The effective configuration on one line, for the start-up log."""
-    return " ".join(f"{k}={v!r}" for k, v in config.model_dump().items())
+    return " ".join(f"{k}={'<set>' if k in SECRET_KEYS and v else repr(v)}" for k, v in config.model_dump().items())

@@ -23,6 +23,7 @@ class Dispatcher:
         self.clock = clock
         self.changed = Signal()  # any change in who can take work, or in load
         self.local_allowed: Callable[[], bool] = lambda: True  # the local window, set by the generator
+        self.closing = False
         self.meters: dict[str, TokenRateMeter] = {}
         self._idle_since: dict[str, float] = {}
         self._idle_s: dict[str, float] = {}
@@ -78,6 +79,8 @@ class Dispatcher:
         """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline."""
         deadline = self.clock() + timeout_s
         while True:
+            if self.closing:
+                raise Unavailable("rollout manager is shutting down; no new work is placed")
             inst = self.try_acquire(tokens, avoid)
             if inst is not None:
                 return inst

@@ -13,6 +13,18 @@ class BadRequest(ManagerError):
     status = 400
 
 
+class Forbidden(ManagerError):
+    status = 403
+
+
+class Unauthorized(ManagerError):
+    status = 401
+
+
+class TooLarge(ManagerError):
+    status = 413
+
+
 class NotFound(ManagerError):
     status = 404
 

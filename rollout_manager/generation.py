@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aiohttp
 
@@ -26,6 +26,7 @@ from .registry import Instance, Kind, State
 from .sglang_client import EngineFailed, EngineRejected, SGLangClient, stream_generate
 
 log = logging.getLogger("rollout_manager.generation")
+T = TypeVar("T")
 
 
 class Preempted(Exception):
@@ -104,6 +105,11 @@ class Generator:
         self.local = LocalWindow(on_change=dispatcher.changed.notify)
         dispatcher.local_allowed = lambda: self.local.is_open
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0}
+        self.closing = False  # shutting down: no new work is placed
+        self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
+        self._requests: set[asyncio.Task[Any]] = set()
+        # Called once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
+        self.on_finished: Callable[[float, int, bool], None] | None = None
 
     # ------------------------------------------------------------ public
     def begin_rollout(self) -> None:
@@ -111,8 +117,37 @@ class Generator:
         if self.local.armed and self.dispatcher.registry.in_state(State.ACTIVE, kind=Kind.LOCAL):
             self.local.open(self.budget.budget_s)
 
+    async def guarded(self, work: Awaitable[T]) -> T:
+        """Run a caller's request; if the shutdown grace ends first, abort it and fail it with 503.
+
+        No extra task per request: the caller's own task is registered and cancelled at the end of
+        the grace, which runs every ``finally`` below (aborting the sequences on their instances).
+        """
+        me = asyncio.current_task()
+        assert me is not None
+        self._requests.add(me)
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise
+            if hasattr(me, "uncancel"):
+                me.uncancel()
+            raise GenerationFailed(503, "rollout manager is shutting down; the request was aborted") from None
+        finally:
+            self._requests.discard(me)
+
+    def stop(self) -> None:
+        """The shutdown grace is over: fail what still runs."""
+        self.stopping.set()
+        for task in list(self._requests):
+            task.cancel()
+
     async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         """An SGLang ``/generate`` body -> SGLang's final answer (a list for batched input)."""
+        return await self.guarded(self._generate(body))
+
+    async def _generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         self.begin_rollout()
         subs = wire.split_batch(body)
         if not wire.is_batched(body):
@@ -145,9 +180,10 @@ class Generator:
                 queue.put_nowait((i, exc))
 
         tasks = [asyncio.ensure_future(one(i, sub)) for i, sub in enumerate(wire.split_batch(body))]
+        tasks.append(asyncio.ensure_future(self._fail_on_stop(queue)))
         finished = 0
         try:
-            while finished < len(tasks):
+            while finished < len(tasks) - 1:
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
@@ -170,6 +206,10 @@ class Generator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _fail_on_stop(self, queue: asyncio.Queue[Any]) -> None:
+        await self.stopping.wait()
+        queue.put_nowait((-1, GenerationFailed(503, "rollout manager is shutting down; the request was aborted")))
+
     def _partial(self, seq: SequenceState, index: int | None) -> dict[str, Any]:
         return wire.output_chunk(
             rid=seq.rid, output_ids=list(seq.output_ids), prompt_tokens=len(seq.body["input_ids"]),
@@ -180,6 +220,20 @@ class Generator:
 
     async def run_sequence(self, body: dict[str, Any], index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
+        """Run one sequence to its end and report it to ``on_finished`` (a cancelled one is not reported)."""
+        if self.on_finished is None:
+            return await self._run_sequence(body, index, on_tokens)
+        started = time.monotonic()
+        try:
+            out = await self._run_sequence(body, index, on_tokens)
+        except GenerationFailed:
+            self.on_finished(time.monotonic() - started, 0, False)
+            raise
+        self.on_finished(out["meta_info"]["e2e_latency"], len(out["output_ids"]), True)
+        return out
+
+    async def _run_sequence(self, body: dict[str, Any], index: int | None,
+                            on_tokens: Callable[[SequenceState], None] | None) -> dict[str, Any]:
         caller_rid = body.get("rid")
         seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{uuid.uuid4().hex[:12]}"))
         self.stats["sequences"] += 1

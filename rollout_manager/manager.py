@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 import time
 from typing import Any, Sequence
 
@@ -19,6 +21,7 @@ from .assignment import Group, assign, plan_groups
 from .config import Config
 from .dispatch import Dispatcher
 from .generation import GenerationSettings, Generator
+from .errors import BadRequest, Forbidden
 from .local_budget import LocalBudget
 from .registry import Event, Instance, Kind, Registry, State, format_endpoint
 from .scheduling import make_policy
@@ -28,6 +31,14 @@ from .versions import WeightSync
 log = logging.getLogger("rollout_manager.manager")
 
 NOT_SERVING = (State.PENDING, State.SYNCING)
+
+
+def _plain_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address, with IPv4-mapped IPv6 (``::ffff:1.2.3.4``) taken as the IPv4 it is."""
+    addr = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
 
 
 class Manager:
@@ -67,6 +78,20 @@ class Manager:
             on_instance_failure=self.report_failure, on_instance_success=self.report_success,
         )
 
+    async def drain_for_shutdown(self, grace_s: float) -> None:
+        """Stop placing work, let in-flight sequences finish for up to ``grace_s``, then fail the rest
+        with a clear 503 (their instances are told to abort them)."""
+        self.dispatcher.closing = True
+        self.dispatcher.changed.notify()  # requests waiting for an instance fail now
+        busy = lambda: sum(i.in_flight for i in self.registry)  # noqa: E731
+        if busy():
+            log.info("shutting down: waiting up to %gs for %d in-flight sequence(s)", grace_s, busy())
+        finished = await self.dispatcher.changed.wait_for(lambda: busy() == 0, grace_s)
+        if not finished:
+            log.warning("shutting down: aborting %d sequence(s) still in flight after %gs", busy(), grace_s)
+        if self.generator is not None:
+            self.generator.stop()
+
     async def close(self) -> None:
         """Cancel every background task and close outgoing connections."""
         await self.weights.close()
@@ -79,6 +104,30 @@ class Manager:
             await self._session.close()
 
     # ------------------------------------------------------------ registration
+    async def check_registration_source(self, source: str | None, host: str | None) -> None:
+        """Only configured networks may register, and a box registers itself, not someone else.
+
+        ``source`` is the request's peer address (None for in-process calls). With ``host``, the
+        registered host must resolve to that address unless ``allow_registration_host_mismatch``.
+        """
+        if source is None:
+            return
+        addr = _plain_ip(source)
+        nets = self.config.registration_networks
+        if not any(addr in net for net in nets if net.version == addr.version):
+            raise Forbidden(f"registration from {source} refused: not in registration_allowed_networks "
+                            f"({self.config.registration_allowed_networks})")
+        if host is None or self.config.allow_registration_host_mismatch:
+            return
+        try:
+            resolved = {_plain_ip(info[4][0]) for info in
+                        await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        except (OSError, ValueError):
+            raise BadRequest(f"host {host!r} does not resolve") from None
+        if addr not in resolved:
+            raise Forbidden(f"registration of host {host} refused: the request came from {source}; a box "
+                            f"registers itself (set allow_registration_host_mismatch to allow this)")
+
     def register_remote(self, host: str, port: int, handshake_port: int | None,
                         receiver_port: int | None = None) -> dict[str, Any]:
         inst = self.registry.add(host, port, Kind.REMOTE, handshake_port)

@@ -43,11 +43,18 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("rollout-manager listening on http://%s", config.bind)
     log.info("effective configuration: %s", describe(config))
+    if any(net.prefixlen == 0 for net in config.registration_networks):
+        log.warning("registration_allowed_networks admits every address (%s): any host that can reach "
+                    "this port can register an instance and feed rollouts into training; restrict it",
+                    config.registration_allowed_networks)
+    if not config.auth_token:
+        log.warning("no auth_token: the API is open to anyone who can reach %s", config.bind)
     if ready is not None:
         ready.set()
     try:
         await stop.wait()
-        log.info("shutting down: refusing new connections, finishing in-flight requests")
+        log.info("shutting down: no new work; finishing in-flight requests (up to %gs)", config.shutdown_grace_s)
+        await manager.drain_for_shutdown(config.shutdown_grace_s)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import aiohttp
 
@@ -36,6 +36,7 @@ class WeightSync:
         self.m = manager
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.pushes: list[dict[str, Any]] = []  # recent push results, for status and metrics
+        self.on_push: Callable[[dict[str, Any]], None] | None = None  # every successful push (metrics)
 
     # ------------------------------------------------------------ trainer-facing
     def bump(self, new_version: int | None) -> int:
@@ -117,6 +118,8 @@ class WeightSync:
             inst.weight_version = version
             self.pushes.append(result)
             del self.pushes[:-100]
+            if self.on_push is not None:
+                self.on_push(result)
             if version == self.m.weight_version:
                 self.m.registry.transition(inst, State.ACTIVE, f"weights at version {version} "
                                            f"({result['gbps']:.2f} GB/s, {result['total_s']:.2f}s)")
@@ -155,8 +158,10 @@ class WeightSync:
 
     async def _call(self, method: str, url: str, body: Any = None) -> dict[str, Any]:
         assert self.m.sglang is not None
+        token = self.m.config.auth_token  # the agents take the same shared token
         async with self.m.sglang.session.request(
-            method, url, json=body, timeout=aiohttp.ClientTimeout(total=self.m.config.weight_push_timeout_s)
+            method, url, json=body, timeout=aiohttp.ClientTimeout(total=self.m.config.weight_push_timeout_s),
+            headers={"Authorization": f"Bearer {token}"} if token else None,
         ) as resp:
             text = await resp.text()
             try:

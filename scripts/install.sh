@@ -17,6 +17,13 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
   fi
 fi
 
+# Debian's Chromium renders the status page in the tests (headless); they skip without it.
+if [ ! -x /usr/bin/chromium ] && [ "${WITH_CHROMIUM:-1}" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "install.sh: installing chromium (status-page test)"
+  apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+    || echo "install.sh: warning: chromium not installed; the status-page test will skip" >&2
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first and pinned, so that no later dependency range pulls a multi-GB CUDA build.

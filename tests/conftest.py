@@ -23,15 +23,21 @@ class ManagerHandle:
     proc: Proc
     url: str
     session: aiohttp.ClientSession
+    token: str = ""  # sent as a bearer token when the manager was started with auth_token
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def get(self, path: str) -> tuple[int, Any]:
-        async with self.session.get(self.url + path) as r:
+        async with self.session.get(self.url + path, headers=self.headers) as r:
             return r.status, await r.json()
 
     async def post(self, path: str, body: Any = None, *, data: bytes | None = None,
-                   method: str = "POST") -> tuple[int, Any]:
+                   method: str = "POST", headers: dict[str, str] | None = None) -> tuple[int, Any]:
         kwargs = {"data": data} if data is not None else {"json": body}
-        async with self.session.request(method, self.url + path, **kwargs) as r:
+        async with self.session.request(method, self.url + path, headers=self.headers if headers is None
+                                        else headers, **kwargs) as r:
             return r.status, await r.json(content_type=None)
 
     async def put_senders(self, ips: list[list[str]], groups: int | None,
@@ -62,7 +68,7 @@ async def start_manager(tmp_path):
     async def start(**settings: Any) -> ManagerHandle:
         port = free_port()
         proc = Proc(_manager_args(port, settings), tmp_path / f"manager-{port}.log")
-        handle = ManagerHandle(proc, f"http://127.0.0.1:{port}", session)
+        handle = ManagerHandle(proc, f"http://127.0.0.1:{port}", session, str(settings.get("auth_token", "")))
         started.append(handle)
         await wait_http_ok(handle.url + "/health", proc)
         return handle

@@ -115,14 +115,15 @@ def wait_http_ok_sync(url: str, proc: Proc | None = None, timeout: float = 60.0)
 class Box:
     """One rollout box: a CPU engine and its weight receiver agent."""
 
-    def __init__(self, tmp_path: Path, model_json: str = "{}", *receiver_flags: str):
+    def __init__(self, tmp_path: Path, model_json: str = "{}", *receiver_flags: str, token: str = ""):
         self.port, self.rport = free_port(), free_port()
         self.engine = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(self.port), "--seed", "0",
                             "--model-config", model_json], tmp_path / f"engine-{self.port}.log")
         self.receiver = Proc([PY, "-m", "rollout_manager.weights.receiver_agent", "--host", "127.0.0.1",
                               "--port", str(self.rport), "--sglang-url", f"http://127.0.0.1:{self.port}",
                               *receiver_flags], tmp_path / f"receiver-{self.rport}.log",
-                             env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
+                             env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2",
+                                  "ROLLOUT_MANAGER_AUTH_TOKEN": token})
 
     @property
     def endpoint(self) -> str:

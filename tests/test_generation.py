@@ -314,3 +314,23 @@ async def test_incremental_engine_and_stalled_engine(start_manager, start_engine
     first, second = out["meta_info"]["segments"]
     assert first["endpoint"] == stalling.endpoint and "stalled" in first["outcome"] and first["end"] == 6
     assert second["endpoint"] == incremental.endpoint and second["start"] == 6
+
+
+async def test_sigterm_lets_in_flight_work_finish_within_the_grace_then_fails_the_rest_clearly(
+        start_manager, start_engines):
+    m = await start_manager(shutdown_grace_s="1")
+    (engine,) = await start_engines(["--token-delay-s", "0.05"])
+    await register(m, engine)
+    items = [[0, {"input_ids": [1], "sampling_params": greedy(2)}],
+             [1, {"input_ids": [2], "sampling_params": greedy(400)}]]  # ~20 s: outlives the grace
+    lines = []
+    async with m.session.post(m.url + "/batch_generate_requests", json=items) as resp:
+        async for raw in resp.content:
+            lines.append(json.loads(raw))
+            if len(lines) == 1:
+                m.proc.signal(signal.SIGTERM)
+    assert [x["id"] for x in lines] == [0, 1]
+    assert lines[0]["success"] and not lines[1]["success"]
+    assert lines[1]["status_code"] == 503 and "shutting down" in lines[1]["error"]
+    assert m.proc.wait(20) == 0
+    await wait_until(lambda: _zero(_engine_running(engine)), what="the engine told to abort")

@@ -39,14 +39,16 @@ def expected_checksums(weights: dict[str, torch.Tensor]) -> dict[str, str]:
 @pytest.fixture
 async def rig(start_manager, tmp_path, request):
     sender_port = free_port()
+    transport, _, auth = getattr(request, "param", "mooncake").partition("+")
+    token = "s3cret-token" if auth else ""
     m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
                             weight_push_retry_s="0.2", weight_push_max_attempts="2",
-                            weight_transport=getattr(request, "param", "mooncake"))
-    sender = SenderAgent(SENDER_IPS, sender_port).start()
+                            weight_transport=transport, auth_token=token)
+    sender = SenderAgent(SENDER_IPS, sender_port, auth_token=token).start()
     boxes: list[Box] = []
 
     async def add_box(*flags: str) -> Box:
-        box = Box(tmp_path, MODEL_JSON, *flags)
+        box = Box(tmp_path, MODEL_JSON, *flags, token=token)
         boxes.append(box)
         await box.ready()
         status, body = await m.post("/register_rollout_instance",
@@ -69,7 +71,7 @@ async def greedy_via(m, prompt, n=8):
     return out
 
 
-@pytest.mark.parametrize("rig", ["mooncake", "tcp"], indirect=True)
+@pytest.mark.parametrize("rig", ["mooncake", "tcp+auth"], indirect=True)
 async def test_push_to_three_engines_in_two_groups_is_bit_exact_and_changes_outputs(rig):
     m, sender, add_box = rig
     boxes = [await add_box() for _ in range(3)]

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import logging
 from typing import Any, AsyncIterator, Iterable, Sequence
@@ -70,7 +71,10 @@ class ManagerClient:
         retries: int = 3,
         retry_backoff_s: float = 0.5,
         max_connections: int = 256,
+        auth_token: str | None = None,
     ):
+        """``auth_token``: sent as ``Authorization: Bearer``; default ``$ROLLOUT_MANAGER_AUTH_TOKEN``."""
+        self.auth_token = auth_token if auth_token is not None else os.environ.get("ROLLOUT_MANAGER_AUTH_TOKEN", "")
         if not base_url.startswith(("http://", "https://")):
             base_url = "http://" + base_url
         self.base_url = base_url.rstrip("/")
@@ -101,6 +105,7 @@ class ManagerClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+                headers={"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else None,
             )
         return self._session
 

@@ -31,6 +31,7 @@ import torch
 from aiohttp import web
 
 from .. import sglang_wire as wire
+from .agent_auth import token_middleware
 from .layout import HostBuffer, WeightLayout, unpack
 from .mooncake_engine import MooncakeEngine
 from .tcp_transport import TcpEngine
@@ -235,7 +236,7 @@ async def handle_info(request: web.Request) -> web.Response:
 
 
 def create_app(agent: ReceiverAgent) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[token_middleware()])
     app[AGENT] = agent
     app.router.add_get("/health", handle_info)
     app.router.add_get("/info", handle_info)

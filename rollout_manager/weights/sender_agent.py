@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence, Union
 import torch
 from aiohttp import web
 
+from .agent_auth import token_middleware
 from .layout import HostBuffer, WeightLayout, build_layout, stage
 from .mooncake_engine import MooncakeEngine
 from .tcp_transport import TcpEngine
@@ -34,11 +35,13 @@ AGENT: web.AppKey["SenderAgent"] = web.AppKey("sender", object)  # type: ignore[
 
 
 class SenderAgent:
-    def __init__(self, ips: Sequence[str], port: int, *, protocol: str = "tcp", device_name: str = ""):
+    def __init__(self, ips: Sequence[str], port: int, *, protocol: str = "tcp", device_name: str = "",
+                 auth_token: str | None = None):
         self.ips = list(ips)
         self.port = port
         self.protocol = protocol
         self.device_name = device_name
+        self.auth_token = auth_token  # None: $ROLLOUT_MANAGER_AUTH_TOKEN
         self.buffer: HostBuffer | None = None
         self.layout: WeightLayout | None = None
         self.version: int | None = None
@@ -142,7 +145,7 @@ class SenderAgent:
         return self
 
     async def _serve(self) -> None:
-        app = web.Application(client_max_size=8 << 20)
+        app = web.Application(client_max_size=8 << 20, middlewares=[token_middleware(self.auth_token)])
         app[AGENT] = self
         app.router.add_get("/health", handle_info)
         app.router.add_get("/layout", handle_layout)

@@ -1,0 +1,195 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+Two kinds of figures:
+
+* Gauges (and the generator's running counters) are read from the manager's state at scrape time by
+  :class:`StateCollector`, so nothing has to be kept in sync with the registry, the dispatcher or the
+  generator.
+* Distributions (sequence latency, weight-push seconds) need every event, so they are observed from
+  two small hooks: ``Generator.on_finished`` and ``WeightSync.on_push``.
+
+Every manager gets its own :class:`CollectorRegistry` (tests run several managers in one process,
+and the global registry would mix them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .registry import Event, Instance, Kind, State
+
+if TYPE_CHECKING:
+    from .manager import Manager
+
+PREFIX = "rollout_manager_"
+# The classic text format, which every Prometheus and scraper reads.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, float("inf"))
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
+PUSH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, float("inf"))
+
+# generator.stats key -> (counter name without _total, help)
+GENERATION_COUNTERS = {
+    "sequences": ("sequences", "Sequences started (each sub-request of a batched input counts once)."),
+    "tokens": ("generated_tokens", "Completion tokens of finished sequences; tokens/s is rate() of this."),
+    "continuations": ("continuations", "Times a sequence continued on another instance from the tokens made so far."),
+    "failed": ("failed_sequences", "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
+    "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),
+}
+
+
+class StateCollector(Collector):
+    """Reads the manager at scrape time: instances, versions, load, local budget, generation counters."""
+
+    def __init__(self, metrics: "ManagerMetrics"):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self.metrics
+        m = metrics.manager
+        metrics.bind()  # in case the generator was created after the metrics object
+        now = m.registry.clock()
+        instances = list(m.registry)
+
+        by_state = GaugeMetricFamily(PREFIX + "instances", "Registered instances by lifecycle state and kind.",
+                                     labels=["state", "kind"])
+        counts = {(s, k): 0 for s in State if s != State.DEAD for k in Kind}
+        for inst in instances:
+            counts[(inst.state, inst.kind)] += 1
+        for (state, kind), n in counts.items():
+            by_state.add_metric([state.value, kind.value], n)
+        yield by_state
+
+        info = GaugeMetricFamily(PREFIX + "instance_info", "One per instance (value 1): its id, kind, state "
+                                 "and weight-transfer group.", labels=["endpoint", "id", "kind", "state", "sender",
+                                                                       "group"])
+        in_flight = GaugeMetricFamily(PREFIX + "instance_in_flight_requests",
+                                      "Sequences the manager has in flight on the instance.", labels=["endpoint"])
+        in_flight_tokens = GaugeMetricFamily(PREFIX + "instance_in_flight_tokens",
+                                             "Token budget still reserved on the instance by its in-flight sequences.",
+                                             labels=["endpoint"])
+        version = GaugeMetricFamily(PREFIX + "instance_weight_version", "Weight version the instance serves.",
+                                    labels=["endpoint"])
+        lag = GaugeMetricFamily(PREFIX + "instance_weight_version_lag",
+                                "Manager weight version minus the instance's weight version.", labels=["endpoint"])
+        rate = GaugeMetricFamily(PREFIX + "instance_token_rate",
+                                 "Tokens/s the instance delivers while busy, measured from its streams "
+                                 "(absent until measured).", labels=["endpoint"])
+        failures = GaugeMetricFamily(PREFIX + "instance_consecutive_failures",
+                                     "Consecutive failed health checks or requests of the instance.",
+                                     labels=["endpoint"])
+        for inst in instances:
+            ep = [inst.endpoint]
+            info.add_metric([inst.endpoint, inst.id, inst.kind.value, inst.state.value, _label(inst.sender),
+                             _label(inst.group)], 1)
+            in_flight.add_metric(ep, inst.in_flight)
+            in_flight_tokens.add_metric(ep, inst.in_flight_tokens)
+            version.add_metric(ep, inst.weight_version)
+            lag.add_metric(ep, m.weight_version - inst.weight_version)
+            failures.add_metric(ep, inst.consecutive_failures)
+            meter = m.dispatcher.meters.get(inst.id)
+            measured = meter.rate(now) if meter is not None else None
+            if measured is not None:
+                rate.add_metric(ep, measured)
+        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures)
+
+        yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
+                                value=m.weight_version)
+        yield GaugeMetricFamily(PREFIX + "local_budget_seconds",
+                                "Seconds local (trainer-side) instances generate per step before the trainer "
+                                "takes its GPUs back.", value=m.local_budget.budget_s)
+        gen = m.generator
+        yield GaugeMetricFamily(PREFIX + "local_window_open", "1 while the local window is open.",
+                                value=1 if gen is not None and gen.local.is_open else 0)
+        yield GaugeMetricFamily(PREFIX + "start_time_seconds", "Unix time the manager started.",
+                                value=m.started_at)
+
+        stats = gen.stats if gen is not None else {}
+        for key, (name, help_text) in GENERATION_COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, help_text, value=stats.get(key, 0))
+
+        gbps = GaugeMetricFamily(PREFIX + "weight_push_last_gbps",
+                                 "Transfer GB/s of the last weight push through each sender group.",
+                                 labels=["sender", "group"])
+        for (sender, group), value in sorted(metrics.last_gbps.items()):
+            gbps.add_metric([sender, group], value)
+        yield gbps
+
+
+class ManagerMetrics:
+    """The metrics of one manager: its own registry, the state collector and the event hooks."""
+
+    def __init__(self, manager: "Manager"):
+        self.manager = manager
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.last_gbps: dict[tuple[str, str], float] = {}
+        self.latency = Histogram(
+            PREFIX + "sequence_latency_seconds",
+            "End-to-end seconds per sequence, across every instance it ran on; outcome ok or error.",
+            ["outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.completion_tokens = Histogram(
+            PREFIX + "sequence_completion_tokens", "Completion tokens per finished sequence.",
+            buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.push_seconds = Histogram(
+            PREFIX + "weight_push_seconds",
+            "Seconds per weight push to one instance (prepare, transfer, verify and load), per sender group.",
+            ["sender", "group"], buckets=PUSH_BUCKETS, registry=self.registry)
+        self.push_bytes = Counter(
+            PREFIX + "weight_push_bytes", "Bytes pushed to instances, per sender group.",
+            ["sender", "group"], registry=self.registry)
+        self.transitions = Counter(
+            PREFIX + "instance_transitions", "Instance lifecycle transitions, by the state entered.",
+            ["to"], registry=self.registry)
+        for state in State:
+            self.transitions.labels(state.value)
+        for outcome in ("ok", "error"):
+            self.latency.labels(outcome)
+        self.registry.register(StateCollector(self))
+        manager.registry.listeners.append(self._on_event)
+        manager.weights.on_push = self._on_push
+        self.bind()
+
+    def bind(self) -> None:
+        """Hook the generator (it exists once the manager has started); idempotent."""
+        gen = self.manager.generator
+        if gen is not None and gen.on_finished is None:
+            gen.on_finished = self._on_finished
+
+    # ------------------------------------------------------------ hooks
+    def _on_finished(self, latency_s: float, tokens: int, ok: bool) -> None:
+        self.latency.labels("ok" if ok else "error").observe(latency_s)
+        if ok:
+            self.completion_tokens.observe(tokens)
+
+    def _on_push(self, result: dict[str, Any]) -> None:
+        key = (_label(result.get("sender")), _label(result.get("group")))
+        self.push_seconds.labels(*key).observe(float(result.get("total_s") or 0.0))
+        self.push_bytes.labels(*key).inc(float(result.get("bytes") or 0))
+        if result.get("gbps") is not None:
+            self.last_gbps[key] = float(result["gbps"])
+
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        self.transitions.labels(event.new.value).inc()
+
+    # ------------------------------------------------------------ exposition
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def response(self) -> web.Response:
+        return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+METRICS: web.AppKey[ManagerMetrics] = web.AppKey("metrics", ManagerMetrics)
+
+
+def _label(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+__all__ = ["CONTENT_TYPE", "METRICS", "ManagerMetrics", "StateCollector", "PREFIX"]

@@ -1,0 +1,274 @@
+"""GET /metrics (Prometheus) and the live status page at GET /, against real daemons and CPU engines.
+
+The page is checked the way a person would see it: headless Chromium renders it (the JS polls the
+manager), dumps the DOM and takes a screenshot, which is decoded here and must not be blank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollout_manager import status_page
+from rollout_manager.cpu_engine.model import build_model
+from rollout_manager.weights.sender_agent import SenderAgent
+from support import Box, free_port, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+SENDER_IPS = ["127.0.0.1", "127.0.0.2"]
+needs_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason=f"{CHROMIUM} not found: install Debian's chromium (apt-get install -y chromium) to test the status page",
+)
+
+
+# ------------------------------------------------------------------ helpers
+async def scrape(m) -> tuple[str, dict[str, list]]:
+    """GET /metrics -> (content type, {sample name: [(labels, value), ...]}), parsed by prometheus_client."""
+    async with m.session.get(m.url + "/metrics") as r:
+        assert r.status == 200
+        ctype, text = r.headers["Content-Type"], await r.text()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith("rollout_manager_") and family.documentation, family
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return ctype, samples
+
+
+def value(samples: dict[str, list], name: str, **labels: str) -> float | None:
+    found = [v for lab, v in samples.get(name, []) if all(lab.get(k) == w for k, w in labels.items())]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+async def _state(m, box: Box, state: str) -> bool:
+    return await m.state_of(box.endpoint) == state
+
+
+@pytest.fixture
+async def rig(start_manager, tmp_path):
+    """A manager with one sender (two groups, one per loopback IP) and a way to add rollout boxes."""
+    sender_port = free_port()
+    m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
+                            weight_transport="tcp")
+    sender = SenderAgent(SENDER_IPS, sender_port).start()
+    boxes: list[Box] = []
+
+    async def add_boxes(n: int) -> list[Box]:
+        new = [Box(tmp_path) for _ in range(n)]
+        boxes.extend(new)
+        await asyncio.gather(*(b.ready() for b in new))
+        for box in new:
+            status, body = await m.post("/register_rollout_instance",
+                                        {"host": "127.0.0.1", "port": box.port, "weight_receiver_port": box.rport})
+            assert status == 200, body
+        for box in new:
+            await wait_until(lambda b=box: _state(m, b, "active"), what=f"{box.endpoint} active")
+        return new
+
+    status, _ = await m.put_senders([SENDER_IPS], 2, engines=1)
+    assert status == 200
+    yield m, sender, add_boxes
+    sender.stop()
+    for box in boxes:
+        box.stop()
+
+
+async def push_version(m, sender: SenderAgent, version: int) -> None:
+    await asyncio.to_thread(sender.stage, build_model(100 + version).state_dict(), version)
+    status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
+    assert status == 200 and not res["timed_out"], res
+
+
+async def generate(m, input_ids, n: int) -> object:
+    status, out = await m.post("/generate", {"input_ids": input_ids,
+                                             "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+    assert status == 200, out
+    return out
+
+
+# ------------------------------------------------------------------ /metrics
+async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig):
+    m, sender, add_boxes = rig
+    boxes = await add_boxes(2)
+    ctype, s = await scrape(m)
+    assert ctype.startswith("text/plain; version=0.0.4")
+    assert value(s, "rollout_manager_instances", state="active", kind="remote") == 2
+    assert value(s, "rollout_manager_instances", state="pending", kind="remote") == 0
+    assert value(s, "rollout_manager_generated_tokens_total") == 0
+    assert value(s, "rollout_manager_sequence_latency_seconds_count", outcome="ok") == 0
+
+    batched = await generate(m, [[1, 2, 3], [4, 5], [6]], 12)  # 3 sequences
+    single = [await generate(m, [7, 8, 9], 5) for _ in range(2)]  # 2 more
+    outputs = [*batched, *single]
+    ctype, s = await scrape(m)
+    assert value(s, "rollout_manager_sequences_total") == 5
+    tokens = sum(len(o["output_ids"]) for o in outputs)
+    assert tokens > 0 and value(s, "rollout_manager_generated_tokens_total") == tokens
+    assert value(s, "rollout_manager_sequence_latency_seconds_count", outcome="ok") == 5
+    assert value(s, "rollout_manager_sequence_latency_seconds_count", outcome="error") == 0
+    assert value(s, "rollout_manager_sequence_latency_seconds_bucket", outcome="ok", le="+Inf") == 5
+    assert 0 < value(s, "rollout_manager_sequence_latency_seconds_sum", outcome="ok") < 60
+    assert value(s, "rollout_manager_sequence_completion_tokens_sum") == tokens
+    assert value(s, "rollout_manager_continuations_total") == 0
+    assert value(s, "rollout_manager_failed_sequences_total") == 0
+    assert value(s, "rollout_manager_preempted_sequences_total") == 0
+    assert value(s, "rollout_manager_weight_version") == 0
+    for box in boxes:
+        assert value(s, "rollout_manager_instance_weight_version", endpoint=box.endpoint) == 0
+        assert value(s, "rollout_manager_instance_weight_version_lag", endpoint=box.endpoint) == 0
+        assert value(s, "rollout_manager_instance_in_flight_requests", endpoint=box.endpoint) == 0
+        assert value(s, "rollout_manager_instance_info", endpoint=box.endpoint, state="active", kind="remote") == 1
+    assert value(s, "rollout_manager_local_budget_seconds") > 0
+    assert value(s, "rollout_manager_instance_transitions_total", to="active") == 2
+
+    await push_version(m, sender, 1)
+    ctype, s = await scrape(m)
+    assert value(s, "rollout_manager_weight_version") == 1
+    groups = {(b["sender"], b["group"]) for b in (await m.status())["instances"]}
+    assert groups == {(0, 0), (0, 1)}  # one box per group
+    for group in ("0", "1"):
+        assert value(s, "rollout_manager_weight_push_seconds_count", sender="0", group=group) == 1
+        assert value(s, "rollout_manager_weight_push_seconds_sum", sender="0", group=group) > 0
+        assert value(s, "rollout_manager_weight_push_last_gbps", sender="0", group=group) > 0
+        assert value(s, "rollout_manager_weight_push_bytes_total", sender="0", group=group) > 0
+    for box in boxes:
+        assert value(s, "rollout_manager_instance_weight_version", endpoint=box.endpoint) == 1
+        assert value(s, "rollout_manager_instance_weight_version_lag", endpoint=box.endpoint) == 0
+    assert value(s, "rollout_manager_instance_transitions_total", to="syncing") == 2
+
+
+# ------------------------------------------------------------------ the status page
+async def chromium(tmp_path: Path, url: str, *mode: str) -> bytes:
+    """Run headless Chromium on ``url``; return its stdout. Its whole process group is killed after."""
+    profile = tmp_path / f"chromium-profile-{len(list(tmp_path.glob('chromium-profile-*')))}"
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", "--virtual-time-budget=3000", "--window-size=1280,800", *mode, url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out
+
+
+def read_png(path: Path) -> tuple[int, int, list[bytes]]:
+    """A minimal PNG decoder (8-bit RGB/RGBA, not interlaced): (width, height, rows of pixel bytes)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, ihdr = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            ihdr = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert ihdr is not None
+    width, height, depth, color, _, _, interlace = ihdr
+    assert depth == 8 and color in (2, 6) and interlace == 0, ihdr
+    bpp = 3 if color == 2 else 4
+    raw, stride, rows, prev = zlib.decompress(idat), width * bpp, [], bytearray(width * bpp)
+    for y in range(height):
+        ftype, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if ftype == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif ftype == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif ftype == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif ftype == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        rows.append(bytes(line))
+        prev = line
+    return width, height, [bytes(r[i] for i in range(len(r)) if i % bpp < 3) for r in rows]  # RGB only
+
+
+def tbody(dom: str, element_id: str) -> str:
+    found = re.search(rf'<tbody id="{element_id}">(.*?)</tbody>', dom, re.S)
+    assert found, f"no tbody #{element_id} in the rendered DOM"
+    return found.group(1)
+
+
+@needs_chromium
+async def test_status_page_renders_live_instances_in_headless_chromium(rig, tmp_path):
+    m, sender, add_boxes = rig
+    (box,) = await add_boxes(1)
+    await generate(m, [[1, 2, 3], [4, 5]], 16)
+    await push_version(m, sender, 1)
+
+    async with m.session.get(m.url + "/") as r:
+        assert r.status == 200 and r.content_type == "text/html"
+        html = await r.text()
+        assert "default-src 'none'" in r.headers["Content-Security-Policy"]
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html), "the page must load nothing external"
+
+    dom = (await chromium(tmp_path, m.url + "/", "--dump-dom")).decode()
+    rows = tbody(dom, "instances")
+    assert box.endpoint in rows and 'class="badge st-active">active<' in rows, rows  # rendered by the JS
+    assert "v1" in rows
+    assert box.endpoint in tbody(dom, "pushes") and "registered (remote)" in tbody(dom, "events")
+    assert "last updated" in dom and '<div id="banner" role="alert" class="">' in dom
+
+    shot = tmp_path / "status_page.png"
+    await chromium(tmp_path, m.url + "/", f"--screenshot={shot}")
+    assert shot.exists() and 10_000 < shot.stat().st_size < 5_000_000
+    width, height, rows_px = read_png(shot)
+    assert (width, height) == (1280, 800)
+    colors = {row[x:x + 3] for row in rows_px[::4] for x in range(0, len(row), 12)}
+    assert len(colors) > 20, "the screenshot looks blank"
+    r_, g_, b_ = rows_px[10][30:33]  # inside the dark header bar: proof the inline CSS applied
+    assert max(r_, g_, b_) < 80, (r_, g_, b_)
+    keep = os.environ.get("STATUS_PAGE_SCREENSHOT")  # keep a copy of the screenshot there
+    if keep:
+        shutil.copy(shot, keep)
+
+
+@needs_chromium
+async def test_status_page_shows_an_error_banner_when_the_status_fetch_fails(tmp_path):
+    async def failing(request: web.Request) -> web.Response:
+        return web.json_response({"error": "boom"}, status=503)
+
+    async def page(request: web.Request) -> web.Response:
+        return status_page.response()
+
+    app = web.Application()
+    app.router.add_get("/", page)
+    app.router.add_get("/get_instances_status", failing)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        dom = (await chromium(tmp_path, f"http://127.0.0.1:{port}/", "--dump-dom")).decode()
+    finally:
+        await runner.cleanup()
+    banner = re.search(r'<div id="banner" role="alert" class="show">(.*?)</div>', dom, re.S)
+    assert banner, dom[:2000]
+    assert "Cannot fetch the manager's status: HTTP 503" in banner.group(1)
