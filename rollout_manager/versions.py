@@ -28,7 +28,16 @@ log = logging.getLogger("rollout_manager.versions")
 
 
 class PushFailed(Exception):
-    pass
+    """The push to one instance failed; counts towards that instance's attempts."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class SenderUnavailable(PushFailed):
+    """The trainer-side sender is down or has not staged the version: not the instance's fault, so
+    the instance waits out of service (not removed) until the sender is back."""
 
 
 class WeightSync:
@@ -102,6 +111,13 @@ class WeightSync:
                             inst.endpoint, inst.in_flight, cfg.drain_timeout_s)
             try:
                 result = await asyncio.wait_for(self._push(inst, version), cfg.weight_push_timeout_s)
+            except SenderUnavailable as exc:
+                if inst.last_error != f"weight push: {exc}":
+                    log.warning("weight push of version %d to %s waits for its sender: %s", version,
+                                inst.endpoint, exc)
+                inst.last_error = f"weight push: {exc}"
+                await self.m.dispatcher.changed.wait(cfg.weight_push_retry_s)
+                continue
             except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 failures += 1
                 reason = str(exc) or type(exc).__name__
@@ -137,16 +153,26 @@ class WeightSync:
         sender_url = m.sender_url(group.sender)
         receiver_url = f"http://{inst.host}:{inst.weight_receiver_port}"
         t0 = time.monotonic()
-        layout = await self._call("GET", sender_url + "/layout")
+        try:
+            layout = await self._call("GET", sender_url + "/layout")
+        except (PushFailed, aiohttp.ClientConnectionError) as exc:
+            raise SenderUnavailable(f"sender {group.sender} at {sender_url}: {exc}") from None
         if int(layout["version"]) != version:
-            raise PushFailed(f"sender {group.sender} has version {layout['version']} staged, not {version}")
+            raise SenderUnavailable(f"sender {group.sender} has version {layout['version']} staged, not {version}")
         transport = m.config.weight_transport
         prep = await self._call("POST", receiver_url + "/prepare",
                                 {"version": version, "layout": layout["layout"], "transport": transport})
-        push = await self._call("POST", sender_url + "/push", {
-            "version": version, "ip": group.ip, "num_engines": m.engines_per_group, "transport": transport,
-            "session_ids": prep["session_ids"], "buffer_addr": prep["buffer_addr"],
-        })
+        try:
+            push = await self._call("POST", sender_url + "/push", {
+                "version": version, "ip": group.ip, "num_engines": m.engines_per_group, "transport": transport,
+                "session_ids": prep["session_ids"], "buffer_addr": prep["buffer_addr"],
+            })
+        except aiohttp.ClientConnectionError as exc:
+            raise SenderUnavailable(f"sender {group.sender} at {sender_url}: {exc}") from None
+        except PushFailed as exc:
+            if exc.status == 409:  # restaged since: try again with what is there now
+                raise SenderUnavailable(str(exc)) from None
+            raise
         commit = await self._call("POST", receiver_url + "/commit", {
             "version": version, "fingerprint": push["fingerprint"], "shards": push["shards"],
             "checksums": push["checksums"],
@@ -169,5 +195,5 @@ class WeightSync:
             except ValueError:
                 data = {"error": text[:300]}
             if resp.status != 200:
-                raise PushFailed(f"{method} {url} -> HTTP {resp.status}: {data.get('error', data)}")
+                raise PushFailed(f"{method} {url} -> HTTP {resp.status}: {data.get('error', data)}", resp.status)
             return data

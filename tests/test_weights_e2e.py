@@ -140,3 +140,23 @@ async def test_consecutive_versions_bootstrap_and_faulty_receivers_kept_out(rig)
 
 async def _gone(m, box):
     return await m.state_of(box.endpoint) is None
+
+
+async def test_a_dead_sender_keeps_instances_out_of_service_without_removing_them(rig):
+    m, sender, add_box = rig  # weight_push_max_attempts = 2, retry every 0.2 s
+    box = await add_box()
+    await wait_until(lambda: _state(m, box, "active"))
+    port = int(sender.port)
+    sender.stop()  # the trainer's sender agent crashed
+    status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 1.5})
+    assert status == 200 and res["timed_out"]  # nobody can get version 1 ...
+    inst = (await m.status())["instances"][0]
+    assert inst["state"] == "syncing" and "sender 0" in inst["last_error"]  # ... and nobody was removed
+    weights = trainer_weights(1)
+    revived = SenderAgent(SENDER_IPS, port).start()  # the trainer restarts it and stages again
+    try:
+        await asyncio.to_thread(revived.stage, weights, 1)
+        await wait_until(lambda: _state(m, box, "active"), timeout=30, what="push after the sender came back")
+        assert await engine_checksums(box.url) == expected_checksums(weights)
+    finally:
+        revived.stop()

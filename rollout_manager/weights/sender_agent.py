@@ -157,9 +157,10 @@ class SenderAgent:
         log.info("weight sender listening on %s port %d", ", ".join(self.ips), self.port)
 
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
+        if self._loop is not None and self._thread is not None:  # idempotent: a second stop is a no-op
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)
+            self._loop = self._thread = None
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
