@@ -160,3 +160,30 @@ async def test_a_dead_sender_keeps_instances_out_of_service_without_removing_the
         assert await engine_checksums(box.url) == expected_checksums(weights)
     finally:
         revived.stop()
+
+
+async def test_a_weight_load_longer_than_the_health_interval_is_not_taken_for_death(start_manager, tmp_path):
+    """Health answers 503 for 2 s while the box loads; checks every 0.2 s, 2 failures would evict."""
+    port = free_port()
+    m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8")
+    sender = SenderAgent(SENDER_IPS, port).start()
+    box = Box(tmp_path, MODEL_JSON)
+    try:
+        await box.ready()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(box.url + "/debug/faults", json={"load_delay_s": 2.0}) as r:
+                assert r.status == 200, await r.text()
+        await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": box.port,
+                                                    "weight_receiver_port": box.rport})
+        await wait_until(lambda: _state(m, box, "active"))
+        await m.put_senders([SENDER_IPS], 1)
+        await asyncio.to_thread(sender.stage, trainer_weights(1), 1)
+        status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
+        assert status == 200 and not res["timed_out"] and res["instances_at_version"] == 1
+        st = await m.status()
+        assert [e["to"] for e in st["recent_events"]] == ["pending", "active", "syncing", "active"]
+        push = st["recent_weight_pushes"][-1]
+        assert push["load_s"] >= 2.0  # the load really outlasted ten health intervals
+    finally:
+        sender.stop()
+        box.stop()

@@ -49,6 +49,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     f.add_argument("--fail-status", type=int, default=503)
     f.add_argument("--fault-seed", type=int, default=0, help="seed of the fail-rate coin")
     f.add_argument("--health-fail", action="store_true", help="/health and /health_generate answer 503")
+    f.add_argument("--load-delay-s", type=float, default=0.0,
+                   help="each weight load takes this long, health answering 503 meanwhile")
     return p
 
 
@@ -67,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         fail_rate=args.fail_rate,
         fail_status=args.fail_status,
         health_fail=args.health_fail,
+        load_delay_s=args.load_delay_s,
     )
     faults.update({"seed": args.fault_seed})
     return EngineConfig(

@@ -18,6 +18,8 @@ class Faults:
     fail_rate: float = 0.0  # probability that /generate answers fail_status at once
     fail_status: int = 503
     health_fail: bool = False  # /health and /health_generate answer 503
+    load_delay_s: float = 0.0  # a weight load takes this long; health answers 503 meanwhile (a busy box)
+    loading: bool = field(default=False)
     # Counters, since start or since the matching fault was last armed.
     emitted_tokens: int = field(default=0)
     generated_tokens: int = field(default=0)
@@ -31,6 +33,7 @@ class Faults:
         "fail_rate",
         "fail_status",
         "health_fail",
+        "load_delay_s",
     )
 
     def __post_init__(self) -> None:
@@ -51,6 +54,8 @@ class Faults:
             raise ValueError("fail_status must be an HTTP error status (400..599)")
         if not isinstance(self.health_fail, bool):
             raise ValueError("health_fail must be a boolean")
+        if not isinstance(self.load_delay_s, (int, float)) or self.load_delay_s < 0:
+            raise ValueError("load_delay_s must be >= 0")
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a runtime change; arming die/stall restarts its counter. Raises ValueError."""

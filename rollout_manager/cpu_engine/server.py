@@ -127,14 +127,14 @@ async def _stream(request: web.Request, engine: Engine, group: Group) -> web.Str
 
 
 async def health(request: web.Request) -> web.Response:
-    if _engine(request).faults.health_fail:
+    if _engine(request).faults.health_fail or _engine(request).faults.loading:
         return web.Response(status=503, text="unhealthy (injected)")
     return web.Response(status=200)
 
 
 async def health_generate(request: web.Request) -> web.Response:
     engine = _engine(request)
-    if engine.faults.health_fail:
+    if engine.faults.health_fail or engine.faults.loading:
         return web.Response(status=503, text="unhealthy (injected)")
     if engine.paused:
         return web.Response(status=503, text="generation is paused")
@@ -298,6 +298,12 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         engine.abort(abort_all=True, message="Abort by update_weights_from_tensor")
     try:
         named = await asyncio.to_thread(wire.deserialize_named_tensors, payloads[0])  # TP rank 0
+        if engine.faults.load_delay_s:
+            engine.faults.loading = True
+            try:
+                await asyncio.sleep(engine.faults.load_delay_s)
+            finally:
+                engine.faults.loading = False
         count = await engine.load_weights(named)
     except ValueError as exc:
         return fail(f"Failed to update weights: {exc}")
