@@ -22,6 +22,13 @@ Commands:
   restarted on the same address) is removed first.
 - ``deregister --manager ADDR --endpoint E --timeout S``: ``POST /shutdown_instances`` (the manager
   drains it: no new work, in-flight requests finish).
+- ``watch --manager ADDR --state-file F --interval S``: runs beside the children while the box serves.
+  Every S seconds it reads the manager's ``GET /health``; when its ``run_id`` differs from the one
+  ``register --state-file F`` saw (the manager restarted and lost its registry) it registers again
+  with the same body. Only a new run id does that: an instance an admin removed with
+  ``/shutdown_instances`` (same run id, endpoint gone from ``/get_instances_status``) is left out,
+  with one log line. While the manager is unreachable the box keeps serving; one line when it goes
+  away, one when it is back.
 
 ``ROLLOUT_MANAGER_AUTH_TOKEN``, when set, is sent as ``Authorization: Bearer <token>`` on every call
 to the manager.
@@ -352,11 +359,23 @@ def register_with_retry(manager: str, body: dict[str, Any], timeout: float) -> t
         delay = min(delay * 2, 5.0)
 
 
+def manager_run_id(manager: str, timeout: float = 5.0) -> str | None:
+    """The manager's ``run_id`` (new on each start; None from a manager too old to report one)."""
+    run_id = manager_health(manager, timeout).get("run_id")
+    return str(run_id) if run_id else None
+
+
 def cmd_register(args: argparse.Namespace) -> None:
     info = agent_info(args.agent_url)
     body = {"host": args.host, "port": args.port, "mooncake_handshake_port": info["handshake_port"],
             "weight_receiver_port": args.agent_port}
     endpoint = format_endpoint(args.host, args.port)
+    run_id = None
+    if args.state_file:  # read before registering: a restart in between shows up as a new run id later
+        try:
+            run_id = manager_run_id(args.manager)
+        except BoxError:
+            pass  # register_with_retry below waits for the manager and reports
     status, answer = register_with_retry(args.manager, body, args.timeout)
     if status == 409:
         # Same host:port still on file: an earlier run of this box (preempted, killed) that the manager
@@ -372,6 +391,9 @@ def cmd_register(args: argparse.Namespace) -> None:
     if args.endpoint_file:
         with open(args.endpoint_file, "w") as f:
             f.write(endpoint)
+    if args.state_file:
+        with open(args.state_file, "w") as f:
+            json.dump({"body": body, "endpoint": endpoint, "run_id": run_id}, f)
     print(json.dumps({"endpoint": endpoint, "id": answer.get("id"),
                       "state": answer.get("state"), "weight_version": answer.get("weight_version"),
                       "mooncake_handshake_port": info["handshake_port"],
@@ -391,6 +413,67 @@ def cmd_deregister(args: argparse.Namespace) -> None:
     if status != 200 or not isinstance(answer, dict):
         raise BoxError(f"rollout manager refused to remove {args.endpoint}: HTTP {status} {error_of(answer)}")
     print(json.dumps(answer, separators=(",", ":")))
+
+
+def say(message: str) -> None:
+    print("launch_sglang: " + message, file=sys.stderr, flush=True)
+
+
+def endpoint_known(manager: str, endpoint: str, timeout: float) -> bool:
+    status, answer = manager_call(manager, "GET", "/get_instances_status", timeout=timeout)
+    if status != 200 or not isinstance(answer, dict):
+        return True  # no verdict: assume nothing changed
+    return any(isinstance(i, dict) and i.get("endpoint") == endpoint for i in answer.get("instances", []))
+
+
+def watch_once(manager: str, state: dict[str, Any], timeout: float) -> None:
+    """One check; updates ``state`` (``run_id``, ``away``, ``last_error``, ``removed_noted``) and logs
+    only on a change. Never raises BoxError: the box keeps serving whatever the manager does."""
+    addr = normalize_addr(manager)
+    endpoint = state["endpoint"]
+    try:
+        run_id = manager_run_id(manager, timeout)
+    except BoxError as exc:
+        if not state.get("away"):
+            state["away"] = True
+            say(f"manager at {addr} went away ({exc}); still serving, checking again every "
+                f"{state['interval']:g}s")
+        return
+    if state.get("away"):
+        state["away"] = False
+        say(f"manager at {addr} is back")
+    try:
+        if run_id is not None and run_id != state.get("run_id"):
+            status, answer = manager_call(manager, "POST", "/register_rollout_instance", state["body"],
+                                          timeout=max(timeout, 10.0))
+            if status == 409:  # already on file in this run (our registration raced its restart)
+                answer = {"endpoint": endpoint}
+            elif status != 200 or not isinstance(answer, dict):
+                raise BoxError(f"the manager refused registering {endpoint} again: HTTP {status} "
+                               f"{error_of(answer)}; retrying in {state['interval']:g}s")
+            old = state.get("run_id")
+            state.update(run_id=run_id, removed_noted=False, last_error=None)
+            say(f"manager restarted (run id {old} -> {run_id}): registered again as "
+                f"{answer.get('endpoint', endpoint)}")
+        elif run_id is not None and not state.get("removed_noted") and not endpoint_known(manager, endpoint, timeout):
+            state["removed_noted"] = True
+            say(f"{endpoint} is no longer registered with {addr}, which has not restarted (removed with "
+                f"/shutdown_instances?); not registering again: restart this launcher to rejoin")
+        state["last_error"] = None
+    except BoxError as exc:  # unreachable mid-way, auth refused, registration refused: say it once
+        if str(exc) != state.get("last_error"):
+            state["last_error"] = str(exc)
+            say(f"warning: {' '.join(str(exc).split())}")
+
+
+def cmd_watch(args: argparse.Namespace) -> None:
+    with open(args.state_file) as f:
+        state = json.load(f)
+    state["interval"] = interval = max(args.interval, 0.1)
+    timeout = min(max(interval, 1.0), 5.0)
+    while True:
+        time.sleep(interval)
+        watch_once(args.manager, state, timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -436,7 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--agent-port", type=int, required=True)
     s.add_argument("--timeout", type=float, default=60.0, help="keep retrying an unreachable manager this long")
     s.add_argument("--endpoint-file", help="also write the registered endpoint here")
+    s.add_argument("--state-file", help="also write the body, endpoint and manager run id here (for watch)")
     s.set_defaults(func=cmd_register)
+
+    s = sub.add_parser("watch")
+    s.add_argument("--manager", required=True)
+    s.add_argument("--state-file", required=True, help="written by register --state-file")
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between checks of the manager")
+    s.set_defaults(func=cmd_watch)
 
     s = sub.add_parser("deregister")
     s.add_argument("--manager", required=True)

@@ -65,6 +65,15 @@ class Child:
         except ProcessLookupError:
             pass
 
+    def kill_tree(self) -> None:
+        """SIGKILL the child and every descendant (they may sit in process groups of their own)."""
+        for pid in reversed(_descendants(self.popen.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.kill()
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.alive():
             self.kill(signal.SIGTERM)
@@ -74,6 +83,21 @@ class Child:
                 pass
         self.kill(signal.SIGKILL)  # whatever is left in the group
         self.popen.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendants, parents before children (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in task.read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
 
 
 def spawn(name: str, args: Sequence[str], logdir: Path, env: dict[str, str] | None = None) -> Child:
@@ -158,6 +182,12 @@ class Demo:
         box = Box(child, port)
         self.boxes.append(box)
         return box
+
+    async def busiest_box(self, s: aiohttp.ClientSession) -> Box | None:
+        """The live box with the most sequences in flight (None if none has any)."""
+        load = {i["endpoint"]: i["in_flight"] for i in (await self.get(s, "/get_instances_status"))["instances"]}
+        live = [b for b in self.boxes if b.child.alive() and load.get(b.endpoint, 0) > 0]
+        return max(live, key=lambda b: load[b.endpoint], default=None)
 
     async def instances_line(self, s: aiohttp.ClientSession) -> str:
         st = await self.get(s, "/get_instances_status")
@@ -255,9 +285,9 @@ class Demo:
                     raise RuntimeError(f"request {line['id']} failed: {line['error']}")
                 results[line["id"]] = line["data"]
                 done = len(results)
-                if step == a.kill_step and self.killed is None and done >= len(items) // 4:
-                    victim = self.boxes[0]
-                    victim.child.kill()  # a preempted spot box: gone without a word
+                victim = await self.busiest_box(s) if step == a.kill_step and self.killed is None else None
+                if victim is not None:
+                    victim.child.kill_tree()  # a preempted spot box: everything on it gone without a word
                     self.killed = victim.child.name
                     fresh = self.start_box()
                     self.started_box = fresh.endpoint

@@ -297,24 +297,38 @@ class Generator:
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
         try:
-            if stream is None:
-                await consume()
-            else:
-                closed = asyncio.ensure_future(self.local.closed.wait())
-                await asyncio.wait({stream, closed}, return_when=asyncio.FIRST_COMPLETED)
-                closed.cancel()
-                if not stream.done():  # the trainer wants its GPUs back: move the sequence on
-                    raise Preempted("local window closed")
-                await stream
+            cut: EngineFailed | None = None
+            try:
+                if stream is None:
+                    await consume()
+                else:
+                    closed = asyncio.ensure_future(self.local.closed.wait())
+                    await asyncio.wait({stream, closed}, return_when=asyncio.FIRST_COMPLETED)
+                    closed.cancel()
+                    if not stream.done():  # the trainer wants its GPUs back: move the sequence on
+                        raise Preempted("local window closed")
+                    await stream
+            except EngineFailed as exc:
+                # The final chunk (finish_reason) already arrived and only [DONE] was lost: the
+                # sequence is complete; continuing it would generate past its end.
+                if progress.finish_reason is None or _is_abort(progress.finish_reason):
+                    raise
+                cut = exc
             finish = progress.finish_reason
             if finish is None:
                 raise EngineFailed("stream finished without a finish_reason")
-            if isinstance(finish, dict) and finish.get("type") == wire.ABORT:
+            if _is_abort(finish):
                 raise EngineFailed(f"aborted by the instance: {finish.get('message') or finish}")
+            if isinstance(finish, dict) and finish.get("type") == wire.LENGTH and isinstance(finish.get("length"), int):
+                # The engine counted from where this segment started; the caller counts from 0.
+                finish = {**finish, "length": finish["length"] + segment.start}
             seq.finish, seq.meta = finish, progress.meta_info
             seq.texts.append(progress.text)
             segment.outcome = "finished"
-            self.on_instance_success(inst)
+            if cut is None:
+                self.on_instance_success(inst)
+            else:
+                self.on_instance_failure(inst, f"stream cut after the final chunk: {cut}")
         except EngineRejected as exc:
             segment.outcome = "rejected"
             raise GenerationFailed(exc.status, _error_message(exc.error), exc.error) from None
@@ -359,6 +373,10 @@ class Generator:
         if index is not None:
             out["index"] = index
         return out
+
+
+def _is_abort(finish: Any) -> bool:
+    return isinstance(finish, dict) and finish.get("type") == wire.ABORT
 
 
 def _wants_logprobs(body: dict[str, Any]) -> bool:

@@ -167,7 +167,7 @@ async def health(request: web.Request) -> web.Response:
     counts = m.registry.counts()
     return json_response({
         "status": "healthy", "service": "rollout-manager", "version": __version__, "weight_version": m.weight_version,
-        "instances": counts,
+        "instances": counts, "run_id": m.run_id, "started_at": m.started_at,
     })
 
 

@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import socket
 import time
+import uuid
 from typing import Any, Sequence
 
 import aiohttp
@@ -52,6 +53,7 @@ class Manager:
         self.sender_ips: list[list[str]] = []
         self.plan: list[list[Group]] = []
         self.started_at = time.time()
+        self.run_id = uuid.uuid4().hex  # new on every start: boxes see a restarted manager by it
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self.dispatcher = Dispatcher(self.registry, make_policy(config.scheduler_policy))
         self._session: aiohttp.ClientSession | None = None
@@ -360,6 +362,8 @@ class Manager:
             if inst.state == State.SYNCING:
                 continue  # a weight load may outlast the interval; the push has its own timeout
             probe = await self.sglang.probe(inst.url, cfg.health_check_path, cfg.health_check_timeout_s)
+            if inst.state == State.SYNCING:
+                continue  # it started loading weights while the probe ran: the answer says nothing
             if not probe.failed:
                 inst.consecutive_failures = 0
                 continue

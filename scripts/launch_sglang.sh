@@ -15,6 +15,13 @@ requests finish), then stops both children. If SGLang or the agent dies, it dere
 other and exits. A second Ctrl-C skips the drain. Nothing is left running when it exits; if the
 launcher itself is killed (kill -9) its children get SIGTERM from the kernel.
 
+While serving it checks the manager every --reregister-check-s seconds (GET /health). When the
+manager restarted (its run_id changed: a new process with an empty registry) it registers the box
+again with the same body and logs one line. Only a new run_id does that: an instance an admin removed
+with /shutdown_instances stays out (one log line says so; restart the launcher to rejoin). While the
+manager is unreachable the box keeps serving and the launcher keeps checking quietly (one line when
+it goes away, one when it is back); it never stops SGLang because the manager is down.
+
 Before anything heavy starts it checks, and reports in one line on stderr:
   - that --port and --transfer-agent-handshake-port are distinct and free on this box,
   - that the manager answers GET /health,
@@ -67,6 +74,7 @@ Timing:
                           /health_generate itself, with its own grace period.
   --drain-timeout-s S     how long deregistration waits for in-flight requests (default 60).
   --stop-timeout-s S      SIGTERM to SIGKILL grace for the children (default 30).
+  --reregister-check-s S  how often to check that the manager has not restarted (default 5).
   --dry-run               print the commands it would run, then exit (no checks, nothing started).
   -h, --help              this text.
 
@@ -108,7 +116,7 @@ ENGINE=${ROLLOUT_MANAGER_ENGINE:-sglang}
 PY=${PYTHON:-python3}
 MODEL_PATH="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
 PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 DRY_RUN=0
-READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30
+READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5
 RECEIVER_ARGS=() EXTRA=()
 
 need_value() { [[ $# -ge 2 ]] || usage_error "$1 needs a value"; }
@@ -118,7 +126,7 @@ while [[ $# -gt 0 ]]; do
     case ${arg%%=*} in
       --manager-addr|--model-path|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
       --engine|--python|--mooncake-protocol|--mooncake-device-name|--receiver-arg|--ready-timeout-s|\
-      --drain-timeout-s|--stop-timeout-s)
+      --drain-timeout-s|--stop-timeout-s|--reregister-check-s)
         shift; set -- "${arg%%=*}" "${arg#*=}" "$@"; continue ;;
     esac
   fi
@@ -140,6 +148,7 @@ while [[ $# -gt 0 ]]; do
     --ready-timeout-s) need_value "$@"; READY_TIMEOUT=$2; shift 2 ;;
     --drain-timeout-s) need_value "$@"; DRAIN_TIMEOUT=$2; shift 2 ;;
     --stop-timeout-s) need_value "$@"; STOP_TIMEOUT=$2; shift 2 ;;
+    --reregister-check-s) need_value "$@"; RECHECK=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
     *) EXTRA+=("$arg"); shift ;;  # SGLang's own flags, passed through in order
@@ -151,7 +160,8 @@ is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
 is_port "$PORT" || usage_error "--port must be a port number, got '$PORT'"
 [[ -n $AGENT_PORT ]] || AGENT_PORT=$(( PORT + 1111 <= 65535 ? PORT + 1111 : PORT - 1111 ))
 is_port "$AGENT_PORT" || usage_error "--transfer-agent-handshake-port must be a port number, got '$AGENT_PORT'"
-for pair in "ready-timeout-s:$READY_TIMEOUT" "drain-timeout-s:$DRAIN_TIMEOUT" "stop-timeout-s:$STOP_TIMEOUT"; do
+for pair in "ready-timeout-s:$READY_TIMEOUT" "drain-timeout-s:$DRAIN_TIMEOUT" "stop-timeout-s:$STOP_TIMEOUT" \
+            "reregister-check-s:$RECHECK"; do
   is_num "${pair#*:}" || usage_error "--${pair%%:*} must be a number of seconds, got '${pair#*:}'"
 done
 STOP_TIMEOUT=${STOP_TIMEOUT%%.*}
@@ -204,7 +214,7 @@ box preflight --manager "$MANAGER" --bind "$BIND" --port "$PORT" --agent-port "$
   --modules "$MODULES" >/dev/null || exit 1
 
 # ------------------------------------------------------------------ supervision
-ENGINE_PID="" AGENT_PID="" HELPER_PID="" ENDPOINT="" STOP="" SIGNALS=0 DONE=0
+ENGINE_PID="" AGENT_PID="" HELPER_PID="" WATCH_PID="" ENDPOINT="" STOP="" SIGNALS=0 DONE=0
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/launch_sglang.XXXXXX")
 
 on_signal() {  # only note it and interrupt what runs; the main flow does the stopping
@@ -259,6 +269,13 @@ stop_children() {
   AGENT_PID="" ENGINE_PID=""
 }
 
+stop_watch() {  # before deregistering: nothing may register the box again
+  [[ -n $WATCH_PID ]] || return 0
+  kill -TERM -- "-$WATCH_PID" 2>/dev/null || true
+  wait "$WATCH_PID" 2>/dev/null || true
+  WATCH_PID=""
+}
+
 deregister() {
   [[ -n $ENDPOINT ]] || return 0
   local timeout=$DRAIN_TIMEOUT
@@ -278,6 +295,7 @@ finish() {  # deregister, stop the children, exit with $1
   trap - EXIT
   if (( ! DONE )); then
     DONE=1
+    stop_watch || true
     deregister || true
     stop_children || true
     rm -rf "$TMP"
@@ -307,7 +325,8 @@ fi
 stop_if_asked
 
 if ! run_box register --manager "$MANAGER" --host "$HOST" --port "$PORT" --agent-url "$AGENT_URL" \
-      --agent-port "$AGENT_PORT" --endpoint-file "$TMP/endpoint" >"$TMP/registration.json"; then
+      --agent-port "$AGENT_PORT" --endpoint-file "$TMP/endpoint" --state-file "$TMP/state.json" \
+      >"$TMP/registration.json"; then
   if [[ -n $STOP ]]; then  # interrupted: the manager may have filed us before the helper was stopped
     if [[ $HOST == *:* ]]; then ENDPOINT="[$HOST]:$PORT"; else ENDPOINT="$HOST:$PORT"; fi
   fi
@@ -318,9 +337,15 @@ REGISTRATION=$(<"$TMP/registration.json")
 ENDPOINT=$(<"$TMP/endpoint")
 log "registered $ENDPOINT with $MANAGER: $REGISTRATION"
 stop_if_asked
+# Registers the box again when the manager restarts (rollout_manager/box.py, `watch`).
+start_child "$PY" -m rollout_manager.box watch --manager "$MANAGER" --state-file "$TMP/state.json" \
+  --interval "$RECHECK"
+WATCH_PID=$!
 
 while :; do
-  wait -n "$ENGINE_PID" "$AGENT_PID" 2>/dev/null || true
+  # Poll instead of `wait -n`: a child that died before this loop began (a race under load) would
+  # otherwise go unseen. `wait` on the sleep returns at once when a signal arrives.
+  sleep 0.5 & wait $! 2>/dev/null || true
   stop_if_asked
   for pair in "$ENGINE_PID:$ENGINE_NAME" "$AGENT_PID:receiver agent"; do
     if ! kill -0 "${pair%%:*}" 2>/dev/null; then

@@ -65,9 +65,13 @@ async def start_manager(tmp_path):
     started: list[ManagerHandle] = []
     session = aiohttp.ClientSession()
 
-    async def start(**settings: Any) -> ManagerHandle:
-        port = free_port()
-        proc = Proc(_manager_args(port, settings), tmp_path / f"manager-{port}.log")
+    async def start(port: int | None = None, **settings: Any) -> ManagerHandle:
+        """``port``: listen there (e.g. to restart a manager on the address boxes know); default a free one."""
+        port = port or free_port()
+        log_path = tmp_path / f"manager-{port}.log"
+        if log_path.exists():  # a restart on the same port keeps the earlier log
+            log_path = tmp_path / f"manager-{port}-{len(started)}.log"
+        proc = Proc(_manager_args(port, settings), log_path)
         handle = ManagerHandle(proc, f"http://127.0.0.1:{port}", session, str(settings.get("auth_token", "")))
         started.append(handle)
         await wait_http_ok(handle.url + "/health", proc)

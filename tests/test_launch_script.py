@@ -187,6 +187,43 @@ async def test_a_dying_child_deregisters_and_exits_3_and_a_stale_registration_is
         box.stop()
 
 
+async def test_box_registers_again_when_the_manager_restarts(start_manager, tmp_path):
+    mport = free_port()
+    m = await start_manager(port=mport)
+    port, agent_port = free_port(), free_port()
+    endpoint = f"127.0.0.1:{port}"
+    args = script_args(m.url, port, agent_port)
+    args[args.index("--"):args.index("--")] = ["--reregister-check-s", "0.3"]
+    box = Proc(args, tmp_path / "box.log", env=QUIET)
+    try:
+        await until_active(m, endpoint, box)
+        old_run = (await m.get("/health"))[1]["run_id"]
+        m.proc.signal(signal.SIGKILL)  # no goodbye: the new manager starts with an empty registry
+        await asyncio.to_thread(m.proc.wait, 10)
+        await wait_until(lambda: "went away" in box.log(), timeout=10, interval=0.1, what="the box to notice")
+        m2 = await start_manager(port=mport)
+        new_run = (await m2.get("/health"))[1]["run_id"]
+        assert new_run != old_run
+        await until_active(m2, endpoint, box, timeout=15)
+        log = box.log()
+        assert f"manager restarted (run id {old_run} -> {new_run}): registered again as {endpoint}" in log, log
+        assert log.count("went away") == 1 and log.count("is back") == 1, log
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+        status, out = await m2.post("/generate", body)
+        assert status == 200 and out["output_ids"] == reference_generate(build_model(0, **MODEL), [1, 2, 3], 6)[0]
+
+        # An admin's removal (same run id) is respected: the box does not come back by itself.
+        status, _ = await m2.post("/shutdown_instances", {"endpoints": [endpoint], "check_weight_update": False})
+        assert status == 200
+        await wait_until(lambda: "is no longer registered" in box.log(), timeout=5, interval=0.1,
+                         what="the removal to be noted")
+        await asyncio.sleep(1)
+        assert await instance(m2, endpoint) is None and box.popen.poll() is None
+        assert box.log().count("registered again") == 1
+    finally:
+        box.stop()
+
+
 async def test_killed_launcher_leaves_nothing_behind(start_manager, tmp_path):
     m = await start_manager()
     port, agent_port = free_port(), free_port()
@@ -197,6 +234,8 @@ async def test_killed_launcher_leaves_nothing_behind(start_manager, tmp_path):
         groups = {os.getpgid(p) for p in below if alive(p)}
         assert len(groups) >= 2  # each child leads its own group: a terminal's Ctrl-C reaches the launcher only
         os.kill(box.pid, signal.SIGKILL)  # no chance to clean up: the kernel's parent-death signal does it
+        await asyncio.to_thread(box.wait, 10)  # reap it: a zombie launcher would keep its own group "non-empty"
+        # (the manager watcher starts in the launcher's group before it moves to its own)
         await wait_until(lambda: not [p for p in below if alive(p)], timeout=15, what="orphans to exit")
         await wait_until(lambda: all(group_empty(g) for g in groups), timeout=5, what="groups empty")
     finally:
