@@ -133,3 +133,32 @@ async def test_verl_adapter_pushes_through_the_default_hook(pool):
             weight_push._PUSHER[0].stop()
             await weight_push._PUSHER[1].close()
             weight_push._PUSHER = None
+
+
+async def test_pusher_reports_its_senders_again_after_a_manager_restart(start_manager, tmp_path):
+    mport, sport = free_port(), free_port()
+    settings = dict(weight_sender_base_port=str(sport), allowed_sender_ips="127.0.0.0/8")
+    m = await start_manager(port=mport, **settings)
+    box = Box(tmp_path)
+    client = ManagerClient(m.url)
+    pusher = WeightPusher(m.url, IPS, sport, timeout_s=60)
+    try:
+        await box.ready()
+        body = {"host": "127.0.0.1", "port": box.port, "weight_receiver_port": box.rport}
+        await m.post("/register_rollout_instance", body)
+        await wait_until(lambda: _active(m, box))
+        await pusher.start(client)
+        assert (await pusher.push(client, build_model(1).state_dict(), version=1))["instances_at_version"] == 1
+        m.proc.signal(9)  # the manager dies; a new one starts empty on the same port
+        m.proc.wait(10)
+        m2 = await start_manager(port=mport, **settings)
+        await m2.post("/register_rollout_instance", body)  # (launch_sglang.sh does this by itself)
+        await wait_until(lambda: _active(m2, box))
+        policy = build_model(2)
+        answer = await pusher.push(client, policy.state_dict(), version=2)
+        assert answer["instances_at_version"] == 1 and not answer["timed_out"]
+        assert (await greedy(m2, [4, 4]))["output_ids"] == reference_generate(policy, [4, 4], 10)[0]
+    finally:
+        pusher.stop()
+        await client.close()
+        box.stop()

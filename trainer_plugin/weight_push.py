@@ -103,12 +103,18 @@ class WeightPusher:
         self.engines_per_group = engines_per_group
         self.sender: Any = None
         self.version = 0
+        self.run_id: str | None = None
 
     async def start(self, client: Any) -> dict:
         from rollout_manager.weights.sender_agent import SenderAgent
 
         self.sender = SenderAgent(self.node_ips, self.sender_port, protocol=self.protocol,
                                   device_name=self.device_name).start()
+        return await self._report(client)
+
+    async def _report(self, client: Any) -> dict:
+        """Tell the manager where the senders are; remember which manager run heard it."""
+        self.run_id = (await client.health()).get("run_id")
         return await client.update_weight_senders(
             [self.node_ips], num_mooncake_groups_per_sender=self.groups_per_sender,
             num_mooncake_engines_per_group=self.engines_per_group)
@@ -121,6 +127,9 @@ class WeightPusher:
             raise RuntimeError("WeightPusher.start() first")
         version = self.version + 1 if version is None else int(version)
         named = dict(state_dict.items() if hasattr(state_dict, "items") else state_dict)
+        if (await client.health()).get("run_id") != self.run_id:  # the manager restarted: it forgot us
+            log.warning("rollout manager restarted; reporting the weight senders again")
+            await self._report(client)
         await asyncio.to_thread(self.sender.stage, named, version)
         answer = await client.update_weight_version(version, wait_for=self.wait_for, timeout_s=self.timeout_s)
         self.version = version
