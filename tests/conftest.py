@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from support import PY, Proc, free_port, wait_http_ok, wait_http_ok_sync
+from support import PY, OnLoopback, Proc, free_port, wait_http_ok, wait_http_ok_sync
 
 # Fast health settings for tests; production defaults are minutes.
 FAST = {
@@ -110,7 +110,7 @@ async def start_manager_shared(shared_manager_url):
 
 
 @dataclass
-class StubEngine:
+class StubEngine(OnLoopback):
     """A minimal in-process SGLang stand-in whose health answers the test controls."""
 
     port: int
@@ -118,10 +118,6 @@ class StubEngine:
     probes: int = 0
     runner: web.AppRunner | None = None
     seen: list[str] = field(default_factory=list)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
     async def _health(self, request: web.Request) -> web.Response:
         self.probes += 1
@@ -151,17 +147,9 @@ async def stub_engine():
 
 
 @dataclass
-class EngineHandle:
+class EngineHandle(OnLoopback):
     proc: Proc
     port: int
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
 
 
 @pytest.fixture

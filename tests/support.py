@@ -112,7 +112,21 @@ def wait_http_ok_sync(url: str, proc: Proc | None = None, timeout: float = 60.0)
     raise AssertionError(f"timed out after {timeout}s waiting for {url}")
 
 
-class Box:
+class OnLoopback:
+    """Something serving HTTP on 127.0.0.1:``port``."""
+
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+
+class Box(OnLoopback):
     """One rollout box: a CPU engine and its weight receiver agent."""
 
     def __init__(self, tmp_path: Path, model_json: str = "{}", *receiver_flags: str, token: str = ""):
@@ -124,14 +138,6 @@ class Box:
                               *receiver_flags], tmp_path / f"receiver-{self.rport}.log",
                              env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2",
                                   "ROLLOUT_MANAGER_AUTH_TOKEN": token})
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
 
     async def ready(self) -> None:
         await wait_http_ok(self.url + "/health", self.engine)

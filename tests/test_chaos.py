@@ -38,7 +38,7 @@ import aiohttp
 import pytest
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import PY, ROOT, free_port, wait_until
+from support import PY, ROOT, OnLoopback, free_port, wait_until
 
 MAX_NEW = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW}
@@ -51,20 +51,12 @@ RSS_BOUND_MB = 100
 
 
 @dataclass
-class ForkedEngine:
+class ForkedEngine(OnLoopback):
     pid: int
     port: int
     log_path: Path
     flags: tuple[str, ...]
     killed: bool = False
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
 
     def alive(self) -> bool:
         try:
