@@ -77,12 +77,14 @@ async def rig(start_manager, tmp_path):
             await wait_until(lambda b=box: _state(m, b, "active"), what=f"{box.endpoint} active")
         return new
 
-    status, _ = await m.put_senders([SENDER_IPS], 2, engines=1)
-    assert status == 200
-    yield m, sender, add_boxes
-    sender.stop()
-    for box in boxes:
-        box.stop()
+    try:
+        status, _ = await m.put_senders([SENDER_IPS], 2, engines=1)
+        assert status == 200
+        yield m, sender, add_boxes
+    finally:  # boxes first: nothing may outlive the test, whatever failed
+        for box in boxes:
+            box.stop()
+        sender.stop()
 
 
 async def push_version(m, sender: SenderAgent, version: int) -> None:

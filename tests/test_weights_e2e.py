@@ -56,12 +56,14 @@ async def rig(start_manager, tmp_path, request):
         assert status == 200, body
         return box
 
-    status, _ = await m.put_senders([SENDER_IPS], 2, engines=2)
-    assert status == 200
-    yield m, sender, add_box
-    sender.stop()
-    for box in boxes:
-        box.stop()
+    try:
+        status, _ = await m.put_senders([SENDER_IPS], 2, engines=2)
+        assert status == 200
+        yield m, sender, add_box
+    finally:  # boxes first: nothing may outlive the test, whatever failed
+        for box in boxes:
+            box.stop()
+        sender.stop()
 
 
 async def greedy_via(m, prompt, n=8):
