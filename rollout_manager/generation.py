@@ -105,7 +105,6 @@ class Generator:
         self.local = LocalWindow(on_change=dispatcher.changed.notify)
         dispatcher.local_allowed = lambda: self.local.is_open
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0}
-        self.closing = False  # shutting down: no new work is placed
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
         # Called once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import __version__, jsonutil
 from . import sglang_wire as wire
+from .bearer import bearer_matches
 from .errors import ManagerError, TooLarge, Unauthorized
 from .generation import run_batch
 from .manager import Manager
@@ -133,9 +133,7 @@ async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamRespo
     """With ``auth_token`` set, everything but the open paths needs ``Authorization: Bearer <token>``."""
     token = request.app[MANAGER].config.auth_token
     if token and (request.method, request.path) not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        if not bearer_matches(request.headers.get("Authorization", ""), token):
             raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <auth_token>)")
     return await handler(request)
 
