@@ -30,8 +30,10 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[${EXTRAS}]"
 # verl 0.9.1 for the trainer plugin, after torch so no range replaces the CPU build; every version pinned.
+# TransferQueue is what verl's V1 (streaming) trainer stores finished rollouts in (verl's verl-core extra).
 if [ "${WITH_VERL:-1}" = 1 ]; then
-  .venv/bin/python -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'" 2>/dev/null \
-    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1"
+  .venv/bin/python -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'
+m.version('TransferQueue')" 2>/dev/null \
+    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1" "TransferQueue==0.1.11"
 fi
 echo "install.sh: ready: $(.venv/bin/rollout-manager --version)"

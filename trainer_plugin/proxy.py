@@ -1,11 +1,13 @@
-"""The light "server" verl's rollout replicas point at: each call is one HTTP call to the manager.
+"""The light "server" verl's rollout replicas point at: verl's generate calls become manager calls.
 
 verl 0.9.1 has no config field that points at servers it did not start; its route for generation is
 ``LLMServerClient.generate`` -> load balancer -> ``server_handle.generate.remote(...)`` on a Ray actor
 that its ``RolloutReplica`` launched. :class:`ManagerProxyServer` is that actor for
-``rollout.name=sglang-disaggregated``: ``generate`` becomes ``POST /generate`` on the manager (which
-picks the instance, continues a sequence whose instance dies, and records the weight version of
-every segment), and the memory controls verl sends to colocated engines (sleep, wake_up, KV-cache
+``rollout.name=sglang-disaggregated``: the ``generate`` calls arriving together (a step's agent loops
+all start at once) go to the manager as one ``POST /batch_generate_requests`` (see
+:mod:`trainer_plugin.request_batcher`; the manager picks the instances, continues a sequence whose
+instance dies, and records the weight version of every segment), each answered as soon as its own
+result comes back; ``batch_window_ms=0`` sends each as its own ``POST /generate``. The memory controls verl sends to colocated engines (sleep, wake_up, KV-cache
 release) are no-ops, because the remote boxes do not share GPUs with the trainer.
 
 Nothing here imports verl at module level except inside :meth:`ManagerProxyServer.generate` (for
@@ -18,6 +20,7 @@ import logging
 from typing import Any
 
 from .client import ManagerClient
+from .request_batcher import RequestBatcher
 
 log = logging.getLogger("trainer_plugin.proxy")
 
@@ -109,20 +112,30 @@ class ManagerProxyServer:
     """
 
     def __init__(self, manager_url: str, *, prompt_length: int, response_length: int,
-                 max_model_len: int | None = None, timeout_s: float = 30.0):
+                 max_model_len: int | None = None, timeout_s: float = 30.0,
+                 batch_window_s: float = 0.005, max_batch: int = 1024):
         self.manager_url = manager_url
         self.prompt_length = prompt_length
         self.response_length = response_length
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self.global_steps: int | None = None
+        self.batch_window_s = batch_window_s
+        self.max_batch = max_batch
         self._client: ManagerClient | None = None
+        self._batcher: RequestBatcher | None = None
 
     @property
     def client(self) -> ManagerClient:
         if self._client is None:
             self._client = ManagerClient(self.manager_url, timeout_s=self.timeout_s)
         return self._client
+
+    @property
+    def batcher(self) -> RequestBatcher | None:
+        if self._batcher is None and self.batch_window_s > 0:
+            self._batcher = RequestBatcher(self.client, window_s=self.batch_window_s, max_batch=self.max_batch)
+        return self._batcher
 
     def get_server_address(self) -> tuple[str, int]:
         hostport = self.manager_url.split("://", 1)[-1]
@@ -141,7 +154,8 @@ class ManagerProxyServer:
         body = build_generate_body(list(prompt_ids), sampling_params, request_id,
                                    prompt_length=self.prompt_length, response_length=self.response_length,
                                    max_model_len=self.max_model_len)
-        result = await self.client.generate(body)
+        batcher = self.batcher
+        result = await (batcher.generate(body) if batcher is not None else self.client.generate(body))
         return TokenOutput(**token_output_fields(result, bool(body.get("return_logprob")), self.global_steps))
 
     async def set_global_steps(self, global_steps: int) -> None:
@@ -180,6 +194,13 @@ class ManagerProxyServer:
     async def health(self) -> dict[str, Any]:
         return await self.client.health()
 
+    def batching_stats(self) -> dict[str, int]:
+        """How many batches and requests went out coalesced (zero when batching is off)."""
+        b = self._batcher
+        return {"batches": b.batches_sent if b else 0, "requests": b.requests_sent if b else 0}
+
     async def close(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.close()
         if self._client is not None:
             await self._client.close()

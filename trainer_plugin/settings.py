@@ -92,6 +92,10 @@ class ManagerSettings:
     weight_push_wait: str = "all"
     weight_push_timeout_s: float = 600.0
     request_timeout_s: float = 30.0
+    # verl's per-sample generate calls arriving within this window go out as one batch request
+    # (0: one /generate per call); at most batch_max_requests per batch
+    batch_window_ms: float = 5.0
+    batch_max_requests: int = 1024
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
         raise SettingsError(f"{PREFIX}custom.rollout_manager.port={port} is out of range 1-65535")
     if values.get("config_path") and not os.path.isfile(values["config_path"]):
         raise SettingsError(f"{PREFIX}custom.rollout_manager.config_path={values['config_path']}: no such file")
+    if values.get("batch_window_ms", 0.0) < 0 or values.get("batch_max_requests", 1) < 1:
+        raise SettingsError(f"{PREFIX}custom.rollout_manager.batch_window_ms must be >= 0 and batch_max_requests "
+                            f">= 1, got {values.get('batch_window_ms')}, {values.get('batch_max_requests')}")
     msbs = _coerce(f"{PREFIX}custom.min_stream_batch_size", custom.get("min_stream_batch_size", 1), 1)
     if msbs < 1:
         raise SettingsError(f"{PREFIX}custom.min_stream_batch_size must be >= 1, got {msbs}")
