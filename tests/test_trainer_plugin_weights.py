@@ -3,11 +3,14 @@ full training loop (rollouts -> toy reward -> policy-gradient update -> push -> 
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 import torch
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import Box, free_port, wait_until
+from support import PY, Box, Proc, free_port, wait_until
 from trainer_plugin.client import ManagerClient
 from trainer_plugin.streaming import RolloutStream
 from trainer_plugin.weight_push import WeightPusher
@@ -162,3 +165,60 @@ async def test_pusher_reports_its_senders_again_after_a_manager_restart(start_ma
         pusher.stop()
         await client.close()
         box.stop()
+
+
+async def test_every_trainer_node_runs_a_sender_and_rank_zero_publishes(start_manager, tmp_path):
+    """Two 'nodes' (processes in one gloo group, on 127.0.0.1 and 127.0.0.2) push through the
+    default hook: each stages into its own sender, the manager deals the boxes over both, and a
+    version is published only once both have it."""
+    sport = free_port()
+    m = await start_manager(weight_sender_base_port=str(sport), allowed_sender_ips="127.0.0.0/8")
+    boxes = [Box(tmp_path), Box(tmp_path)]
+    ranks: list[Proc] = []
+    try:
+        for box in boxes:
+            await box.ready()
+            status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": box.port,
+                                                                        "weight_receiver_port": box.rport})
+            assert status == 200, body
+        for box in boxes:
+            await wait_until(lambda b=box: _active(m, b), what="box active")
+        master = free_port()
+        for rank, ip in enumerate(IPS):
+            ranks.append(Proc([PY, "tests/node_push.py", "--rank", str(rank), "--world", "2", "--master-port",
+                               str(master), "--manager", m.url, "--sender-ip", ip, "--seeds", "4", "5"],
+                              tmp_path / f"rank{rank}.log"))
+        for proc in ranks:
+            assert await asyncio.to_thread(proc.wait, 90) == 0, proc.log()
+        lines = [json.loads(x) for x in ranks[0].log().splitlines() if x.startswith("{")]
+        assert [(r["version"], r["pushed"], r["senders"], r["instances_at_version"]) for r in lines] == \
+            [(1, True, 2, 2), (2, True, 2, 2)]
+        other = [json.loads(x) for x in ranks[1].log().splitlines() if x.startswith("{")]
+        assert [(r["pushed"], r["staged"]) for r in other] == [(False, True), (False, True)]
+        st = await m.status()
+        assert sorted(i["sender"] for i in st["instances"]) == [0, 1]  # one box per node's sender
+        assert {i["weight_version"] for i in st["instances"]} == {2}
+        policy = build_model(5)
+        for _ in boxes:  # both boxes (fed by different nodes) serve version 2's weights
+            out = await greedy(m, [3, 1, 4])
+            assert out["output_ids"] == reference_generate(policy, [3, 1, 4], 10)[0]
+    finally:
+        for proc in ranks:
+            proc.stop()
+        for box in boxes:
+            box.stop()
+
+
+def test_sender_ips_take_plain_addresses_or_pick_this_nodes_addresses_by_cidr():
+    import ipaddress
+
+    from trainer_plugin.weight_push import _local_addresses, resolve_sender_ips
+
+    assert resolve_sender_ips(["127.0.0.2"], "http://127.0.0.1:5000") == ["127.0.0.2"]
+    assert resolve_sender_ips(["127.0.0.0/8"], "http://127.0.0.1:5000") == ["127.0.0.1"]  # lo's address
+    assert resolve_sender_ips([], "http://127.0.0.1:5000") == ["127.0.0.1"]  # the route to the manager
+    local = [ipaddress.ip_address(a) for a in _local_addresses()]
+    absent = next(n for n in ("198.51.100.0/24", "203.0.113.0/24", "192.0.2.0/24")
+                  if not any(a in ipaddress.ip_network(n) for a in local))  # documentation nets on no NIC here
+    with pytest.raises(ValueError, match="no address of this node"):
+        resolve_sender_ips([absent], "http://127.0.0.1:5000")

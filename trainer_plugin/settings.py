@@ -85,8 +85,9 @@ class ManagerSettings:
     overrides: tuple[str, ...] = ()
     # dotted path "module:function" called with the weights after each update (the weight push hook)
     weight_push: str = "trainer_plugin.weight_push:push_to_rollout_manager"
-    # this node's interfaces for weight traffic (filtered by the manager's allowed_sender_ips);
-    # empty: the address of the route to the manager
+    # each trainer node's interfaces for weight traffic (then filtered by the manager's
+    # allowed_sender_ips): IPs as given, or CIDRs that pick each node's own addresses inside them;
+    # empty: the address of the node's route to the manager
     sender_ips: tuple[str, ...] = ()
     # after a push: wait until "all" remote instances serve the new version, a number of them, or "none"
     weight_push_wait: str = "all"

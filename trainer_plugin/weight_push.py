@@ -14,23 +14,55 @@ function named by ``actor_rollout_ref.rollout.custom.rollout_manager.weight_push
 ``context``
     a :class:`WeightPushContext`: rank, world size, manager URL, the rollout config.
 
-It may be a coroutine function. The default, :func:`push_to_rollout_manager`, stages the weights on
-rank zero into this node's sender agent and publishes them as version ``global_steps`` (the other
-ranks drain the iterator); :func:`discard_weights` pushes nothing.
+It may be a coroutine function. The default, :func:`push_to_rollout_manager`, runs one sender agent
+per trainer node (on its local rank zero, which stages the full weights into it), so every node's
+NICs carry weight traffic; rank zero reports all nodes' senders to the manager and publishes each
+version once every node has staged it. :func:`discard_weights` pushes nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+import ipaddress
 import logging
+import os
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
 
 log = logging.getLogger("trainer_plugin.weight_push")
 
 WeightPush = Callable[..., "Awaitable[Any] | Any"]
 _warned = False
+
+
+class NodeComm(Protocol):
+    """The two collectives the push needs across training ranks."""
+
+    def all_gather(self, obj: Any) -> list[Any]: ...
+
+    def barrier(self) -> None: ...
+
+
+class TorchDistComm:
+    """``torch.distributed``'s default group; a single process when it is not initialised."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.dist is None:
+            return [obj]
+        out: list[Any] = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.dist is not None:
+            self.dist.barrier()
 
 
 @dataclass
@@ -41,6 +73,45 @@ class WeightPushContext:
     rollout_config: Any
     wire_format: str = "named_tensors"
     kwargs: dict | None = None
+    # rank within this node (``LOCAL_RANK``); local rank zero runs the node's sender. None: from the env
+    local_rank: int | None = None
+    comm: NodeComm | None = None
+
+    @property
+    def node_leader(self) -> bool:
+        local = self.local_rank if self.local_rank is not None else int(os.environ.get("LOCAL_RANK", self.rank))
+        return local == 0
+
+
+def resolve_sender_ips(entries: Sequence[str], manager_url: str) -> list[str]:
+    """This node's weight-traffic IPs: plain IPs as given; a CIDR picks this node's addresses inside it
+    (so one config line serves every node); nothing given: the address of the route to the manager."""
+    from rollout_manager.box import detect_host
+
+    if not entries:
+        return [detect_host(manager_url)]
+    ips: list[str] = []
+    local: list[str] | None = None
+    for entry in entries:
+        if "/" not in entry:
+            ips.append(str(ipaddress.ip_address(entry)))
+            continue
+        net = ipaddress.ip_network(entry, strict=False)
+        if local is None:
+            local = _local_addresses()
+        ips += [a for a in local if ipaddress.ip_address(a) in net and a not in ips]
+    if not ips:
+        raise ValueError(f"sender_ips {list(entries)}: no address of this node ({', '.join(local or [])}) matches")
+    return ips
+
+
+def _local_addresses() -> list[str]:
+    import socket
+
+    import psutil  # a dependency of ray, hence of verl
+
+    return [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)]
 
 
 def discard_weights(weights: Iterable[Any], global_steps: int | None, context: WeightPushContext) -> dict:
@@ -80,13 +151,15 @@ async def call_weight_push(fn: WeightPush, weights: Iterable[Any], global_steps:
 
 
 class WeightPusher:
-    """Rank zero's half of the weight push: this node's sender agent, staging, and the version bump.
+    """One node's sender agent, staging into it, and (on the reporting rank) the version bump.
 
     ``start()`` opens the sender agent on this node's IPs at the manager's ``weight_sender_base_port``
-    and reports them with ``PUT /update_weight_senders``; ``push(state_dict, version)`` stages the
-    full state dict into the agent's registered host buffer and calls ``/update_weight_version``,
-    waiting as configured (``wait_for``: "all", a count, or None to proceed at once). Tensor names go
-    through unchanged: give HF names, which is what SGLang's ``load_weights`` expects.
+    and reports the senders with ``PUT /update_weight_senders`` (``all_node_ips``: every trainer
+    node's IP list, this node's alone by default); ``push(state_dict, version)`` is ``stage`` (copy
+    the full state dict into the agent's registered host buffer) then ``publish``
+    (``/update_weight_version``, waiting as configured: ``wait_for`` "all", a count, or None to
+    proceed at once). Tensor names go through unchanged: give HF names, which is what SGLang's
+    ``load_weights`` expects.
     """
 
     def __init__(self, manager_url: str, node_ips: list[str], sender_port: int, *, protocol: str = "tcp",
@@ -104,33 +177,45 @@ class WeightPusher:
         self.sender: Any = None
         self.version = 0
         self.run_id: str | None = None
+        self.all_node_ips: list[list[str]] = [self.node_ips]
 
-    async def start(self, client: Any) -> dict:
+    def start_sender(self) -> "WeightPusher":
         from rollout_manager.weights.sender_agent import SenderAgent
 
         self.sender = SenderAgent(self.node_ips, self.sender_port, protocol=self.protocol,
                                   device_name=self.device_name).start()
+        return self
+
+    async def start(self, client: Any, all_node_ips: list[list[str]] | None = None) -> dict:
+        self.start_sender()
+        if all_node_ips is not None:
+            self.all_node_ips = [list(ips) for ips in all_node_ips]
         return await self._report(client)
 
     async def _report(self, client: Any) -> dict:
         """Tell the manager where the senders are; remember which manager run heard it."""
         self.run_id = (await client.health()).get("run_id")
         return await client.update_weight_senders(
-            [self.node_ips], num_mooncake_groups_per_sender=self.groups_per_sender,
+            self.all_node_ips, num_mooncake_groups_per_sender=self.groups_per_sender,
             num_mooncake_engines_per_group=self.engines_per_group)
 
-    async def push(self, client: Any, state_dict: Any, version: int | None = None) -> dict:
-        """Stage ``state_dict`` (a mapping or ``(name, tensor)`` pairs) as ``version`` and publish it."""
-        import asyncio
-
+    def stage(self, state_dict: Any, version: int) -> None:
+        """Copy ``state_dict`` (a mapping or ``(name, tensor)`` pairs) into this node's sender (blocking)."""
         if self.sender is None:
             raise RuntimeError("WeightPusher.start() first")
+        self.sender.stage(dict(state_dict.items() if hasattr(state_dict, "items") else state_dict), int(version))
+
+    async def push(self, client: Any, state_dict: Any, version: int | None = None) -> dict:
+        """Stage ``state_dict`` as ``version`` (default: the next one) and publish it."""
         version = self.version + 1 if version is None else int(version)
-        named = dict(state_dict.items() if hasattr(state_dict, "items") else state_dict)
+        await asyncio.to_thread(self.stage, state_dict, version)
+        return await self.publish(client, version)
+
+    async def publish(self, client: Any, version: int) -> dict:
+        """Make ``version`` (staged on every node's sender) the manager's current one."""
         if (await client.health()).get("run_id") != self.run_id:  # the manager restarted: it forgot us
             log.warning("rollout manager restarted; reporting the weight senders again")
             await self._report(client)
-        await asyncio.to_thread(self.sender.stage, named, version)
         answer = await client.update_weight_version(version, wait_for=self.wait_for, timeout_s=self.timeout_s)
         self.version = version
         if answer.get("timed_out"):
@@ -149,42 +234,80 @@ _PUSHER: "tuple[WeightPusher, Any] | None" = None
 
 async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | None,
                                   context: WeightPushContext) -> dict:
-    """Default hook: rank zero pushes the full state dict as weight version ``global_steps``.
+    """Default hook: every node's local rank zero stages the full weights into its node's sender;
+    rank zero publishes them as weight version ``global_steps`` once all nodes have staged.
 
-    Every rank drains the iterator (FSDP gathers are collective); rank zero keeps the tensors, stages
-    them into the sender agent's registered buffer and calls ``/update_weight_version``, waiting as
-    ``custom.rollout_manager.weight_push_wait`` says. ``global_steps`` None (start-up) is version 0,
-    which every instance loaded from the model path: nothing to push.
+    Every rank drains the iterator (FSDP gathers are collective, and every rank gets full tensors).
+    The first call gathers each node's sender IPs to rank zero, which reports them all with
+    ``PUT /update_weight_senders`` (the manager deals instances over the nodes' groups). A barrier
+    after staging keeps rank zero from publishing a version some node does not have yet; rank zero
+    then waits as ``custom.rollout_manager.weight_push_wait`` says, and a second barrier holds the
+    other nodes (and their senders' buffers) until it is done. ``global_steps`` None (start-up)
+    is version 0, which every instance loaded from the model path: nothing to push.
     """
-    if context.rank != 0 or global_steps is None:
+    if global_steps is None:
         for _ in weights:
             pass
         return {"pushed": False}
-    named = {name: tensor.detach() for name, tensor in weights}
-    pusher, client = await _pusher(context)
-    answer = await pusher.push(client, named, version=int(global_steps))
-    return {"pushed": True, **answer}
+    leader = context.node_leader
+    named = None
+    if leader:
+        named = {name: tensor.detach() for name, tensor in weights}
+    else:
+        for _ in weights:
+            pass
+    comm = context.comm or TorchDistComm()
+    pusher, client = await _pusher(context, comm, leader)
+    if pusher is not None and named is not None:
+        await asyncio.to_thread(pusher.stage, named, int(global_steps))
+    comm.barrier()  # every node has staged: the version may be published
+    if context.rank != 0:
+        comm.barrier()  # and no node restages (or exits) while the instances may still pull from it
+        return {"pushed": False, "staged": named is not None}
+    try:
+        answer = await pusher.publish(client, int(global_steps))
+    finally:
+        comm.barrier()
+    return {"pushed": True, "senders": len(pusher.all_node_ips), **answer}
 
 
-async def _pusher(context: WeightPushContext) -> "tuple[WeightPusher, Any]":
-    """One pusher per process, set up from the plugin settings and the manager's sender settings."""
+async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> "tuple[WeightPusher | None, Any]":
+    """Set up once per process (collective on the first call): node leaders start their senders,
+    rank zero learns every node's IPs and reports them."""
     global _PUSHER
     if _PUSHER is None:
-        from rollout_manager.box import detect_host
-
         from .client import ManagerClient
         from .settings import from_rollout_config
 
         settings = from_rollout_config(context.rollout_config).manager
         client = ManagerClient(context.manager_url)
-        senders = (await client.get_instances_status())["weight_senders"]
-        ips = list(settings.sender_ips) or [detect_host(context.manager_url)]
-        wait: int | str | None = settings.weight_push_wait
-        wait = None if wait == "none" else (int(wait) if str(wait).isdigit() else wait)
-        pusher = WeightPusher(context.manager_url, ips, senders["weight_sender_base_port"],
-                              protocol=senders["mooncake_transfer_protocol"],
-                              device_name=senders["mooncake_transfer_device_name"],
-                              wait_for=wait, timeout_s=settings.weight_push_timeout_s)
-        await pusher.start(client)
+        pusher = None
+        ips: list[str] | None = None
+        error = None
+        if leader or context.rank == 0:
+            try:
+                senders = (await client.get_instances_status())["weight_senders"]
+                wait: int | str | None = settings.weight_push_wait
+                wait = None if wait == "none" else (int(wait) if str(wait).isdigit() else wait)
+                ips = resolve_sender_ips(settings.sender_ips, context.manager_url) if leader else None
+                pusher = WeightPusher(context.manager_url, ips or [], senders["weight_sender_base_port"],
+                                      protocol=senders["mooncake_transfer_protocol"],
+                                      device_name=senders["mooncake_transfer_device_name"],
+                                      wait_for=wait, timeout_s=settings.weight_push_timeout_s)
+                if leader:
+                    pusher.start_sender()
+            except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather below
+                error = f"rank {context.rank}: {exc}"
+        gathered = comm.all_gather({"ips": ips, "error": error})
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            if pusher is not None:
+                pusher.stop()
+            await client.close()
+            raise RuntimeError("weight push set-up failed: " + "; ".join(errors))
+        if context.rank == 0:
+            pusher.all_node_ips = [g["ips"] for g in gathered if g["ips"]]
+            await pusher._report(client)
+            log.info("weight senders on %d node(s): %s", len(pusher.all_node_ips), pusher.all_node_ips)
         _PUSHER = (pusher, client)
     return _PUSHER
