@@ -35,7 +35,8 @@ HAVE_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl 0.9.1 is not installed (pip install -c "
                                 "tests/verl_constraints.txt verl==0.9.1 after torch==2.13.0)")
 GREEDY = {"temperature": 0.0}
-pytestmark = pytest.mark.filterwarnings("ignore:Ray state API is no longer experimental:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:Ray state API is no longer experimental:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -487,6 +488,8 @@ def test_shipped_config_and_verl_config_classes(tmp_path):
     assert isinstance(rollout, RolloutConfig) and rollout.name == "sglang-disaggregated"
     s = from_rollout_config(rollout)
     assert (s.manager.port, s.min_stream_batch_size, s.manager.host) == (6001, 8, "0.0.0.0")
+    assert s.manager.weight_push == "trainer_plugin.weight_push:push_to_rollout_manager"
+    assert cfg.trainer.use_v1 and cfg.trainer.v1.trainer_mode == "rollout_manager_sync"
     with initialize_config_module("verl.trainer.config", version_base=None):
         cfg = compose("ppo_trainer", overrides=["actor_rollout_ref.rollout.name=sglang-disaggregated",
                                                 "+actor_rollout_ref.rollout.custom.rollout_manager.port=6002"])
@@ -564,3 +567,62 @@ async def test_replica_starts_one_manager_and_adapter_hands_weights_to_the_push_
     result = await adapter.update_weights(weights(), global_steps=5)
     assert consumed == [0, 1, 2]  # every rank must drain the generator (FSDP gathers are collective)
     assert result == {"tensors": 3, "bytes": 48, "pushed": False}
+
+
+@needs_verl
+def test_importing_verl_registers_the_trainer_mode_only_when_v1_loads():
+    code = textwrap.dedent("""
+        import sys, verl
+        assert "verl.trainer.ppo.v1" not in sys.modules  # import verl stays as fast as it was
+        from verl.trainer.ppo.v1 import get_trainer_cls
+        from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+        cls = get_trainer_cls("rollout_manager_sync")
+        assert issubclass(cls, PPOTrainerSync), cls.__mro__
+        print("OK", cls.__name__)
+    """)
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "OK PPOTrainerSyncWithManager" in out.stdout, out.stderr[-3000:]
+
+
+@needs_verl
+async def test_trainer_mode_posts_step_metrics_and_logs_the_answer(start_manager, caplog):
+    from omegaconf import OmegaConf
+
+    from trainer_plugin.verl_trainer import PPOTrainerSyncWithManager
+
+    m = await start_manager()
+    calls: list[str] = []
+
+    class Checkpoints:  # what PPOTrainerSync's hooks call: the weight sync and the replicas' sleep
+        def update_weights(self, step):
+            calls.append(f"update_weights {step}")
+
+        def sleep_replicas(self):
+            calls.append("sleep_replicas")
+
+    def trainer(port):
+        t = object.__new__(PPOTrainerSyncWithManager)  # the hooks only; verl's __init__ needs a cluster
+        t.config = OmegaConf.create({"data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {
+            "n": 8, "custom": {"rollout_manager": {"host": "127.0.0.1", "port": port}}}}})
+        t.checkpoint_manager, t.timing_raw, t.curr_step_profile, t.global_steps = Checkpoints(), {}, False, 3
+        return t
+
+    def one_step(t):
+        t.on_step_begin()
+        t.on_sample_begin()
+        time.sleep(0.02)  # the wait for rollouts being measured (not synchronisation)
+        t.on_sample_end()
+        t.on_step_end()
+        return t._consume_sync_metrics()
+
+    port = int(m.url.rsplit(":", 1)[1])
+    logged = await asyncio.to_thread(one_step, trainer(port))
+    assert calls == ["sleep_replicas", "update_weights 3"]  # verl's sync behaviour is kept
+    assert 0.02 <= logged["rollout_manager/trainer_bubble_time_s"] <= logged["rollout_manager/step_time_s"]
+    assert logged["rollout_manager/step_throughput"] == pytest.approx(32 / logged["rollout_manager/step_time_s"])
+    assert "rollout_manager/local_budget_s" in logged and "rollout_manager/generation/sequences" in logged
+    # a manager that is gone costs a warning, not the step
+    with caplog.at_level("WARNING", logger="trainer_plugin.trainer"):
+        logged = await asyncio.to_thread(one_step, trainer(free_port()))
+    assert "rollout_manager/step_time_s" in logged and "local_budget_s" not in str(logged)
+    assert "metrics not posted" in caplog.text

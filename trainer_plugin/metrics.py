@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,13 +20,19 @@ async def post_step_metrics(client: ManagerClient, *, step_time_s: float, traine
 
 
 def post_step_metrics_sync(manager_url: str, **figures: float) -> dict[str, Any]:
-    """The same from synchronous code (opens and closes its own connection)."""
+    """The same from synchronous code (opens and closes its own connection); from a thread whose
+    event loop is running (where ``asyncio.run`` is refused) it runs on a short-lived thread."""
 
     async def run() -> dict[str, Any]:
         async with ManagerClient(manager_url) as client:
             return await post_step_metrics(client, **figures)
 
-    return asyncio.run(run())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
 
 
 def as_log_metrics(answer: dict[str, Any], prefix: str = "rollout_manager/") -> dict[str, float]:

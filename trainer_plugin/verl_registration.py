@@ -18,12 +18,23 @@ Two registrations make a rollout name usable (DESIGN.md section 9):
   dotted name. It is a plain dict with no register function, so the plugin writes into it.
 
 Loading the plugin also maps the literal command-line keys to ``rollout.custom`` (see
-:mod:`trainer_plugin.settings`).
+:mod:`trainer_plugin.settings`), and arranges for the V1 trainer mode ``rollout_manager_sync``
+(:mod:`trainer_plugin.verl_trainer`) to be registered the moment verl imports its V1 trainers:
+importing them here would add seconds (TransferQueue and all) to every ``import verl``.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+from typing import Any, Callable
+
 from .settings import ROLLOUT_NAME, apply_argv_aliases
+
+log = logging.getLogger("trainer_plugin.verl")
+V1_PACKAGE = "verl.trainer.ppo.v1"
 
 ADAPTER = "trainer_plugin.verl_rollout.ManagerServerAdapter"
 REGISTERED = False
@@ -59,5 +70,50 @@ def check_registered() -> None:
             "'rollout_manager'? Run with VERL_LOGGING_LEVEL=DEBUG to see verl's plugin load errors.")
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback`` right after module ``name`` has been executed (a one-shot post-import hook)."""
+
+    def __init__(self, name: str, callback: Callable[[], Any]):
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        # (a find_spec without an import, as importlib.util.find_spec does, must leave the hook in place)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+        callback = self.callback
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - never break verl's own import
+                log.warning("rollout-manager plugin: could not register its V1 trainer mode: %s", exc)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _register_trainer() -> None:
+    from .verl_trainer import register as register_trainer
+
+    register_trainer()
+
+
+def register_trainer_when_loaded() -> None:
+    """Register ``rollout_manager_sync`` now if verl's V1 trainers are loaded, else when they are."""
+    if V1_PACKAGE in sys.modules:
+        _register_trainer()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(V1_PACKAGE, _register_trainer))
+
+
 register()
 apply_argv_aliases()
+register_trainer_when_loaded()

@@ -1,0 +1,82 @@
+"""verl V1 trainer mode ``rollout_manager_sync``: verl's sync trainer plus per-step manager metrics.
+
+verl 0.9.1's V1 trainer (``trainer.use_v1=true``, the default) takes its class from
+``TRAINER_REGISTRY[trainer.v1.trainer_mode]`` and calls hooks around each step
+(``on_step_begin``, ``on_sample_begin``/``on_sample_end`` around the wait for finished rollout
+groups, ``on_step_end`` where weights are synced); whatever ``on_step_end`` leaves in
+``_pending_sync_metrics`` is logged with that step's metrics. That is the smallest place to hook
+the metrics the manager needs: :class:`ManagerMetricsMixin` times the step and the trainer's wait
+for rollouts (its bubble), posts ``step_time_s``, ``trainer_bubble_time_s`` and ``step_throughput``
+(samples per second) to ``/update_metrics`` after the weight sync, and logs the manager's answer
+(local budget, remote idle time, generation counters) under ``rollout_manager/``. Everything else is
+verl's ``PPOTrainerSync``. A manager that cannot be reached costs a warning, never the step.
+
+Importing this module imports verl's V1 trainer (TransferQueue included, seconds), so the plugin
+registers it only when verl itself imports ``verl.trainer.ppo.v1`` (see
+:func:`trainer_plugin.verl_registration.register_trainer_when_loaded`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+from .metrics import StepTimer, as_log_metrics, post_step_metrics_sync
+from .settings import from_rollout_config
+
+log = logging.getLogger("trainer_plugin.trainer")
+TRAINER_MODE = "rollout_manager_sync"
+
+
+class ManagerMetricsMixin:
+    """Step and bubble timing posted to the manager; mix in before a verl V1 ``PPOTrainer``."""
+
+    config: Any
+    _rm_timer: StepTimer | None = None
+    _rm_wait_started: float | None = None
+
+    def _rm_samples_per_step(self) -> int:
+        return int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
+
+    def on_step_begin(self) -> None:
+        super().on_step_begin()  # type: ignore[misc]
+        if self._rm_timer is None:
+            self._rm_timer = StepTimer()
+        self._rm_timer.start_step()
+
+    def on_sample_begin(self) -> None:
+        super().on_sample_begin()  # type: ignore[misc]
+        self._rm_wait_started = time.monotonic()
+
+    def on_sample_end(self) -> None:
+        if self._rm_wait_started is not None and self._rm_timer is not None:
+            self._rm_timer._bubble += time.monotonic() - self._rm_wait_started
+            self._rm_wait_started = None
+        super().on_sample_end()  # type: ignore[misc]
+
+    def on_step_end(self) -> None:
+        super().on_step_end()  # type: ignore[misc]
+        if self._rm_timer is None or self._rm_timer._step_started is None:
+            return
+        figures = self._rm_timer.end_step(self._rm_samples_per_step())
+        logged = {f"rollout_manager/{k}": v for k, v in figures.items()}
+        try:
+            url = from_rollout_config(self.config.actor_rollout_ref.rollout).manager_url
+            logged.update(as_log_metrics(post_step_metrics_sync(url, **figures)))
+        except Exception as exc:  # noqa: BLE001 - metrics must never fail a training step
+            log.warning("rollout manager metrics not posted: %s", exc)
+        pending = getattr(self, "_pending_sync_metrics", None) or {}
+        self._pending_sync_metrics = {**pending, **logged}
+
+
+class PPOTrainerSyncWithManager(ManagerMetricsMixin, PPOTrainerSync):
+    """verl's sync trainer; each step's timings go to the rollout manager."""
+
+
+def register() -> type:
+    """Register ``rollout_manager_sync`` (idempotent)."""
+    return TRAINER_REGISTRY.get(TRAINER_MODE) or register_trainer(TRAINER_MODE)(PPOTrainerSyncWithManager)
