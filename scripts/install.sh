@@ -30,10 +30,11 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[${EXTRAS}]"
 # verl 0.9.1 for the trainer plugin, after torch so no range replaces the CPU build; every version pinned.
-# TransferQueue is what verl's V1 (streaming) trainer stores finished rollouts in (verl's verl-core extra).
+# TransferQueue (verl V1's store of finished rollouts) and cachetools (its load balancer) are imported by
+# verl's V1 trainer path but not declared by verl 0.9.1 outside its verl-core extra.
 if [ "${WITH_VERL:-1}" = 1 ]; then
   .venv/bin/python -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'
-m.version('TransferQueue')" 2>/dev/null \
-    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1" "TransferQueue==0.1.11"
+m.version('TransferQueue'); m.version('cachetools')" 2>/dev/null \
+    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1" "TransferQueue==0.1.11" "cachetools==8.0.1"
 fi
 echo "install.sh: ready: $(.venv/bin/rollout-manager --version)"
