@@ -626,3 +626,40 @@ async def test_trainer_mode_posts_step_metrics_and_logs_the_answer(start_manager
         logged = await asyncio.to_thread(one_step, trainer(free_port()))
     assert "rollout_manager/step_time_s" in logged and "local_budget_s" not in str(logged)
     assert "metrics not posted" in caplog.text
+
+
+@needs_verl
+async def test_proxy_never_hands_verl_an_unknown_version_and_standalone_pools_are_refused():
+    from verl.workers.config import RolloutConfig
+
+    from trainer_plugin.proxy import ManagerProxyServer
+    from trainer_plugin.verl_rollout import DisaggregatedReplica
+
+    versions = iter(["7", "not-a-number"])
+
+    async def generate(request):  # a manager whose second answer carries a version verl cannot use
+        return web.json_response({"output_ids": [4, 2], "meta_info": {
+            "finish_reason": {"type": "length"}, "weight_version": next(versions)}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    server = ManagerProxyServer(f"http://127.0.0.1:{port}", prompt_length=4, response_length=2, batch_window_s=0)
+    try:
+        first = await server.generate([1], {}, "a")
+        second = await server.generate([1], {}, "b")
+        assert first.extra_fields["global_steps"] == 7
+        # verl's _compute_metrics builds int arrays from these: the newest known version stands in
+        assert [second.extra_fields[k] for k in ("global_steps", "min_global_steps", "max_global_steps")] == [7] * 3
+        assert second.extra_fields["weight_version"] == "not-a-number"  # the manager's word is kept as is
+    finally:
+        await server.close()
+        await runner.cleanup()
+
+    replica = DisaggregatedReplica(replica_rank=0, config=RolloutConfig(name="sglang-disaggregated"),
+                                   model_config=None, gpus_per_node=1)
+    with pytest.raises(NotImplementedError, match="hybrid_engine=true"):
+        await replica.init_standalone()

@@ -156,7 +156,15 @@ class ManagerProxyServer:
                                    max_model_len=self.max_model_len)
         batcher = self.batcher
         result = await (batcher.generate(body) if batcher is not None else self.client.generate(body))
-        return TokenOutput(**token_output_fields(result, bool(body.get("return_logprob")), self.global_steps))
+        fields = token_output_fields(result, bool(body.get("return_logprob")), self.global_steps)
+        extra = fields["extra_fields"]
+        if extra["global_steps"] is not None:  # the newest integer version seen stands in for unknown ones
+            self.global_steps = max(self.global_steps or 0, extra["global_steps"])
+        else:  # (verl's metrics turn these into an int array: None would fail the step)
+            fallback = self.global_steps or 0
+            for key in ("global_steps", "min_global_steps", "max_global_steps"):
+                extra[key] = fallback if extra[key] is None else extra[key]
+        return TokenOutput(**fields)
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps

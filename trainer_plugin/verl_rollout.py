@@ -71,6 +71,17 @@ class DisaggregatedReplica(RolloutReplica):
     def rollout_worker_use_gpu(self) -> bool:
         return False
 
+    async def init_standalone(self) -> None:
+        # verl's standalone route (separate_async with hybrid_engine=false) reserves
+        # rollout.nnodes x n_gpus_per_node local GPUs for rollout workers and syncs weights to them
+        # over a checkpoint engine; here the rollout GPUs are the remote boxes, reached by the weight
+        # push hook, so that route would only strand GPUs. Say so instead of hanging on a reservation.
+        raise NotImplementedError(
+            "rollout.name=sglang-disaggregated runs with the trainer's workers (hybrid engine): use "
+            "trainer.v1.trainer_mode=rollout_manager_sync (or sync / colocate_async) with "
+            "actor_rollout_ref.hybrid_engine=true; a standalone rollout pool (separate_async) would "
+            "reserve local GPUs that the remote rollout boxes replace")
+
     async def launch_servers(self) -> None:
         # The blocking start-up (probe, spawn, wait for /health) runs off the event loop; the launcher
         # forks from its own long-lived thread so PR_SET_PDEATHSIG stays tied to this process.
