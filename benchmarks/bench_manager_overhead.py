@@ -50,6 +50,39 @@ async def wait_ok(url: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def spawn_fake_cluster(logs: Path, procs: list[subprocess.Popen], *manager_sets: str) -> tuple[str, list[str]]:
+    """Start two instant fake SGLang backends and a manager (``--set`` each of ``manager_sets``);
+    returns their URLs at once (see :func:`register_backends`)."""
+    backends = []
+    for k in range(2):
+        port = free_port()
+        procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)], logs / f"backend{k}.log"))
+        backends.append(f"http://127.0.0.1:{port}")
+    mport = free_port()
+    sets = [arg for kv in ("pending_poll_interval_s=0.1", *manager_sets) for arg in ("--set", kv)]
+    procs.append(spawn([PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{mport}",
+                        "--log-level", "warning", *sets], logs / "manager.log"))
+    return f"http://127.0.0.1:{mport}", backends
+
+
+async def register_backends(manager: str, backends: list[str]) -> None:
+    """Wait for everything to answer, register the backends, wait until the manager serves them."""
+    for url in [*backends, manager]:
+        await wait_ok(url + "/health")
+    async with aiohttp.ClientSession() as s:
+        for url in backends:
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            async with s.post(manager + "/register_rollout_instance", json={"host": host, "port": int(port)}) as r:
+                assert r.status == 200, await r.text()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            async with s.get(manager + "/get_instances_status") as r:
+                if (await r.json())["ready_instances"] == len(backends):
+                    return
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the manager did not take the backends into service")
+
+
 async def load(urls: list[str], n: int, concurrency: int, stream: bool) -> dict[str, float]:
     """n POST /generate over ``urls`` round-robin, ``concurrency`` at a time; reads every byte."""
     latencies: list[float] = []
@@ -86,17 +119,7 @@ async def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     try:
-        backends = []
-        for k in range(2):
-            port = free_port()
-            procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)],
-                               logs / f"backend{k}.log"))
-            backends.append(f"http://127.0.0.1:{port}")
-        mport = free_port()
-        procs.append(spawn([PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{mport}",
-                            "--log-level", "warning", "--set", "pending_poll_interval_s=0.1",
-                            "--set", "scheduler_policy=least_in_flight"], logs / "manager.log"))
-        manager = f"http://127.0.0.1:{mport}"
+        manager, backends = spawn_fake_cluster(logs, procs, "scheduler_policy=least_in_flight")
         router = None
         if not args.no_router:
             rport = free_port()
@@ -104,22 +127,7 @@ async def main() -> None:
                                 "--port", str(rport), "--policy", "round_robin", "--log-level", "warn",
                                 "--worker-urls", *backends], logs / "router.log"))
             router = f"http://127.0.0.1:{rport}"
-        for url in backends:
-            await wait_ok(url + "/health")
-        await wait_ok(manager + "/health")
-        async with aiohttp.ClientSession() as s:
-            for url in backends:
-                host_port = url.removeprefix("http://")
-                host, port = host_port.rsplit(":", 1)
-                async with s.post(manager + "/register_rollout_instance",
-                                  json={"host": host, "port": int(port)}) as r:
-                    assert r.status == 200, await r.text()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                async with s.get(manager + "/get_instances_status") as r:
-                    if (await r.json())["ready_instances"] == 2:
-                        break
-                await asyncio.sleep(0.1)
+        await register_backends(manager, backends)
         if router:
             await wait_ok(router + "/health", timeout=120)
 

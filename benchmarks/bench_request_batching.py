@@ -20,10 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_manager_overhead import PY, ROOT, free_port, spawn, wait_ok  # noqa: E402
+from benchmarks.bench_manager_overhead import register_backends, spawn_fake_cluster  # noqa: E402
 from trainer_plugin.client import ManagerClient  # noqa: E402
 from trainer_plugin.request_batcher import RequestBatcher  # noqa: E402
 
@@ -55,29 +53,8 @@ async def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     try:
-        backends = []
-        for k in range(2):
-            port = free_port()
-            procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)],
-                               logs / f"backend{k}.log"))
-            backends.append(port)
-        mport = free_port()
-        procs.append(spawn([PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{mport}",
-                            "--log-level", "warning", "--set", "pending_poll_interval_s=0.1"], logs / "manager.log"))
-        manager = f"http://127.0.0.1:{mport}"
-        for port in backends:
-            await wait_ok(f"http://127.0.0.1:{port}/health")
-        await wait_ok(manager + "/health")
-        async with aiohttp.ClientSession() as s:
-            for port in backends:
-                async with s.post(manager + "/register_rollout_instance", json={"host": "127.0.0.1", "port": port}) as r:
-                    assert r.status == 200, await r.text()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                async with s.get(manager + "/get_instances_status") as r:
-                    if (await r.json())["ready_instances"] == 2:
-                        break
-                await asyncio.sleep(0.1)
+        manager, backends = spawn_fake_cluster(logs, procs)
+        await register_backends(manager, backends)
         for batched in (False, True):  # warm-up
             await step(manager, 256, batched)
         times: dict[bool, list[float]] = {False: [], True: []}

@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from support import PY, OnLoopback, Proc, free_port, wait_http_ok, wait_http_ok_sync
+from support import PY, OnLoopback, Proc, free_port, wait_http_ok, wait_http_ok_sync, wait_until
 
 # Fast health settings for tests; production defaults are minutes.
 FAST = {
@@ -57,6 +57,20 @@ class ManagerHandle:
             if inst["endpoint"] == endpoint:
                 return inst["state"]
         return None
+
+    async def register(self, *targets: OnLoopback) -> None:
+        """Register engines or boxes (a box with its weight receiver) on 127.0.0.1; wait until all are active."""
+        for t in targets:
+            body: dict[str, Any] = {"host": "127.0.0.1", "port": t.port}
+            if getattr(t, "rport", None):
+                body["weight_receiver_port"] = t.rport
+            status, answer = await self.post("/register_rollout_instance", body)
+            assert status == 200, answer
+        for t in targets:
+            await wait_until(lambda t=t: self._is_active(t.endpoint), what=f"{t.endpoint} active")
+
+    async def _is_active(self, endpoint: str) -> bool:
+        return await self.state_of(endpoint) == "active"
 
 
 @pytest.fixture

@@ -28,16 +28,8 @@ def model():
 async def serving(start_manager, start_engines, *flag_sets):
     m = await start_manager()
     engines = await start_engines(*flag_sets)
-    for e in engines:
-        status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": e.port})
-        assert status == 200, body
-    for e in engines:
-        await wait_until(lambda e=e: _active(m, e.endpoint), what=f"{e.endpoint} active")
+    await m.register(*engines)
     return m, engines
-
-
-async def _active(m, endpoint):
-    return await m.state_of(endpoint) == "active"
 
 
 def body(prompt, max_new_tokens):

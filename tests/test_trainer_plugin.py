@@ -56,17 +56,6 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-async def register_and_wait(m, *engines):
-    for e in engines:
-        status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": e.port})
-        assert status == 200, body
-    for e in engines:
-        await wait_until(lambda e=e: _is_active(m, e.endpoint), what=f"{e.endpoint} active")
-
-
-async def _is_active(m, endpoint):
-    return await m.state_of(endpoint) == "active"
-
 
 # ---------------------------------------------------------------------------------------- launcher
 def test_launcher_starts_healthy_and_stops(tmp_path):
@@ -278,7 +267,7 @@ def check_stream(batches, client, stream, prompts, n, min_size, model, max_new):
 async def test_stream_micro_batches_keep_groups_whole_in_completion_order(start_manager, start_engines, model):
     m = await start_manager()
     engines = await start_engines(["--token-delay-s", "0.002"], ["--token-delay-s", "0.004"])
-    await register_and_wait(m, *engines)
+    await m.register(*engines)
     prompts = [[(7 * i + j) % 256 for j in range(1 + i % 5)] for i in range(10)]
     async with RecordingClient(m.url) as client:
         for n, min_size, max_new in ((1, 3, 6), (4, 6, 5), (8, 8, 4)):
@@ -297,7 +286,7 @@ async def test_stream_yields_dataprotos_with_verl_fields(start_manager, start_en
 
     m = await start_manager()
     (engine,) = await start_engines([])
-    await register_and_wait(m, engine)
+    await m.register(engine)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
     P, R, n = 8, 12, 2
     async with ManagerClient(m.url) as client:
@@ -351,7 +340,7 @@ async def test_failed_requests_fail_the_step_or_drop_their_group(start_manager, 
     m = await start_manager(max_attempts_per_request=1)
     # a 400 from the engine is final (not the instance's fault, never retried)
     (engine,) = await start_engines(["--fail-rate", "0.3", "--fail-status", "400", "--fault-seed", "3"])
-    await register_and_wait(m, engine)
+    await m.register(engine)
     prompts = [[i + 1, i + 2] for i in range(12)]
     async with ManagerClient(m.url) as client:
         stream = RolloutStream(client, prompts, n=2, min_stream_batch_size=2,
@@ -384,7 +373,7 @@ async def test_failed_requests_fail_the_step_or_drop_their_group(start_manager, 
 async def test_sync_wrapper_and_early_close(start_manager, start_engines, model):
     m = await start_manager()
     (engine,) = await start_engines(["--token-delay-s", "0.01"])
-    await register_and_wait(m, engine)
+    await m.register(engine)
     prompts = [[i + 3] for i in range(6)]
 
     def consume(limit=None):
@@ -506,7 +495,7 @@ async def test_proxy_server_turns_verl_generate_into_manager_calls(start_manager
 
     m = await start_manager()
     (engine,) = await start_engines([])
-    await register_and_wait(m, engine)
+    await m.register(engine)
     server = ManagerProxyServer(m.url, prompt_length=8, response_length=6)
     try:
         out = await server.generate([5, 6, 7], {"temperature": 0.0, "top_p": 1.0, "top_k": -1,

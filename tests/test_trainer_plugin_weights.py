@@ -29,11 +29,7 @@ async def pool(start_manager, tmp_path):
     try:
         for box in boxes:
             await box.ready()
-            status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": box.port,
-                                                                        "weight_receiver_port": box.rport})
-            assert status == 200, body
-        for box in boxes:
-            await wait_until(lambda b=box: _active(m, b), what="box active")
+        await m.register(*boxes)
         await pusher.start(client)
         yield m, client, pusher
     finally:
@@ -178,11 +174,7 @@ async def test_every_trainer_node_runs_a_sender_and_rank_zero_publishes(start_ma
     try:
         for box in boxes:
             await box.ready()
-            status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": box.port,
-                                                                        "weight_receiver_port": box.rport})
-            assert status == 200, body
-        for box in boxes:
-            await wait_until(lambda b=box: _active(m, b), what="box active")
+        await m.register(*boxes)
         master = free_port()
         for rank, ip in enumerate(IPS):
             ranks.append(Proc([PY, "tests/node_push.py", "--rank", str(rank), "--world", "2", "--master-port",

@@ -165,17 +165,6 @@ def local_ray():
             ray.shutdown()
 
 
-async def register_and_wait(m, *engines):
-    for e in engines:
-        status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": e.port})
-        assert status == 200, body
-    for e in engines:
-        await wait_until(lambda e=e: _is_active(m, e.endpoint), what=f"{e.endpoint} active")
-
-
-async def _is_active(m, endpoint):
-    return await m.state_of(endpoint) == "active"
-
 
 def prompt_batch(global_steps: int):
     """One dataloader batch: RLHFDataset-shaped rows through verl's collate_fn, plus the trainer's uid/global_steps."""
@@ -221,7 +210,7 @@ async def test_v1_agent_loops_stream_whole_greedy_groups_through_the_manager(sta
     async def manager_and_engines():
         m = await start_manager(port=port)
         engines = await start_engines(["--token-delay-s", "0.002"], ["--token-delay-s", "0.004"])
-        await register_and_wait(m, *engines)
+        await m.register(*engines)
 
     # both run to the end before anything fails, so no half-started Ray outlives the test
     for outcome in await asyncio.gather(asyncio.to_thread(local_ray, config), manager_and_engines(),
