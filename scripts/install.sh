@@ -30,11 +30,12 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[${EXTRAS}]"
 # verl 0.9.1 for the trainer plugin, after torch so no range replaces the CPU build; every version pinned.
-# TransferQueue (verl V1's store of finished rollouts) and cachetools (its load balancer) are imported by
-# verl's V1 trainer path but not declared by verl 0.9.1 outside its verl-core extra.
+# TransferQueue (verl V1's store of finished rollouts), cachetools (its load balancer) and fastapi/uvicorn
+# (its rollout utilities) are imported on verl's V1 trainer path, but verl 0.9.1 declares them only in
+# its verl-core extra, whose other members (flash-attn, nvtx, ...) do not belong on a CPU box.
 if [ "${WITH_VERL:-1}" = 1 ]; then
   .venv/bin/python -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'
-m.version('TransferQueue'); m.version('cachetools')" 2>/dev/null \
-    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1" "TransferQueue==0.1.11" "cachetools==8.0.1"
+m.version('TransferQueue'); m.version('cachetools'); m.version('uvicorn')" 2>/dev/null \
+    || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1" "TransferQueue==0.1.11" "cachetools==8.0.1" "fastapi==0.165.0" "uvicorn==0.54.0"
 fi
 echo "install.sh: ready: $(.venv/bin/rollout-manager --version)"

@@ -34,6 +34,9 @@ from trainer_plugin.streaming import RolloutFailed, RolloutStream, build_micro_b
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl 0.9.1 is not installed (pip install -c "
                                 "tests/verl_constraints.txt verl==0.9.1 after torch==2.13.0)")
+V1_MISSING = [m for m in ("verl", "transfer_queue", "cachetools", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+needs_verl_v1 = pytest.mark.skipif(bool(V1_MISSING), reason=f"verl 0.9.1's V1 trainers need {', '.join(V1_MISSING)} "
+                                   "(scripts/install.sh installs them)")
 GREEDY = {"temperature": 0.0}
 pytestmark = [pytest.mark.filterwarnings("ignore:Ray state API is no longer experimental:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")]
@@ -558,7 +561,7 @@ async def test_replica_starts_one_manager_and_adapter_hands_weights_to_the_push_
     assert result == {"tensors": 3, "bytes": 48, "pushed": False}
 
 
-@needs_verl
+@needs_verl_v1
 def test_importing_verl_registers_the_trainer_mode_only_when_v1_loads():
     code = textwrap.dedent("""
         import sys, verl
@@ -573,7 +576,7 @@ def test_importing_verl_registers_the_trainer_mode_only_when_v1_loads():
     assert out.returncode == 0 and "OK PPOTrainerSyncWithManager" in out.stdout, out.stderr[-3000:]
 
 
-@needs_verl
+@needs_verl_v1
 async def test_trainer_mode_posts_step_metrics_and_logs_the_answer(start_manager, caplog):
     from omegaconf import OmegaConf
 

@@ -30,7 +30,7 @@ an object with just those two attributes. (The other route, ``worker_group=None`
 ``init_standalone``, reserves ``rollout.nnodes * rollout.n_gpus_per_node`` GPUs in a Ray placement group
 and fails at once without GPUs.) Nothing in verl is patched.
 
-Not installed with verl 0.9.1 but imported by it on this path: ``cachetools`` (by
+Not installed with verl 0.9.1 but imported by it on this path: ``fastapi``/``uvicorn``, and ``cachetools`` (by
 ``verl/workers/rollout/router.py``, the load balancer); the test is skipped, saying so, without it.
 The test imports ``trainer_plugin.verl_registration`` itself (what the ``verl.plugins`` entry point does
 on ``import verl``), so it also holds with an install whose metadata predates that entry point.
@@ -50,11 +50,11 @@ import pytest
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from support import free_port, wait_until
 
-V1_MODULES = ("verl", "transfer_queue", "ray", "hydra", "tokenizers", "cachetools")
+V1_MODULES = ("verl", "transfer_queue", "ray", "hydra", "tokenizers", "cachetools", "uvicorn", "fastapi")
 MISSING = [m for m in V1_MODULES if importlib.util.find_spec(m) is None]
 pytestmark = [
     pytest.mark.skipif(bool(MISSING), reason=f"verl 0.9.1's V1 trainer path needs {', '.join(MISSING)} (pip install "
-                       "-c tests/verl_constraints.txt verl==0.9.1 TransferQueue cachetools, after torch==2.13.0)"),
+                       "-c tests/verl_constraints.txt verl==0.9.1 TransferQueue cachetools fastapi uvicorn, after torch==2.13.0)"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
