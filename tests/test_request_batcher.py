@@ -56,6 +56,11 @@ async def test_concurrent_calls_go_out_as_one_batch_with_exact_results(start_man
         assert (small.batches_sent, small.requests_sent) == (3, 10)
         await small.generate(body(prompts[0], 2))
         assert small.batches_sent == 4
+        # and so does a prompt-token budget (it keeps a batch body inside the manager's size limit)
+        by_tokens = RequestBatcher(client, window_s=0.05, max_batch_tokens=10)
+        await asyncio.gather(*(by_tokens.generate(body([1, 2, 3, 4], 2)) for _ in range(6)))
+        assert (by_tokens.batches_sent, by_tokens.requests_sent) == (3, 6)  # 4 + 4 + 4 > 10: two per batch
+        await by_tokens.close()
         await batcher.close()
         await small.close()
 

@@ -30,18 +30,24 @@ PATH = "/batch_generate_requests"
 class _Batch:
     waiters: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tokens: int = 0
     task: asyncio.Task[None] | None = None
 
 
 class RequestBatcher:
     """One per event loop and manager; not thread-safe (a Ray async actor is one loop)."""
 
-    def __init__(self, client: ManagerClient, *, window_s: float = 0.005, max_batch: int = 1024):
-        if window_s < 0 or max_batch < 1:
-            raise ValueError(f"window_s must be >= 0 and max_batch >= 1, got {window_s}, {max_batch}")
+    def __init__(self, client: ManagerClient, *, window_s: float = 0.005, max_batch: int = 1024,
+                 max_batch_tokens: int = 1_000_000):
+        """``max_batch_tokens``: prompt tokens per batch, so a batch body (a few bytes per token) stays
+        well inside the manager's ``max_request_body_mb``."""
+        if window_s < 0 or max_batch < 1 or max_batch_tokens < 1:
+            raise ValueError(f"window_s must be >= 0, max_batch and max_batch_tokens >= 1, got "
+                             f"{window_s}, {max_batch}, {max_batch_tokens}")
         self.client = client
         self.window_s = window_s
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self._ids = itertools.count()
         self._open = _Batch()
         self._timer: asyncio.TimerHandle | None = None
@@ -54,11 +60,15 @@ class RequestBatcher:
         loop = asyncio.get_running_loop()
         key = str(next(self._ids))
         fut: asyncio.Future[Any] = loop.create_future()
+        tokens = _prompt_tokens(body)
+        if self._open.waiters and self._open.tokens + tokens > self.max_batch_tokens:
+            self._flush()
         batch = self._open
         batch.waiters[key] = fut
         batch.bodies[key] = body
+        batch.tokens += tokens
         fut.add_done_callback(lambda f, b=batch: self._on_done(b, f))
-        if len(batch.waiters) >= self.max_batch:
+        if len(batch.waiters) >= self.max_batch or batch.tokens >= self.max_batch_tokens:
             self._flush()
         elif self._timer is None:
             self._timer = loop.call_later(self.window_s, self._flush)
@@ -124,3 +134,10 @@ class RequestBatcher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    ids = body.get("input_ids")
+    if not isinstance(ids, list):
+        return 0
+    return sum(len(x) for x in ids if isinstance(x, list)) if ids and isinstance(ids[0], list) else len(ids)
