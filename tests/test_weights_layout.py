@@ -222,3 +222,46 @@ def test_shard_checksums_and_verify_shards():
     assert verify_shards(data, shards, sums, max_workers=1) == [3]
     with pytest.raises(ValueError):
         verify_shards(data, shards, sums[:-1])
+
+
+def _streamed(agent, items, check_in_place: bool):
+    """Yield ``items``; before each next one, check the previous one already sits in its slot."""
+    prev = None
+    for name, tensor in items:
+        assert agent.version is None  # nothing in the buffer counts as a version while it is rewritten
+        if check_in_place and prev is not None:
+            spec = agent.layout[prev[0]]
+            got = agent.buffer.tensor[spec.offset: spec.offset + spec.nbytes]
+            assert torch.equal(got, _bits(prev[1]))
+        prev = (name, tensor)
+        yield name, tensor
+
+
+def test_sender_stages_a_stream_in_place_and_relays_when_the_model_changes():
+    from rollout_manager.weights.sender_agent import SenderAgent
+
+    agent = SenderAgent(["127.0.0.1"], 0)  # staging only: no control API, no engines
+    sd = _state_dict()
+    layout = agent.stage_stream(_streamed(agent, sd.items(), False), 1)  # first version: laid out anew
+    assert agent.version == 1 and layout.names == list(sd)
+    buffer = agent.buffer
+
+    sd2 = {k: (v + 1 if v.is_floating_point() else v) for k, v in sd.items()}
+    assert agent.stage_stream(_streamed(agent, sd2.items(), True), 2) == layout  # each tensor lands as it comes
+    assert agent.buffer is buffer and agent.version == 2
+    for name, t in unpack(agent.buffer, agent.layout):
+        assert torch.equal(_bits(t), _bits(sd2[name])), name
+
+    # a shape change half-way: what was already written is kept, the rest re-laid around the change
+    sd3 = dict(sd2)
+    sd3["layer.0.fp32"] = torch.randn(80, 48)
+    layout3 = agent.stage_stream(iter(sd3.items()), 3)
+    assert layout3 != layout and agent.version == 3
+    for name, t in unpack(agent.buffer, agent.layout):
+        assert torch.equal(_bits(t), _bits(sd3[name])), name
+
+    # fewer tensors than last time: the layout shrinks to them
+    fewer = {k: sd3[k] for k in list(sd3)[:4]}
+    assert agent.stage_stream(iter(fewer.items()), 4).names == list(fewer)
+    for name, t in unpack(agent.buffer, agent.layout):
+        assert torch.equal(_bits(t), _bits(fewer[name])), name

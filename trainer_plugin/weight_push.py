@@ -205,6 +205,12 @@ class WeightPusher:
             raise RuntimeError("WeightPusher.start() first")
         self.sender.stage(dict(state_dict.items() if hasattr(state_dict, "items") else state_dict), int(version))
 
+    def stage_stream(self, items: Iterable[Any], version: int) -> None:
+        """Stage ``(name, tensor)`` pairs as they come (see ``SenderAgent.stage_stream``; blocking)."""
+        if self.sender is None:
+            raise RuntimeError("WeightPusher.start() first")
+        self.sender.stage_stream(items, int(version))
+
     async def push(self, client: Any, state_dict: Any, version: int | None = None) -> dict:
         """Stage ``state_dict`` as ``version`` (default: the next one) and publish it."""
         version = self.version + 1 if version is None else int(version)
@@ -234,8 +240,9 @@ _PUSHER: "tuple[WeightPusher, Any] | None" = None
 
 async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | None,
                                   context: WeightPushContext) -> dict:
-    """Default hook: every node's local rank zero stages the full weights into its node's sender;
-    rank zero publishes them as weight version ``global_steps`` once all nodes have staged.
+    """Default hook: every node's local rank zero stages the full weights into its node's sender, one
+    tensor at a time as they are gathered; rank zero publishes them as weight version ``global_steps``
+    once all nodes have staged.
 
     Every rank drains the iterator (FSDP gathers are collective, and every rank gets full tensors).
     The first call gathers each node's sender IPs to rank zero, which reports them all with
@@ -250,20 +257,19 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
             pass
         return {"pushed": False}
     leader = context.node_leader
-    named = None
+    comm = context.comm or TorchDistComm()
+    pusher, client = await _pusher(context, comm, leader)
     if leader:
-        named = {name: tensor.detach() for name, tensor in weights}
+        # Each tensor goes into the sender's buffer as the iterator yields it (in this thread: the
+        # iterator's gathers are collectives bound to this thread's device), never a whole second copy.
+        pusher.stage_stream(weights, int(global_steps))
     else:
         for _ in weights:
             pass
-    comm = context.comm or TorchDistComm()
-    pusher, client = await _pusher(context, comm, leader)
-    if pusher is not None and named is not None:
-        await asyncio.to_thread(pusher.stage, named, int(global_steps))
     comm.barrier()  # every node has staged: the version may be published
     if context.rank != 0:
         comm.barrier()  # and no node restages (or exits) while the instances may still pull from it
-        return {"pushed": False, "staged": named is not None}
+        return {"pushed": False, "staged": leader}
     try:
         answer = await pusher.publish(client, int(global_steps))
     finally:

@@ -68,6 +68,10 @@ class TensorSpec:
             n *= d
         return n
 
+    def matches(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` fits this slot exactly (same dtype and shape; nothing is converted)."""
+        return dtype_name(t.dtype) == self.dtype and tuple(t.shape) == self.shape
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
                 "offset": self.offset, "nbytes": self.nbytes}
@@ -290,29 +294,52 @@ def stage(state_dict: StateDict, layout: WeightLayout, buffer: BufferLike, *,
     if strict and len(given) != len(layout):
         extra = [n for n in given if n not in layout]
         raise KeyError(f"state dict has {len(extra)} tensors not in the layout, e.g. {extra[:3]}")
-    pinned: bool | None = None  # looked up on the first device tensor only
-    devices: set[torch.device] = set()
-    staged = 0
+    writer = SlotWriter(buffer, non_blocking=non_blocking)
     for spec in layout.specs:
         src = given[spec.name]
-        if dtype_name(src.dtype) != spec.dtype or tuple(src.shape) != spec.shape:
+        if not spec.matches(src):
             raise ValueError(f"{spec.name}: got {dtype_name(src.dtype)}{tuple(src.shape)}, "
                              f"layout says {spec.dtype}{spec.shape}")
+        writer.write(spec, src)
+    writer.finish()
+    return writer.staged
+
+
+class SlotWriter:
+    """Copies tensors into their layout slots one at a time (CPU or device tensors, bit-exact; device
+    copies go asynchronously into a pinned buffer and are waited for once, in :meth:`finish`)."""
+
+    def __init__(self, buffer: BufferLike, *, non_blocking: bool = True):
+        self.buffer = buffer
+        self.buf = as_byte_tensor(buffer)
+        self.non_blocking = non_blocking
+        self.pinned: bool | None = None  # looked up on the first device tensor only
+        self.devices: set[torch.device] = set()
+        self.staged = 0
+
+    def write(self, spec: "TensorSpec", src: torch.Tensor) -> None:
         if spec.nbytes == 0:
-            continue
-        dst = _typed_view(buf, spec)
+            return
+        dst = _typed_view(self.buf, spec)
         if src.device.type == "cpu":
             _bits(dst).copy_(_bits(src))
         else:
-            devices.add(src.device)
-            if pinned is None:
-                pinned = buffer.pinned if isinstance(buffer, HostBuffer) else buf.is_pinned()
-            _bits(dst).copy_(_bits(src), non_blocking=non_blocking and pinned)
-        staged += spec.nbytes
-    for dev in devices:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-    return staged
+            self.devices.add(src.device)
+            if self.pinned is None:
+                self.pinned = self.buffer.pinned if isinstance(self.buffer, HostBuffer) else self.buf.is_pinned()
+            _bits(dst).copy_(_bits(src), non_blocking=self.non_blocking and self.pinned)
+        self.staged += spec.nbytes
+
+    def read(self, spec: "TensorSpec") -> torch.Tensor:
+        """A copy of what a slot holds (after the copies into it have landed)."""
+        self.finish()
+        return _typed_view(self.buf, spec).clone()
+
+    def finish(self) -> None:
+        for dev in self.devices:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        self.devices.clear()
 
 
 def unpack(buffer: BufferLike, layout: WeightLayout, *, copy: bool = False) -> list[tuple[str, torch.Tensor]]:

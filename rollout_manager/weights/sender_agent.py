@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 from aiohttp import web
 
 from .agent_auth import token_middleware
-from .layout import HostBuffer, WeightLayout, build_layout, stage
+from .layout import HostBuffer, SlotWriter, WeightLayout, build_layout, stage
 from .mooncake_engine import MooncakeEngine
 from .tcp_transport import TcpEngine
 from .pusher import push_buffer, source_view
@@ -57,20 +57,58 @@ class SenderAgent:
     # ------------------------------------------------------------ trainer side
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightLayout:
         """Copy the state dict into the registered buffer as ``version`` (waits for running pushes)."""
-        layout = build_layout(state_dict)
         with self._gate:
             self._gate.wait_for(lambda: self._pushes == 0)
-            if self.buffer is None or not self.buffer.fits(layout):
-                old = self.buffer
-                self.buffer = HostBuffer.for_layout(layout)
-                for engine in self._engines.values():
-                    if old is not None:
-                        engine.unregister(old.addr)
-                    engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
-            stage(state_dict, layout, self.buffer)
-            self.layout, self.version = layout, version
-            self._checksums.clear()
+            layout = self._stage_locked(state_dict, version)
         log.info("staged version %d: %d tensors, %d bytes", version, len(layout), layout.total_bytes)
+        return layout
+
+    def stage_stream(self, items: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightLayout:
+        """Stage ``(name, tensor)`` pairs as they come (verl hands the gathered weights over one by
+        one): each goes straight into its slot when it fits the last version's layout, so no second
+        full copy of the model is ever held (on the GPU or off it). The first version, or one whose
+        names, shapes or dtypes changed, is gathered in host memory and laid out anew."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._pushes == 0)
+            self.version = None  # the buffer is being rewritten: nothing in it is a version yet
+            self._checksums.clear()
+            layout = self.layout
+            writer = SlotWriter(self.buffer) if layout is not None and self.buffer is not None else None
+            written: dict[str, None] = {}  # (ordered set)
+            held: dict[str, torch.Tensor] | None = None if writer is not None else {}
+            for name, tensor in items:
+                if held is None:
+                    spec = layout[name] if name in layout else None
+                    if spec is not None and spec.matches(tensor) and name not in written:
+                        writer.write(spec, tensor.detach())
+                        written[name] = None
+                        continue
+                    held = {n: writer.read(layout[n]) for n in written}  # the layout changed: re-lay
+                held[name] = tensor.detach().to("cpu", copy=True)
+            if held is None and len(written) == len(layout):
+                writer.finish()
+                self.version = version
+                layout_out = layout
+            else:
+                if held is None:  # fewer tensors than last time
+                    held = {n: writer.read(layout[n]) for n in written}
+                layout_out = self._stage_locked(held, version)
+        log.info("staged version %d as it streamed in: %d tensors, %d bytes", version, len(layout_out),
+                 layout_out.total_bytes)
+        return layout_out
+
+    def _stage_locked(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightLayout:
+        layout = build_layout(state_dict)
+        if self.buffer is None or not self.buffer.fits(layout):
+            old = self.buffer
+            self.buffer = HostBuffer.for_layout(layout)
+            for engine in self._engines.values():
+                if old is not None:
+                    engine.unregister(old.addr)
+                engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
+        stage(state_dict, layout, self.buffer)
+        self.layout, self.version = layout, version
+        self._checksums.clear()
         return layout
 
     # ------------------------------------------------------------ pushes
