@@ -620,6 +620,34 @@ async def test_trainer_mode_posts_step_metrics_and_logs_the_answer(start_manager
     assert "metrics not posted" in caplog.text
 
 
+@needs_verl_v1
+def test_trainer_mode_is_verls_sync_trainer_in_every_other_respect(monkeypatch):
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from trainer_plugin.verl_trainer import PPOTrainerSyncWithManager
+
+    seen = []
+    monkeypatch.setattr(PPOTrainer, "__init__", lambda self, config: seen.append(config.trainer.v1.trainer_mode))
+    config = OmegaConf.create({"trainer": {"v1": {"trainer_mode": "rollout_manager_sync"}}})
+    OmegaConf.set_struct(config, True)
+    PPOTrainerSyncWithManager(config)
+    assert seen == ["sync"]  # verl's `trainer_mode == "sync"` checks (replay buffer, refills) hold
+
+
+@needs_verl_v1
+def test_stream_granularity_note_maps_min_stream_batch_size_to_parameter_sync_step():
+    from omegaconf import OmegaConf
+
+    from trainer_plugin.verl_trainer import stream_granularity_note
+
+    config = OmegaConf.create({"data": {"train_batch_size": 32}, "actor_rollout_ref": {"rollout": {
+        "n": 4, "custom": {"min_stream_batch_size": 20}}}})
+    note = stream_granularity_note(config, 1)
+    assert "32 whole prompt groups (128 samples)" in note
+    assert "parameter_sync_step=4 would match" in note  # 8 groups x 4 = 32 >= 20; at 8: 4 x 4 = 16 < 20
+
+
 @needs_verl
 async def test_proxy_never_hands_verl_an_unknown_version_and_standalone_pools_are_refused():
     from verl.workers.config import RolloutConfig

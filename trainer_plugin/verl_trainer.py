@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any
 
+from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
@@ -41,6 +42,13 @@ class ManagerMetricsMixin:
 
     def _rm_samples_per_step(self) -> int:
         return int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()  # type: ignore[misc]
+        try:
+            log.info(stream_granularity_note(self.config, getattr(self, "parameter_sync_step", 1)))
+        except Exception:  # noqa: BLE001 - a log line must not stop training
+            pass
 
     def on_step_begin(self) -> None:
         super().on_step_begin()  # type: ignore[misc]
@@ -73,8 +81,32 @@ class ManagerMetricsMixin:
         self._pending_sync_metrics = {**pending, **logged}
 
 
+def stream_granularity_note(config: Any, parameter_sync_step: int) -> str:
+    """How verl V1 streams (whole groups, ``train_batch_size / parameter_sync_step`` at a time) next to
+    the plugin's ``min_stream_batch_size``, with the ``parameter_sync_step`` that would match it."""
+    prompts = int(config.data.train_batch_size)
+    n = int(config.actor_rollout_ref.rollout.n)
+    groups = prompts // max(1, int(parameter_sync_step))
+    note = (f"verl V1 trains on {groups} whole prompt groups ({groups * n} samples) at a time, as they finish "
+            f"(trainer.v1.sync.parameter_sync_step={parameter_sync_step})")
+    wanted = from_rollout_config(config.actor_rollout_ref.rollout).min_stream_batch_size
+    if wanted > 1:
+        fits = [d for d in range(1, prompts + 1) if prompts % d == 0 and (prompts // d) * n >= wanted]
+        note += (f"; custom.min_stream_batch_size={wanted} is the plugin's RolloutStream setting, which "
+                 f"trainer.v1.sync.parameter_sync_step={max(fits) if fits else 1} would match here")
+    return note
+
+
 class PPOTrainerSyncWithManager(ManagerMetricsMixin, PPOTrainerSync):
     """verl's sync trainer; each step's timings go to the rollout manager."""
+
+    def __init__(self, config: Any):
+        # verl picks sync behaviour by comparing trainer.v1.trainer_mode with "sync" (replay buffer
+        # class, refills, in-flight prompt handling, the trainer.v1.sync settings): once this class
+        # has been chosen by its own name, the trainer is the sync one in every other respect.
+        with open_dict(config):
+            config.trainer.v1.trainer_mode = "sync"
+        super().__init__(config)
 
 
 def register() -> type:
