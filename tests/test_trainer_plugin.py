@@ -634,6 +634,15 @@ def test_trainer_mode_is_verls_sync_trainer_in_every_other_respect(monkeypatch):
     PPOTrainerSyncWithManager(config)
     assert seen == ["sync"]  # verl's `trainer_mode == "sync"` checks (replay buffer, refills) hold
 
+    # verl's replay buffer polls TransferQueue every 2 s; the mode polls as often as configured
+    import types
+
+    monkeypatch.setattr(PPOTrainer, "_build_replay_buffer", lambda self: types.SimpleNamespace(poll_interval=2.0))
+    trainer = object.__new__(PPOTrainerSyncWithManager)
+    for custom, expected in (({}, 0.2), ({"replay_poll_interval_s": 0.05}, 0.05)):
+        trainer.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"custom": custom}}})
+        assert trainer._build_replay_buffer().poll_interval == expected
+
 
 @needs_verl_v1
 def test_stream_granularity_note_maps_min_stream_batch_size_to_parameter_sync_step():
@@ -683,3 +692,9 @@ async def test_proxy_never_hands_verl_an_unknown_version_and_standalone_pools_ar
                                    model_config=None, gpus_per_node=1)
     with pytest.raises(NotImplementedError, match="hybrid_engine=true"):
         await replica.init_standalone()
+
+
+def test_replay_poll_interval_must_be_positive():
+    assert from_rollout_config({"custom": {"replay_poll_interval_s": "0.5"}}).replay_poll_interval_s == 0.5
+    with pytest.raises(SettingsError, match="replay_poll_interval_s must be > 0"):
+        from_rollout_config({"custom": {"replay_poll_interval_s": 0}})

@@ -105,6 +105,9 @@ class PluginSettings:
     min_stream_batch_size: int = 1
     # what a finally failed request does to the step: "raise" (default) or "drop_group"
     on_failure: str = "raise"
+    # how often verl V1's replay buffer looks for finished groups (verl's own default: 2 s, which the
+    # trainer can spend idle after the last group of a micro-batch is done)
+    replay_poll_interval_s: float = 0.2
 
     @property
     def manager_url(self) -> str:
@@ -187,7 +190,11 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
     on_failure = custom.get("on_failure", "raise")
     if on_failure not in ("raise", "drop_group"):
         raise SettingsError(f"{PREFIX}custom.on_failure must be 'raise' or 'drop_group', got {on_failure!r}")
-    return PluginSettings(ManagerSettings(**values), min_stream_batch_size=msbs, on_failure=on_failure)
+    poll = _coerce(f"{PREFIX}custom.replay_poll_interval_s", custom.get("replay_poll_interval_s", 0.2), 0.2)
+    if not poll > 0:
+        raise SettingsError(f"{PREFIX}custom.replay_poll_interval_s must be > 0, got {poll}")
+    return PluginSettings(ManagerSettings(**values), min_stream_batch_size=msbs, on_failure=on_failure,
+                          replay_poll_interval_s=poll)
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

@@ -43,6 +43,14 @@ class ManagerMetricsMixin:
     def _rm_samples_per_step(self) -> int:
         return int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
 
+    def _build_replay_buffer(self) -> Any:
+        # verl's buffer sleeps poll_interval (2 s) between looks at TransferQueue: up to 2 s of idle
+        # trainer per sampled micro-batch once its last group is done
+        buffer = super()._build_replay_buffer()  # type: ignore[misc]
+        if hasattr(buffer, "poll_interval"):
+            buffer.poll_interval = from_rollout_config(self.config.actor_rollout_ref.rollout).replay_poll_interval_s
+        return buffer
+
     def on_train_begin(self) -> None:
         super().on_train_begin()  # type: ignore[misc]
         try:
