@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_manager_overhead import PY, free_port, spawn, wait_ok  # noqa: E402
+from bench_manager_overhead import PY, free_port, spawn, stop_all, wait_ok  # noqa: E402
 
 
 async def run_once(n: int, max_new: int, delay: float, kill: bool, logs: Path) -> dict[str, float]:
@@ -69,12 +69,7 @@ async def run_once(n: int, max_new: int, delay: float, kill: bool, logs: Path) -
         return {"wall_s": wall, "regenerated": seg_tokens - final_tokens, "continued": len(continued),
                 "restart_would_regenerate": saved, "tokens": final_tokens}
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_all(procs)
 
 
 async def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -34,6 +35,16 @@ def free_port() -> int:
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
                             start_new_session=True)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each process group started by :func:`spawn` and reap it."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 async def wait_ok(url: str, timeout: float = 60.0) -> None:
@@ -151,12 +162,7 @@ async def main() -> None:
             ratio = results["rollout-manager"]["rps"] / results["sglang-router 0.3.2 round_robin"]["rps"]
             print(f"\nmanager / sglang-router throughput ratio: {ratio:.2f}")
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_all(procs)
 
 
 if __name__ == "__main__":

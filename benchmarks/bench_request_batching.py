@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_manager_overhead import register_backends, spawn_fake_cluster  # noqa: E402
+from benchmarks.bench_manager_overhead import register_backends, spawn_fake_cluster, stop_all  # noqa: E402
 from trainer_plugin.client import ManagerClient  # noqa: E402
 from trainer_plugin.request_batcher import RequestBatcher  # noqa: E402
 
@@ -70,12 +70,7 @@ async def main() -> None:
         print(f"| RequestBatcher (5 ms window) | {batch:.3f} | {args.samples / batch:.0f} |")
         print(f"\nbatched / single throughput ratio: {single / batch:.2f}")
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_all(procs)
 
 
 if __name__ == "__main__":

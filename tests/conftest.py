@@ -58,15 +58,16 @@ class ManagerHandle:
                 return inst["state"]
         return None
 
-    async def register(self, *targets: OnLoopback) -> None:
-        """Register engines or boxes (a box with its weight receiver) on 127.0.0.1; wait until all are active."""
+    async def register(self, *targets: OnLoopback, wait_active: bool = True) -> None:
+        """Register engines or boxes (a box with its weight receiver) on 127.0.0.1; by default wait
+        until all are active."""
         for t in targets:
             body: dict[str, Any] = {"host": "127.0.0.1", "port": t.port}
             if getattr(t, "rport", None):
                 body["weight_receiver_port"] = t.rport
             status, answer = await self.post("/register_rollout_instance", body)
             assert status == 200, answer
-        for t in targets:
+        for t in targets if wait_active else ():
             await wait_until(lambda t=t: self._is_active(t.endpoint), what=f"{t.endpoint} active")
 
     async def _is_active(self, endpoint: str) -> bool:

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_manager import status_page
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.weights.sender_agent import SenderAgent
-from support import Box, free_port, wait_until
+from support import Box, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 SENDER_IPS = ["127.0.0.1", "127.0.0.2"]
@@ -52,10 +52,6 @@ def value(samples: dict[str, list], name: str, **labels: str) -> float | None:
     return found[0] if found else None
 
 
-async def _state(m, box: Box, state: str) -> bool:
-    return await m.state_of(box.endpoint) == state
-
-
 @pytest.fixture
 async def rig(start_manager, tmp_path):
     """A manager with one sender (two groups, one per loopback IP) and a way to add rollout boxes."""
@@ -69,12 +65,7 @@ async def rig(start_manager, tmp_path):
         new = [Box(tmp_path) for _ in range(n)]
         boxes.extend(new)
         await asyncio.gather(*(b.ready() for b in new))
-        for box in new:
-            status, body = await m.post("/register_rollout_instance",
-                                        {"host": "127.0.0.1", "port": box.port, "weight_receiver_port": box.rport})
-            assert status == 200, body
-        for box in new:
-            await wait_until(lambda b=box: _state(m, b, "active"), what=f"{box.endpoint} active")
+        await m.register(*new)
         return new
 
     try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import PY, Box, Proc, free_port, wait_until
+from support import PY, Box, Proc, free_port
 from trainer_plugin.client import ManagerClient
 from trainer_plugin.streaming import RolloutStream
 from trainer_plugin.weight_push import WeightPusher
@@ -37,10 +37,6 @@ async def pool(start_manager, tmp_path):
         await client.close()
         for box in boxes:
             box.stop()
-
-
-async def _active(m, box):
-    return await m.state_of(box.endpoint) == "active"
 
 
 async def greedy(m, prompt, n=10):
@@ -143,16 +139,13 @@ async def test_pusher_reports_its_senders_again_after_a_manager_restart(start_ma
     pusher = WeightPusher(m.url, IPS, sport, timeout_s=60)
     try:
         await box.ready()
-        body = {"host": "127.0.0.1", "port": box.port, "weight_receiver_port": box.rport}
-        await m.post("/register_rollout_instance", body)
-        await wait_until(lambda: _active(m, box))
+        await m.register(box)
         await pusher.start(client)
         assert (await pusher.push(client, build_model(1).state_dict(), version=1))["instances_at_version"] == 1
         m.proc.signal(9)  # the manager dies; a new one starts empty on the same port
         m.proc.wait(10)
         m2 = await start_manager(port=mport, **settings)
-        await m2.post("/register_rollout_instance", body)  # (launch_sglang.sh does this by itself)
-        await wait_until(lambda: _active(m2, box))
+        await m2.register(box)  # (launch_sglang.sh does this by itself)
         policy = build_model(2)
         answer = await pusher.push(client, policy.state_dict(), version=2)
         assert answer["instances_at_version"] == 1 and not answer["timed_out"]

@@ -51,9 +51,7 @@ async def rig(start_manager, tmp_path, request):
         box = Box(tmp_path, MODEL_JSON, *flags, token=token)
         boxes.append(box)
         await box.ready()
-        status, body = await m.post("/register_rollout_instance",
-                                    {"host": "127.0.0.1", "port": box.port, "weight_receiver_port": box.rport})
-        assert status == 200, body
+        await m.register(box, wait_active=False)
         return box
 
     try:
@@ -175,9 +173,7 @@ async def test_a_weight_load_longer_than_the_health_interval_is_not_taken_for_de
         async with aiohttp.ClientSession() as s:
             async with s.post(box.url + "/debug/faults", json={"load_delay_s": 2.0}) as r:
                 assert r.status == 200, await r.text()
-        await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": box.port,
-                                                    "weight_receiver_port": box.rport})
-        await wait_until(lambda: _state(m, box, "active"))
+        await m.register(box)
         await m.put_senders([SENDER_IPS], 1)
         await asyncio.to_thread(sender.stage, trainer_weights(1), 1)
         status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
