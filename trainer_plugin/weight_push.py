@@ -154,8 +154,8 @@ class WeightPusher:
     """One node's sender agent, staging into it, and (on the reporting rank) the version bump.
 
     ``start()`` opens the sender agent on this node's IPs at the manager's ``weight_sender_base_port``
-    and reports the senders with ``PUT /update_weight_senders`` (``all_node_ips``: every trainer
-    node's IP list, this node's alone by default); ``push(state_dict, version)`` is ``stage`` (copy
+    and reports it with ``PUT /update_weight_senders`` (``report(client, all_node_ips)`` reports
+    every trainer node's sender instead); ``push(state_dict, version)`` is ``stage`` (copy
     the full state dict into the agent's registered host buffer) then ``publish``
     (``/update_weight_version``, waiting as configured: ``wait_for`` "all", a count, or None to
     proceed at once). Tensor names go through unchanged: give HF names, which is what SGLang's
@@ -186,30 +186,33 @@ class WeightPusher:
                                   device_name=self.device_name).start()
         return self
 
-    async def start(self, client: Any, all_node_ips: list[list[str]] | None = None) -> dict:
+    async def start(self, client: Any) -> dict:
         self.start_sender()
+        return await self.report(client)
+
+    async def report(self, client: Any, all_node_ips: list[list[str]] | None = None) -> dict:
+        """Tell the manager where the senders are (``all_node_ips``: every node's IPs, kept for later
+        reports); remember which manager run heard it."""
         if all_node_ips is not None:
             self.all_node_ips = [list(ips) for ips in all_node_ips]
-        return await self._report(client)
-
-    async def _report(self, client: Any) -> dict:
-        """Tell the manager where the senders are; remember which manager run heard it."""
         self.run_id = (await client.health()).get("run_id")
         return await client.update_weight_senders(
             self.all_node_ips, num_mooncake_groups_per_sender=self.groups_per_sender,
             num_mooncake_engines_per_group=self.engines_per_group)
 
-    def stage(self, state_dict: Any, version: int) -> None:
-        """Copy ``state_dict`` (a mapping or ``(name, tensor)`` pairs) into this node's sender (blocking)."""
+    @property
+    def _agent(self) -> Any:
         if self.sender is None:
             raise RuntimeError("WeightPusher.start() first")
-        self.sender.stage(dict(state_dict.items() if hasattr(state_dict, "items") else state_dict), int(version))
+        return self.sender
+
+    def stage(self, state_dict: Any, version: int) -> None:
+        """Copy ``state_dict`` (a mapping or ``(name, tensor)`` pairs) into this node's sender (blocking)."""
+        self._agent.stage(dict(state_dict.items() if hasattr(state_dict, "items") else state_dict), int(version))
 
     def stage_stream(self, items: Iterable[Any], version: int) -> None:
         """Stage ``(name, tensor)`` pairs as they come (see ``SenderAgent.stage_stream``; blocking)."""
-        if self.sender is None:
-            raise RuntimeError("WeightPusher.start() first")
-        self.sender.stage_stream(items, int(version))
+        self._agent.stage_stream(items, int(version))
 
     async def push(self, client: Any, state_dict: Any, version: int | None = None) -> dict:
         """Stage ``state_dict`` as ``version`` (default: the next one) and publish it."""
@@ -221,7 +224,7 @@ class WeightPusher:
         """Make ``version`` (staged on every node's sender) the manager's current one."""
         if (await client.health()).get("run_id") != self.run_id:  # the manager restarted: it forgot us
             log.warning("rollout manager restarted; reporting the weight senders again")
-            await self._report(client)
+            await self.report(client)
         answer = await client.update_weight_version(version, wait_for=self.wait_for, timeout_s=self.timeout_s)
         self.version = version
         if answer.get("timed_out"):
@@ -312,8 +315,7 @@ async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> "
             await client.close()
             raise RuntimeError("weight push set-up failed: " + "; ".join(errors))
         if context.rank == 0:
-            pusher.all_node_ips = [g["ips"] for g in gathered if g["ips"]]
-            await pusher._report(client)
+            await pusher.report(client, [g["ips"] for g in gathered if g["ips"]])
             log.info("weight senders on %d node(s): %s", len(pusher.all_node_ips), pusher.all_node_ips)
         _PUSHER = (pusher, client)
     return _PUSHER

@@ -27,10 +27,13 @@ measured here):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
 from typing import Any, Iterator, Mapping, Sequence
+
+from .parallel import run_in_threads
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 
@@ -292,21 +295,8 @@ class MooncakeEngine:
             if code < 0:
                 raise TransferError("get_batch_transfer_status", code, target, f"{len(items)} writes")
         elif mode == "threads":
-            errors: list[BaseException] = []
-
-            def one(loc: int, rem: int, n: int) -> None:
-                try:
-                    self.write(target, loc, rem, n)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=one, args=a) for a in zip(locals_, remotes, lengths)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-            if errors:
-                raise errors[0]
+            run_in_threads([functools.partial(self.write, target, loc, rem, n)
+                            for loc, rem, n in zip(locals_, remotes, lengths)], name="mooncake-write")
         else:
             raise ValueError(f"unknown write mode {mode!r}")
 

@@ -17,11 +17,12 @@ once (:func:`shard_checksums` or the first push) and pass them to the later push
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, Union
 
+from .parallel import run_in_threads
 from .shards import DEFAULT_ALGORITHM, Shard, shard_checksums, split_shards
 
 
@@ -93,22 +94,8 @@ def push_buffer(engines: Union[Engine, Sequence[Engine]], src_addr: int, total: 
         ((e, t), items), = plan.items()
         engine_list[e].write_many(targets[t], items, **kwargs)
     elif plan:
-        errors: list[BaseException] = []
-
-        def run(e: int, t: int, items: list[tuple[int, int, int]]) -> None:
-            try:
-                engine_list[e].write_many(targets[t], items, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(e, t, items), name=f"push-{e}-{t}")
-                   for (e, t), items in plan.items()]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        run_in_threads([functools.partial(engine_list[e].write_many, targets[t], items, **kwargs)
+                        for (e, t), items in plan.items()], name="push")
     seconds = time.perf_counter() - t0
     return PushResult(bytes=total, seconds=seconds, checksums=sums, shards=shards,
                       checksum_seconds=checksum_seconds)

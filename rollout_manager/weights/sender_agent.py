@@ -72,9 +72,13 @@ class SenderAgent:
             self._gate.wait_for(lambda: self._pushes == 0)
             self.version = None  # the buffer is being rewritten: nothing in it is a version yet
             self._checksums.clear()
-            layout = self.layout
-            writer = SlotWriter(self.buffer) if layout is not None and self.buffer is not None else None
+            layout = self.layout if self.buffer is not None else None
+            writer = SlotWriter(self.buffer) if layout is not None else None
             written: dict[str, None] = {}  # (ordered set)
+
+            def copies_of_written() -> dict[str, torch.Tensor]:
+                return {n: writer.read(layout[n]) for n in written}
+
             held: dict[str, torch.Tensor] | None = None if writer is not None else {}
             for name, tensor in items:
                 if held is None:
@@ -83,19 +87,18 @@ class SenderAgent:
                         writer.write(spec, tensor.detach())
                         written[name] = None
                         continue
-                    held = {n: writer.read(layout[n]) for n in written}  # the layout changed: re-lay
+                    held = copies_of_written()  # the layout changed: lay everything out anew
                 held[name] = tensor.detach().to("cpu", copy=True)
-            if held is None and len(written) == len(layout):
+            if held is None and len(written) < len(layout):  # fewer tensors than last time
+                held = copies_of_written()
+            if held is None:
                 writer.finish()
                 self.version = version
-                layout_out = layout
             else:
-                if held is None:  # fewer tensors than last time
-                    held = {n: writer.read(layout[n]) for n in written}
-                layout_out = self._stage_locked(held, version)
-        log.info("staged version %d as it streamed in: %d tensors, %d bytes", version, len(layout_out),
-                 layout_out.total_bytes)
-        return layout_out
+                layout = self._stage_locked(held, version)
+        log.info("staged version %d as it streamed in: %d tensors, %d bytes", version, len(layout),
+                 layout.total_bytes)
+        return layout
 
     def _stage_locked(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightLayout:
         layout = build_layout(state_dict)
