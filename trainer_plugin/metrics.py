@@ -59,11 +59,26 @@ class StepTimer:
 
     _step_started: float | None = None
     _bubble: float = 0.0
+    _wait_started: float | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def in_step(self) -> bool:
+        return self._step_started is not None
 
     def start_step(self) -> None:
         self._step_started = time.monotonic()
         self._bubble = 0.0
+        self._wait_started = None
+
+    def begin_wait(self) -> None:
+        """The trainer starts waiting for rollouts (for waits that do not fit a ``with`` block)."""
+        self._wait_started = time.monotonic()
+
+    def end_wait(self) -> None:
+        if self._wait_started is not None:
+            self._bubble += time.monotonic() - self._wait_started
+            self._wait_started = None
 
     def waiting(self) -> "_Wait":
         return _Wait(self)
@@ -82,10 +97,9 @@ class StepTimer:
 class _Wait:
     def __init__(self, timer: StepTimer):
         self.timer = timer
-        self.t0 = 0.0
 
     def __enter__(self) -> None:
-        self.t0 = time.monotonic()
+        self.timer.begin_wait()
 
     def __exit__(self, *exc: Any) -> None:
-        self.timer._bubble += time.monotonic() - self.t0
+        self.timer.end_wait()

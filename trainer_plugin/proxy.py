@@ -7,8 +7,9 @@ that its ``RolloutReplica`` launched. :class:`ManagerProxyServer` is that actor 
 all start at once) go to the manager as one ``POST /batch_generate_requests`` (see
 :mod:`trainer_plugin.request_batcher`; the manager picks the instances, continues a sequence whose
 instance dies, and records the weight version of every segment), each answered as soon as its own
-result comes back; ``batch_window_ms=0`` sends each as its own ``POST /generate``. The memory controls verl sends to colocated engines (sleep, wake_up, KV-cache
-release) are no-ops, because the remote boxes do not share GPUs with the trainer.
+result comes back; ``batch_window_ms=0`` sends each as its own ``POST /generate``. The memory
+controls verl sends to colocated engines (sleep, wake_up, KV-cache release) are no-ops, because the
+remote boxes do not share GPUs with the trainer.
 
 Nothing here imports verl at module level except inside :meth:`ManagerProxyServer.generate` (for
 ``TokenOutput``), so the translation helpers are testable on their own.

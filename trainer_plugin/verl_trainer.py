@@ -19,7 +19,6 @@ registers it only when verl itself imports ``verl.trainer.ppo.v1`` (see
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from omegaconf import open_dict
@@ -27,7 +26,7 @@ from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from .metrics import StepTimer, as_log_metrics, post_step_metrics_sync
-from .settings import from_rollout_config
+from .settings import PluginSettings, from_rollout_config
 
 log = logging.getLogger("trainer_plugin.trainer")
 TRAINER_MODE = "rollout_manager_sync"
@@ -38,7 +37,10 @@ class ManagerMetricsMixin:
 
     config: Any
     _rm_timer: StepTimer | None = None
-    _rm_wait_started: float | None = None
+
+    @property
+    def _rm_settings(self) -> PluginSettings:
+        return from_rollout_config(self.config.actor_rollout_ref.rollout)
 
     def _rm_samples_per_step(self) -> int:
         return int(self.config.data.train_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
@@ -48,7 +50,7 @@ class ManagerMetricsMixin:
         # trainer per sampled micro-batch once its last group is done
         buffer = super()._build_replay_buffer()  # type: ignore[misc]
         if hasattr(buffer, "poll_interval"):
-            buffer.poll_interval = from_rollout_config(self.config.actor_rollout_ref.rollout).replay_poll_interval_s
+            buffer.poll_interval = self._rm_settings.replay_poll_interval_s
         return buffer
 
     def on_train_begin(self) -> None:
@@ -66,23 +68,22 @@ class ManagerMetricsMixin:
 
     def on_sample_begin(self) -> None:
         super().on_sample_begin()  # type: ignore[misc]
-        self._rm_wait_started = time.monotonic()
+        if self._rm_timer is not None:
+            self._rm_timer.begin_wait()
 
     def on_sample_end(self) -> None:
-        if self._rm_wait_started is not None and self._rm_timer is not None:
-            self._rm_timer._bubble += time.monotonic() - self._rm_wait_started
-            self._rm_wait_started = None
+        if self._rm_timer is not None:
+            self._rm_timer.end_wait()
         super().on_sample_end()  # type: ignore[misc]
 
     def on_step_end(self) -> None:
         super().on_step_end()  # type: ignore[misc]
-        if self._rm_timer is None or self._rm_timer._step_started is None:
+        if self._rm_timer is None or not self._rm_timer.in_step:
             return
         figures = self._rm_timer.end_step(self._rm_samples_per_step())
         logged = {f"rollout_manager/{k}": v for k, v in figures.items()}
         try:
-            url = from_rollout_config(self.config.actor_rollout_ref.rollout).manager_url
-            logged.update(as_log_metrics(post_step_metrics_sync(url, **figures)))
+            logged.update(as_log_metrics(post_step_metrics_sync(self._rm_settings.manager_url, **figures)))
         except Exception as exc:  # noqa: BLE001 - metrics must never fail a training step
             log.warning("rollout manager metrics not posted: %s", exc)
         pending = getattr(self, "_pending_sync_metrics", None) or {}
