@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,14 +21,11 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollout_manager.box import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:

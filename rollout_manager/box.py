@@ -126,6 +126,13 @@ def url_of(host: str, port: int) -> str:
 # ---------------------------------------------------------------- ports
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at ``host`` right now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def port_in_use(bind: str, port: int) -> str | None:
     """None when ``bind:port`` can be listened on (as SGLang and aiohttp do, with SO_REUSEADDR, so a
     socket in TIME_WAIT does not count), else the reason."""

@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any, Sequence
 import aiohttp
 import torch
 
+from .box import free_port
 from .cpu_engine.model import build_model
 from .weights.sender_agent import SenderAgent
 
@@ -40,12 +40,6 @@ SENDER_IPS = ["127.0.0.1", "127.0.0.2"]  # two loopback "interfaces": two transf
 RUN_MARKER = "RM_DEMO_RUN_ID"
 FAST_HEALTH = ["pending_poll_interval_s=0.2", "health_check_interval_s=0.5", "health_failure_threshold=2",
                "weight_push_retry_s=0.5", "no_instance_wait_timeout_s=60"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

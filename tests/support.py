@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,10 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from rollout_manager.box import free_port  # noqa: F401 - the tests' port picker
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Proc:
