@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_manager_overhead import PY, free_port, spawn, stop_all, wait_ok  # noqa: E402
+from bench_manager_overhead import PY, free_port, spawn, stop_all, wait_ok
 
 
 async def run_once(n: int, max_new: int, delay: float, kill: bool, logs: Path) -> dict[str, float]:

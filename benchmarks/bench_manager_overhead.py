@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_manager.box import free_port  # noqa: E402
+from rollout_manager.launch.box import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_manager_overhead import register_backends, spawn_fake_cluster, stop_all  # noqa: E402
-from trainer_plugin.client import ManagerClient  # noqa: E402
-from trainer_plugin.request_batcher import RequestBatcher  # noqa: E402
+from benchmarks.bench_manager_overhead import register_backends, spawn_fake_cluster, stop_all
+from trainer_plugin.client import ManagerClient
+from trainer_plugin.request_batcher import RequestBatcher
 
 
 def body(i: int) -> dict:

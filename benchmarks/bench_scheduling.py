@@ -2,7 +2,7 @@
 """Scheduling policies on a simulated heterogeneous, preemptible rollout pool.
 
 Discrete-event simulation, no GPU, no network. The manager side is the real code
-(``rollout_manager.scheduling``: the policies and ``TokenRateMeter``); the instances are a model:
+(``rollout_manager.rollout.scheduling``: the policies and ``TokenRateMeter``); the instances are a model:
 
 - continuous batching: an instance running ``n`` sequences produces ``speed * n**beta`` tokens/s in
   total (sublinear growth), shared equally; at most ``max_running`` run, the rest wait in the
@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_manager.scheduling import (  # noqa: E402
+from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
     Policy,

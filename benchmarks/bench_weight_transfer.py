@@ -39,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Mooncake logs through glog; keep its INFO/WARNING chatter out of the tables (receivers inherit it).
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from rollout_manager.weights import (HostBuffer, MooncakeEngine, TcpEngine, push_buffer,  # noqa: E402
-                                     shard_checksums, split_shards)
+from rollout_manager.weights import HostBuffer, MooncakeEngine, TcpEngine, push_buffer, shard_checksums, split_shards
 
 ALIGN = 4096
 VERIFY_SHARDS = 8
@@ -169,7 +168,7 @@ def run_once(sender: Sender, rx: Receivers, groups: int, per_group: int, variant
                     raise ValueError(variant)
                 push_buffer(engines, sender.buf.addr + off, length, targets, info["addr"] + off, per_group,
                             align=ALIGN, compute_checksums=False, mode=mode)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=group_job, args=(g,)) for g in range(groups) if work[g]]
@@ -207,7 +206,7 @@ def measure_all(sender: Sender, rx: Receivers, expected: list[str], configs: lis
         try:
             warm_and_verify(sender, rx, expected, cfg, size)
             rates[cfg] = []
-        except Exception as exc:  # noqa: BLE001 - report and go on
+        except Exception as exc:
             failed[cfg] = f"error: {exc}"
     for _ in range(repeat):
         for cfg in rates:

@@ -10,7 +10,7 @@ import argparse
 
 from aiohttp import web
 
-from rollout_manager import sglang_wire as wire
+from rollout_manager.sglang import wire
 
 
 def make_app(chunks: int) -> web.Application:

@@ -1,3 +1,3 @@
-from .cli import main
+from rollout_manager.cli import main
 
 raise SystemExit(main())

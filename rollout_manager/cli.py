@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
-from . import __version__
-from .config import ConfigError, load_config, parse_set_option
+from rollout_manager import __version__
+from rollout_manager.config import ConfigError, load_config, parse_set_option
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .logs import setup_logging
-    from .server import StartupError, serve
+    from rollout_manager.api.server import StartupError, serve
+    from rollout_manager.logs import setup_logging
 
     overrides: dict[str, str] = {}
     try:
@@ -47,7 +48,7 @@ def run_async(main: Coroutine[Any, Any, None]) -> None:
 
 
 def _cpu_engine(argv: Sequence[str]) -> int:
-    from .cpu_engine.__main__ import main as engine_main
+    from rollout_manager.cpu_engine.__main__ import main as engine_main
 
     return engine_main(list(argv)) or 0
 
@@ -90,11 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "cpu-engine":
         return _cpu_engine(argv[1:])
     if argv and argv[0] == "demo":
-        from .demo import main as demo_main
+        from rollout_manager.launch.demo import main as demo_main
 
         return demo_main(argv[1:])
     if argv and argv[0] == "receiver-agent":
-        from .weights.receiver_agent import main as receiver_main
+        from rollout_manager.weights.receiver_agent import main as receiver_main
 
         return receiver_main(argv[1:])
     args = build_parser().parse_args(argv)

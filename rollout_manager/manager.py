@@ -13,21 +13,22 @@ import logging
 import socket
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 
-from . import sglang_wire as wire
-from .assignment import Group, assign, plan_groups
-from .config import Config
-from .dispatch import Dispatcher
-from .generation import GenerationSettings, Generator
-from .errors import BadRequest, Forbidden
-from .local_budget import LocalBudget
-from .registry import Event, Instance, Kind, Registry, State, format_endpoint
-from .scheduling import make_policy
-from .sglang_client import SGLangClient
-from .versions import WeightSync
+from rollout_manager.config import Config
+from rollout_manager.errors import BadRequest, Forbidden
+from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State, format_endpoint
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.generation import GenerationSettings, Generator
+from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.scheduling import make_policy
+from rollout_manager.sglang import wire
+from rollout_manager.sglang.client import SGLangClient
+from rollout_manager.weights.groups import Group, assign, plan_groups
+from rollout_manager.weights.sync import WeightSync
 
 log = logging.getLogger("rollout_manager.manager")
 

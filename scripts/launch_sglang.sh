@@ -175,7 +175,7 @@ command -v "$PY" >/dev/null 2>&1 || usage_error "no python interpreter '$PY' (se
 if [[ -f $ROOT/rollout_manager/box.py ]]; then
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
-box() { "$PY" -m rollout_manager.box "$@"; }
+box() { "$PY" -m rollout_manager.launch.box "$@"; }
 
 MANAGER=$(box normalize-addr "$MANAGER_ADDR") || exit 1
 [[ -n $HOST ]] || HOST=$(box detect-host --manager "$MANAGER") || exit 1
@@ -229,7 +229,7 @@ trap 'finish 1' EXIT  # any unforeseen exit (set -e) still cleans up
 
 # Run a box helper in the background so that a signal is handled at once; returns its exit status.
 run_box() {
-  "$PY" -m rollout_manager.box "$@" &  # a simple command: $! is python itself, not a subshell
+  "$PY" -m rollout_manager.launch.box "$@" &  # a simple command: $! is python itself, not a subshell
   HELPER_PID=$!
   local rc
   while :; do
@@ -242,7 +242,7 @@ run_box() {
 }
 
 start_child() {  # own process group (Ctrl-C reaches only us) that dies with us; stdin from /dev/null
-  "$PY" -m rollout_manager.box exec --parent-pid $$ -- "$@" </dev/null &  # not via box(): no subshell
+  "$PY" -m rollout_manager.launch.box exec --parent-pid $$ -- "$@" </dev/null &  # not via box(): no subshell
 }
 
 groups_alive() {
@@ -338,7 +338,7 @@ ENDPOINT=$(<"$TMP/endpoint")
 log "registered $ENDPOINT with $MANAGER: $REGISTRATION"
 stop_if_asked
 # Registers the box again when the manager restarts (rollout_manager/box.py, `watch`).
-start_child "$PY" -m rollout_manager.box watch --manager "$MANAGER" --state-file "$TMP/state.json" \
+start_child "$PY" -m rollout_manager.launch.box watch --manager "$MANAGER" --state-file "$TMP/state.json" \
   --interval "$RECHECK"
 WATCH_PID=$!
 

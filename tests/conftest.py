@@ -6,7 +6,6 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-
 from support import PY, OnLoopback, Proc, free_port, wait_http_ok, wait_http_ok_sync, wait_until
 
 # Fast health settings for tests; production defaults are minutes.

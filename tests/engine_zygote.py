@@ -57,7 +57,7 @@ def main() -> int:
                 code = engine_main.main(argv) or 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:  # noqa: BLE001 - report, then leave without running the parent's code
+            except BaseException:
                 import traceback
 
                 traceback.print_exc()

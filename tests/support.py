@@ -8,12 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
-from rollout_manager.box import free_port  # noqa: F401 - the tests' port picker
+from rollout_manager.launch.box import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

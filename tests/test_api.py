@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import signal
 
 import pytest
-
-from support import PY, Proc, free_port, wait_until
+from support import PY, Proc, wait_until
 
 
 async def test_health(start_manager):

@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from rollout_manager.assignment import assign, filter_ips, plan_groups, slot_order
 from rollout_manager.config import parse_networks
 from rollout_manager.errors import BadRequest
+from rollout_manager.weights.groups import assign, filter_ips, plan_groups, slot_order
 
 ALL = parse_networks("0.0.0.0/0")
 

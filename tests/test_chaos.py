@@ -36,9 +36,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from support import PY, ROOT, OnLoopback, free_port, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import PY, ROOT, OnLoopback, free_port, wait_until
 
 MAX_NEW = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW}
@@ -558,8 +558,9 @@ WEIGHT_MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers
 async def test_weight_load_longer_than_health_interval_is_not_death(start_manager, fleet, load_session, tmp_path):
     """Probes every 0.2 s (0.5 s timeout, 2 failures evict) would remove the box within ~0.5 s of its
     3 s load; the manager does not probe syncing instances, so it comes back active at version 1."""
-    from rollout_manager.weights.sender_agent import SenderAgent
     from support import Proc
+
+    from rollout_manager.weights.sender_agent import SenderAgent
 
     sender_port = free_port()
     interval, probe_timeout, threshold = 0.2, 0.5, 2  # 2 failed probes (503, or 0.5 s timeouts) evict

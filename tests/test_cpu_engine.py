@@ -9,16 +9,17 @@ import pickle
 import re
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 import torch
-
-from rollout_manager import sglang_wire as wire
-from rollout_manager.cpu_engine.model import build_model, reference_generate, state_dict_checksums, tensor_checksum
 from support import PY, Proc, wait_http_ok_sync, wait_until
+
+from rollout_manager.cpu_engine.model import build_model, reference_generate, state_dict_checksums, tensor_checksum
+from rollout_manager.sglang import wire
 
 PROMPT = [11, 22, 33, 44, 55]
 GREEDY = {"temperature": 0.0}

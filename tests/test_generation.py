@@ -9,9 +9,9 @@ import signal
 
 import aiohttp
 import pytest
+from support import wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import wait_until
 
 GREEDY = {"temperature": 0.0}
 
@@ -268,7 +268,7 @@ async def _engine_running_at_least(engine, n):
 
 
 async def test_streaming_generate_looks_like_sglang_and_survives_a_death(start_manager, start_engines, model):
-    from rollout_manager import sglang_wire as wire
+    from rollout_manager.sglang import wire
 
     m = await start_manager()
     dying, healthy = await start_engines(["--die-after-tokens", "5", "--token-delay-s", "0.005"], [])

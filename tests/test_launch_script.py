@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from support import PY, ROOT, Proc, free_port, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
-from support import PY, ROOT, Proc, free_port, wait_until
 
 SCRIPT = str(ROOT / "scripts" / "launch_sglang.sh")
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2}
@@ -338,7 +338,7 @@ async def test_auth_token_is_sent_on_every_manager_call_and_refusal_is_one_line(
     try:
         async def box(*args: str, token: str) -> subprocess.CompletedProcess:
             env = {**os.environ, "ROLLOUT_MANAGER_AUTH_TOKEN": token, "PYTHONPATH": str(ROOT)}
-            proc = await asyncio.create_subprocess_exec(PY, "-m", "rollout_manager.box", *args, env=env,
+            proc = await asyncio.create_subprocess_exec(PY, "-m", "rollout_manager.launch.box", *args, env=env,
                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out, err = await proc.communicate()
             return subprocess.CompletedProcess(args, proc.returncode, out.decode(), err.decode())

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
+from support import Box, free_port
 
-from rollout_manager import status_page
+from rollout_manager.api import status_page
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.weights.sender_agent import SenderAgent
-from support import Box, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 SENDER_IPS = ["127.0.0.1", "127.0.0.2"]

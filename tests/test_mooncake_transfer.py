@@ -5,8 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout_manager.weights import (HostBuffer, MooncakeEngine, TcpEngine, TransferError, mooncake_available,
-                                     push_buffer, shard_checksums, split_shards, verify_shards)
+from rollout_manager.weights import (
+    HostBuffer,
+    MooncakeEngine,
+    TcpEngine,
+    TransferError,
+    mooncake_available,
+    push_buffer,
+    shard_checksums,
+    split_shards,
+    verify_shards,
+)
 
 SIZE = 32 * 1024 * 1024 + 4096 + 100  # ~32 MB, not a multiple of the alignment
 SHARDS = 4

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
-
-from rollout_manager.http_api import ROUTES
-from rollout_manager.openapi import build_openapi
 from support import PY, Proc, free_port, wait_http_ok_sync
+
+from rollout_manager.api.openapi import build_openapi
+from rollout_manager.api.routes import ROUTES
 
 DOC = build_openapi(ROUTES, "test")
 BODY_ROUTES = [(m, p, h) for m, p, h in ROUTES if getattr(h, "body_model", None) is not None]

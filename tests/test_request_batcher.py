@@ -10,9 +10,9 @@ import asyncio
 import importlib.util
 
 import pytest
+from support import wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import wait_until
 from trainer_plugin.client import ManagerClient, ManagerHTTPError
 from trainer_plugin.request_batcher import RequestBatcher
 

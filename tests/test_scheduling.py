@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from rollout_manager.scheduling import (
+from rollout_manager.rollout.scheduling import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     InstanceLoad,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout_manager import sglang_wire as wire
+from rollout_manager.sglang import wire
 
 
 def chunk(ids, total, finish=None, lps=None):

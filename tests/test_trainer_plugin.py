@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -22,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+from support import PY, ROOT, Proc, free_port, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import PY, ROOT, Proc, free_port, wait_until
 from trainer_plugin.client import ManagerClient, ManagerHTTPError, ManagerUnavailable
 from trainer_plugin.launcher import ManagerProcess, ManagerStartError, PortInUseError, probe_health
 from trainer_plugin.metrics import StepTimer, as_log_metrics, post_step_metrics

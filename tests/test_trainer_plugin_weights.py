@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from support import PY, Box, Proc, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import PY, Box, Proc, free_port
 from trainer_plugin.client import ManagerClient
 from trainer_plugin.streaming import RolloutStream
 from trainer_plugin.weight_push import WeightPusher

@@ -46,9 +46,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support import free_port, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
-from support import free_port, wait_until
 
 V1_MODULES = ("verl", "transfer_queue", "ray", "hydra", "tokenizers", "cachetools", "uvicorn", "fastapi")
 MISSING = [m for m in V1_MODULES if importlib.util.find_spec(m) is None]

@@ -8,10 +8,10 @@ import json
 import aiohttp
 import pytest
 import torch
+from support import Box, free_port, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
-from support import Box, free_port, wait_until
 
 MODEL = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 4}  # ~9.6 M params
 MODEL_JSON = json.dumps(MODEL)

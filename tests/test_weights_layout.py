@@ -8,8 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_manager.weights import (HostBuffer, WeightLayout, build_layout, checksum, shard_checksums,
-                                     split_shards, stage, unpack, verify, verify_shards)
+from rollout_manager.weights import (
+    HostBuffer,
+    WeightLayout,
+    build_layout,
+    checksum,
+    shard_checksums,
+    split_shards,
+    stage,
+    unpack,
+    verify,
+    verify_shards,
+)
 from rollout_manager.weights.shards import available_algorithms
 
 

@@ -15,10 +15,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import json
 import logging
-from typing import Any, AsyncIterator, Iterable, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -87,7 +88,7 @@ class ManagerClient:
         self._session: aiohttp.ClientSession | None = None
 
     # ------------------------------------------------------------ session
-    async def __aenter__(self) -> "ManagerClient":
+    async def __aenter__(self) -> ManagerClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -45,8 +45,9 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("trainer_plugin.launcher")
 
@@ -165,7 +166,7 @@ class _Spawner:
             fn, reply = self._jobs.get()
             try:
                 reply.put((True, fn()))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            except BaseException as exc:
                 reply.put((False, exc))
 
 
@@ -241,13 +242,13 @@ class ManagerProcess:
         return "\n".join(text[-lines:]) or "(log is empty)"
 
     # ------------------------------------------------------------ start
-    def __enter__(self) -> "ManagerProcess":
+    def __enter__(self) -> ManagerProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def start(self) -> "ManagerProcess":
+    def start(self) -> ManagerProcess:
         if self.popen is not None or self.attached:
             return self
         kind, what = probe_health(self.host, self.port, timeout_s=self.probe_timeout_s)
@@ -366,7 +367,7 @@ def start_manager(host: str = "127.0.0.1", port: int = 5000, config_path: str | 
 
 
 # ---------------------------------------------------------------------------- exit hooks
-_LIVE: "weakref.WeakSet[ManagerProcess]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ManagerProcess] = weakref.WeakSet()
 _LIVE_STRONG: list[ManagerProcess] = []  # keep started managers alive until stopped
 _HOOKS_LOCK = threading.Lock()
 _HOOKS_INSTALLED = False
@@ -395,7 +396,7 @@ def stop_all() -> None:
     for proc in procs:
         try:
             proc.stop()
-        except Exception:  # noqa: BLE001 - never let one failure keep the others running
+        except Exception:
             log.exception("could not stop the rollout manager on %s", proc.url)
 
 

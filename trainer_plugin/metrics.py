@@ -80,7 +80,7 @@ class StepTimer:
             self._bubble += time.monotonic() - self._wait_started
             self._wait_started = None
 
-    def waiting(self) -> "_Wait":
+    def waiting(self) -> _Wait:
         return _Wait(self)
 
     def end_step(self, samples: int) -> dict[str, float]:

@@ -113,7 +113,7 @@ class RequestBatcher:
             for fut in waiting.values():
                 fut.cancel()
             raise
-        except Exception as exc:  # noqa: BLE001 - the stream's failure is each waiting caller's failure
+        except Exception as exc:
             for fut in waiting.values():
                 if not fut.done():
                     fut.set_exception(exc)

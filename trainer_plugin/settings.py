@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 ROLLOUT_NAME = "sglang-disaggregated"
 PREFIX = "actor_rollout_ref.rollout."
@@ -125,7 +126,7 @@ def _reach_host(bind_host: str) -> str:
 
         if ray.is_initialized():
             return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - any failure: fall back to loopback
+    except Exception:
         pass
     return "127.0.0.1"
 
@@ -139,7 +140,7 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     if callable(getter):  # DictConfig and verl's BaseConfig
         try:
             return getter(key, default)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     return getattr(config, key, default)
 

@@ -52,8 +52,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -445,7 +446,7 @@ def iterate_rollouts_sync(manager_url: str, prompts: Sequence[Sequence[int]], *,
             results.put(("done", None))
         except asyncio.CancelledError:
             results.put(("done", None))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:
             results.put(("error", exc))
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())

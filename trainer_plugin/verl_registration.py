@@ -29,7 +29,8 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .settings import ROLLOUT_NAME, apply_argv_aliases
 
@@ -93,7 +94,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 sys.meta_path.remove(self)
             try:
                 callback()
-            except Exception as exc:  # noqa: BLE001 - never break verl's own import
+            except Exception as exc:
                 log.warning("rollout-manager plugin: could not register its V1 trainer mode: %s", exc)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]

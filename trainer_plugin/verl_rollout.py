@@ -20,7 +20,8 @@ import asyncio
 import logging
 import os
 import threading
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 import ray
 import torch

@@ -57,7 +57,7 @@ class ManagerMetricsMixin:
         super().on_train_begin()  # type: ignore[misc]
         try:
             log.info(stream_granularity_note(self.config, getattr(self, "parameter_sync_step", 1)))
-        except Exception:  # noqa: BLE001 - a log line must not stop training
+        except Exception:
             pass
 
     def on_step_begin(self) -> None:
@@ -84,7 +84,7 @@ class ManagerMetricsMixin:
         logged = {f"rollout_manager/{k}": v for k, v in figures.items()}
         try:
             logged.update(as_log_metrics(post_step_metrics_sync(self._rm_settings.manager_url, **figures)))
-        except Exception as exc:  # noqa: BLE001 - metrics must never fail a training step
+        except Exception as exc:
             log.warning("rollout manager metrics not posted: %s", exc)
         pending = getattr(self, "_pending_sync_metrics", None) or {}
         self._pending_sync_metrics = {**pending, **logged}

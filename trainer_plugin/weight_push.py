@@ -28,8 +28,9 @@ import inspect
 import ipaddress
 import logging
 import os
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence
+from typing import Any, Protocol
 
 log = logging.getLogger("trainer_plugin.weight_push")
 
@@ -86,7 +87,7 @@ class WeightPushContext:
 def resolve_sender_ips(entries: Sequence[str], manager_url: str) -> list[str]:
     """This node's weight-traffic IPs: plain IPs as given; a CIDR picks this node's addresses inside it
     (so one config line serves every node); nothing given: the address of the route to the manager."""
-    from rollout_manager.box import detect_host
+    from rollout_manager.launch.box import detect_host
 
     if not entries:
         return [detect_host(manager_url)]
@@ -179,7 +180,7 @@ class WeightPusher:
         self.run_id: str | None = None
         self.all_node_ips: list[list[str]] = [self.node_ips]
 
-    def start_sender(self) -> "WeightPusher":
+    def start_sender(self) -> WeightPusher:
         from rollout_manager.weights.sender_agent import SenderAgent
 
         self.sender = SenderAgent(self.node_ips, self.sender_port, protocol=self.protocol,
@@ -238,7 +239,7 @@ class WeightPusher:
             self.sender = None
 
 
-_PUSHER: "tuple[WeightPusher, Any] | None" = None
+_PUSHER: tuple[WeightPusher, Any] | None = None
 
 
 async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | None,
@@ -280,7 +281,7 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
     return {"pushed": True, "senders": len(pusher.all_node_ips), **answer}
 
 
-async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> "tuple[WeightPusher | None, Any]":
+async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> tuple[WeightPusher | None, Any]:
     """Set up once per process (collective on the first call): node leaders start their senders,
     rank zero learns every node's IPs and reports them."""
     global _PUSHER
@@ -305,7 +306,7 @@ async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> "
                                       wait_for=wait, timeout_s=settings.weight_push_timeout_s)
                 if leader:
                     pusher.start_sender()
-            except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather below
+            except Exception as exc:
                 error = f"rank {context.rank}: {exc}"
         gathered = comm.all_gather({"ips": ips, "error": error})
         errors = [g["error"] for g in gathered if g["error"]]

@@ -6,9 +6,9 @@ batch-invariantly (exact continuation, DESIGN.md section 8) and can inject fault
     python -m rollout_manager.cpu_engine --port 30000 --seed 0 [--incremental-streaming-output] [faults]
 """
 
-from .engine import BadRequest, Engine, EngineConfig, parse_generate_body
-from .faults import Faults
-from .model import (
+from rollout_manager.cpu_engine.engine import BadRequest, Engine, EngineConfig, parse_generate_body
+from rollout_manager.cpu_engine.faults import Faults
+from rollout_manager.cpu_engine.model import (
     ModelConfig,
     SamplingParams,
     TinyCausalLM,
@@ -18,12 +18,12 @@ from .model import (
     state_dict_checksums,
     tensor_checksum,
 )
-from .server import create_app, run, serve
+from rollout_manager.cpu_engine.server import create_app, run, serve
 
 
 def main(argv=None, prog=None) -> int:
     """CLI entry (``rollout-manager cpu-engine ...`` can delegate here)."""
-    from .__main__ import main as _main
+    from rollout_manager.cpu_engine.__main__ import main as _main
 
     return _main(argv, prog)
 

@@ -6,11 +6,11 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from .engine import EngineConfig
-from .faults import Faults
-from .model import MODEL_SIZES, make_config
+from rollout_manager.cpu_engine.engine import EngineConfig
+from rollout_manager.cpu_engine.faults import Faults
+from rollout_manager.cpu_engine.model import MODEL_SIZES, make_config
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -101,8 +101,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         parser.error(str(exc))
     import torch
 
-    from .model import COMPUTE_THREADS
-    from .server import run
+    from rollout_manager.cpu_engine.model import COMPUTE_THREADS
+    from rollout_manager.cpu_engine.server import run
 
     torch.set_num_threads(COMPUTE_THREADS)
     return run(args.host, args.port, config)

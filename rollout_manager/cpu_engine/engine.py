@@ -21,10 +21,8 @@ from typing import Any
 
 import torch
 
-from rollout_manager import sglang_wire as wire
-
-from .faults import Faults
-from .model import (
+from rollout_manager.cpu_engine.faults import Faults
+from rollout_manager.cpu_engine.model import (
     COMPUTE_THREADS,
     SamplingParams,
     TinyCausalLM,
@@ -33,6 +31,7 @@ from .model import (
     state_dict_checksums,
     stop_reason,
 )
+from rollout_manager.sglang import wire
 
 log = logging.getLogger("rollout_manager.cpu_engine")
 
@@ -328,7 +327,7 @@ class Engine:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            except (asyncio.CancelledError, Exception):
                 pass
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -468,7 +467,7 @@ class Engine:
             self._idle.clear()
             try:
                 results = await loop.run_in_executor(self._executor, self._compute_round, work)
-            except Exception as exc:  # noqa: BLE001 - a broken forward must not kill the loop
+            except Exception as exc:
                 log.exception("decoding round failed")
                 for s in batch:
                     s.set_finish(wire.ABORT, message=f"engine error: {exc}")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -16,10 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from rollout_manager import sglang_wire as wire
-
-from .engine import BadRequest, Engine, EngineConfig, GenerateRequest, Group, SequenceSpec
-from .model import SamplingParams
+from rollout_manager.cpu_engine.engine import BadRequest, Engine, EngineConfig, GenerateRequest, Group, SequenceSpec
+from rollout_manager.cpu_engine.model import SamplingParams
+from rollout_manager.sglang import wire
 
 log = logging.getLogger("rollout_manager.cpu_engine")
 

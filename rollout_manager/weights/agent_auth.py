@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from ..bearer import TOKEN_ENV, bearer_matches
+from rollout_manager.bearer import TOKEN_ENV, bearer_matches
 
 
 def token_middleware(token: str | None = None) -> Callable:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ class TensorSpec:
                 "offset": self.offset, "nbytes": self.nbytes}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TensorSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorSpec:
         return cls(name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(x) for x in d["shape"]),
                    offset=int(d["offset"]), nbytes=int(d["nbytes"]))
 
@@ -141,14 +142,14 @@ class WeightLayout:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "WeightLayout":
+    def from_dict(cls, d: Mapping[str, Any]) -> WeightLayout:
         fmt = d.get("format", LAYOUT_FORMAT)
         if fmt != LAYOUT_FORMAT:
             raise ValueError(f"unsupported layout format {fmt!r}")
         return cls([TensorSpec.from_dict(t) for t in d["tensors"]], int(d["total_bytes"]), int(d["alignment"]))
 
     @classmethod
-    def from_json(cls, text: Union[str, bytes, Mapping[str, Any]]) -> "WeightLayout":
+    def from_json(cls, text: str | bytes | Mapping[str, Any]) -> WeightLayout:
         return cls.from_dict(text if isinstance(text, Mapping) else json.loads(text))
 
     def fingerprint(self) -> str:
@@ -206,7 +207,7 @@ class HostBuffer:
             self.tensor.zero_()
 
     @classmethod
-    def for_layout(cls, layout: WeightLayout, **kwargs: Any) -> "HostBuffer":
+    def for_layout(cls, layout: WeightLayout, **kwargs: Any) -> HostBuffer:
         return cls(layout.total_bytes, **kwargs)
 
     @property
@@ -317,7 +318,7 @@ class SlotWriter:
         self.devices: set[torch.device] = set()
         self.staged = 0
 
-    def write(self, spec: "TensorSpec", src: torch.Tensor) -> None:
+    def write(self, spec: TensorSpec, src: torch.Tensor) -> None:
         if spec.nbytes == 0:
             return
         dst = _typed_view(self.buf, spec)
@@ -330,7 +331,7 @@ class SlotWriter:
             _bits(dst).copy_(_bits(src), non_blocking=self.non_blocking and self.pinned)
         self.staged += spec.nbytes
 
-    def read(self, spec: "TensorSpec") -> torch.Tensor:
+    def read(self, spec: TensorSpec) -> torch.Tensor:
         """A copy of what a slot holds (after the copies into it have landed)."""
         self.finish()
         return _typed_view(self.buf, spec).clone()

@@ -31,9 +31,10 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
-from .parallel import run_in_threads
+from rollout_manager.weights.parallel import run_in_threads
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 
@@ -132,7 +133,7 @@ class MooncakeEngine:
         self._rpc_port: int | None = None
 
     # -- life cycle ---------------------------------------------------------------------------------
-    def start(self) -> "MooncakeEngine":
+    def start(self) -> MooncakeEngine:
         if self._engine is not None:
             return self
         cls = _import_engine_class()
@@ -166,7 +167,7 @@ class MooncakeEngine:
         self._registered.clear()
         del engine
 
-    def __enter__(self) -> "MooncakeEngine":
+    def __enter__(self) -> MooncakeEngine:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 def run_in_threads(calls: Sequence[Callable[[], None]], name: str = "worker") -> None:
@@ -14,7 +14,7 @@ def run_in_threads(calls: Sequence[Callable[[], None]], name: str = "worker") ->
     def guarded(call: Callable[[], None]) -> None:
         try:
             call()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded, args=(c,), name=f"{name}-{i}") for i, c in enumerate(calls)]

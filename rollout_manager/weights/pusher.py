@@ -19,11 +19,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, Union
+from typing import Any, Protocol
 
-from .parallel import run_in_threads
-from .shards import DEFAULT_ALGORITHM, Shard, shard_checksums, split_shards
+from rollout_manager.weights.parallel import run_in_threads
+from rollout_manager.weights.shards import DEFAULT_ALGORITHM, Shard, shard_checksums, split_shards
 
 
 class Engine(Protocol):  # what push_buffer needs from a transport
@@ -51,8 +52,8 @@ def source_view(addr: int, length: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * length).from_address(addr)).cast("B").toreadonly()
 
 
-def push_buffer(engines: Union[Engine, Sequence[Engine]], src_addr: int, total: int,
-                target_session: Union[str, Sequence[str]], dst_addr: int, num_shards: int, *,
+def push_buffer(engines: Engine | Sequence[Engine], src_addr: int, total: int,
+                target_session: str | Sequence[str], dst_addr: int, num_shards: int, *,
                 align: int = 256, checksums: Sequence[str] | None = None, compute_checksums: bool = True,
                 algorithm: str | None = None, mode: str | None = None,
                 timeout_s: float | None = None) -> PushResult:

@@ -24,22 +24,23 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 import torch
 from aiohttp import web
 
-from .. import sglang_wire as wire
-from .agent_auth import token_middleware
-from .layout import HostBuffer, WeightLayout, unpack
-from .mooncake_engine import MooncakeEngine
-from .tcp_transport import TcpEngine
-from .shards import verify_shards
+from rollout_manager.sglang import wire
+from rollout_manager.weights.agent_auth import token_middleware
+from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
+from rollout_manager.weights.mooncake_engine import MooncakeEngine
+from rollout_manager.weights.shards import verify_shards
+from rollout_manager.weights.tcp_transport import TcpEngine
 
 log = logging.getLogger("rollout_manager.receiver")
 
-AGENT: web.AppKey["ReceiverAgent"] = web.AppKey("agent", object)  # type: ignore[arg-type]
+AGENT: web.AppKey[ReceiverAgent] = web.AppKey("agent", object)  # type: ignore[arg-type]
 
 
 class ReceiverAgent:

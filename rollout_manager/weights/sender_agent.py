@@ -15,23 +15,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Iterable, Mapping, Sequence, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
 
 import torch
 from aiohttp import web
 
-from .agent_auth import token_middleware
-from .layout import HostBuffer, SlotWriter, WeightLayout, build_layout, stage
-from .mooncake_engine import MooncakeEngine
-from .tcp_transport import TcpEngine
-from .pusher import push_buffer, source_view
-from .shards import shard_checksums, split_shards
+from rollout_manager.weights.agent_auth import token_middleware
+from rollout_manager.weights.layout import HostBuffer, SlotWriter, WeightLayout, build_layout, stage
+from rollout_manager.weights.mooncake_engine import MooncakeEngine
+from rollout_manager.weights.pusher import push_buffer, source_view
+from rollout_manager.weights.shards import shard_checksums, split_shards
+from rollout_manager.weights.tcp_transport import TcpEngine
 
 log = logging.getLogger("rollout_manager.sender")
 
 Transport = Union[MooncakeEngine, TcpEngine]
 TRANSPORTS = ("mooncake", "tcp")
-AGENT: web.AppKey["SenderAgent"] = web.AppKey("sender", object)  # type: ignore[arg-type]
+AGENT: web.AppKey[SenderAgent] = web.AppKey("sender", object)  # type: ignore[arg-type]
 
 
 class SenderAgent:
@@ -160,7 +161,7 @@ class SenderAgent:
                 "fingerprint": self.layout.fingerprint()}
 
     # ------------------------------------------------------------ control API on its own thread
-    def start(self) -> "SenderAgent":
+    def start(self) -> SenderAgent:
         ready = threading.Event()
         errors: list[BaseException] = []
 
@@ -169,7 +170,7 @@ class SenderAgent:
             self._loop = loop
             try:
                 loop.run_until_complete(self._serve())
-            except BaseException as exc:  # noqa: BLE001 - reported to start()
+            except BaseException as exc:
                 errors.append(exc)
                 ready.set()
                 return
@@ -206,7 +207,7 @@ class SenderAgent:
             engine.close()
         self._engines.clear()
 
-    def __enter__(self) -> "SenderAgent":
+    def __enter__(self) -> SenderAgent:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

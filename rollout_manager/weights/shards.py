@@ -11,8 +11,9 @@ parallel. Without the package we fall back to crc32. Every checksum string names
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 

@@ -22,10 +22,10 @@ import queue
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
-from .mooncake_engine import TransferError
+from rollout_manager.weights.mooncake_engine import TransferError
 
 _MAGIC = b"RMW1"
 _HEADER = struct.Struct("<4sQQ")
@@ -86,7 +86,7 @@ class TcpEngine:
         self._started = False
 
     # -- life cycle ---------------------------------------------------------------------------------
-    def start(self) -> "TcpEngine":
+    def start(self) -> TcpEngine:
         if self._started:
             return self
         if self._listen:
@@ -121,7 +121,7 @@ class TcpEngine:
             t.join(timeout=5)
         self._regions.clear()
 
-    def __enter__(self) -> "TcpEngine":
+    def __enter__(self) -> TcpEngine:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

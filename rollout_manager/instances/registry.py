@@ -12,12 +12,13 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from .errors import Conflict
+from rollout_manager.errors import Conflict
 
-log = logging.getLogger("rollout_manager.registry")
+log = logging.getLogger("rollout_manager.instances.registry")
 
 
 class State(str, enum.Enum):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 
-from . import jsonutil
-from . import sglang_wire as wire
+from rollout_manager import jsonutil
+from rollout_manager.sglang import wire
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 

@@ -9,11 +9,11 @@ import signal
 
 from aiohttp import web
 
-from .config import Config, describe
-from .http_api import create_app
-from .manager import Manager
+from rollout_manager.api.routes import create_app
+from rollout_manager.config import Config, describe
+from rollout_manager.manager import Manager
 
-log = logging.getLogger("rollout_manager.server")
+log = logging.getLogger("rollout_manager.api.server")
 
 
 class StartupError(RuntimeError):

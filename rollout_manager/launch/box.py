@@ -1,6 +1,6 @@
 """Rollout-box helper for ``scripts/launch_sglang.sh``: the fiddly parts, kept testable and out of bash.
 
-``python -m rollout_manager.box <command> ...``; standard library only, so it runs in SGLang's
+``python -m rollout_manager.launch.box <command> ...``; standard library only, so it runs in SGLang's
 environment before anything heavy is imported. Every failure is ONE line on stderr,
 ``launch_sglang: error: ...``, and a non-zero exit status; results go to stdout.
 
@@ -49,7 +49,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 PREFIX = "launch_sglang: error: "
 AUTH_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
@@ -484,7 +485,7 @@ def cmd_watch(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rollout_manager.box", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rollout_manager.launch.box", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 

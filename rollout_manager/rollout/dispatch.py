@@ -8,12 +8,12 @@ numbers. Requests wait here (bounded) while no instance can take them.
 from __future__ import annotations
 
 import time
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
-from .errors import Unavailable
-from .notify import Signal
-from .registry import Event, Instance, Kind, Registry, State
-from .scheduling import InstanceLoad, Policy, TokenRateMeter
+from rollout_manager.errors import Unavailable
+from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
+from rollout_manager.notify import Signal
+from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter
 
 
 class Dispatcher:

@@ -9,10 +9,10 @@ instances land on different trainer nodes.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
-from .errors import BadRequest
+from rollout_manager.errors import BadRequest
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -71,3 +71,4 @@ def assign(instance_ids: Sequence[str], plan: Sequence[Sequence[Group]]) -> dict
     if not slots:
         return {}
     return {iid: slots[i % len(slots)] for i, iid in enumerate(instance_ids)}
+

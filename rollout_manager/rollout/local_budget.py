@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-log = logging.getLogger("rollout_manager.local_budget")
+log = logging.getLogger("rollout_manager.rollout.local_budget")
 
 
 @dataclass

@@ -23,18 +23,19 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import aiohttp
 import torch
 
-from .box import free_port
-from .cpu_engine.model import build_model
-from .weights.sender_agent import SenderAgent
+from rollout_manager.cpu_engine.model import build_model
+from rollout_manager.launch.box import free_port
+from rollout_manager.weights.sender_agent import SenderAgent
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch_sglang.sh"
 SENDER_IPS = ["127.0.0.1", "127.0.0.2"]  # two loopback "interfaces": two transfer groups
 RUN_MARKER = "RM_DEMO_RUN_ID"

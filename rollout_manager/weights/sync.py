@@ -14,17 +14,18 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from .errors import BadRequest
-from .registry import Instance, Kind, State
+from rollout_manager.errors import BadRequest
+from rollout_manager.instances.registry import Instance, Kind, State
 
 if TYPE_CHECKING:
-    from .manager import Manager
+    from rollout_manager.manager import Manager
 
-log = logging.getLogger("rollout_manager.versions")
+log = logging.getLogger("rollout_manager.weights.sync")
 
 
 class PushFailed(Exception):
@@ -41,7 +42,7 @@ class SenderUnavailable(PushFailed):
 
 
 class WeightSync:
-    def __init__(self, manager: "Manager"):
+    def __init__(self, manager: Manager):
         self.m = manager
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.pushes: list[dict[str, Any]] = []  # recent push results, for status and metrics

@@ -4,7 +4,8 @@ validate each body (``http_api.accepts``), so the description is the validation.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pydantic.json_schema import models_json_schema
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Strict, model_validator
 
@@ -59,8 +59,8 @@ class RegisterRolloutInstance(StrictModel):
 
     host: Host
     port: Port
-    mooncake_handshake_port: Optional[Port] = None
-    weight_receiver_port: Optional[Port] = Field(
+    mooncake_handshake_port: Port | None = None
+    weight_receiver_port: Port | None = Field(
         default=None, description="control port of the box's weight receiver agent (needed after version 0)")
 
 
@@ -83,8 +83,8 @@ class UpdateWeightSenders(StrictModel):
     weight_sender_ips: Annotated[
         list[Annotated[list[IP], Field(min_length=1, max_length=64)]], Field(min_length=1, max_length=1024)
     ]
-    num_mooncake_groups_per_sender: Optional[PositiveCount] = None
-    num_mooncake_engines_per_group: Optional[PositiveCount] = None
+    num_mooncake_groups_per_sender: PositiveCount | None = None
+    num_mooncake_engines_per_group: PositiveCount | None = None
 
 
 TokenId = Annotated[int, Strict(), Field(ge=0)]
@@ -95,9 +95,9 @@ class SamplingParams(BaseModel):
     """The sampling fields the manager itself relies on; SGLang's other fields pass through."""
 
     model_config = ConfigDict(extra="allow")
-    max_new_tokens: Optional[Annotated[int, Strict(), Field(ge=0)]] = None
-    min_new_tokens: Optional[Annotated[int, Strict(), Field(ge=0)]] = None
-    temperature: Optional[Annotated[float, Field(ge=0)]] = None
+    max_new_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+    min_new_tokens: Annotated[int, Strict(), Field(ge=0)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -105,10 +105,10 @@ class GenerateRequest(BaseModel):
     trainer tokenizes (verl always does). Other SGLang fields pass through unchanged."""
 
     model_config = ConfigDict(extra="allow")
-    input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
-    sampling_params: Optional[Union[SamplingParams, list[SamplingParams]]] = None
-    return_logprob: Optional[Union[Annotated[bool, Strict()], list[Annotated[bool, Strict()]]]] = None
-    rid: Optional[Union[str, list[str]]] = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: Annotated[bool, Strict()] | list[Annotated[bool, Strict()]] | None = None
+    rid: str | list[str] | None = None
     stream: Annotated[bool, Strict()] = False
     @model_validator(mode="before")
     @classmethod
@@ -119,7 +119,7 @@ class GenerateRequest(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _per_item_lists_match_batch(self) -> "GenerateRequest":
+    def _per_item_lists_match_batch(self) -> GenerateRequest:
         batched = isinstance(self.input_ids[0], list)
         n = len(self.input_ids)
         for name in ("sampling_params", "return_logprob", "rid"):
@@ -141,7 +141,7 @@ class BatchGenerateRequests(RootModel[list[tuple[RequestId, GenerateRequest]]]):
     root: Annotated[list[tuple[RequestId, GenerateRequest]], Field(min_length=1, max_length=100_000)]
 
     @model_validator(mode="after")
-    def _unique_ids(self) -> "BatchGenerateRequests":
+    def _unique_ids(self) -> BatchGenerateRequests:
         seen: set[Any] = set()
         for rid, _ in self.root:
             key = (type(rid).__name__, rid)
@@ -169,6 +169,6 @@ class Empty(StrictModel):
 class UpdateWeightVersion(StrictModel):
     """The trainer finished a step and staged new weights; optionally wait until instances have them."""
 
-    new_version: Optional[Annotated[int, Strict(), Field(ge=1)]] = None
-    wait_for_instances: Optional[Union[Annotated[int, Strict(), Field(ge=0)], Literal["all"]]] = None
+    new_version: Annotated[int, Strict(), Field(ge=1)] | None = None
+    wait_for_instances: Annotated[int, Strict(), Field(ge=0)] | Literal["all"] | None = None
     timeout_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 600.0

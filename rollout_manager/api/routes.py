@@ -4,31 +4,32 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from . import __version__, jsonutil
-from . import sglang_wire as wire
-from .bearer import bearer_matches
-from .errors import ManagerError, TooLarge, Unauthorized
-from .generation import run_batch
-from .manager import Manager
-from .openapi import build_openapi
-from .metrics import METRICS, ManagerMetrics
-from . import status_page
-from .schemas import (
+from rollout_manager import __version__, jsonutil
+from rollout_manager.api import status_page
+from rollout_manager.api.metrics import METRICS, ManagerMetrics
+from rollout_manager.api.openapi import build_openapi
+from rollout_manager.api.schemas import (
     BatchGenerateRequests,
     Empty,
     GenerateRequest,
-    UpdateMetrics,
-    UpdateWeightVersion,
     RegisterLocalRolloutInstances,
     RegisterRolloutInstance,
     ShutdownInstances,
+    UpdateMetrics,
     UpdateWeightSenders,
+    UpdateWeightVersion,
 )
+from rollout_manager.bearer import bearer_matches
+from rollout_manager.errors import ManagerError, TooLarge, Unauthorized
+from rollout_manager.manager import Manager
+from rollout_manager.rollout.generation import run_batch
+from rollout_manager.sglang import wire
 
 log = logging.getLogger("rollout_manager.http")
 

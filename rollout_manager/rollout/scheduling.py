@@ -14,8 +14,9 @@ short queue is what makes a preemption cheap: what has to move is what sat on th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 __all__ = [
     "InstanceLoad",

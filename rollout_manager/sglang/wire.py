@@ -13,10 +13,11 @@ in ``meta_info``. A batch request's chunks carry ``index``. An error inside the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from . import jsonutil
+from rollout_manager import jsonutil
 
 # Paths (SGLang's http_server.py).
 GENERATE = "/generate"
@@ -307,8 +308,9 @@ def serialize_named_tensors(named_tensors: list[tuple[str, Any]], *, share_memor
     pairs = [(str(name), tensor) for name, tensor in named_tensors]
     buf = io.BytesIO()
     if share_memory:
-        import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
         from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 
         ForkingPickler(buf).dump(pairs)
     else:
@@ -327,7 +329,7 @@ def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, Any]]:
     import pickle
 
     import torch
-    import torch.multiprocessing  # noqa: F401  (shared-memory rebuild functions)
+    import torch.multiprocessing
 
     class _Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
@@ -343,7 +345,7 @@ def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, Any]]:
         raise ValueError(f"serialized_named_tensors entry is not base64: {exc}") from None
     try:
         obj = _Unpickler(io.BytesIO(raw)).load()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad payload
+    except Exception as exc:
         raise ValueError(f"cannot unpickle serialized_named_tensors entry: {exc}") from None
     if not isinstance(obj, (list, tuple)):
         raise ValueError(f"expected a list of (name, tensor), got {type(obj).__name__}")

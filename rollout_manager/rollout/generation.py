@@ -13,19 +13,18 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
-import aiohttp
+from rollout_manager.errors import ManagerError, Unavailable
+from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.local_budget import LocalBudget, LocalWindow
+from rollout_manager.sglang import wire
+from rollout_manager.sglang.client import EngineFailed, EngineRejected, SGLangClient, stream_generate
 
-from . import sglang_wire as wire
-from .dispatch import Dispatcher
-from .errors import ManagerError, Unavailable
-from .local_budget import LocalBudget, LocalWindow
-from .registry import Instance, Kind, State
-from .sglang_client import EngineFailed, EngineRejected, SGLangClient, stream_generate
-
-log = logging.getLogger("rollout_manager.generation")
+log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
 
 

@@ -14,17 +14,18 @@ and the global registry would mix them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .registry import Event, Instance, Kind, State
+from rollout_manager.instances.registry import Event, Instance, Kind, State
 
 if TYPE_CHECKING:
-    from .manager import Manager
+    from rollout_manager.manager import Manager
 
 PREFIX = "rollout_manager_"
 # The classic text format, which every Prometheus and scraper reads.
@@ -47,7 +48,7 @@ GENERATION_COUNTERS = {
 class StateCollector(Collector):
     """Reads the manager at scrape time: instances, versions, load, local budget, generation counters."""
 
-    def __init__(self, metrics: "ManagerMetrics"):
+    def __init__(self, metrics: ManagerMetrics):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
@@ -125,7 +126,7 @@ class StateCollector(Collector):
 class ManagerMetrics:
     """The metrics of one manager: its own registry, the state collector and the event hooks."""
 
-    def __init__(self, manager: "Manager"):
+    def __init__(self, manager: Manager):
         self.manager = manager
         self.registry = CollectorRegistry(auto_describe=False)
         self.last_gbps: dict[tuple[str, str], float] = {}
