@@ -8,21 +8,34 @@ from collections.abc import Callable
 
 
 class Signal:
-    """``notify()`` wakes every current waiter; waiters re-check their condition themselves."""
+    """``notify()`` wakes every current waiter; waiters re-check their condition themselves.
+
+    Each waiter parks on a future of its own, with its timeout as a loop timer, rather than in
+    ``asyncio.wait_for``: on Python 3.11 a ``wait_for`` whose inner wait completes as the task is
+    cancelled can swallow the cancellation, and a shutdown then hangs on the task.
+    """
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._waiters: set[asyncio.Future[None]] = set()
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait(self, timeout: float | None) -> None:
         """Wait for the next notify, at most ``timeout`` seconds (no error on timeout)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(fut)
+        timer = None if timeout is None else loop.call_later(max(timeout, 0.0), _wake, fut)
         try:
-            await asyncio.wait_for(self._event.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await fut
+        finally:
+            self._waiters.discard(fut)
+            if timer is not None:
+                timer.cancel()
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """True once ``predicate()`` holds, False if ``timeout`` passes first."""
@@ -33,3 +46,8 @@ class Signal:
                 return False
             await self.wait(left)
         return True
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -12,11 +12,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.errors import Conflict
+from rollout_manager.osutil import format_endpoint
 
 log = logging.getLogger("rollout_manager.instances.registry")
 
@@ -41,10 +42,6 @@ ALLOWED: dict[State, frozenset[State]] = {
     State.DRAINING: frozenset({State.DEAD}),
     State.DEAD: frozenset(),
 }
-
-
-def format_endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass
@@ -137,7 +134,7 @@ class Registry:
     def __len__(self) -> int:
         return len(self._instances)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Instance]:
         return iter(sorted(self._instances.values(), key=lambda i: i.seq))
 
     def get(self, instance_id: str) -> Instance | None:
@@ -151,7 +148,8 @@ class Registry:
         return [i for i in self if i.state in states and (kind is None or i.kind == kind)]
 
     # ------------------------------------------------------------ changes
-    def add_many(self, specs: list[tuple[str, int, Kind, int | None]]) -> list[Instance]:
+    def add_many(self, specs: list[tuple[str, int, Kind, int | None]],
+                 receiver_port: int | None = None) -> list[Instance]:
         """Register several instances at once: all or none (409 names the duplicates)."""
         endpoints = [format_endpoint(h, p) for h, p, _, _ in specs]
         taken = [ep for ep in endpoints if ep in self._by_endpoint]
@@ -166,7 +164,8 @@ class Registry:
             n = next(self._ids)  # type: ignore[call-overload]
             inst = Instance(
                 id=f"inst-{n}", host=host, port=port, kind=kind, seq=n,
-                mooncake_handshake_port=hs_port, registered_at=now, state_since=now,
+                mooncake_handshake_port=hs_port, weight_receiver_port=receiver_port, registered_at=now,
+                state_since=now,
             )
             self._instances[inst.id] = inst
             self._by_endpoint[ep] = inst.id
@@ -174,8 +173,9 @@ class Registry:
             added.append(inst)
         return added
 
-    def add(self, host: str, port: int, kind: Kind, handshake_port: int | None = None) -> Instance:
-        return self.add_many([(host, port, kind, handshake_port)])[0]
+    def add(self, host: str, port: int, kind: Kind, handshake_port: int | None = None,
+            receiver_port: int | None = None) -> Instance:
+        return self.add_many([(host, port, kind, handshake_port)], receiver_port)[0]
 
     def transition(self, inst: Instance, new: State, reason: str) -> bool:
         """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed."""

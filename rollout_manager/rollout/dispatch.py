@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.notify import Signal
+from rollout_manager.rollout.local_budget import LocalWindow
 from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter
 
 
@@ -22,7 +23,7 @@ class Dispatcher:
         self.policy = policy
         self.clock = clock
         self.changed = Signal()  # any change in who can take work, or in load
-        self.local_allowed: Callable[[], bool] = lambda: True  # the local window, set by the generator
+        self.local = LocalWindow(on_change=self.changed.notify)  # while open, local instances serve first
         self.closing = False
         self.meters: dict[str, TokenRateMeter] = {}
         self._idle_since: dict[str, float] = {}
@@ -36,6 +37,10 @@ class Dispatcher:
             self._idle_s.pop(inst.id, None)
         elif event.new == State.ACTIVE and inst.in_flight == 0:
             self._idle_since.setdefault(inst.id, self.clock())
+        elif event.old == State.ACTIVE:  # syncing or draining: no work is possible, so none is idle time
+            since = self._idle_since.pop(inst.id, None)
+            if since is not None:
+                self._idle_s[inst.id] = self._idle_s.get(inst.id, 0.0) + self.clock() - since
         self.changed.notify()
 
     def meter(self, inst: Instance) -> TokenRateMeter:
@@ -54,7 +59,7 @@ class Dispatcher:
         """
         usable = [i for i in self.registry.in_state(State.ACTIVE)
                   if i.id not in avoid or i.consecutive_failures == 0]
-        local = [i for i in usable if i.kind == Kind.LOCAL] if self.local_allowed() else []
+        local = [i for i in usable if i.kind == Kind.LOCAL] if self.local.is_open else []
         remote = [i for i in usable if i.kind == Kind.REMOTE]
         for group in (local, remote):
             inst = self._pick([i for i in group if i.consecutive_failures == 0] or group, tokens)
@@ -92,6 +97,11 @@ class Dispatcher:
                     f"({active} active)"
                 )
             await self.changed.wait(left)
+
+    def close(self) -> None:
+        """The manager is shutting down: place no more work; waiting requests fail now."""
+        self.closing = True
+        self.changed.notify()
 
     def progress(self, inst: Instance, tokens: int) -> None:
         """``tokens`` new tokens streamed from ``inst``."""

@@ -1,18 +1,27 @@
 """Who pushes weights to whom: sender transfer groups per network interface, instances round-robin.
 
-Pure functions. Each trainer node runs one sender; its groups are bound round-robin to the node's
+Each trainer node runs one sender; its groups are bound round-robin to the node's
 interfaces that ``allowed_sender_ips`` admits, so traffic spreads over every allowed NIC. Instances are
 dealt to (sender, group) slots in registration order, interleaving senders first so consecutive
-instances land on different trainer nodes.
+instances land on different trainer nodes. The planning is pure functions; :class:`SenderPlan` holds
+the current plan and re-deals on every registration and removal.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from rollout_manager.config import Config
 from rollout_manager.errors import BadRequest
+from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
+from rollout_manager.notify import Signal
+from rollout_manager.osutil import format_endpoint
+
+log = logging.getLogger("rollout_manager.weights.groups")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -72,3 +81,90 @@ def assign(instance_ids: Sequence[str], plan: Sequence[Sequence[Group]]) -> dict
         return {}
     return {iid: slots[i % len(slots)] for i, iid in enumerate(instance_ids)}
 
+
+class SenderPlan:
+    """The trainer nodes' senders, their transfer groups, and the remote instances dealt to them.
+
+    The trainer reports its nodes' IPs (``PUT /update_weight_senders``); every registration and
+    removal of a remote instance re-deals the instances, so groups stay even as boxes come and go.
+    """
+
+    def __init__(self, registry: Registry, config: Config) -> None:
+        self.registry = registry
+        self.allowed = config.allowed_networks
+        self.base_port = config.weight_sender_base_port
+        self.protocol = config.mooncake_transfer_protocol
+        self.device_name = config.mooncake_transfer_device_name
+        self.groups_per_sender = config.num_mooncake_groups_per_sender
+        self.engines_per_group = config.num_mooncake_engines_per_group
+        self.sender_ips: list[list[str]] = []
+        self.plan: list[list[Group]] = []
+        self.changed = Signal()  # senders reported: pushes waiting for one can go
+        registry.listeners.append(self._on_event)
+
+    def update(self, sender_ips: list[list[str]], groups_per_sender: int | None = None,
+               engines_per_group: int | None = None) -> None:
+        """New senders; raises BadRequest (and changes nothing) when a node has no allowed IP."""
+        groups = groups_per_sender or self.groups_per_sender
+        plan = plan_groups(sender_ips, self.allowed, groups)
+        self.sender_ips, self.plan, self.groups_per_sender = sender_ips, plan, groups
+        if engines_per_group:
+            self.engines_per_group = engines_per_group
+        self._deal()
+        self.changed.notify()
+        log.info("weight senders updated: %d sender(s), %d group(s) each, %d engine(s) per group",
+                 len(plan), groups, self.engines_per_group)
+
+    def group_of(self, inst: Instance) -> Group | None:
+        if inst.sender is None or inst.group is None:
+            return None
+        return self.plan[inst.sender][inst.group]
+
+    def sender_url(self, sender: int) -> str:
+        """A sender's control API: its node's first allowed IP, on ``weight_sender_base_port``."""
+        return f"http://{format_endpoint(self.plan[sender][0].ip, self.base_port)}"
+
+    def assignment_of(self, inst: Instance) -> dict[str, Any]:
+        """What a registering box is told about its weight transfers."""
+        group = self.group_of(inst)
+        return {
+            "sender": inst.sender,
+            "group": inst.group,
+            "sender_ip": group.ip if group else None,
+            "num_mooncake_engines_per_group": self.engines_per_group,
+            "mooncake_transfer_protocol": self.protocol,
+            "mooncake_transfer_device_name": self.device_name,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "num_mooncake_groups_per_sender": self.groups_per_sender,
+            "num_mooncake_engines_per_group": self.engines_per_group,
+            "weight_sender_base_port": self.base_port,
+            "mooncake_transfer_protocol": self.protocol,
+            "mooncake_transfer_device_name": self.device_name,
+            "senders": [
+                {
+                    "sender": s,
+                    "ips": self.sender_ips[s],
+                    "groups": [
+                        {**g.to_dict(), "instances": [
+                            i.endpoint for i in self.registry if i.sender == s and i.group == g.group
+                        ]}
+                        for g in groups
+                    ],
+                }
+                for s, groups in enumerate(self.plan)
+            ],
+        }
+
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        if inst.kind == Kind.REMOTE and (event.old is None or event.new == State.DEAD):
+            self._deal()
+
+    def _deal(self) -> None:
+        remote = self.registry.in_state(*State, kind=Kind.REMOTE)
+        mapping = assign([i.id for i in remote], self.plan)
+        for inst in remote:
+            group = mapping.get(inst.id)
+            inst.sender, inst.group = (group.sender, group.group) if group else (None, None)

@@ -5,8 +5,8 @@ Two kinds of figures:
 * Gauges (and the generator's running counters) are read from the manager's state at scrape time by
   :class:`StateCollector`, so nothing has to be kept in sync with the registry, the dispatcher or the
   generator.
-* Distributions (sequence latency, weight-push seconds) need every event, so they are observed from
-  two small hooks: ``Generator.on_finished`` and ``WeightSync.on_push``.
+* Distributions (sequence latency, weight-push seconds) need every event, so they listen to the
+  generator's finished sequences, weight sync's pushes and the registry's transitions.
 
 Every manager gets its own :class:`CollectorRegistry` (tests run several managers in one process,
 and the global registry would mix them).
@@ -15,17 +15,18 @@ and the global registry would mix them).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rollout_manager.instances.registry import Event, Instance, Kind, State
-
-if TYPE_CHECKING:
-    from rollout_manager.manager import Manager
+from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
+from rollout_manager.instances.version import WeightVersion
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.generation import Generator
+from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.weights.sync import WeightSync
 
 PREFIX = "rollout_manager_"
 # The classic text format, which every Prometheus and scraper reads.
@@ -40,7 +41,8 @@ GENERATION_COUNTERS = {
     "sequences": ("sequences", "Sequences started (each sub-request of a batched input counts once)."),
     "tokens": ("generated_tokens", "Completion tokens of finished sequences; tokens/s is rate() of this."),
     "continuations": ("continuations", "Times a sequence continued on another instance from the tokens made so far."),
-    "failed": ("failed_sequences", "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
+    "failed": ("failed_sequences",
+               "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
     "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),
 }
 
@@ -52,15 +54,13 @@ class StateCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        metrics = self.metrics
-        m = metrics.manager
-        metrics.bind()  # in case the generator was created after the metrics object
+        m = self.metrics
         now = m.registry.clock()
         instances = list(m.registry)
 
         by_state = GaugeMetricFamily(PREFIX + "instances", "Registered instances by lifecycle state and kind.",
                                      labels=["state", "kind"])
-        counts = {(s, k): 0 for s in State if s != State.DEAD for k in Kind}
+        counts: dict[tuple[State, Kind], int] = {(s, k): 0 for s in State if s != State.DEAD for k in Kind}
         for inst in instances:
             counts[(inst.state, inst.kind)] += 1
         for (state, kind), n in counts.items():
@@ -92,7 +92,7 @@ class StateCollector(Collector):
             in_flight.add_metric(ep, inst.in_flight)
             in_flight_tokens.add_metric(ep, inst.in_flight_tokens)
             version.add_metric(ep, inst.weight_version)
-            lag.add_metric(ep, m.weight_version - inst.weight_version)
+            lag.add_metric(ep, m.version.current - inst.weight_version)
             failures.add_metric(ep, inst.consecutive_failures)
             meter = m.dispatcher.meters.get(inst.id)
             measured = meter.rate(now) if meter is not None else None
@@ -101,66 +101,60 @@ class StateCollector(Collector):
         yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures)
 
         yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
-                                value=m.weight_version)
+                                value=m.version.current)
         yield GaugeMetricFamily(PREFIX + "local_budget_seconds",
                                 "Seconds local (trainer-side) instances generate per step before the trainer "
-                                "takes its GPUs back.", value=m.local_budget.budget_s)
-        gen = m.generator
+                                "takes its GPUs back.", value=m.budget.budget_s)
         yield GaugeMetricFamily(PREFIX + "local_window_open", "1 while the local window is open.",
-                                value=1 if gen is not None and gen.local.is_open else 0)
+                                value=1 if m.dispatcher.local.is_open else 0)
         yield GaugeMetricFamily(PREFIX + "start_time_seconds", "Unix time the manager started.",
                                 value=m.started_at)
 
-        stats = gen.stats if gen is not None else {}
         for key, (name, help_text) in GENERATION_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + name, help_text, value=stats.get(key, 0))
+            yield CounterMetricFamily(PREFIX + name, help_text, value=m.generator.stats.get(key, 0))
 
         gbps = GaugeMetricFamily(PREFIX + "weight_push_last_gbps",
                                  "Transfer GB/s of the last weight push through each sender group.",
                                  labels=["sender", "group"])
-        for (sender, group), value in sorted(metrics.last_gbps.items()):
+        for (sender, group), value in sorted(m.last_gbps.items()):
             gbps.add_metric([sender, group], value)
         yield gbps
 
 
 class ManagerMetrics:
-    """The metrics of one manager: its own registry, the state collector and the event hooks."""
+    """The metrics of one manager: its own Prometheus registry, the state collector and the listeners."""
 
-    def __init__(self, manager: Manager):
-        self.manager = manager
-        self.registry = CollectorRegistry(auto_describe=False)
+    def __init__(self, registry: Registry, version: WeightVersion, dispatcher: Dispatcher, generator: Generator,
+                 weights: WeightSync, budget: LocalBudget, started_at: float) -> None:
+        self.registry, self.version, self.dispatcher = registry, version, dispatcher
+        self.generator, self.budget, self.started_at = generator, budget, started_at
+        self.prometheus = CollectorRegistry(auto_describe=False)
         self.last_gbps: dict[tuple[str, str], float] = {}
         self.latency = Histogram(
             PREFIX + "sequence_latency_seconds",
             "End-to-end seconds per sequence, across every instance it ran on; outcome ok or error.",
-            ["outcome"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            ["outcome"], buckets=LATENCY_BUCKETS, registry=self.prometheus)
         self.completion_tokens = Histogram(
             PREFIX + "sequence_completion_tokens", "Completion tokens per finished sequence.",
-            buckets=TOKEN_BUCKETS, registry=self.registry)
+            buckets=TOKEN_BUCKETS, registry=self.prometheus)
         self.push_seconds = Histogram(
             PREFIX + "weight_push_seconds",
             "Seconds per weight push to one instance (prepare, transfer, verify and load), per sender group.",
-            ["sender", "group"], buckets=PUSH_BUCKETS, registry=self.registry)
+            ["sender", "group"], buckets=PUSH_BUCKETS, registry=self.prometheus)
         self.push_bytes = Counter(
             PREFIX + "weight_push_bytes", "Bytes pushed to instances, per sender group.",
-            ["sender", "group"], registry=self.registry)
+            ["sender", "group"], registry=self.prometheus)
         self.transitions = Counter(
             PREFIX + "instance_transitions", "Instance lifecycle transitions, by the state entered.",
-            ["to"], registry=self.registry)
+            ["to"], registry=self.prometheus)
         for state in State:
             self.transitions.labels(state.value)
         for outcome in ("ok", "error"):
             self.latency.labels(outcome)
-        self.registry.register(StateCollector(self))
-        manager.registry.listeners.append(self._on_event)
-        manager.weights.on_push = self._on_push
-        self.bind()
-
-    def bind(self) -> None:
-        """Hook the generator (it exists once the manager has started); idempotent."""
-        gen = self.manager.generator
-        if gen is not None and gen.on_finished is None:
-            gen.on_finished = self._on_finished
+        self.prometheus.register(StateCollector(self))
+        registry.listeners.append(self._on_event)
+        weights.push_listeners.append(self._on_push)
+        generator.finished_listeners.append(self._on_finished)
 
     # ------------------------------------------------------------ hooks
     def _on_finished(self, latency_s: float, tokens: int, ok: bool) -> None:
@@ -180,17 +174,12 @@ class ManagerMetrics:
 
     # ------------------------------------------------------------ exposition
     def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-    def response(self) -> web.Response:
-        return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-METRICS: web.AppKey[ManagerMetrics] = web.AppKey("metrics", ManagerMetrics)
+        """The text exposition (serve it with :data:`CONTENT_TYPE`)."""
+        return bytes(generate_latest(self.prometheus))
 
 
 def _label(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-__all__ = ["CONTENT_TYPE", "METRICS", "ManagerMetrics", "StateCollector", "PREFIX"]
+__all__ = ["CONTENT_TYPE", "PREFIX", "ManagerMetrics", "StateCollector"]

@@ -1,0 +1,136 @@
+"""Health: one watch task per instance, from registration until it is gone.
+
+A new instance is ``pending`` until its first successful ``/health_generate`` (a real forward pass, so
+a box that answers ``/health`` while its model still loads is not sent work), within the start-up
+grace period. Then it serves at once if its weights are current, or goes to ``syncing`` for weight
+sync to bring it up (weight sync listens for that transition; this module never calls into it).
+While it serves, a periodic probe and every request that fails through the instance's fault count
+towards ``health_failure_threshold`` consecutive failures, after which it is removed. A weight load
+can outlast the probe interval, so a ``syncing`` instance is not probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from rollout_manager.config import Config
+from rollout_manager.instances.registry import Event, Instance, Registry, State
+from rollout_manager.instances.version import WeightVersion
+from rollout_manager.sglang import wire
+from rollout_manager.sglang.client import Probe
+
+log = logging.getLogger("rollout_manager.health")
+
+ProbeFn = Callable[[str, str, float], Awaitable[Probe]]  # (base_url, path, timeout_s) -> Probe
+SleepFn = Callable[[float], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    startup_grace_period_s: float
+    pending_poll_interval_s: float
+    check_interval_s: float
+    check_timeout_s: float
+    check_path: str
+    failure_threshold: int
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> HealthSettings:
+        return cls(cfg.startup_grace_period_s, cfg.pending_poll_interval_s, cfg.health_check_interval_s,
+                   cfg.health_check_timeout_s, cfg.health_check_path, cfg.health_failure_threshold)
+
+
+class HealthMonitor:
+    def __init__(self, registry: Registry, version: WeightVersion, probe: ProbeFn, settings: HealthSettings,
+                 *, sleep: SleepFn = asyncio.sleep) -> None:
+        self.registry = registry
+        self.version = version
+        self.probe = probe
+        self.settings = settings
+        self.sleep = sleep  # tests pass a fake clock's
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        registry.listeners.append(self._on_event)
+
+    # ------------------------------------------------------------ failures seen while serving
+    def report_failure(self, inst: Instance, reason: str) -> None:
+        """A request or probe failed through ``inst``'s fault; removed at the threshold."""
+        if self.registry.get(inst.id) is not inst:
+            return
+        inst.consecutive_failures += 1
+        inst.last_error = reason
+        if inst.consecutive_failures >= self.settings.failure_threshold:
+            self.registry.transition(
+                inst, State.DEAD, f"{inst.consecutive_failures} consecutive failures; last: {reason}"
+            )
+
+    def report_success(self, inst: Instance) -> None:
+        inst.consecutive_failures = 0
+
+    async def close(self) -> None:
+        tasks = list(self._watchers.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchers.clear()
+
+    # ------------------------------------------------------------ watching
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.old is None:  # registered
+            self._watchers[inst.id] = asyncio.get_running_loop().create_task(
+                self._watch(inst), name=f"health:{inst.id}")
+        elif event.new == State.DEAD:
+            task = self._watchers.pop(inst.id, None)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    async def _watch(self, inst: Instance) -> None:
+        if await self._until_ready(inst):
+            await self._check_periodically(inst)
+
+    async def _until_ready(self, inst: Instance) -> bool:
+        cfg = self.settings
+        deadline = self.registry.clock() + cfg.startup_grace_period_s
+        while inst.state == State.PENDING:
+            probe = await self.probe(inst.url, wire.HEALTH_GENERATE, cfg.check_timeout_s)
+            if inst.state != State.PENDING:
+                break
+            if probe.ready:
+                if self.version.behind(inst):
+                    self.registry.transition(inst, State.SYNCING,
+                                             f"bootstrap to weight version {self.version.current}")
+                else:
+                    self.registry.transition(inst, State.ACTIVE, "healthy")
+                break
+            inst.last_error = probe.describe()
+            if self.registry.clock() >= deadline:
+                self.registry.transition(
+                    inst, State.DEAD,
+                    f"not healthy within the start-up grace period ({cfg.startup_grace_period_s:g}s); "
+                    f"last probe: {inst.last_error}",
+                )
+                return False
+            await self.sleep(cfg.pending_poll_interval_s)
+        return self.registry.get(inst.id) is inst
+
+    async def _check_periodically(self, inst: Instance) -> None:
+        cfg = self.settings
+        while self.registry.get(inst.id) is inst:
+            await self.sleep(cfg.check_interval_s)
+            if _loading(inst):
+                continue  # a weight load may outlast the interval; the push has its own timeout
+            probe = await self.probe(inst.url, cfg.check_path, cfg.check_timeout_s)
+            if _loading(inst):
+                continue  # it started loading weights while the probe ran: the answer says nothing
+            if not probe.failed:
+                inst.consecutive_failures = 0
+                continue
+            log.warning("instance %s %s failed a health check (%d/%d before removal): %s", inst.id,
+                        inst.endpoint, inst.consecutive_failures + 1, cfg.failure_threshold, probe.describe())
+            self.report_failure(inst, f"health check: {probe.describe()}")
+
+
+def _loading(inst: Instance) -> bool:
+    return inst.state == State.SYNCING
