@@ -1,13 +1,13 @@
 """Push one staged buffer to one receiver as ``num_shards`` parallel writes.
 
-Works with any engine of the shape ``write_many(target, [(local, remote, length), ...])``:
-:class:`MooncakeEngine` or :class:`TcpEngine`. Given one engine, all shards go through it in one
-``write_many`` (every shard in flight at once). Given several engines (e.g. one Mooncake engine per
-shard, all bound to the group's interface), shards are dealt round-robin and each engine runs in its
-own thread; each Mooncake engine brings its own I/O thread, which is what lifts Mooncake TCP towards
-plain TCP (see benchmarks/bench_weight_transfer.py). Likewise ``target_session`` may be a list of
-the receiver's engines' session ids (the receiver registered the same buffer with each), dealt to
-shards round-robin.
+Works with any :class:`~rollout_manager.weights.transport.Transport` (:class:`MooncakeEngine`,
+:class:`TcpEngine`); it uses ``write_many(target, [(local, remote, length), ...])`` only. Given one
+engine, all shards go through it in one ``write_many`` (every shard in flight at once). Given
+several engines (e.g. one Mooncake engine per shard, all bound to the group's interface), shards are
+dealt round-robin and each engine runs in its own thread; each Mooncake engine brings its own I/O
+thread, which is what lifts Mooncake TCP towards plain TCP (see benchmarks/bench_weight_transfer.py).
+Likewise ``target_session`` may be a list of the receiver's engines' session ids (the receiver
+registered the same buffer with each), dealt to shards round-robin.
 
 Checksums are per shard over the source bytes, in the shard order of ``split_shards``; the receiver
 recomputes them with :func:`verify_shards`. The same version goes to many receivers, so compute them
@@ -21,14 +21,11 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from rollout_manager.weights.parallel import run_in_threads
 from rollout_manager.weights.shards import DEFAULT_ALGORITHM, Shard, shard_checksums, split_shards
-
-
-class Engine(Protocol):  # what push_buffer needs from a transport
-    def write_many(self, target: str, items: Sequence[tuple[int, int, int]], **kwargs: Any) -> None: ...
+from rollout_manager.weights.transport import Transport
 
 
 @dataclass
@@ -52,7 +49,7 @@ def source_view(addr: int, length: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * length).from_address(addr)).cast("B").toreadonly()
 
 
-def push_buffer(engines: Engine | Sequence[Engine], src_addr: int, total: int,
+def push_buffer(engines: Transport | Sequence[Transport], src_addr: int, total: int,
                 target_session: str | Sequence[str], dst_addr: int, num_shards: int, *,
                 align: int = 256, checksums: Sequence[str] | None = None, compute_checksums: bool = True,
                 algorithm: str | None = None, mode: str | None = None,
@@ -65,7 +62,7 @@ def push_buffer(engines: Engine | Sequence[Engine], src_addr: int, total: int,
     after every engine's in-flight writes have finished.
     """
     shards = split_shards(total, num_shards, align)
-    engine_list = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    engine_list: list[Transport] = list(engines) if isinstance(engines, Sequence) else [engines]
     targets = [target_session] if isinstance(target_session, str) else list(target_session)
     if not engine_list or not targets:
         raise ValueError("need at least one engine and one target session")

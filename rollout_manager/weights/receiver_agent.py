@@ -35,8 +35,18 @@ from rollout_manager.sglang import wire
 from rollout_manager.weights.agent_auth import token_middleware
 from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
 from rollout_manager.weights.mooncake_engine import MooncakeEngine
+from rollout_manager.weights.protocol import (
+    BadBody,
+    CommitAnswer,
+    CommitRequest,
+    PrepareAnswer,
+    PrepareRequest,
+    TransportName,
+    parse_body,
+)
 from rollout_manager.weights.shards import verify_shards
 from rollout_manager.weights.tcp_transport import TcpEngine
+from rollout_manager.weights.transport import Transport
 
 log = logging.getLogger("rollout_manager.receiver")
 
@@ -49,7 +59,8 @@ class ReceiverAgent:
                  fault_corrupt: bool = False, fault_die_after_prepare: bool = False):
         self.host = host
         self.sglang_url = sglang_url.rstrip("/")
-        self.engines: list[MooncakeEngine | TcpEngine] = [
+        # The Mooncake engines (one session id each, all sharing the buffer); engines[0] does the handshake.
+        self.engines: list[MooncakeEngine] = [
             MooncakeEngine(host, protocol, device_name) for _ in range(max(num_engines, 1))]
         self.tcp: TcpEngine | None = None  # the plain-TCP transport, started when first asked for
         self.bucket_bytes = bucket_bytes
@@ -74,8 +85,8 @@ class ReceiverAgent:
         for engine in self._all_engines():
             engine.close()
 
-    def _all_engines(self) -> list[MooncakeEngine | TcpEngine]:
-        return self.engines + ([self.tcp] if self.tcp else [])
+    def _all_engines(self) -> list[Transport]:
+        return [*self.engines, *([self.tcp] if self.tcp else [])]
 
     @property
     def session_ids(self) -> list[str]:
@@ -92,7 +103,7 @@ class ReceiverAgent:
         }
 
     # ------------------------------------------------------------ prepare
-    def prepare(self, layout: WeightLayout, transport: str = "mooncake") -> dict[str, Any]:
+    def prepare(self, layout: WeightLayout, transport: TransportName = "mooncake") -> PrepareAnswer:
         """A registered buffer for ``layout``; reallocated only when it no longer fits."""
         if transport == "tcp" and self.tcp is None:
             self.tcp = TcpEngine(self.host).start()
@@ -108,26 +119,25 @@ class ReceiverAgent:
             log.info("receive buffer of %d bytes registered at 0x%x", self.buffer.nbytes, self.buffer.addr)
         self.layout = layout
         sessions = [self.tcp.session_id] if transport == "tcp" and self.tcp else self.session_ids
-        return {"session_ids": sessions, "buffer_addr": self.buffer.addr,
-                "buffer_bytes": self.buffer.nbytes, "fingerprint": layout.fingerprint()}
+        return PrepareAnswer(session_ids=sessions, buffer_addr=self.buffer.addr, buffer_bytes=self.buffer.nbytes,
+                             fingerprint=layout.fingerprint())
 
     # ------------------------------------------------------------ commit
-    async def commit(self, version: int, fingerprint: str, shards: Sequence[tuple[int, int]],
-                     checksums: Sequence[str]) -> dict[str, Any]:
-        if self.buffer is None or self.layout is None or self.layout.fingerprint() != fingerprint:
+    async def commit(self, req: CommitRequest) -> CommitAnswer:
+        if self.buffer is None or self.layout is None or self.layout.fingerprint() != req.fingerprint:
             raise CommitRefused(409, "no prepared buffer for this layout; call /prepare first")
         if self.fault_corrupt and self.layout.total_bytes:
             self.buffer.array[self.layout.total_bytes // 2] ^= 0xFF
         t0 = time.perf_counter()
-        bad = await asyncio.to_thread(verify_shards, self.buffer.array, list(shards), list(checksums))
+        bad = await asyncio.to_thread(verify_shards, self.buffer.array, list(req.shards), list(req.checksums))
         verify_s = time.perf_counter() - t0
         if bad:
             raise CommitRefused(422, f"checksum mismatch in shard(s) {bad}; nothing loaded")
         t1 = time.perf_counter()
-        buckets = await self._load(version)
-        self.version = version
-        return {"ok": True, "version": version, "verify_s": round(verify_s, 6),
-                "load_s": round(time.perf_counter() - t1, 6), "buckets": buckets}
+        buckets = await self._load(req.version)
+        self.version = req.version
+        return CommitAnswer(ok=True, version=req.version, verify_s=round(verify_s, 6),
+                            load_s=round(time.perf_counter() - t1, 6), buckets=buckets)
 
     async def _load(self, version: int) -> int:
         """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``."""
@@ -184,52 +194,42 @@ class CommitRefused(Exception):
 # ---------------------------------------------------------------- HTTP
 
 
-async def _json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise web.HTTPBadRequest(text='{"error": "body is not JSON"}', content_type="application/json")
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text='{"error": "body must be an object"}', content_type="application/json")
-    return body
+def bad_body(what: str, message: str) -> web.Response:
+    return web.json_response({"error": f"bad {what} body: {message}"}, status=400)
 
 
 async def handle_prepare(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    body = await _json(request)
     try:
-        layout = WeightLayout.from_dict(body["layout"])
-        int(body["version"])
-        transport = str(body.get("transport", "mooncake"))
-        if transport not in ("mooncake", "tcp"):
-            raise ValueError(f"unknown transport {transport!r}")
+        req = parse_body(await request.read(), PrepareRequest)
+    except BadBody as exc:
+        return bad_body("prepare", str(exc))
+    try:  # what the schema cannot see: slots inside the buffer, no overlaps, known dtypes and format
+        layout = WeightLayout.from_dict(req.layout.model_dump())
     except (KeyError, TypeError, ValueError) as exc:
-        return web.json_response({"error": f"bad prepare body: {exc}"}, status=400)
+        return bad_body("prepare", f"field 'layout': {exc}")
     async with agent.busy:
-        answer = await asyncio.to_thread(agent.prepare, layout, transport)
+        answer = await asyncio.to_thread(agent.prepare, layout, req.transport)
     if agent.fault_die_after_prepare:
         asyncio.get_running_loop().call_later(0.05, os._exit, 1)
-    return web.json_response(answer)
+    return web.json_response(answer.model_dump())
 
 
 async def handle_commit(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    body = await _json(request)
     try:
-        version, fingerprint = int(body["version"]), str(body["fingerprint"])
-        shards = [(int(o), int(n)) for o, n in body["shards"]]
-        checksums = [str(c) for c in body["checksums"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        return web.json_response({"error": f"bad commit body: {exc}"}, status=400)
+        req = parse_body(await request.read(), CommitRequest)
+    except BadBody as exc:
+        return bad_body("commit", str(exc))
     async with agent.busy:
         try:
-            result = await agent.commit(version, fingerprint, shards, checksums)
+            result = await agent.commit(req)
         except CommitRefused as exc:
-            log.warning("commit of version %d refused: %s", version, exc)
+            log.warning("commit of version %d refused: %s", req.version, exc)
             return web.json_response({"error": str(exc)}, status=exc.status)
-    log.info("version %d loaded into SGLang (verify %.3fs, load %.3fs)", version, result["verify_s"],
-             result["load_s"])
-    return web.json_response(result)
+    log.info("version %d loaded into SGLang (verify %.3fs, load %.3fs)", req.version, result.verify_s,
+             result.load_s)
+    return web.json_response(result.model_dump())
 
 
 async def handle_info(request: web.Request) -> web.Response:
@@ -254,7 +254,7 @@ async def serve(agent: ReceiverAgent, bind_host: str, port: int) -> None:
         await web.TCPSite(runner, bind_host, port).start()
     except OSError as exc:
         await agent.close()
-        raise SystemExit(f"receiver-agent: cannot listen on {bind_host}:{port}: {exc.strerror or exc}")
+        raise SystemExit(f"receiver-agent: cannot listen on {bind_host}:{port}: {exc.strerror or exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
 
 import torch
 from aiohttp import web
@@ -24,14 +23,22 @@ from aiohttp import web
 from rollout_manager.weights.agent_auth import token_middleware
 from rollout_manager.weights.layout import HostBuffer, SlotWriter, WeightLayout, build_layout, stage
 from rollout_manager.weights.mooncake_engine import MooncakeEngine
+from rollout_manager.weights.protocol import (
+    BadBody,
+    LayoutAnswer,
+    LayoutBody,
+    PushAnswer,
+    PushRequest,
+    TransportName,
+    parse_body,
+)
 from rollout_manager.weights.pusher import push_buffer, source_view
 from rollout_manager.weights.shards import shard_checksums, split_shards
 from rollout_manager.weights.tcp_transport import TcpEngine
+from rollout_manager.weights.transport import Transport
 
 log = logging.getLogger("rollout_manager.sender")
 
-Transport = Union[MooncakeEngine, TcpEngine]
-TRANSPORTS = ("mooncake", "tcp")
 AGENT: web.AppKey[SenderAgent] = web.AppKey("sender", object)  # type: ignore[arg-type]
 
 
@@ -73,32 +80,40 @@ class SenderAgent:
             self._gate.wait_for(lambda: self._pushes == 0)
             self.version = None  # the buffer is being rewritten: nothing in it is a version yet
             self._checksums.clear()
-            layout = self.layout if self.buffer is not None else None
-            writer = SlotWriter(self.buffer) if layout is not None else None
-            written: dict[str, None] = {}  # (ordered set)
-
-            def copies_of_written() -> dict[str, torch.Tensor]:
-                return {n: writer.read(layout[n]) for n in written}
-
-            held: dict[str, torch.Tensor] | None = None if writer is not None else {}
-            for name, tensor in items:
-                if held is None:
-                    spec = layout[name] if name in layout else None
-                    if spec is not None and spec.matches(tensor) and name not in written:
-                        writer.write(spec, tensor.detach())
-                        written[name] = None
-                        continue
-                    held = copies_of_written()  # the layout changed: lay everything out anew
-                held[name] = tensor.detach().to("cpu", copy=True)
-            if held is None and len(written) < len(layout):  # fewer tensors than last time
-                held = copies_of_written()
-            if held is None:
-                writer.finish()
-                self.version = version
+            buffer, last = self.buffer, self.layout
+            if buffer is None or last is None:  # the first version: no slots to write into yet
+                layout = self._stage_locked({n: t.detach().to("cpu", copy=True) for n, t in items}, version)
             else:
-                layout = self._stage_locked(held, version)
+                layout = self._stage_into_slots(buffer, last, items, version)
         log.info("staged version %d as it streamed in: %d tensors, %d bytes", version, len(layout),
                  layout.total_bytes)
+        return layout
+
+    def _stage_into_slots(self, buffer: HostBuffer, layout: WeightLayout,
+                          items: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightLayout:
+        """Write each tensor into its slot of ``layout`` while they all fit; lay out anew otherwise."""
+        writer = SlotWriter(buffer)
+        written: dict[str, None] = {}  # (ordered set)
+
+        def copies_of_written() -> dict[str, torch.Tensor]:
+            return {n: writer.read(layout[n]) for n in written}
+
+        held: dict[str, torch.Tensor] | None = None
+        for name, tensor in items:
+            if held is None:
+                spec = layout[name] if name in layout else None
+                if spec is not None and spec.matches(tensor) and name not in written:
+                    writer.write(spec, tensor.detach())
+                    written[name] = None
+                    continue
+                held = copies_of_written()  # the layout changed: lay everything out anew
+            held[name] = tensor.detach().to("cpu", copy=True)
+        if held is None and len(written) < len(layout):  # fewer tensors than last time
+            held = copies_of_written()
+        if held is not None:
+            return self._stage_locked(held, version)
+        writer.finish()
+        self.version = version
         return layout
 
     def _stage_locked(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightLayout:
@@ -116,7 +131,7 @@ class SenderAgent:
         return layout
 
     # ------------------------------------------------------------ pushes
-    def _engine(self, ip: str, transport: str = "mooncake") -> Transport:
+    def _engine(self, ip: str, transport: TransportName = "mooncake") -> Transport:
         """The group's engine, bound to ``ip``; created (and given the buffer) on first use.
 
         One engine per group, every shard of a push in flight through it at once: on TCP that
@@ -133,32 +148,32 @@ class SenderAgent:
             self._engines[(ip, transport)] = engine
         return engine
 
-    def push(self, version: int, ip: str, num_engines: int, session_ids: Sequence[str],
-             buffer_addr: int, transport: str = "mooncake") -> dict[str, Any]:
-        """Write the staged buffer to one receiver through group ``ip`` (blocking)."""
-        if ip not in self.ips:
-            raise PushRefused(400, f"{ip} is not one of this sender's interfaces {self.ips}")
+    def push(self, req: PushRequest) -> PushAnswer:
+        """Write the staged buffer to one receiver through group ``req.ip`` (blocking)."""
+        if req.ip not in self.ips:
+            raise PushRefused(400, f"{req.ip} is not one of this sender's interfaces {self.ips}")
         with self._gate:
-            if self.version != version or self.buffer is None or self.layout is None:
-                raise PushRefused(409, f"version {version} is not staged (staged: {self.version})")
-            self._pushes += 1
+            buffer, layout = self.buffer, self.layout
+            if self.version != req.version or buffer is None or layout is None:
+                raise PushRefused(409, f"version {req.version} is not staged (staged: {self.version})")
+            self._pushes += 1  # no restage until this push is done: buffer and layout stay as read
         try:
-            with self._group_locks.setdefault(ip, threading.Lock()):
-                engine = self._engine(ip, transport)
-                total = self.layout.total_bytes
-                key = (version, num_engines)
+            with self._group_locks.setdefault(req.ip, threading.Lock()):
+                engine = self._engine(req.ip, req.transport)
+                total = layout.total_bytes
+                key = (req.version, req.num_engines)
                 if key not in self._checksums:
-                    shards = split_shards(total, num_engines)
-                    self._checksums[key] = shard_checksums(source_view(self.buffer.addr, total), shards)
-                result = push_buffer(engine, self.buffer.addr, total, list(session_ids), buffer_addr,
-                                     num_engines, checksums=self._checksums[key])
+                    shards = split_shards(total, req.num_engines)
+                    self._checksums[key] = shard_checksums(source_view(buffer.addr, total), shards)
+                result = push_buffer(engine, buffer.addr, total, list(req.session_ids), req.buffer_addr,
+                                     req.num_engines, checksums=self._checksums[key])
         finally:
             with self._gate:
                 self._pushes -= 1
                 self._gate.notify_all()
-        return {"version": version, "bytes": result.bytes, "seconds": round(result.seconds, 6),
-                "gbps": round(result.gbps, 3), "shards": result.shards, "checksums": result.checksums,
-                "fingerprint": self.layout.fingerprint()}
+        return PushAnswer(version=req.version, bytes=result.bytes, seconds=round(result.seconds, 6),
+                          gbps=round(result.gbps, 3), shards=result.shards, checksums=result.checksums,
+                          fingerprint=layout.fingerprint())
 
     # ------------------------------------------------------------ control API on its own thread
     def start(self) -> SenderAgent:
@@ -228,31 +243,25 @@ async def handle_info(request: web.Request) -> web.Response:
 
 async def handle_layout(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    if agent.layout is None:
+    layout, version = agent.layout, agent.version
+    if layout is None:
         return web.json_response({"error": "nothing staged yet"}, status=404)
-    return web.json_response({"version": agent.version, "layout": agent.layout.to_dict(),
-                              "fingerprint": agent.layout.fingerprint()})
+    answer = LayoutAnswer(version=version, layout=LayoutBody.model_validate(layout.to_dict()),
+                          fingerprint=layout.fingerprint())
+    return web.json_response(answer.model_dump())
 
 
 async def handle_push(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     try:
-        body = await request.json()
-        version, ip = int(body["version"]), str(body["ip"])
-        num_engines = int(body["num_engines"])
-        session_ids = [str(s) for s in body["session_ids"]]
-        buffer_addr = int(body["buffer_addr"])
-        transport = str(body.get("transport", "mooncake"))
-        if num_engines < 1 or not session_ids or transport not in TRANSPORTS:
-            raise ValueError(f"num_engines must be >= 1, session_ids non-empty, transport one of {TRANSPORTS}")
-    except (KeyError, TypeError, ValueError) as exc:
+        req = parse_body(await request.read(), PushRequest)
+    except BadBody as exc:
         return web.json_response({"error": f"bad push body: {exc}"}, status=400)
     try:
-        result = await asyncio.to_thread(agent.push, version, ip, num_engines, session_ids, buffer_addr,
-                                         transport)
+        result = await asyncio.to_thread(agent.push, req)
     except PushRefused as exc:
         return web.json_response({"error": str(exc)}, status=exc.status)
     except Exception as exc:  # a transfer failure: report it, the manager decides
-        log.warning("push of version %d via %s to %s failed: %s", version, ip, session_ids[0], exc)
+        log.warning("push of version %d via %s to %s failed: %s", req.version, req.ip, req.session_ids[0], exc)
         return web.json_response({"error": f"transfer failed: {exc}"}, status=502)
-    return web.json_response(result)
+    return web.json_response(result.model_dump())
