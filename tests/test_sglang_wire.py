@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rollout_manager.sglang import wire
 
 
-def chunk(ids, total, finish=None, lps=None):
+def chunk(ids: list[int], total: int, finish: dict[str, Any] | None = None,
+          lps: list[list[Any]] | None = None) -> dict[str, Any]:
     return wire.output_chunk(rid="r", output_ids=ids, prompt_tokens=3, completion_tokens=total,
                              finish=finish, weight_version="7", logprobs=lps)
 
 
-def test_decoder_handles_frames_split_anywhere_and_done():
+def test_decoder_handles_frames_split_anywhere_and_done() -> None:
     frames = wire.sse_frame(chunk([1], 1)) + wire.sse_frame(chunk([1, 2], 2)) + wire.DONE_FRAME
     for cut in range(1, len(frames)):
         dec = wire.SSEDecoder()
@@ -20,13 +23,13 @@ def test_decoder_handles_frames_split_anywhere_and_done():
         assert [c["output_ids"] for c in got] == [[1], [1, 2]] and dec.done
 
 
-def test_error_frame_raises_stream_error_with_the_message():
+def test_error_frame_raises_stream_error_with_the_message() -> None:
     dec = wire.SSEDecoder()
     with pytest.raises(wire.StreamError, match="too long"):
         dec.feed(wire.sse_frame(wire.error_object("input too long")))
 
 
-def test_progress_folds_cumulative_and_incremental_chunks_alike():
+def test_progress_folds_cumulative_and_incremental_chunks_alike() -> None:
     lp = [[-0.1, 1, None], [-0.2, 2, None], [-0.3, 3, None]]
     cumulative, incremental = wire.SequenceProgress(), wire.SequenceProgress()
     for k in (1, 2, 3):
@@ -39,8 +42,8 @@ def test_progress_folds_cumulative_and_incremental_chunks_alike():
     assert cumulative.finish_reason == {"type": "length", "length": 3}
 
 
-def test_continuation_body_extends_prompt_and_shrinks_budgets_without_touching_the_original():
-    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 4,
+def test_continuation_body_extends_prompt_and_shrinks_budgets_without_touching_the_original() -> None:
+    body: dict[str, Any] = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 4,
                                                      "temperature": 0}, "return_logprob": True}
     new = wire.continuation_body(body, [7, 8, 9], rid="x~1")
     assert new["input_ids"] == [5, 6, 7, 8, 9]
@@ -48,12 +51,13 @@ def test_continuation_body_extends_prompt_and_shrinks_budgets_without_touching_t
     assert new["stream"] is True and new["rid"] == "x~1" and new["return_logprob"] is True
     assert body["input_ids"] == [5, 6] and body["sampling_params"]["max_new_tokens"] == 10
     # SGLang's default budget applies when the caller gave none; never below zero.
-    assert wire.continuation_body({"input_ids": [1]}, [2] * 3, rid="y")["sampling_params"] == {
+    default: dict[str, Any] = {"input_ids": [1]}
+    assert wire.continuation_body(default, [2] * 3, rid="y")["sampling_params"] == {
         "max_new_tokens": wire.DEFAULT_MAX_NEW_TOKENS - 3}
     assert wire.continuation_body(body, list(range(12)), rid="z")["sampling_params"]["max_new_tokens"] == 0
 
 
-def test_split_batch_keeps_per_item_fields():
+def test_split_batch_keeps_per_item_fields() -> None:
     body = {"input_ids": [[1], [2]], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}],
             "return_logprob": True, "rid": ["a", "b"]}
     a, b = wire.split_batch(body)
@@ -61,5 +65,124 @@ def test_split_batch_keeps_per_item_fields():
     assert b["sampling_params"] == {"max_new_tokens": 2} and b["rid"] == "b"
 
 
-def test_update_weight_version_never_aborts_in_flight_requests():
+def test_update_weight_version_never_aborts_in_flight_requests() -> None:
     assert wire.update_weight_version_body(3) == {"new_version": "3", "abort_all_requests": False}
+
+
+def test_progress_keeps_the_last_reported_weight_version_when_chunks_leave_it_out() -> None:
+    p = wire.SequenceProgress()
+    p.apply(chunk([1], 1))
+    assert p.weight_version == "7"
+    p.apply({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "finish_reason": None}})
+    assert p.weight_version == "7" and p.output_ids == [1, 2]
+
+
+def test_token_budget_and_logprobs_come_from_the_single_sequence_body() -> None:
+    assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": 5}}) == 5
+    assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}) == 0
+    for params in (None, {}, {"max_new_tokens": None}):
+        assert wire.token_budget({"input_ids": [1], "sampling_params": params}) == wire.DEFAULT_MAX_NEW_TOKENS
+    assert wire.wants_logprobs({"return_logprob": True})
+    assert not wire.wants_logprobs({}) and not wire.wants_logprobs({"return_logprob": None})
+
+
+def test_finish_length_of_a_continued_request_counts_from_the_sequence_start() -> None:
+    length = wire.finish_reason(wire.LENGTH, length=6)
+    assert wire.rebase_finish_reason(length, 4) == {"type": "length", "length": 10}
+    assert length == {"type": "length", "length": 6}  # the engine's object is not modified
+    assert wire.rebase_finish_reason(length, 0) == length
+    # Only a numeric length moves; other reasons and an unknown length pass through.
+    stop = wire.finish_reason(wire.STOP, matched=2)
+    assert wire.rebase_finish_reason(stop, 4) is stop
+    assert wire.rebase_finish_reason({"type": "length", "length": None}, 4) == {"type": "length", "length": None}
+    assert wire.rebase_finish_reason(None, 4) is None
+
+
+def test_abort_is_recognised_with_its_message() -> None:
+    aborted = wire.finish_reason(wire.ABORT, message="Abort by pause_generation")
+    assert aborted is not None and wire.is_abort(aborted)
+    assert wire.abort_message(aborted) == "Abort by pause_generation"
+    assert wire.abort_message({"type": "abort", "message": None}) == "{'type': 'abort', 'message': None}"
+    for other in (None, "abort", wire.finish_reason(wire.STOP), wire.finish_reason(wire.LENGTH, length=1)):
+        assert not wire.is_abort(other)
+
+
+@pytest.mark.parametrize("error, message", [
+    (wire.error_object("input too long"), "input too long"),  # SGLang's body
+    ({"message": "bad rid"}, "bad rid"),  # the inner object alone (an error frame's payload)
+    ({"error": "Request body must be a JSON object."}, "Request body must be a JSON object."),
+    ({"error": {"type": "BadRequest"}}, "{'type': 'BadRequest'}"),
+    ("plain text", "plain text"),
+    (None, "None"),
+])
+def test_error_message_reads_sglang_error_bodies(error: Any, message: str) -> None:
+    assert wire.error_message(error) == message
+
+
+def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() -> None:
+    body = {"input_ids": [5, 6, 7], "return_logprob": True}
+    engine_meta = chunk([9], 3, finish=wire.finish_reason(wire.LENGTH, length=4),
+                        lps=[[-0.5, 9, None]])["meta_info"]
+    engine_meta["cached_tokens"] = 2
+    segments = [{"instance": "a", "weight_version": "6", "start": 0, "end": 2},
+                {"instance": "b", "weight_version": "7", "start": 2, "end": 3}]
+    lps = [[-0.1, 1, None], [-0.2, 2, None], [-0.5, 9, None]]
+    out = wire.final_output(body, rid="caller", output_ids=[1, 2, 9], logprobs=lps,
+                            finish={"type": "length", "length": 3}, engine_meta=engine_meta, segments=segments,
+                            text=None, e2e_latency=1.23456789, index=2)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [1, 2, 9] and out["text"] is None and out["index"] == 2
+    assert meta["id"] == "caller" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert meta["weight_version"] == "7" and meta["segments"] == segments
+    assert meta["output_token_logprobs"] == lps and meta["e2e_latency"] == 1.234568
+    assert meta["cached_tokens"] == 2  # passed through from the engine
+    assert engine_meta["id"] == "r" and "segments" not in engine_meta  # the engine's dict is not changed
+    # Without return_logprob the engine's log-probs are dropped; without segments its version stays.
+    plain = wire.final_output({"input_ids": [5]}, rid="x", output_ids=[], logprobs=[], finish=None,
+                              engine_meta=engine_meta, segments=[], text="", e2e_latency=0.0, index=None)
+    assert "output_token_logprobs" not in plain["meta_info"] and "index" not in plain
+    assert plain["meta_info"]["weight_version"] == "7"
+
+
+def test_partial_output_is_cumulative_and_unfinished() -> None:
+    lps = [[-0.1, 1, None]]
+    out = wire.partial_output({"input_ids": [5, 6], "return_logprob": True}, rid="r", output_ids=[1], logprobs=lps,
+                              weight_version="3", index=None)
+    assert out == wire.output_chunk(rid="r", output_ids=[1], prompt_tokens=2, completion_tokens=1, finish=None,
+                                    weight_version="3", logprobs=lps)
+    no_lp = wire.partial_output({"input_ids": [5]}, rid="r", output_ids=[1], logprobs=lps, weight_version="3",
+                                index=1)
+    assert "output_token_logprobs" not in no_lp["meta_info"] and no_lp["index"] == 1
+
+
+def test_read_output_reads_the_managers_answer() -> None:
+    body = {"input_ids": [5], "return_logprob": True}
+    segments: list[dict[str, Any]] = [{"weight_version": "6", "start": 0, "end": 1},
+                                      {"weight_version": None, "start": 1, "end": 2}]
+    answer = wire.final_output(body, rid="q", output_ids=[1, 2], logprobs=[[-0.1, 1, None], [None, 2, None]],
+                               finish=wire.finish_reason(wire.STOP), engine_meta={}, segments=segments,
+                               text="ab", e2e_latency=0.5, index=None)
+    out = wire.read_output(answer)
+    assert out.rid == "q" and out.output_ids == [1, 2] and out.text == "ab" and out.index is None
+    assert out.finish_reason == {"type": "stop"} and out.finish_type == "stop"
+    assert out.prompt_tokens == 1 and out.completion_tokens == 2 and out.e2e_latency == 0.5
+    assert out.token_logprobs == [-0.1, None] and len(out.logprob_entries) == 2
+    assert out.segments == segments and out.weight_version is None and out.weight_versions == ["6", None]
+
+
+def test_read_output_of_sglang_own_output_and_of_an_empty_object() -> None:
+    out = wire.read_output(chunk([4], 1, finish=wire.finish_reason(wire.ABORT)))
+    assert out.finish_type == "abort" and out.segments == [] and out.weight_versions == ["7"]
+    assert out.token_logprobs == []  # not asked for
+    empty = wire.read_output({"output_ids": None, "meta_info": None})
+    assert empty.output_ids == [] and empty.rid is None and empty.finish_type is None
+    assert empty.weight_versions == [None] and empty.e2e_latency is None
+    assert wire.read_output({"meta_info": {"finish_reason": "stop"}}).finish_type == "stop"
+
+
+def test_per_item_keys_cover_what_split_batch_splits() -> None:
+    assert set(wire.PER_ITEM_KEYS) == {"sampling_params", "return_logprob", "rid"}
+    body: dict[str, Any] = {"input_ids": [[1], [2]], "return_logprob": [True, False]}
+    a, b = wire.split_batch(body)
+    assert a["return_logprob"] is True and b["return_logprob"] is False

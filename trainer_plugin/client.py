@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import Any
 
 import aiohttp
@@ -199,7 +199,7 @@ class ManagerClient:
         """``POST /generate`` (non-streaming): SGLang's final answer, with the manager's ``segments``."""
         return await self._call("POST", "/generate", {**body, "stream": False}, total=None)
 
-    async def batch_generate(self, items: Iterable[tuple[Any, dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+    async def batch_generate(self, items: Iterable[tuple[Any, dict[str, Any]]]) -> AsyncGenerator[dict[str, Any], None]:
         """``POST /batch_generate_requests``: yield each NDJSON line (one per request, completion order).
 
         Each line is ``{"id", "success": true, "data": <SGLang answer>}`` or

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rollout_manager.sglang import wire
+
 from .client import ManagerClient
 from .request_batcher import RequestBatcher
 
@@ -69,33 +71,30 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
 def token_output_fields(result: dict[str, Any], return_logprob: bool,
                         fallback_global_steps: int | None = None) -> dict[str, Any]:
     """A manager ``/generate`` answer -> keyword arguments of verl's ``TokenOutput``."""
-    meta = result.get("meta_info") or {}
-    token_ids = [int(t) for t in result.get("output_ids") or []]
+    out = wire.read_output(result)
+    token_ids = [int(t) for t in out.output_ids]
     log_probs = None
     if return_logprob:
-        raw = meta.get("output_token_logprobs") or []
-        if len(raw) != len(token_ids):
-            raise ValueError(f"request {meta.get('id')}: {len(raw)} log-probs for {len(token_ids)} tokens")
-        log_probs = [float(item[0]) for item in raw]
-    finish = meta.get("finish_reason")
-    stop_reason = finish.get("type") if isinstance(finish, dict) else finish
-    segments = meta.get("segments") or []
-    versions = [s.get("weight_version") for s in segments] or [meta.get("weight_version")]
+        n = len(out.logprob_entries)
+        if n != len(token_ids):
+            raise ValueError(f"request {out.rid}: {n} log-probs for {len(token_ids)} tokens")
+        log_probs = [float(v) for v in out.token_logprobs]
+    versions = out.weight_versions
     steps = [_as_int(v) for v in versions]
     known = [s for s in steps if s is not None]
-    global_steps = _as_int(meta.get("weight_version"))
+    global_steps = _as_int(out.weight_version)
     if global_steps is None:
         global_steps = fallback_global_steps
     extra = {
         "global_steps": global_steps,
         "min_global_steps": min(known) if known else global_steps,
         "max_global_steps": max(known) if known else global_steps,
-        "weight_version": meta.get("weight_version"),
+        "weight_version": out.weight_version,
         "weight_versions": versions,
-        "segments": segments,
-        "request_id": meta.get("id"),
+        "segments": out.segments,
+        "request_id": out.rid,
     }
-    return {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": stop_reason, "extra_fields": extra}
+    return {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": out.finish_type, "extra_fields": extra}
 
 
 def _as_int(value: Any) -> int | None:

@@ -59,6 +59,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from rollout_manager.sglang import wire
+
 from .client import ManagerClient
 
 log = logging.getLogger("trainer_plugin.streaming")
@@ -183,14 +185,18 @@ def build_micro_batch(
         arr[:] = list(values)
         return arr
 
-    steps = [[_as_int_version(v) for v in s.weight_versions] for s in samples]
+    # Step numbers per sample, None unless every segment's version is one.
+    steps: list[list[int] | None] = []
+    for s in samples:
+        known = [v for v in map(_as_int_version, s.weight_versions) if v is not None]
+        steps.append(known if known and len(known) == len(s.weight_versions) else None)
     non_tensors: dict[str, np.ndarray] = {
         "uid": obj([uids[s.group] for s in samples]),
         "__num_turns__": np.full(B, 2, dtype=np.int32),
         "weight_version": obj([s.weight_version for s in samples]),
         "weight_versions": obj([list(s.weight_versions) for s in samples]),
-        "min_global_steps": obj([min(x) if x and None not in x else None for x in steps]),
-        "max_global_steps": obj([max(x) if x and None not in x else None for x in steps]),
+        "min_global_steps": obj([min(x) if x else None for x in steps]),
+        "max_global_steps": obj([max(x) if x else None for x in steps]),
         "request_id": obj([s.request_id for s in samples]),
         "finish_reason": obj([s.finish_reason for s in samples]),
         "prompt_index": np.array([s.group for s in samples], dtype=np.int64),
@@ -208,23 +214,14 @@ def build_micro_batch(
 def parse_result(line: dict[str, Any], group: int, index: int, prompt_ids: list[int],
                  with_logprobs: bool) -> Sample:
     """A ``success: true`` NDJSON line -> :class:`Sample`."""
-    data = line["data"]
-    meta = data.get("meta_info") or {}
-    output_ids = list(data.get("output_ids") or [])
+    out = wire.read_output(line["data"])
     logprobs = None
     if with_logprobs:
-        raw = meta.get("output_token_logprobs") or []
-        logprobs = [float(item[0]) if item[0] is not None else 0.0 for item in raw]
-    segments = meta.get("segments") or []
-    versions = [None if s.get("weight_version") is None else str(s.get("weight_version")) for s in segments]
-    last = meta.get("weight_version")
-    if not versions:
-        versions = [None if last is None else str(last)]
-    finish = meta.get("finish_reason")
-    if isinstance(finish, dict):
-        finish = finish.get("type")
+        logprobs = [float(v) if v is not None else 0.0 for v in out.token_logprobs]
+    versions = [None if v is None else str(v) for v in out.weight_versions]
+    last = out.weight_version
     return Sample(group=group, index=index, request_id=str(line["id"]), prompt_ids=prompt_ids,
-                  output_ids=output_ids, logprobs=logprobs, finish_reason=finish,
+                  output_ids=list(out.output_ids), logprobs=logprobs, finish_reason=out.finish_type,
                   weight_version=None if last is None else str(last), weight_versions=versions)
 
 
@@ -435,7 +432,7 @@ def iterate_rollouts_sync(manager_url: str, prompts: Sequence[Sequence[int]], *,
                 if stop.is_set():
                     return
 
-    task_holder: dict[str, asyncio.Task] = {}
+    task_holder: dict[str, asyncio.Task[None]] = {}
 
     def run() -> None:
         asyncio.set_event_loop(loop)

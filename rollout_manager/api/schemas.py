@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Strict, model_validator
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+from rollout_manager.sglang import wire
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
 
 
 def _check_host(value: str) -> str:
@@ -110,6 +114,7 @@ class GenerateRequest(BaseModel):
     return_logprob: Annotated[bool, Strict()] | list[Annotated[bool, Strict()]] | None = None
     rid: str | list[str] | None = None
     stream: Annotated[bool, Strict()] = False
+
     @model_validator(mode="before")
     @classmethod
     def _no_text(cls, data: Any) -> Any:
@@ -122,8 +127,8 @@ class GenerateRequest(BaseModel):
     def _per_item_lists_match_batch(self) -> GenerateRequest:
         batched = isinstance(self.input_ids[0], list)
         n = len(self.input_ids)
-        for name in ("sampling_params", "return_logprob", "rid"):
-            value = getattr(self, name)
+        for name in wire.PER_ITEM_KEYS:
+            value = getattr(self, name, None)
             if isinstance(value, list):
                 if not batched:
                     raise ValueError(f"'{name}' is a list but input_ids is a single sequence")
@@ -132,7 +137,7 @@ class GenerateRequest(BaseModel):
         return self
 
 
-RequestId = Union[Annotated[str, Strict(), Field(max_length=512)], Annotated[int, Strict()]]
+RequestId = Annotated[str, Strict(), Field(max_length=512)] | Annotated[int, Strict()]
 
 
 class BatchGenerateRequests(RootModel[list[tuple[RequestId, GenerateRequest]]]):

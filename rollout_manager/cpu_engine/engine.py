@@ -179,7 +179,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Gene
     batched = wire.is_batched(body)
     if batched:
         n = len(ids)
-        for key in ("sampling_params", "return_logprob", "rid"):
+        for key in wire.PER_ITEM_KEYS:
             value = body.get(key)
             if isinstance(value, list) and len(value) != n:
                 raise BadRequest(f"{key} is a list of {len(value)} items for a batch of {n}")
@@ -187,7 +187,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Gene
             raise BadRequest("rid must be a list with one id per item for a batch")
         parts = wire.split_batch(body)
     else:
-        for key in ("sampling_params", "rid"):
+        for key in wire.PER_ITEM_KEYS:
             if isinstance(body.get(key), list):
                 raise BadRequest(f"{key} must not be a list for a single (unbatched) request")
         parts = [body]
@@ -306,7 +306,7 @@ class Engine:
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine-compute")
         self._executor.submit(torch.set_num_threads, COMPUTE_THREADS).result()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -431,7 +431,9 @@ class Engine:
     def _can_run(self) -> bool:
         return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
 
-    def _compute_round(self, work: list[tuple[list[int], SamplingParams, torch.Generator | None]]):
+    def _compute_round(
+        self, work: list[tuple[list[int], SamplingParams, torch.Generator | None]]
+    ) -> list[tuple[int, float]]:
         out = []
         for tokens, params, gen in work:
             out.append(choose_token(self.model.logits_last(tokens), params, gen))

@@ -13,14 +13,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.local_budget import LocalBudget, LocalWindow
+from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import EngineFailed, EngineRejected, SGLangClient, stream_generate
 
@@ -79,9 +79,7 @@ class SequenceState:
 
     @property
     def budget(self) -> int:
-        params = self.body.get("sampling_params") or {}
-        value = params.get("max_new_tokens")
-        return wire.DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
+        return wire.token_budget(self.body)
 
     @property
     def remaining(self) -> int:
@@ -101,13 +99,12 @@ class Generator:
         self.settings = settings
         self.on_instance_failure = on_instance_failure
         self.on_instance_success = on_instance_success
-        self.local = LocalWindow(on_change=dispatcher.changed.notify)
-        dispatcher.local_allowed = lambda: self.local.is_open
+        self.local = dispatcher.local
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0}
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
-        # Called once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
-        self.on_finished: Callable[[float, int, bool], None] | None = None
+        # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
+        self.finished_listeners: list[Callable[[float, int, bool], None]] = []
 
     # ------------------------------------------------------------ public
     def begin_rollout(self) -> None:
@@ -158,7 +155,7 @@ class Generator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def generate_stream(self, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+    async def generate_stream(self, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
@@ -209,25 +206,25 @@ class Generator:
         queue.put_nowait((-1, GenerationFailed(503, "rollout manager is shutting down; the request was aborted")))
 
     def _partial(self, seq: SequenceState, index: int | None) -> dict[str, Any]:
-        return wire.output_chunk(
-            rid=seq.rid, output_ids=list(seq.output_ids), prompt_tokens=len(seq.body["input_ids"]),
-            completion_tokens=len(seq.output_ids), finish=None,
-            weight_version=str(seq.segments[-1].weight_version) if seq.segments else "",
-            logprobs=list(seq.logprobs) if _wants_logprobs(seq.body) else None, index=index,
+        return wire.partial_output(
+            seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
+            weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
         )
 
     async def run_sequence(self, body: dict[str, Any], index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
-        """Run one sequence to its end and report it to ``on_finished`` (a cancelled one is not reported)."""
-        if self.on_finished is None:
-            return await self._run_sequence(body, index, on_tokens)
+        """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told)."""
         started = time.monotonic()
         try:
             out = await self._run_sequence(body, index, on_tokens)
         except GenerationFailed:
-            self.on_finished(time.monotonic() - started, 0, False)
+            for listener in self.finished_listeners:
+                listener(time.monotonic() - started, 0, False)
             raise
-        self.on_finished(out["meta_info"]["e2e_latency"], len(out["output_ids"]), True)
+        done = wire.read_output(out)
+        latency = done.e2e_latency if done.e2e_latency is not None else time.monotonic() - started
+        for listener in self.finished_listeners:
+            listener(latency, len(done.output_ids), True)
         return out
 
     async def _run_sequence(self, body: dict[str, Any], index: int | None,
@@ -288,7 +285,7 @@ class Generator:
                 seq.output_ids = base + progress.output_ids
                 seq.logprobs = base_lp + progress.logprobs
                 segment.end = len(seq.output_ids)
-                segment.weight_version = progress.meta_info.get("weight_version", segment.weight_version)
+                segment.weight_version = progress.weight_version
                 if new and on_tokens is not None and progress.finish_reason is None:
                     on_tokens(seq)
 
@@ -309,18 +306,15 @@ class Generator:
             except EngineFailed as exc:
                 # The final chunk (finish_reason) already arrived and only [DONE] was lost: the
                 # sequence is complete; continuing it would generate past its end.
-                if progress.finish_reason is None or _is_abort(progress.finish_reason):
+                if progress.finish_reason is None or wire.is_abort(progress.finish_reason):
                     raise
                 cut = exc
             finish = progress.finish_reason
             if finish is None:
                 raise EngineFailed("stream finished without a finish_reason")
-            if _is_abort(finish):
-                raise EngineFailed(f"aborted by the instance: {finish.get('message') or finish}")
-            if isinstance(finish, dict) and finish.get("type") == wire.LENGTH and isinstance(finish.get("length"), int):
-                # The engine counted from where this segment started; the caller counts from 0.
-                finish = {**finish, "length": finish["length"] + segment.start}
-            seq.finish, seq.meta = finish, progress.meta_info
+            if wire.is_abort(finish):
+                raise EngineFailed(f"aborted by the instance: {wire.abort_message(finish)}")
+            seq.finish, seq.meta = wire.rebase_finish_reason(finish, segment.start), progress.meta_info
             seq.texts.append(progress.text)
             segment.outcome = "finished"
             if cut is None:
@@ -329,7 +323,7 @@ class Generator:
                 self.on_instance_failure(inst, f"stream cut after the final chunk: {cut}")
         except EngineRejected as exc:
             segment.outcome = "rejected"
-            raise GenerationFailed(exc.status, _error_message(exc.error), exc.error) from None
+            raise GenerationFailed(exc.status, wire.error_message(exc.error), exc.error) from None
         except Preempted:
             segment.outcome = "preempted: local window closed"
             seq.texts.append(None)
@@ -352,45 +346,19 @@ class Generator:
                 await asyncio.shield(self.client.abort(inst.url, rid))
 
     def _result(self, seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
-        meta = dict(seq.meta)
-        meta.update({
-            "id": seq.rid,
-            "finish_reason": seq.finish,
-            "prompt_tokens": len(seq.body.get("input_ids") or []),
-            "completion_tokens": len(seq.output_ids),
-            "weight_version": seq.segments[-1].weight_version if seq.segments else meta.get("weight_version"),
-            "e2e_latency": round(latency, 6),
-            "segments": [s.to_dict() for s in seq.segments],
-        })
-        if _wants_logprobs(seq.body):
-            meta["output_token_logprobs"] = seq.logprobs
-        else:
-            meta.pop("output_token_logprobs", None)
-        text = "".join(seq.texts) if seq.texts and all(t is not None for t in seq.texts) else None
-        out: dict[str, Any] = {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
-        if index is not None:
-            out["index"] = index
-        return out
+        # The text is known only if every segment's engine sent its part (a cut segment's is lost).
+        texts = [t for t in seq.texts if t is not None]
+        text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
+        return wire.final_output(
+            seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
+            engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
+            e2e_latency=latency, index=index,
+        )
 
 
-def _is_abort(finish: Any) -> bool:
-    return isinstance(finish, dict) and finish.get("type") == wire.ABORT
-
-
-def _wants_logprobs(body: dict[str, Any]) -> bool:
-    return bool(body.get("return_logprob"))
-
-
-def _error_message(error: Any) -> str:
-    if isinstance(error, dict):
-        inner = error.get("error", error)
-        if isinstance(inner, dict):
-            return str(inner.get("message") or inner)
-        return str(inner)
-    return str(error)
-
-
-async def run_batch(generator: Generator, items: list[tuple[Any, dict[str, Any]]]):
+async def run_batch(
+    generator: Generator, items: list[tuple[Any, dict[str, Any]]]
+) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Run many requests at once; yield NDJSON-ready dicts in completion order, in lists of what is ready.
 
     Every id appears exactly once. Closing the iterator early (the client went away) cancels the

@@ -49,7 +49,7 @@ LENGTH = "length"
 ABORT = "abort"
 
 
-# ---------------------------------------------------------------- encoding (the engine side)
+# ---------------------------------------------------------------- encoding (the engine, and the manager's answers)
 
 
 def sse_frame(obj: Any) -> bytes:
@@ -112,7 +112,176 @@ def error_object(message: str, status_code: int = 400, err_type: str = "BadReque
     return {"error": {"message": message, "type": err_type, "code": status_code}}
 
 
+def partial_output(
+    body: dict[str, Any],
+    *,
+    rid: str,
+    output_ids: list[int],
+    logprobs: list[list[Any]],
+    weight_version: str,
+    index: int | None,
+) -> dict[str, Any]:
+    """A cumulative, unfinished stream chunk of a sequence run from the single-sequence ``body``.
+
+    Log-probs appear only when ``body`` asked for them, as SGLang does.
+    """
+    return output_chunk(
+        rid=rid, output_ids=list(output_ids), prompt_tokens=len(body["input_ids"]),
+        completion_tokens=len(output_ids), finish=None, weight_version=weight_version,
+        logprobs=list(logprobs) if wants_logprobs(body) else None, index=index,
+    )
+
+
+def final_output(
+    body: dict[str, Any],
+    *,
+    rid: str,
+    output_ids: list[int],
+    logprobs: list[list[Any]],
+    finish: dict[str, Any] | None,
+    engine_meta: dict[str, Any],
+    segments: list[dict[str, Any]],
+    text: str | None,
+    e2e_latency: float,
+    index: int | None,
+) -> dict[str, Any]:
+    """The manager's final ``/generate`` answer for one sequence that may span several engines.
+
+    Starts from the ``meta_info`` of the engine that finished the sequence, so fields the manager does
+    not interpret pass through, then overwrites what is a property of the whole sequence rather than
+    of its last request. ``meta_info.segments`` (``instance``, ``endpoint``, ``weight_version``,
+    ``start``, ``end``, ``outcome`` per engine) is the manager's addition to SGLang's format; the
+    top-level ``weight_version`` is the last segment's.
+    """
+    meta = dict(engine_meta)
+    meta.update({
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(body.get("input_ids") or []),
+        "completion_tokens": len(output_ids),
+        "weight_version": segments[-1]["weight_version"] if segments else meta.get("weight_version"),
+        "e2e_latency": round(e2e_latency, 6),
+        "segments": segments,
+    })
+    if wants_logprobs(body):
+        meta["output_token_logprobs"] = logprobs
+    else:
+        meta.pop("output_token_logprobs", None)
+    out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
 # ---------------------------------------------------------------- decoding (the manager side)
+
+
+def is_abort(finish: Any) -> bool:
+    """Whether a finish_reason says the engine aborted the request (it did not end on its own)."""
+    return isinstance(finish, dict) and finish.get("type") == ABORT
+
+
+def abort_message(finish: dict[str, Any]) -> str:
+    """Why the engine aborted, for logs and errors (the whole finish_reason when it gives no message)."""
+    return str(finish.get("message") or finish)
+
+
+def rebase_finish_reason(finish: dict[str, Any] | None, start: int) -> dict[str, Any] | None:
+    """A continued request's finish_reason as seen from the whole sequence.
+
+    The request that continues a sequence ``start`` tokens in counts ``length`` from its own first
+    token; the caller counts from the sequence's first token, so ``length`` moves up by ``start``.
+    """
+    if isinstance(finish, dict) and finish.get("type") == LENGTH and isinstance(finish.get("length"), int):
+        return {**finish, "length": finish["length"] + start}
+    return finish
+
+
+def error_message(error: Any) -> str:
+    """The message of an SGLang error body (``{"error": {"message": ...}}`` or ``{"error": "..."}``).
+
+    Anything else (an inner error object without a message, a bare string) is returned as text.
+    """
+    if isinstance(error, dict):
+        inner = error.get("error", error)
+        if isinstance(inner, dict):
+            return str(inner.get("message") or inner)
+        return str(inner)
+    return str(error)
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One ``/generate`` output object (of SGLang or of the manager), read field by field.
+
+    Values are the JSON ones, unconverted; absent lists read as empty and absent scalars as None.
+    """
+
+    output_ids: list[Any]
+    text: str | None
+    index: int | None
+    meta_info: dict[str, Any]
+
+    @property
+    def rid(self) -> Any:
+        return self.meta_info.get("id")
+
+    @property
+    def finish_reason(self) -> Any:
+        return self.meta_info.get("finish_reason")
+
+    @property
+    def finish_type(self) -> Any:
+        """``"stop"``, ``"length"``, ``"abort"``, None while running; a non-object reason as it is."""
+        finish = self.finish_reason
+        return finish.get("type") if isinstance(finish, dict) else finish
+
+    @property
+    def weight_version(self) -> Any:
+        """The version that made the output (the manager's: that of the last segment)."""
+        return self.meta_info.get("weight_version")
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self.meta_info.get("prompt_tokens")
+
+    @property
+    def completion_tokens(self) -> int | None:
+        return self.meta_info.get("completion_tokens")
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return self.meta_info.get("e2e_latency")
+
+    @property
+    def logprob_entries(self) -> list[list[Any]]:
+        """``output_token_logprobs``: ``[logprob, token_id, text_or_null]`` per output token."""
+        return self.meta_info.get("output_token_logprobs") or []
+
+    @property
+    def token_logprobs(self) -> list[Any]:
+        """The log-prob of each output token (an entry's first element; null where the engine gave none)."""
+        return [entry[0] for entry in self.logprob_entries]
+
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        """The manager's segments (one per engine the sequence ran on); empty in SGLang's own output."""
+        return self.meta_info.get("segments") or []
+
+    @property
+    def weight_versions(self) -> list[Any]:
+        """Every segment's weight version, in order; just ``[weight_version]`` without segments."""
+        return [s.get("weight_version") for s in self.segments] or [self.weight_version]
+
+
+def read_output(obj: dict[str, Any]) -> GenerateOutput:
+    """Read one ``/generate`` output object (a batch answer's item, or an NDJSON line's ``data``)."""
+    return GenerateOutput(
+        output_ids=obj.get("output_ids") or [],
+        text=obj.get("text"),
+        index=obj.get("index"),
+        meta_info=obj.get("meta_info") or {},
+    )
 
 
 class StreamError(Exception):
@@ -170,6 +339,7 @@ class SequenceProgress:
     finish_reason: dict[str, Any] | None = None
     meta_info: dict[str, Any] = field(default_factory=dict)
     text: str | None = None
+    weight_version: str | None = None  # the latest a chunk reported (chunks may leave it out)
 
     def apply(self, chunk: dict[str, Any]) -> int:
         """Fold one chunk in; return how many new tokens it brought."""
@@ -191,10 +361,33 @@ class SequenceProgress:
             self.text = chunk["text"] if cumulative else (self.text or "") + chunk["text"]
         self.meta_info = meta
         self.finish_reason = meta.get("finish_reason")
+        if "weight_version" in meta:
+            self.weight_version = meta["weight_version"]
         return len(self.output_ids) - before
 
 
 # ---------------------------------------------------------------- request bodies
+
+# The fields of a batched ``/generate`` body that may hold one value per item (a list as long as
+# ``input_ids``) instead of one value for all. The manager splits and validates these; SGLang 0.5.23
+# has more (``logprob_start_len``, ``top_logprobs_num``, ``lora_path``, ...), which the manager
+# hands to every item unchanged.
+PER_ITEM_KEYS: tuple[str, ...] = ("sampling_params", "return_logprob", "rid")
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+
+
+def token_budget(body: dict[str, Any]) -> int:
+    """The manager's token budget of a single-sequence body: ``sampling_params.max_new_tokens``, or
+    :data:`DEFAULT_MAX_NEW_TOKENS` when it is absent or null."""
+    params = body.get("sampling_params") or {}
+    value = params.get("max_new_tokens")
+    return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
+
+
+def wants_logprobs(body: dict[str, Any]) -> bool:
+    """Whether a single-sequence body asked for ``output_token_logprobs``."""
+    return bool(body.get("return_logprob"))
 
 
 def is_batched(body: dict[str, Any]) -> bool:
@@ -212,15 +405,13 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i in range(n):
         sub = {}
         for key, value in body.items():
-            if key in ("input_ids", "rid") or (key in _PER_ITEM_KEYS and isinstance(value, list)):
+            if key in ("input_ids", "rid") or (key in PER_ITEM_KEYS and isinstance(value, list)):
                 sub[key] = value[i] if isinstance(value, list) else value
             else:
                 sub[key] = value
         out.append(sub)
     return out
 
-
-_PER_ITEM_KEYS = ("sampling_params", "return_logprob", "rid")
 
 
 def continuation_body(
@@ -243,9 +434,6 @@ def continuation_body(
     new["stream"] = True
     new["rid"] = rid
     return new
-
-
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 
 
 def update_weight_version_body(version: str | int) -> dict[str, Any]:
