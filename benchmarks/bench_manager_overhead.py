@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_manager.launch.box import free_port
+from rollout_manager.osutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -63,7 +63,8 @@ def spawn_fake_cluster(logs: Path, procs: list[subprocess.Popen], *manager_sets:
     backends = []
     for k in range(2):
         port = free_port()
-        procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)], logs / f"backend{k}.log"))
+        procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)],
+                           logs / f"backend{k}.log"))
         backends.append(f"http://127.0.0.1:{port}")
     mport = free_port()
     sets = [arg for kv in ("pending_poll_interval_s=0.1", *manager_sets) for arg in ("--set", kv)]

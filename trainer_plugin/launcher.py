@@ -36,7 +36,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,9 +48,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("trainer_plugin.launcher")
+from rollout_manager.osutil import die_with_parent_preexec, format_endpoint, port_is_bindable, url_host
 
-PR_SET_PDEATHSIG = 1
+log = logging.getLogger("trainer_plugin.launcher")
 
 
 class ManagerStartError(RuntimeError):
@@ -66,7 +65,7 @@ class PortInUseError(ManagerStartError):
 def probe_health(host: str, port: int, timeout_s: float = 2.0) -> tuple[str, Any]:
     """What answers on ``host:port``: ``("manager", health_json)``, ``("other", description)``, or
     ``("closed", None)`` when nothing accepts connections."""
-    url = f"http://{_url_host(host)}:{port}/health"
+    url = f"http://{url_host(host)}:{port}/health"
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             raw = r.read(65536)
@@ -94,47 +93,7 @@ def is_manager_health(body: Any) -> bool:
     return isinstance(body, dict) and body.get("status") == "healthy" and body.get("service") == "rollout-manager"
 
 
-def port_is_bindable(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds: TIME_WAIT is no obstacle
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
 # ---------------------------------------------------------------------------- spawning
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the kernel SIGTERM the child when the parent dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # resolved in the parent: nothing to load after fork
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
 class _Spawner:
     """Forks every child from one daemon thread that lives as long as the process.
 
@@ -143,7 +102,7 @@ class _Spawner:
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue]] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[tuple[bool, Any]]]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -154,7 +113,7 @@ class _Spawner:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="rollout-manager-spawner", daemon=True)
                 self._thread.start()
-        reply: queue.Queue = queue.Queue(maxsize=1)
+        reply: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
         self._jobs.put((fn, reply))
         ok, value = reply.get()
         if not ok:
@@ -185,10 +144,10 @@ class ManagerProcess:
         self,
         host: str = "127.0.0.1",
         port: int = 5000,
-        config_path: str | os.PathLike | None = None,
+        config_path: str | os.PathLike[str] | None = None,
         *,
         extra_args: Sequence[str] = (),
-        log_path: str | os.PathLike | None = None,
+        log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 60.0,
         stop_timeout_s: float = 15.0,
         probe_timeout_s: float = 2.0,
@@ -207,7 +166,7 @@ class ManagerProcess:
         self.attach_existing = attach_existing
         self.python = python
         self.env = env
-        self.popen: subprocess.Popen | None = None
+        self.popen: subprocess.Popen[bytes] | None = None
         self.attached = False
         self.health: dict[str, Any] | None = None
         self._log_file: Any = None
@@ -216,7 +175,7 @@ class ManagerProcess:
     # ------------------------------------------------------------ info
     @property
     def url(self) -> str:
-        return f"http://{_url_host(self.host)}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -224,13 +183,10 @@ class ManagerProcess:
 
     @property
     def command(self) -> list[str]:
-        cmd = [self.python, "-m", "rollout_manager", "serve", "--bind", f"{self._bind_host()}:{self.port}"]
+        cmd = [self.python, "-m", "rollout_manager", "serve", "--bind", format_endpoint(self.host, self.port)]
         if self.config_path:
             cmd += ["--config", self.config_path]
         return cmd + self.extra_args
-
-    def _bind_host(self) -> str:
-        return f"[{self.host}]" if ":" in self.host else self.host
 
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -272,17 +228,17 @@ class ManagerProcess:
                 f"by something that is not a rollout manager ({why}); free the port or set "
                 f"actor_rollout_ref.rollout.custom.rollout_manager.port to another one"
             )
-        self._spawn()
+        popen = self._spawn()
         _register(self)
         try:
-            self._wait_healthy()
+            self._wait_healthy(popen)
         except BaseException:
             self.stop()
             raise
-        log.info("rollout manager started: pid %d, %s, log %s", self.popen.pid, self.url, self.log_path)
+        log.info("rollout manager started: pid %d, %s, log %s", popen.pid, self.url, self.log_path)
         return self
 
-    def _spawn(self) -> None:
+    def _spawn(self) -> subprocess.Popen[bytes]:
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"rollout-manager-{self.port}-", suffix=".log")
             os.close(fd)
@@ -290,24 +246,26 @@ class ManagerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         env = {**os.environ, **(self.env or {})}
-        preexec = _pdeathsig_preexec()
+        preexec = die_with_parent_preexec()
         cmd = self.command
 
-        def spawn() -> subprocess.Popen:
+        def spawn() -> subprocess.Popen[bytes]:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log_file,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=preexec, close_fds=True)
 
         try:
-            self.popen = _SPAWNER.run(spawn)
+            popen: subprocess.Popen[bytes] = _SPAWNER.run(spawn)
         except OSError as exc:
             raise ManagerStartError(f"cannot run {' '.join(cmd)}: {exc}") from exc
+        self.popen = popen
+        return popen
 
-    def _wait_healthy(self) -> None:
+    def _wait_healthy(self, popen: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         last = "no answer yet"
         while True:
-            code = self.popen.poll()
+            code = popen.poll()
             if code is not None:
                 raise ManagerStartError(
                     f"the rollout manager exited with code {code} during start-up "

@@ -29,10 +29,12 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 
+from rollout_manager.osutil import format_endpoint
+
 from .launcher import ManagerProcess
 from .proxy import ManagerProxyServer
 from .settings import PluginSettings, from_rollout_config
-from .weight_push import WeightPushContext, call_weight_push, load_weight_push
+from .weight_push import WeightPush, WeightPushContext, call_weight_push, load_weight_push
 
 log = logging.getLogger("trainer_plugin.verl")
 
@@ -99,7 +101,7 @@ class DisaggregatedReplica(RolloutReplica):
         self.servers = [proxy]
         self._server_handle = proxy
         host, port = await proxy.get_server_address.remote()
-        self._server_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._server_address = format_endpoint(host, port)
 
 
 class ManagerServerAdapter(BaseRollout):
@@ -109,7 +111,7 @@ class ManagerServerAdapter(BaseRollout):
         super().__init__(config, model_config, device_mesh)
         self.settings = from_rollout_config(self.config)
         self.replica_rank = replica_rank
-        self._push = None
+        self._push: WeightPush | None = None
 
     async def resume(self, tags: list[str]) -> None:
         return None

@@ -73,7 +73,7 @@ class WeightPushContext:
     manager_url: str
     rollout_config: Any
     wire_format: str = "named_tensors"
-    kwargs: dict | None = None
+    kwargs: dict[str, Any] | None = None
     # rank within this node (``LOCAL_RANK``); local rank zero runs the node's sender. None: from the env
     local_rank: int | None = None
     comm: NodeComm | None = None
@@ -87,10 +87,14 @@ class WeightPushContext:
 def resolve_sender_ips(entries: Sequence[str], manager_url: str) -> list[str]:
     """This node's weight-traffic IPs: plain IPs as given; a CIDR picks this node's addresses inside it
     (so one config line serves every node); nothing given: the address of the route to the manager."""
-    from rollout_manager.launch.box import detect_host
+    from rollout_manager.osutil import source_address_toward
 
     if not entries:
-        return [detect_host(manager_url)]
+        try:
+            return [source_address_toward(manager_url)]
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"no sender_ips given and no route to the manager at {manager_url} to take this "
+                             f"node's address from ({exc}); set sender_ips") from None
     ips: list[str] = []
     local: list[str] | None = None
     for entry in entries:
@@ -115,7 +119,7 @@ def _local_addresses() -> list[str]:
             if a.family in (socket.AF_INET, socket.AF_INET6)]
 
 
-def discard_weights(weights: Iterable[Any], global_steps: int | None, context: WeightPushContext) -> dict:
+def discard_weights(weights: Iterable[Any], global_steps: int | None, context: WeightPushContext) -> dict[str, Any]:
     """Default hook: consume the weights (every rank must) and push nothing."""
     global _warned
     count = 0
@@ -187,11 +191,11 @@ class WeightPusher:
                                   device_name=self.device_name).start()
         return self
 
-    async def start(self, client: Any) -> dict:
+    async def start(self, client: Any) -> dict[str, Any]:
         self.start_sender()
         return await self.report(client)
 
-    async def report(self, client: Any, all_node_ips: list[list[str]] | None = None) -> dict:
+    async def report(self, client: Any, all_node_ips: list[list[str]] | None = None) -> dict[str, Any]:
         """Tell the manager where the senders are (``all_node_ips``: every node's IPs, kept for later
         reports); remember which manager run heard it."""
         if all_node_ips is not None:
@@ -215,13 +219,13 @@ class WeightPusher:
         """Stage ``(name, tensor)`` pairs as they come (see ``SenderAgent.stage_stream``; blocking)."""
         self._agent.stage_stream(items, int(version))
 
-    async def push(self, client: Any, state_dict: Any, version: int | None = None) -> dict:
+    async def push(self, client: Any, state_dict: Any, version: int | None = None) -> dict[str, Any]:
         """Stage ``state_dict`` as ``version`` (default: the next one) and publish it."""
         version = self.version + 1 if version is None else int(version)
         await asyncio.to_thread(self.stage, state_dict, version)
         return await self.publish(client, version)
 
-    async def publish(self, client: Any, version: int) -> dict:
+    async def publish(self, client: Any, version: int) -> dict[str, Any]:
         """Make ``version`` (staged on every node's sender) the manager's current one."""
         if (await client.health()).get("run_id") != self.run_id:  # the manager restarted: it forgot us
             log.warning("rollout manager restarted; reporting the weight senders again")
@@ -239,11 +243,11 @@ class WeightPusher:
             self.sender = None
 
 
-_PUSHER: tuple[WeightPusher, Any] | None = None
+_PUSHER: tuple[WeightPusher | None, Any] | None = None
 
 
 async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | None,
-                                  context: WeightPushContext) -> dict:
+                                  context: WeightPushContext) -> dict[str, Any]:
     """Default hook: every node's local rank zero stages the full weights into its node's sender, one
     tensor at a time as they are gathered; rank zero publishes them as weight version ``global_steps``
     once all nodes have staged.
@@ -264,6 +268,7 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
     comm = context.comm or TorchDistComm()
     pusher, client = await _pusher(context, comm, leader)
     if leader:
+        assert pusher is not None  # every node leader starts a sender
         # Each tensor goes into the sender's buffer as the iterator yields it (in this thread: the
         # iterator's gathers are collectives bound to this thread's device), never a whole second copy.
         pusher.stage_stream(weights, int(global_steps))
@@ -274,6 +279,7 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
     if context.rank != 0:
         comm.barrier()  # and no node restages (or exits) while the instances may still pull from it
         return {"pushed": False, "staged": leader}
+    assert pusher is not None  # rank zero holds every node's senders
     try:
         answer = await pusher.publish(client, int(global_steps))
     finally:
@@ -297,8 +303,9 @@ async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> t
         if leader or context.rank == 0:
             try:
                 senders = (await client.get_instances_status())["weight_senders"]
-                wait: int | str | None = settings.weight_push_wait
-                wait = None if wait == "none" else (int(wait) if str(wait).isdigit() else wait)
+                raw_wait = settings.weight_push_wait
+                wait: int | str | None = (None if raw_wait == "none" else
+                                          int(raw_wait) if str(raw_wait).isdigit() else raw_wait)
                 ips = resolve_sender_ips(settings.sender_ips, context.manager_url) if leader else None
                 pusher = WeightPusher(context.manager_url, ips or [], senders["weight_sender_base_port"],
                                       protocol=senders["mooncake_transfer_protocol"],
@@ -316,6 +323,7 @@ async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> t
             await client.close()
             raise RuntimeError("weight push set-up failed: " + "; ".join(errors))
         if context.rank == 0:
+            assert pusher is not None
             await pusher.report(client, [g["ips"] for g in gathered if g["ips"]])
             log.info("weight senders on %d node(s): %s", len(pusher.all_node_ips), pusher.all_node_ips)
         _PUSHER = (pusher, client)

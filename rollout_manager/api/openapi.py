@@ -1,5 +1,5 @@
 """The API as an OpenAPI 3.1 document, built from the route table and the pydantic models that
-validate each body (``http_api.accepts``), so the description is the validation."""
+validate each body (``api.http.accepts``), so the description is the validation."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ STREAMING = {
 
 
 def build_openapi(routes: Sequence[tuple[str, str, Callable[..., Any]]], version: str) -> dict[str, Any]:
-    models = {h.body_model for _, _, h in routes if getattr(h, "body_model", None) is not None}
+    models = {m for _, _, h in routes if (m := getattr(h, "body_model", None)) is not None}
     ordered = sorted(models, key=lambda m: m.__name__)
     keyed, defs = models_json_schema([(m, "validation") for m in ordered],
                                      ref_template="#/components/schemas/{model}")

@@ -1,18 +1,25 @@
-"""The manager's HTTP API: parse, validate, call the core, answer JSON. Nothing else lives here."""
+"""The manager's HTTP API: parse, validate, call the core, answer JSON. Nothing else lives here.
+
+The handlers and the route table; the generic plumbing they stand on is in ``http.py``.
+"""
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from rollout_manager import __version__, jsonutil
 from rollout_manager.api import status_page
-from rollout_manager.api.metrics import METRICS, ManagerMetrics
+from rollout_manager.api.http import (
+    MAX_ADMIN_BODY,
+    MAX_BODY,
+    Handler,
+    accepts,
+    bearer_auth,
+    json_errors,
+    json_response,
+)
 from rollout_manager.api.openapi import build_openapi
 from rollout_manager.api.schemas import (
     BatchGenerateRequests,
@@ -25,139 +32,18 @@ from rollout_manager.api.schemas import (
     UpdateWeightSenders,
     UpdateWeightVersion,
 )
-from rollout_manager.bearer import bearer_matches
-from rollout_manager.errors import ManagerError, TooLarge, Unauthorized
 from rollout_manager.manager import Manager
+from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.rollout.generation import run_batch
 from rollout_manager.sglang import wire
 
-log = logging.getLogger("rollout_manager.http")
-
 MANAGER: web.AppKey[Manager] = web.AppKey("manager", Manager)
-MAX_BODY: web.AppKey[int] = web.AppKey("max_body", int)
-MAX_ADMIN_BODY: web.AppKey[int] = web.AppKey("max_admin_body", int)
 # Open without the token: liveness, scraping, the status page shell and the API description.
 OPEN_PATHS = frozenset({("GET", "/health"), ("GET", "/metrics"), ("GET", "/"), ("GET", "/openapi.json")})
-M = TypeVar("M", bound=BaseModel)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=jsonutil.dumps(data), status=status, content_type="application/json")
-
-
-def error_response(status: int, message: str) -> web.Response:
-    return json_response({"error": message}, status=status)
-
-
-def format_loc(loc: tuple[int | str, ...]) -> str:
-    """``("weight_sender_ips", 0, 1)`` -> ``weight_sender_ips[0][1]``; the body itself is ``body``."""
-    out = ""
-    for part in loc:
-        if part == "root" or (isinstance(part, str) and (not part.isidentifier() or part[:1].isupper())):
-            continue  # pydantic's names for union branches and models, not fields
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "body"
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    """Name the field and what was wrong with it, for the first few problems."""
-    parts = []
-    for err in exc.errors()[:3]:
-        loc = format_loc(err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"field '{loc}': {msg}")
-    more = len(exc.errors()) - 3
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
-
-
-async def read_json(request: web.Request, *, optional: bool = False, large: bool = False) -> Any:
-    """Read and decode a JSON body; raises ManagerError (400) when it is empty or not JSON.
-
-    Admin bodies are small: past ``max_admin_body_kb`` they get 413; generation bodies (``large``)
-    may go up to ``max_request_body_mb`` (the server's own cap).
-    """
-    limit = request.app[MAX_BODY] if large else request.app[MAX_ADMIN_BODY]
-    if request.content_length is not None and request.content_length > limit:
-        raise TooLarge(f"request body too large ({request.content_length} bytes; limit {limit})")
-    raw = await request.read()
-    if len(raw) > limit:
-        raise TooLarge(f"request body too large ({len(raw)} bytes; limit {limit})")
-    if not raw.strip() and optional:
-        raw = b"{}"
-    if not raw:
-        raise ManagerError("request body is empty; expected JSON")
-    try:
-        return jsonutil.loads(raw)
-    except (UnicodeDecodeError, jsonutil.JSONDecodeError) as exc:
-        raise ManagerError(f"request body is not valid JSON: {exc}") from None
-
-
-def validate(data: Any, model: type[M]) -> M:
-    """Validate decoded JSON against a schema; raises ManagerError (400) naming the field."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ManagerError(describe_validation_error(exc)) from None
-
-
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes a JSON ``{"error": ...}`` with the right status; nothing escapes."""
-    try:
-        return await handler(request)
-    except Unauthorized as exc:
-        resp = error_response(401, str(exc))
-        resp.headers["WWW-Authenticate"] = 'Bearer realm="rollout-manager"'
-        return resp
-    except ManagerError as exc:
-        return error_response(exc.status, str(exc))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        if exc.status == 413:
-            return error_response(413, f"request body too large (limit {request.app[MAX_BODY]} bytes)")
-        if exc.status == 404:
-            return error_response(404, f"no such endpoint: {request.method} {request.path}")
-        if exc.status == 405:
-            return error_response(405, f"method {request.method} not allowed on {request.path}")
-        return error_response(exc.status, exc.reason)
-    except Exception:  # the daemon answers 500 and keeps running
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal error; see the manager's log")
-
-
-@web.middleware
-async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With ``auth_token`` set, everything but the open paths needs ``Authorization: Bearer <token>``."""
-    token = request.app[MANAGER].config.auth_token
-    if token and (request.method, request.path) not in OPEN_PATHS:
-        if not bearer_matches(request.headers.get("Authorization", ""), token):
-            raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <auth_token>)")
-    return await handler(request)
 
 
 def manager_of(request: web.Request) -> Manager:
     return request.app[MANAGER]
-
-
-def accepts(model: type[M], *, large: bool = False, optional: bool = False) -> Callable[..., Handler]:
-    """Declare a handler's body schema: the body is decoded and validated before the handler runs,
-    and the OpenAPI document (``openapi.py``) reads the same model, so the two cannot drift."""
-
-    def wrap(fn: Callable[[web.Request, Any, Any], Awaitable[web.StreamResponse]]) -> Handler:
-        @functools.wraps(fn)
-        async def handler(request: web.Request) -> web.StreamResponse:
-            data = await read_json(request, optional=optional, large=large)
-            return await fn(request, validate(data, model), data)
-
-        handler.body_model = model  # type: ignore[attr-defined]
-        handler.body_optional = optional  # type: ignore[attr-defined]
-        return handler
-
-    return wrap
 
 
 async def health(request: web.Request) -> web.Response:
@@ -270,7 +156,8 @@ async def update_weight_version(request: web.Request, body: UpdateWeightVersion,
 
 async def metrics_text(request: web.Request) -> web.Response:
     """Prometheus metrics (open, like /health)."""
-    return request.app[METRICS].response()
+    body = manager_of(request).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def status_page_html(request: web.Request) -> web.Response:
@@ -303,10 +190,10 @@ ROUTES: list[tuple[str, str, Handler]] = [
 
 def create_app(manager: Manager) -> web.Application:
     max_body = int(manager.config.max_request_body_mb * 1024 * 1024)
-    app = web.Application(middlewares=[json_errors, bearer_auth], client_max_size=max_body)
+    app = web.Application(middlewares=[json_errors, bearer_auth(manager.config.auth_token, OPEN_PATHS)],
+                          client_max_size=max_body)
     app[MANAGER] = manager
     app[MAX_BODY] = max_body
-    app[METRICS] = ManagerMetrics(manager)
     app[MAX_ADMIN_BODY] = int(manager.config.max_admin_body_kb * 1024)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)

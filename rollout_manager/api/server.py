@@ -23,7 +23,6 @@ class StartupError(RuntimeError):
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Serve until a termination signal arrives. Raises StartupError if the port cannot be bound."""
     manager = Manager(config)
-    await manager.start()
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
     runner = web.AppRunner(create_app(manager), handle_signals=False, access_log=None,
                            handler_cancellation=True)

@@ -37,12 +37,10 @@ to the manager.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import errno
 import http.client
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -52,9 +50,10 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from rollout_manager.osutil import die_with_parent, format_endpoint, host_port, source_address_toward
+
 PREFIX = "launch_sglang: error: "
 AUTH_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
-PR_SET_PDEATHSIG = 1
 
 
 class BoxError(Exception):
@@ -82,42 +81,33 @@ def normalize_addr(addr: str) -> str:
         raise BoxError("no manager address: set ROLLOUT_MANAGER_ADDR=http://<ip>:<port> or pass --manager-addr")
     if "://" not in addr:
         addr = "http://" + addr
-    parsed = urllib.parse.urlsplit(addr)
+    try:
+        parsed = urllib.parse.urlsplit(addr)
+    except ValueError:  # an unclosed "[" around an IPv6 address
+        raise BoxError(f"manager address {addr!r} is not http://<ip>:<port>") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise BoxError(f"manager address {addr!r} is not http://<ip>:<port>")
     try:
-        parsed.port
+        _ = parsed.port  # parsed lazily: a bad one raises here
     except ValueError:
         raise BoxError(f"manager address {addr!r} has a bad port") from None
     return addr.rstrip("/")
 
 
 def manager_host_port(addr: str) -> tuple[str, int]:
-    parsed = urllib.parse.urlsplit(normalize_addr(addr))
-    assert parsed.hostname
-    return parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    return host_port(normalize_addr(addr))
 
 
 def detect_host(manager: str) -> str:
     """The local address the kernel would use to reach the manager (nothing is sent)."""
-    host, port = manager_host_port(manager)
+    addr = normalize_addr(manager)
+    host, port = host_port(addr)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        return source_address_toward(addr)
     except socket.gaierror as exc:
         raise BoxError(f"cannot resolve the manager's host {host!r}: {exc.strerror}; pass --host") from None
-    last: OSError | None = None
-    for family, _, _, _, sockaddr in infos:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(sockaddr)
-                return s.getsockname()[0]
-            except OSError as exc:
-                last = exc
-    raise BoxError(f"no route from this box to the manager at {host}:{port} ({last}); pass --host")
-
-
-def format_endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    except OSError as exc:
+        raise BoxError(f"no route from this box to the manager at {host}:{port} ({exc}); pass --host") from None
 
 
 def url_of(host: str, port: int) -> str:
@@ -125,13 +115,6 @@ def url_of(host: str, port: int) -> str:
 
 
 # ---------------------------------------------------------------- ports
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at ``host`` right now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(bind: str, port: int) -> str | None:
@@ -279,14 +262,8 @@ def cmd_exec(args: argparse.Namespace) -> NoReturn:
     if not command:
         fail("exec: no command given", 2)
     os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # pragma: no cover - exotic libc
-            pass
-        if args.parent_pid and os.getppid() != args.parent_pid:  # the launcher is gone already
-            fail(f"exec: parent {args.parent_pid} is gone; not starting {command[0]}")
+    if not die_with_parent(args.parent_pid or None):  # the launcher is gone already
+        fail(f"exec: parent {args.parent_pid} is gone; not starting {command[0]}")
     try:
         os.execvp(command[0], command)
     except OSError as exc:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,8 @@ from typing import Any
 import aiohttp
 import torch
 
-from rollout_manager.cpu_engine.model import build_model
-from rollout_manager.launch.box import free_port
+from rollout_manager.cpu_engine.model import TinyCausalLM, build_model
+from rollout_manager.osutil import die_with_parent_preexec, free_port
 from rollout_manager.weights.sender_agent import SenderAgent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,9 +96,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 def spawn(name: str, args: Sequence[str], logdir: Path, env: dict[str, str] | None = None) -> Child:
+    """Start a child in its own process group that the kernel stops if the demo is killed outright.
+
+    Called from the event loop's thread (the main thread), which lives as long as the demo: the
+    parent-death signal is tied to the thread that forks.
+    """
     log = logdir / f"{name}.log"
     popen = subprocess.Popen(list(args), stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+                             env={**os.environ, **(env or {})}, start_new_session=True,
+                             preexec_fn=die_with_parent_preexec())
     return Child(name, popen, log)
 
 
@@ -154,7 +160,7 @@ class Demo:
                 raise RuntimeError(f"{method} {path} -> {r.status}: {data}")
             return data
 
-    async def wait_for(self, what: str, check, timeout_s: float) -> Any:
+    async def wait_for(self, what: str, check: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             value = await check()
@@ -255,7 +261,7 @@ class Demo:
 
     async def _healthy(self, s: aiohttp.ClientSession) -> bool:
         try:
-            return (await self.get(s, "/health"))["status"] == "healthy"
+            return bool((await self.get(s, "/health"))["status"] == "healthy")
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
@@ -263,9 +269,10 @@ class Demo:
         for box in self.boxes:
             if not box.child.alive() and box.child.name != self.killed:
                 raise RuntimeError(f"{box.child.name} exited: see {box.child.log}")
-        return (await self.get(s, "/get_instances_status"))["ready_instances"] >= n
+        return bool((await self.get(s, "/get_instances_status"))["ready_instances"] >= n)
 
-    async def rollouts(self, s: aiohttp.ClientSession, step: int, prompts: list[list[int]]):
+    async def rollouts(self, s: aiohttp.ClientSession, step: int,
+                       prompts: list[list[int]]) -> tuple[list[dict[str, Any]], float]:
         """One NDJSON batch of prompts x n; on the kill step, preempt a box mid-way and add a new one."""
         a = self.args
         body = {"sampling_params": {"max_new_tokens": a.max_new_tokens, "temperature": 1.0},
@@ -290,12 +297,14 @@ class Demo:
                 elapsed = time.monotonic() - t0
                 tokens = sum(len(x["output_ids"]) for x in results.values())
                 bar = "#" * (24 * done // len(items))
-                self.live(f"step {step:>2} [{bar:<24}] {done}/{len(items)} rollouts  {tokens / max(elapsed, 1e-9):6.0f} tok/s")
+                rate = tokens / max(elapsed, 1e-9)
+                self.live(f"step {step:>2} [{bar:<24}] {done}/{len(items)} rollouts  {rate:6.0f} tok/s")
         gen_s = time.monotonic() - t0
         ordered = [results[f"{p}/{k}"] for p in range(len(prompts)) for k in range(a.n)]
         return ordered, gen_s
 
-    def learn(self, policy, optimizer, prompts, results, vocab: int) -> list[float]:
+    def learn(self, policy: TinyCausalLM, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
+              results: list[dict[str, Any]], vocab: int) -> list[float]:
         """GRPO-style step: reward = share of response tokens in the lowest eighth of the vocabulary;
         advantage = reward minus its group mean; loss = -advantage * log-prob of the response."""
         n = self.args.n
@@ -314,7 +323,7 @@ class Demo:
             term = -adv * logp / len(results)
             loss = term if loss is None else loss + term
         if loss is not None:  # every group scored evenly: nothing to learn from this batch
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
         return rewards
 

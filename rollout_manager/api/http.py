@@ -1,0 +1,126 @@
+"""The generic aiohttp plumbing under the manager's API: JSON answers, body reading and validation,
+the error and bearer-token middlewares, and ``accepts`` (a handler's declared body schema).
+
+Nothing here knows the manager: ``routes.py`` holds the handlers and wires these together.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from rollout_manager import jsonutil
+from rollout_manager.bearer import bearer_matches
+from rollout_manager.errors import ManagerError, TooLarge, Unauthorized
+from rollout_manager.validation import describe_validation_error
+
+if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
+    from aiohttp.typedefs import Middleware
+
+log = logging.getLogger("rollout_manager.http")
+
+# Body limits in bytes, set by the app: generation bodies may be large, admin bodies are small.
+MAX_BODY: web.AppKey[int] = web.AppKey("max_body", int)
+MAX_ADMIN_BODY: web.AppKey[int] = web.AppKey("max_admin_body", int)
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=jsonutil.dumps(data), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return json_response({"error": message}, status=status)
+
+
+async def read_json(request: web.Request, *, optional: bool = False, large: bool = False) -> Any:
+    """Read and decode a JSON body; raises ManagerError (400) when it is empty or not JSON.
+
+    Admin bodies are small: past ``MAX_ADMIN_BODY`` they get 413; generation bodies (``large``)
+    may go up to ``MAX_BODY`` (the server's own cap).
+    """
+    limit = request.app[MAX_BODY] if large else request.app[MAX_ADMIN_BODY]
+    if request.content_length is not None and request.content_length > limit:
+        raise TooLarge(f"request body too large ({request.content_length} bytes; limit {limit})")
+    raw = await request.read()
+    if len(raw) > limit:
+        raise TooLarge(f"request body too large ({len(raw)} bytes; limit {limit})")
+    if not raw.strip() and optional:
+        raw = b"{}"
+    if not raw:
+        raise ManagerError("request body is empty; expected JSON")
+    try:
+        return jsonutil.loads(raw)
+    except (UnicodeDecodeError, jsonutil.JSONDecodeError) as exc:
+        raise ManagerError(f"request body is not valid JSON: {exc}") from None
+
+
+def validate(data: Any, model: type[M]) -> M:
+    """Validate decoded JSON against a schema; raises ManagerError (400) naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ManagerError(describe_validation_error(exc)) from None
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes a JSON ``{"error": ...}`` with the right status; nothing escapes."""
+    try:
+        return await handler(request)
+    except Unauthorized as exc:
+        resp = error_response(401, str(exc))
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="rollout-manager"'
+        return resp
+    except ManagerError as exc:
+        return error_response(exc.status, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 413:
+            return error_response(413, f"request body too large (limit {request.app[MAX_BODY]} bytes)")
+        if exc.status == 404:
+            return error_response(404, f"no such endpoint: {request.method} {request.path}")
+        if exc.status == 405:
+            return error_response(405, f"method {request.method} not allowed on {request.path}")
+        return error_response(exc.status, exc.reason)
+    except Exception:  # the daemon answers 500 and keeps running
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal error; see the manager's log")
+
+
+def bearer_auth(token: str, open_paths: Collection[tuple[str, str]]) -> Middleware:
+    """With ``token`` set, everything but ``open_paths`` (``(method, path)``) needs
+    ``Authorization: Bearer <token>``; ``json_errors`` turns the refusal into a 401."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token and (request.method, request.path) not in open_paths:
+            if not bearer_matches(request.headers.get("Authorization", ""), token):
+                raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <auth_token>)")
+        return await handler(request)
+
+    return middleware
+
+
+def accepts(model: type[M], *, large: bool = False, optional: bool = False) -> Callable[..., Handler]:
+    """Declare a handler's body schema: the body is decoded and validated before the handler runs,
+    and the OpenAPI document (``openapi.py``) reads the same model, so the two cannot drift."""
+
+    def wrap(fn: Callable[[web.Request, Any, Any], Awaitable[web.StreamResponse]]) -> Handler:
+        @functools.wraps(fn)
+        async def handler(request: web.Request) -> web.StreamResponse:
+            data = await read_json(request, optional=optional, large=large)
+            return await fn(request, validate(data, model), data)
+
+        handler.body_model = model  # type: ignore[attr-defined]
+        handler.body_optional = optional  # type: ignore[attr-defined]
+        return handler
+
+    return wrap
