@@ -6,7 +6,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from support import PY, OnLoopback, Proc, free_port, wait_http_ok, wait_http_ok_sync, wait_until
+from support import PY, OnLoopback, Proc, async_wait_until, free_port, wait_http_ok, wait_http_ok_sync
 
 # Fast health settings for tests; production defaults are minutes.
 FAST = {
@@ -67,7 +67,7 @@ class ManagerHandle:
             status, answer = await self.post("/register_rollout_instance", body)
             assert status == 200, answer
         for t in targets if wait_active else ():
-            await wait_until(lambda t=t: self._is_active(t.endpoint), what=f"{t.endpoint} active")
+            await async_wait_until(lambda t=t: self._is_active(t.endpoint), message=f"{t.endpoint} active")
 
     async def _is_active(self, endpoint: str) -> bool:
         return await self.state_of(endpoint) == "active"

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
-from rollout_manager.launch.box import free_port
+from rollout_manager.osutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
+T = TypeVar("T")
 
 
 class Proc:
@@ -57,19 +59,44 @@ class Proc:
         self._log.close()
 
 
-async def wait_until(pred: Callable[[], Awaitable[Any] | Any], timeout: float = 20.0,
-                     interval: float = 0.05, what: str = "condition") -> Any:
-    """Poll ``pred`` until it returns something truthy; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if asyncio.iscoroutine(last):
+Message = str | Callable[[], str]  # a callable is asked only on failure, so it can describe the final state
+
+
+def _timed_out(timeout_s: float, message: Message, last: Any) -> AssertionError:
+    text = message() if callable(message) else message
+    return AssertionError(f"timed out after {timeout_s:g}s waiting for {text}; last value: {last!r}")
+
+
+def wait_until(predicate: Callable[[], T], timeout_s: float = 20.0, *, interval_s: float = 0.05,
+               message: Message = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy and return that; fail the test at the deadline.
+
+    The predicate is always tried once more at the deadline, and what it raises propagates unchanged.
+    For synchronous code (fixtures, threads); inside the event loop use :func:`async_wait_until`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = predicate()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout_s, message, last)
+        time.sleep(interval_s)
+
+
+async def async_wait_until(predicate: Callable[[], Any], timeout_s: float = 20.0, *, interval_s: float = 0.05,
+                           message: Message = "condition") -> Any:
+    """:func:`wait_until` for the event loop: ``predicate`` may be a plain or an async function."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = predicate()
+        if inspect.isawaitable(last):
             last = await last
         if last:
             return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+        if time.monotonic() >= deadline:
+            raise _timed_out(timeout_s, message, last)
+        await asyncio.sleep(interval_s)
 
 
 async def http_ok(url: str) -> bool:
@@ -86,7 +113,7 @@ async def wait_http_ok(url: str, proc: Proc | None = None, timeout: float = 60.0
             raise AssertionError(f"{proc.args} exited with {proc.popen.returncode}:\n{proc.log()}")
         return await http_ok(url)
 
-    await wait_until(ready, timeout, 0.1, f"{url} to answer 200")
+    await async_wait_until(ready, timeout, interval_s=0.1, message=f"{url} to answer 200")
 
 
 def wait_http_ok_sync(url: str, proc: Proc | None = None, timeout: float = 60.0) -> None:
@@ -94,18 +121,16 @@ def wait_http_ok_sync(url: str, proc: Proc | None = None, timeout: float = 60.0)
     import urllib.error
     import urllib.request
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         if proc is not None and proc.popen.poll() is not None:
             raise AssertionError(f"{proc.args} exited with {proc.popen.returncode}:\n{proc.log()}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
+                return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {url}")
+            return False
+
+    wait_until(ready, timeout, interval_s=0.1, message=f"{url} to answer 200")
 
 
 class OnLoopback:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from support import PY, Proc, wait_until
+from support import PY, Proc, async_wait_until
 
 
 async def test_health(start_manager):
@@ -23,12 +23,12 @@ async def test_register_pending_then_active_and_status_shape(start_manager, stub
     assert body["state"] == "pending" and body["id"]
     assert body["weight_transfer"]["num_mooncake_engines_per_group"] == 4
     assert body["weight_transfer"]["mooncake_transfer_protocol"] == "tcp"
-    await wait_until(lambda: engine.probes >= 2, what="pending probes")
+    await async_wait_until(lambda: engine.probes >= 2, message="pending probes")
     st = await m.status()
     assert st["pending_instances"] == 1 and st["pending_instance_endpoints"] == [engine.endpoint]
     engine.health_status = 200  # finished loading
-    await wait_until(lambda: m.state_of(engine.endpoint), what="instance known")
-    await wait_until(lambda: _is(m, engine.endpoint, "active"), what="instance active")
+    await async_wait_until(lambda: m.state_of(engine.endpoint), message="instance known")
+    await async_wait_until(lambda: _is(m, engine.endpoint, "active"), message="instance active")
     st = await m.status()
     assert st["ready_instances"] == 1 and st["ready_instance_endpoints"] == [engine.endpoint]
     inst = st["instances"][0]
@@ -51,7 +51,7 @@ async def test_duplicate_registration_is_409_whether_pending_or_active(start_man
     status, err = await m.post("/register_rollout_instance", body)
     assert status == 409 and "already registered" in err["error"] and "pending" in err["error"]
     engine.health_status = 200
-    await wait_until(lambda: _is(m, engine.endpoint, "active"))
+    await async_wait_until(lambda: _is(m, engine.endpoint, "active"))
     status, err = await m.post("/register_rollout_instance", body)
     assert status == 409 and "active" in err["error"]
     assert len((await m.status())["instances"]) == 1
@@ -67,7 +67,7 @@ async def test_local_instances_register_all_or_none(start_manager, stub_engine):
     assert status == 409 and a.endpoint in err["error"]
     st = await m.status()
     assert [i["endpoint"] for i in st["instances"]] == [a.endpoint]  # b was not half-registered
-    await wait_until(lambda: _is(m, a.endpoint, "active"))
+    await async_wait_until(lambda: _is(m, a.endpoint, "active"))
     assert (await m.status())["instances"][0]["kind"] == "local"
 
 
@@ -75,7 +75,7 @@ async def test_pending_instance_that_never_gets_healthy_is_dropped_after_grace(s
     m = await start_manager(startup_grace_period_s="0.6")
     engine = await stub_engine(health_status=503)
     await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": engine.port})
-    await wait_until(lambda: _gone(m, engine.endpoint), what="eviction after grace period")
+    await async_wait_until(lambda: _gone(m, engine.endpoint), message="eviction after grace period")
     events = (await m.status())["recent_events"]
     assert "start-up grace period" in events[-1]["reason"]
 
@@ -88,13 +88,13 @@ async def test_active_instance_evicted_after_consecutive_failures_but_not_for_4x
     m = await start_manager()
     engine = await stub_engine()
     await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": engine.port})
-    await wait_until(lambda: _is(m, engine.endpoint, "active"))
+    await async_wait_until(lambda: _is(m, engine.endpoint, "active"))
     engine.health_status = 404  # the caller's problem, not the box's
     seen = engine.probes
-    await wait_until(lambda: engine.probes >= seen + 4, what="several 4xx probes")
+    await async_wait_until(lambda: engine.probes >= seen + 4, message="several 4xx probes")
     assert await m.state_of(engine.endpoint) == "active"
     engine.health_status = 503
-    await wait_until(lambda: _gone(m, engine.endpoint), what="eviction after 5xx")
+    await async_wait_until(lambda: _gone(m, engine.endpoint), message="eviction after 5xx")
     reason = (await m.status())["recent_events"][-1]["reason"]
     assert "2 consecutive failures" in reason and "health check: HTTP 503" in reason
 
@@ -104,7 +104,7 @@ async def test_shutdown_instances_drains_and_removes(start_manager, stub_engine)
     a, b = await stub_engine(), await stub_engine()
     for e in (a, b):
         await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": e.port})
-    await wait_until(lambda: _is(m, b.endpoint, "active"))
+    await async_wait_until(lambda: _is(m, b.endpoint, "active"))
     status, body = await m.post("/shutdown_instances",
                                 {"endpoints": [a.endpoint, "127.0.0.1:1"], "check_weight_update": True})
     assert status == 200

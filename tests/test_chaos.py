@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import PY, ROOT, OnLoopback, free_port, wait_until
+from support import PY, ROOT, OnLoopback, async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
@@ -113,19 +113,18 @@ class Fleet:
         return engine
 
     async def wait_ready(self, engine: ForkedEngine, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as s:
-            while time.monotonic() < deadline:
+            async def healthy() -> bool:
                 if not engine.alive():
                     raise AssertionError(f"engine {engine.flags} on port {engine.port} exited:\n{engine.log()}")
                 try:
                     async with s.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status == 200:
-                            return
+                        return r.status == 200
                 except (aiohttp.ClientError, asyncio.TimeoutError):
-                    pass
-                await asyncio.sleep(0.02)
-        raise AssertionError(f"engine on port {engine.port} not healthy within {timeout}s:\n{engine.log()}")
+                    return False
+
+            await async_wait_until(healthy, timeout, interval_s=0.02,
+                                   message=lambda: f"engine on port {engine.port} to be healthy:\n{engine.log()}")
 
     def kill(self, engine: ForkedEngine) -> None:
         try:
@@ -330,7 +329,8 @@ async def register(m, *engines: ForkedEngine, wait_active: bool = True, **extra:
         assert status == 200, body
     if wait_active:
         for e in engines:
-            await wait_until(lambda e=e: _state_is(m, e.endpoint, "active"), what=f"{e.endpoint} active")
+            await async_wait_until(lambda e=e: _state_is(m, e.endpoint, "active"),
+                                   message=f"{e.endpoint} active")
 
 
 async def _state_is(m, endpoint: str, state: str) -> bool:
@@ -350,9 +350,9 @@ async def settle(m, fleet: Fleet, removed: list[str], timeout: float = 15.0) -> 
             return None
         return st
 
-    st = await wait_until(settled, timeout, 0.1,
-                          f"registry == live engines {sorted(alive)}, all active, in_flight 0; "
-                          f"removed {len(removed)} dead")
+    st = await async_wait_until(settled, timeout, interval_s=0.1,
+                                message=f"registry == live engines {sorted(alive)}, all active, in_flight 0; "
+                                f"removed {len(removed)} dead")
     assert not set(removed) & {i["endpoint"] for i in st["instances"]}
     return st
 
@@ -467,7 +467,7 @@ async def test_engine_that_stalls_with_open_connections_under_load(start_manager
     assert tally.ok == len(items) and tally.regenerated == 0
     assert tally.continued > 0, "some sequences should have been on the stalled engine"
     assert stalling.alive(), "the stalled engine keeps its process and connections"
-    await wait_until(lambda: _gone(m, stalling.endpoint), 10, what="stalled engine removed")
+    await async_wait_until(lambda: _gone(m, stalling.endpoint), 10, message="stalled engine removed")
     st = await m.status()
     assert {i["endpoint"] for i in st["instances"]} == {e.endpoint for e in healthy}
     assert all(i["in_flight"] == 0 and i["in_flight_tokens"] == 0 for i in st["instances"])
@@ -503,7 +503,7 @@ async def test_continued_sequence_reports_the_callers_length(start_manager, flee
     await register(m, dying)  # the only choice for the first attempt
     prompt = prompts[0]
     req = asyncio.ensure_future(m.post("/generate", {"input_ids": prompt, "sampling_params": GREEDY}))
-    await wait_until(lambda: not dying.alive(), what="the dying engine to die")
+    await async_wait_until(lambda: not dying.alive(), message="the dying engine to die")
     await register(m, healthy)
     status, out = await req
     assert status == 200, out
@@ -539,7 +539,7 @@ async def test_sequence_whose_final_chunk_arrived_is_not_continued_past_its_stop
     healthy = await fleet.spawn()
     await register(m, dying)
     req = asyncio.ensure_future(m.post("/generate", {"input_ids": prompt, "sampling_params": params}))
-    await wait_until(lambda: not dying.alive(), what="the dying engine to die")
+    await async_wait_until(lambda: not dying.alive(), message="the dying engine to die")
     await register(m, healthy)
     status, out = await asyncio.wait_for(req, 30)
     assert status == 200, out
@@ -578,8 +578,8 @@ async def test_weight_load_longer_than_health_interval_is_not_death(start_manage
                     env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
     cleanup: list[asyncio.Future] = []
     try:
-        await wait_until(lambda: _http_ok(load_session, f"http://127.0.0.1:{rport}/health"), 30,
-                         what="receiver agent up")
+        await async_wait_until(lambda: _http_ok(load_session, f"http://127.0.0.1:{rport}/health"), 30,
+                               message="receiver agent up")
         await register(m, slow, weight_receiver_port=rport)
         status, _ = await m.put_senders([["127.0.0.1"]], 1, engines=1)
         assert status == 200
@@ -605,10 +605,10 @@ async def test_weight_load_longer_than_health_interval_is_not_death(start_manage
         cleanup.append(watcher)
         before = [asyncio.ensure_future(generate(p)) for p in prompts[:20]]  # in flight at the bump
         cleanup.extend(before)
-        await wait_until(lambda: _in_flight(m, 5), what="requests on the instance")
+        await async_wait_until(lambda: _in_flight(m, 5), message="requests on the instance")
         t0 = time.monotonic()
         bump = asyncio.ensure_future(m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 30}))
-        await wait_until(lambda: _state_is(m, slow.endpoint, "syncing"), what="syncing")
+        await async_wait_until(lambda: _state_is(m, slow.endpoint, "syncing"), message="syncing")
         during = [asyncio.ensure_future(generate(p)) for p in prompts[20:]]  # wait in the manager
         cleanup.extend(during)
         status, res = await bump

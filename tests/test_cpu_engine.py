@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from support import PY, Proc, wait_http_ok_sync, wait_until
+from support import PY, Proc, async_wait_until, wait_http_ok_sync, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, state_dict_checksums, tensor_checksum
 from rollout_manager.sglang import wire
@@ -46,16 +46,16 @@ def _engine_args(*extra: str) -> list[str]:
 
 def _wait_ready(e: EngineProc, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def ready_line() -> re.Match[str] | None:
         if e.proc.popen.poll() is not None:
             raise AssertionError(f"engine exited with {e.proc.popen.returncode}:\n{e.proc.log()}")
-        m = READY.search(e.proc.log())
-        if m:
-            e.url = m.group(1)
-            wait_http_ok_sync(e.url + wire.HEALTH, e.proc, timeout=max(deadline - time.monotonic(), 1.0))
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"engine not ready after {timeout}s:\n{e.proc.log()}")
+        return READY.search(e.proc.log())
+
+    m = wait_until(ready_line, timeout, message=lambda: f"the engine to be ready:\n{e.proc.log()}")
+    assert m is not None
+    e.url = m.group(1)
+    wait_http_ok_sync(e.url + wire.HEALTH, e.proc, timeout=max(deadline - time.monotonic(), 1.0))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,8 @@ def ref_model():
 # ------------------------------------------------------------------ HTTP helpers
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: Any = None, *, data: bytes | None = None) -> tuple[int, Any]:
+async def post(session: aiohttp.ClientSession, url: str, body: Any = None, *,
+               data: bytes | None = None) -> tuple[int, Any]:
     kwargs = {"data": data} if data is not None else {"json": body}
     async with session.post(url, **kwargs) as r:
         text = await r.text()
@@ -285,7 +286,8 @@ async def test_batch_outputs_match_solo_outputs(engines, session):
     prompts = [[1, 2, 3], [200, 100], [7] * 9]
     params = [{**GREEDY, "max_new_tokens": n} for n in (4, 9, 6)]
     solo = [await generate(session, e.url, p, sp["max_new_tokens"]) for p, sp in zip(prompts, params)]
-    body = {"input_ids": prompts, "sampling_params": params, "rid": ["b0", "b1", "b2"], "return_logprob": [True, False, True]}
+    body = {"input_ids": prompts, "sampling_params": params, "rid": ["b0", "b1", "b2"],
+            "return_logprob": [True, False, True]}
     status, outs = await post(session, e.url + wire.GENERATE, body)
     assert status == 200 and isinstance(outs, list) and len(outs) == 3
     for i, (o, s) in enumerate(zip(outs, solo)):
@@ -357,7 +359,7 @@ async def test_abort_by_rid_and_all(engines, session):
 
     # Non-streaming requests end with finish_reason abort too; abort_all takes every one.
     tasks = [asyncio.create_task(post(session, e.url + wire.GENERATE, {**long, "rid": f"ns-{i}"})) for i in range(2)]
-    await wait_until(lambda: _running_is(session, e.url, 2), what="both running")
+    await async_wait_until(lambda: _running_is(session, e.url, 2), message="both running")
     assert (await post(session, e.url + wire.ABORT_REQUEST, wire.abort_body(abort_all=True)))[0] == 200
     for status, out in await asyncio.gather(*tasks):
         assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -378,7 +380,8 @@ async def test_client_disconnect_drops_the_sequence(engines, session):
         async with other.post(e.url + wire.GENERATE, json=body) as r:
             await r.content.readline()  # the first frame has arrived: it is running
             assert await _running(session, e.url) == 1
-    await wait_until(lambda: _running_is(session, e.url, 0), what="the abandoned sequence to be dropped")
+    await async_wait_until(lambda: _running_is(session, e.url, 0),
+                           message="the abandoned sequence to be dropped")
 
 
 async def test_pause_in_place_then_continue_keeps_outputs(engines, session, ref_model):
@@ -393,7 +396,7 @@ async def test_pause_in_place_then_continue_keeps_outputs(engines, session, ref_
         queued = asyncio.create_task(generate(session, e.url, [5, 6], 8))
         assert (await get(session, e.url + wire.HEALTH_GENERATE))[0] == 503
         # Paused, the stream counts as queued too: wait for both.
-        await wait_until(lambda: _queued_is(session, e.url, 2), what="the new request to queue")
+        await async_wait_until(lambda: _queued_is(session, e.url, 2), message="the new request to queue")
         status, info = await get(session, e.url + wire.SERVER_INFO)
         assert info["cpu_engine"]["paused"] is True
         made = info["cpu_engine"]["total_generated_tokens"]
@@ -429,7 +432,8 @@ async def test_update_weight_version_aborts_by_default_like_sglang(engines, sess
         kept = Stream(session, e.url, {**body, "sampling_params": {**GREEDY, "max_new_tokens": 60}})
         async for _ in kept:
             if len(kept.chunks) == 2:
-                status, out = await post(session, e.url + wire.UPDATE_WEIGHT_VERSION, wire.update_weight_version_body("v2"))
+                status, out = await post(session, e.url + wire.UPDATE_WEIGHT_VERSION,
+                                         wire.update_weight_version_body("v2"))
                 assert status == 200 and out["success"]
         assert kept.chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
         assert kept.chunks[0]["meta_info"]["weight_version"] == "0"
@@ -509,7 +513,8 @@ async def test_max_new_tokens_zero_and_stop_tokens(engines, session, ref_model):
     e = engines("main")
     out = await generate(session, e.url, PROMPT, 0)
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
-    chunks = await Stream(session, e.url, {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 0}}).collect()
+    body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 0}}
+    chunks = await Stream(session, e.url, body).collect()
     assert len(chunks) == 1 and chunks[0]["meta_info"]["finish_reason"]["type"] == "length"
     ref, _ = reference_generate(ref_model, PROMPT, 20)
     stop = ref[5]
@@ -564,7 +569,8 @@ async def test_update_weights_from_tensor_then_sigterm(engines, session):
 
     # A push in two buckets (flush on the last), the second through shared memory like SGLang's serializer.
     half = len(named) // 2
-    body1 = wire.update_weights_from_tensor_body([wire.serialize_named_tensors(named[:half])], flush_cache=False, weight_version=None)
+    body1 = wire.update_weights_from_tensor_body([wire.serialize_named_tensors(named[:half])], flush_cache=False,
+                                                 weight_version=None)
     status, out = await post(session, e.url + wire.UPDATE_WEIGHTS_FROM_TENSOR, body1)
     assert status == 200 and out["success"] is True, out
     strategy = torch.multiprocessing.get_sharing_strategy()

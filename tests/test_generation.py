@@ -9,7 +9,7 @@ import signal
 
 import aiohttp
 import pytest
-from support import wait_until
+from support import async_wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
@@ -33,7 +33,7 @@ async def register(m, *engines, kind="remote"):
             status, body = await m.post("/register_local_rollout_instances", [["127.0.0.1", e.port]])
         assert status == 200, body
     for e in engines:
-        await wait_until(lambda e=e: _active(m, e.endpoint), what=f"{e.endpoint} active")
+        await async_wait_until(lambda e=e: _active(m, e.endpoint), message=f"{e.endpoint} active")
 
 
 async def _active(m, endpoint):
@@ -71,7 +71,7 @@ async def test_continuation_after_instance_dies_equals_uninterrupted_single(
     prompt = [10, 20, 30]
     req = asyncio.ensure_future(m.post("/generate", {"input_ids": prompt, "sampling_params": greedy(32),
                                                      "return_logprob": True}))
-    await wait_until(lambda: dying.proc.popen.poll() is not None, what="the dying engine to die")
+    await async_wait_until(lambda: dying.proc.popen.poll() is not None, message="the dying engine to die")
     await register(m, healthy)
     status, out = await req
     assert status == 200, out
@@ -93,7 +93,7 @@ async def test_continuation_for_batched_input_tracks_each_sequence(start_manager
     await register(m, dying)
     prompts = [[1, 2], [3], [4, 5, 6]]
     req = asyncio.ensure_future(m.post("/generate", {"input_ids": prompts, "sampling_params": greedy(16)}))
-    await wait_until(lambda: dying.proc.popen.poll() is not None, what="the dying engine to die")
+    await async_wait_until(lambda: dying.proc.popen.poll() is not None, message="the dying engine to die")
     await register(m, healthy)
     status, outs = await req
     assert status == 200, outs
@@ -129,8 +129,8 @@ async def test_ndjson_batch_of_200_survives_sigkill_of_one_of_three_engines(star
     continued = [d for d in by_id.values() if len(d["meta_info"]["segments"]) > 1]
     assert continued, "the kill should have interrupted some sequences"
     assert all(d["meta_info"]["segments"][0]["endpoint"] == victim.endpoint for d in continued)
-    await wait_until(lambda: _gone(m, victim.endpoint),
-                     what="victim removed")
+    await async_wait_until(lambda: _gone(m, victim.endpoint),
+                           message="victim removed")
 
 
 async def _gone(m, endpoint):
@@ -181,10 +181,10 @@ async def test_client_disconnect_aborts_outstanding_requests_on_the_instances(st
     async with aiohttp.ClientSession() as s:
         resp = await s.post(m.url + "/batch_generate_requests", json=items)
         assert resp.status == 200
-        await wait_until(lambda: _running_on_engine(engine, 4), what="4 sequences running")
+        await async_wait_until(lambda: _running_on_engine(engine, 4), message="4 sequences running")
         resp.close()  # the trainer went away
-    await wait_until(lambda: _running_on_engine(engine, 0, exact=True), what="engine aborted them")
-    await wait_until(lambda: _manager_in_flight(m, 0), what="manager accounting back to zero")
+    await async_wait_until(lambda: _running_on_engine(engine, 0, exact=True), message="engine aborted them")
+    await async_wait_until(lambda: _manager_in_flight(m, 0), message="manager accounting back to zero")
 
 
 async def _running_on_engine(engine, n, exact=False):
@@ -223,7 +223,7 @@ async def test_local_instances_go_first_and_their_sequences_move_to_remote_after
     st = await m.status()
     assert st["generation"]["preempted"] == 4 and st["local"]["open"] is False
     assert "budget" in st["local"]["last_close_reason"]
-    await wait_until(lambda: _zero(_engine_running(local)), what="local engine aborted the sequences")
+    await async_wait_until(lambda: _zero(_engine_running(local)), message="local engine aborted the sequences")
 
 
 async def _zero(coro):
@@ -243,7 +243,7 @@ async def test_abort_local_requests_moves_sequences_now_and_metrics_adapt_the_bu
     await register(m, remote)
     items = [[i, {"input_ids": [i + 3], "sampling_params": greedy(40)}] for i in range(3)]
     batch = asyncio.ensure_future(_batch(m, items))
-    await wait_until(lambda: _engine_running_at_least(local, 3), what="3 sequences on the local engine")
+    await async_wait_until(lambda: _engine_running_at_least(local, 3), message="3 sequences on the local engine")
     status, body = await m.post("/abort_local_requests", {})
     assert status == 200 and body == {"local_window_was_open": True, "moved_sequences": 3}
     status, lines = await batch
@@ -284,7 +284,7 @@ async def test_streaming_generate_looks_like_sglang_and_survives_a_death(start_m
                 raw.append(data)
 
     reader = asyncio.ensure_future(read())
-    await wait_until(lambda: dying.proc.popen.poll() is not None, what="the dying engine to die")
+    await async_wait_until(lambda: dying.proc.popen.poll() is not None, message="the dying engine to die")
     await register(m, healthy)
     await reader
     assert b"".join(raw).endswith(wire.DONE_FRAME)
@@ -304,7 +304,8 @@ async def test_incremental_engine_and_stalled_engine(start_manager, start_engine
     await register(m, stalling)
     req = asyncio.ensure_future(m.post("/generate", {"input_ids": [4, 4], "sampling_params": greedy(20),
                                                      "return_logprob": True}))
-    await wait_until(lambda: _engine_running_at_least(stalling, 1), what="request on the stalling engine")
+    await async_wait_until(lambda: _engine_running_at_least(stalling, 1),
+                           message="request on the stalling engine")
     await register(m, incremental)
     status, out = await req
     assert status == 200, out
@@ -333,4 +334,4 @@ async def test_sigterm_lets_in_flight_work_finish_within_the_grace_then_fails_th
     assert lines[0]["success"] and not lines[1]["success"]
     assert lines[1]["status_code"] == 503 and "shutting down" in lines[1]["error"]
     assert m.proc.wait(20) == 0
-    await wait_until(lambda: _zero(_engine_running(engine)), what="the engine told to abort")
+    await async_wait_until(lambda: _zero(_engine_running(engine)), message="the engine told to abort")

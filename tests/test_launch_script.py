@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from support import PY, ROOT, Proc, free_port, wait_until
+from support import PY, ROOT, Proc, async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
@@ -91,7 +91,7 @@ async def until_active(m, endpoint: str, box: Proc, timeout: float = 40) -> None
         return await state_is(m, endpoint, "active")
 
     try:
-        await wait_until(ready, timeout, 0.2, f"{endpoint} to be active")
+        await async_wait_until(ready, timeout, interval_s=0.2, message=f"{endpoint} to be active")
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{box.log()}") from None
 
@@ -145,7 +145,8 @@ async def test_box_registers_serves_takes_weights_and_leaves_nothing_on_sigterm(
         groups = {os.getpgid(p) for p in below if alive(p)}
         long = {"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 40}}
         in_flight = asyncio.create_task(m.post("/generate", long))  # >= 40 x 20 ms on the box
-        await wait_until(lambda: _in_flight(m, endpoint), timeout=5, interval=0.02, what="request in flight")
+        await async_wait_until(lambda: _in_flight(m, endpoint), timeout_s=5, interval_s=0.02,
+                               message="request in flight")
         t0 = time.monotonic()
         box.signal(signal.SIGTERM)
         assert await asyncio.to_thread(box.wait, 20) == 0, box.log()
@@ -171,8 +172,8 @@ async def test_a_dying_child_deregisters_and_exits_3_and_a_stale_registration_is
     assert status == 200
     box = Proc(script_args(m.url, port, agent_port), tmp_path / "box.log", env=QUIET)
     try:
-        await wait_until(lambda: "registered 127.0.0.1:" in box.log() or box.popen.poll() is not None,
-                         timeout=40, interval=0.2, what="registration")
+        await async_wait_until(lambda: "registered 127.0.0.1:" in box.log() or box.popen.poll() is not None,
+                               timeout_s=40, interval_s=0.2, message="registration")
         assert "still registered from an earlier run; replacing it" in box.log(), box.log()
         await until_active(m, endpoint, box)
         below = descendants(box.pid)
@@ -200,7 +201,8 @@ async def test_box_registers_again_when_the_manager_restarts(start_manager, tmp_
         old_run = (await m.get("/health"))[1]["run_id"]
         m.proc.signal(signal.SIGKILL)  # no goodbye: the new manager starts with an empty registry
         await asyncio.to_thread(m.proc.wait, 10)
-        await wait_until(lambda: "went away" in box.log(), timeout=10, interval=0.1, what="the box to notice")
+        await async_wait_until(lambda: "went away" in box.log(), timeout_s=10, interval_s=0.1,
+                               message="the box to notice")
         m2 = await start_manager(port=mport)
         new_run = (await m2.get("/health"))[1]["run_id"]
         assert new_run != old_run
@@ -215,8 +217,8 @@ async def test_box_registers_again_when_the_manager_restarts(start_manager, tmp_
         # An admin's removal (same run id) is respected: the box does not come back by itself.
         status, _ = await m2.post("/shutdown_instances", {"endpoints": [endpoint], "check_weight_update": False})
         assert status == 200
-        await wait_until(lambda: "is no longer registered" in box.log(), timeout=5, interval=0.1,
-                         what="the removal to be noted")
+        await async_wait_until(lambda: "is no longer registered" in box.log(), timeout_s=5, interval_s=0.1,
+                               message="the removal to be noted")
         await asyncio.sleep(1)
         assert await instance(m2, endpoint) is None and box.popen.poll() is None
         assert box.log().count("registered again") == 1
@@ -236,8 +238,9 @@ async def test_killed_launcher_leaves_nothing_behind(start_manager, tmp_path):
         os.kill(box.pid, signal.SIGKILL)  # no chance to clean up: the kernel's parent-death signal does it
         await asyncio.to_thread(box.wait, 10)  # reap it: a zombie launcher would keep its own group "non-empty"
         # (the manager watcher starts in the launcher's group before it moves to its own)
-        await wait_until(lambda: not [p for p in below if alive(p)], timeout=15, what="orphans to exit")
-        await wait_until(lambda: all(group_empty(g) for g in groups), timeout=5, what="groups empty")
+        await async_wait_until(lambda: not [p for p in below if alive(p)], timeout_s=15,
+                               message="orphans to exit")
+        await async_wait_until(lambda: all(group_empty(g) for g in groups), timeout_s=5, message="groups empty")
     finally:
         box.stop()
 

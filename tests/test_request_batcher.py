@@ -10,7 +10,7 @@ import asyncio
 import importlib.util
 
 import pytest
-from support import wait_until
+from support import async_wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from trainer_plugin.client import ManagerClient, ManagerHTTPError
@@ -99,13 +99,13 @@ async def test_cancelled_callers_leave_and_a_batch_nobody_waits_for_is_aborted(s
     async with ManagerClient(m.url) as client:
         batcher = RequestBatcher(client, window_s=0.02)
         calls = [asyncio.ensure_future(batcher.generate(body([5, 6, 7], 500))) for _ in range(3)]
-        await wait_until(lambda: _equals(in_flight, 3), what="3 sequences running")
+        await async_wait_until(lambda: _equals(in_flight, 3), message="3 sequences running")
         calls[0].cancel()
         # the stream still carries the other two, so nothing is aborted (one sequence runs on unawaited)
         assert await in_flight() == 3 and not calls[1].done()
         for call in calls[1:]:
             call.cancel()
-        await wait_until(lambda: _equals(in_flight, 0), what="the manager aborted the abandoned batch")
+        await async_wait_until(lambda: _equals(in_flight, 0), message="the manager aborted the abandoned batch")
         assert all(c.cancelled() for c in calls)
         # the batcher still works afterwards
         assert len((await batcher.generate(body([5, 6, 7], 2)))["output_ids"]) == 2

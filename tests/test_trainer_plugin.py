@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
-from support import PY, ROOT, Proc, free_port, wait_until
+from support import PY, ROOT, Proc, async_wait_until, free_port, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from trainer_plugin.client import ManagerClient, ManagerHTTPError, ManagerUnavailable
@@ -33,7 +33,8 @@ from trainer_plugin.streaming import RolloutFailed, RolloutStream, build_micro_b
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 needs_verl = pytest.mark.skipif(not HAVE_VERL, reason="verl 0.9.1 is not installed (pip install -c "
                                 "tests/verl_constraints.txt verl==0.9.1 after torch==2.13.0)")
-V1_MISSING = [m for m in ("verl", "transfer_queue", "cachetools", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+V1_MISSING = [m for m in ("verl", "transfer_queue", "cachetools", "fastapi", "uvicorn")
+              if importlib.util.find_spec(m) is None]
 needs_verl_v1 = pytest.mark.skipif(bool(V1_MISSING), reason=f"verl 0.9.1's V1 trainers need {', '.join(V1_MISSING)} "
                                    "(scripts/install.sh installs them)")
 GREEDY = {"temperature": 0.0}
@@ -111,14 +112,16 @@ def test_manager_never_outlives_the_trainer(tmp_path):
         return None
 
     try:
-        deadline = time.monotonic() + 60
         pids = {}
-        while len(pids) < len(modes):
-            assert time.monotonic() < deadline, {m: parents[m][0].log() for m in modes if m not in pids}
+
+        def all_ready():
             for mode in modes:
                 if mode not in pids and (pid := ready_pid(mode)):
                     pids[mode] = pid
-            time.sleep(0.05)
+            return len(pids) == len(modes)
+
+        wait_until(all_ready, 60, message=lambda: f"READY lines; missing: "
+                   f"{ {m: parents[m][0].log() for m in modes if m not in pids} }")
         parents["sigterm"][0].signal(signal.SIGTERM)
         parents["sigterm_chained"][0].signal(signal.SIGTERM)
         parents["sigkill"][0].signal(signal.SIGKILL)
@@ -129,9 +132,8 @@ def test_manager_never_outlives_the_trainer(tmp_path):
         assert codes["sigterm_chained"] == 3  # the trainer's own handler still runs
         assert Path(str(parents["sigterm_chained"][2]) + ".chained").read_text() == "called"
         assert codes["sigkill"] == -signal.SIGKILL
-        deadline = time.monotonic() + 15
-        while any(pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 15,
+                   message=lambda: f"the managers to exit; alive: { {m: pid_alive(p) for m, p in pids.items()} }")
         assert {m: pid_alive(p) for m, p in pids.items()} == {m: False for m in modes}
         for mode in modes:
             assert probe_health("127.0.0.1", parents[mode][1])[0] == "closed", mode
@@ -398,7 +400,7 @@ async def test_sync_wrapper_and_early_close(start_manager, start_engines, model)
     prompts = [[i + 3] for i in range(6)]
     first = await asyncio.to_thread(lambda: consume(limit=1))
     assert len(first) == 1
-    await wait_until(lambda: _in_flight_zero(m), what="aborted requests to leave the instance")
+    await async_wait_until(lambda: _in_flight_zero(m), message="aborted requests to leave the instance")
 
 
 async def _in_flight_zero(m):
@@ -422,7 +424,8 @@ def test_settings_and_argv_mapping(tmp_path):
     assert (s.manager.port, s.manager.launch, s.min_stream_batch_size) == (6001, False, 16)
     assert from_rollout_config({"custom": None}).manager.port == 5000
     with pytest.raises(SettingsError, match=r"actor_rollout_ref.rollout.rollout_manager is not a verl 0.9.1 "
-                                            r"rollout key; write it as actor_rollout_ref.rollout.custom.rollout_manager"):
+                                            r"rollout key; write it as "
+                                            r"actor_rollout_ref.rollout.custom.rollout_manager"):
         from_rollout_config({"rollout_manager": {"port": 1}})
     with pytest.raises(SettingsError, match=r"unknown key actor_rollout_ref.rollout.custom.rollout_manager.prot"):
         from_rollout_config({"custom": {"rollout_manager": {"prot": 1}}})

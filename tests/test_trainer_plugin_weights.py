@@ -81,7 +81,8 @@ async def test_one_full_training_loop_on_cpu(pool):
             assert versions == {str(step - 1)}, versions  # every sample from the version pushed last step
             for i in range(len(mb)):
                 mask = mb.tensors["response_mask"][i].bool()
-                prompt = mb.tensors["prompts"][i][mb.tensors["attention_mask"][i][: mb.tensors["prompts"].shape[1]].bool()]
+                width = mb.tensors["prompts"].shape[1]
+                prompt = mb.tensors["prompts"][i][mb.tensors["attention_mask"][i][:width].bool()]
                 samples.append((prompt.tolist(), mb.tensors["responses"][i][mask].tolist(),
                                 int(mb.non_tensors["prompt_index"][i])))
         assert len(samples) == 16 and all(size >= 8 for size in sizes[:-1])

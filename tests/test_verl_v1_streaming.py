@@ -46,7 +46,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support import free_port, wait_until
+from support import async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
@@ -54,7 +54,8 @@ V1_MODULES = ("verl", "transfer_queue", "ray", "hydra", "tokenizers", "cachetool
 MISSING = [m for m in V1_MODULES if importlib.util.find_spec(m) is None]
 pytestmark = [
     pytest.mark.skipif(bool(MISSING), reason=f"verl 0.9.1's V1 trainer path needs {', '.join(MISSING)} (pip install "
-                       "-c tests/verl_constraints.txt verl==0.9.1 TransferQueue cachetools fastapi uvicorn, after torch==2.13.0)"),
+                       "-c tests/verl_constraints.txt verl==0.9.1 TransferQueue cachetools fastapi uvicorn, "
+                       "after torch==2.13.0)"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
@@ -261,8 +262,8 @@ async def test_v1_agent_loops_stream_whole_greedy_groups_through_the_manager(sta
     # (every 2 s, with no deadline); waiting here first keeps the test bounded and the call immediate.
     batches = []
     for _ in range(len(QUESTIONS) // GROUPS_PER_SAMPLE):
-        await wait_until(lambda: finished_groups(GROUPS_PER_SAMPLE), timeout=45, interval=0.05,
-                         what=f"{GROUPS_PER_SAMPLE} finished groups in TransferQueue")
+        await async_wait_until(lambda: finished_groups(GROUPS_PER_SAMPLE), timeout_s=45, interval_s=0.05,
+                               message=f"{GROUPS_PER_SAMPLE} finished groups in TransferQueue")
         before = await asyncio.to_thread(prompt_statuses)
         meta, metrics = await asyncio.to_thread(buffer.sample, global_steps=step, partition_id="train",
                                                 batch_size=GROUPS_PER_SAMPLE)

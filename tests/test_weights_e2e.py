@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 import torch
-from support import Box, free_port, wait_until
+from support import Box, async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
@@ -76,7 +76,7 @@ async def test_push_to_three_engines_in_two_groups_is_bit_exact_and_changes_outp
     m, sender, add_box = rig
     boxes = [await add_box() for _ in range(3)]
     for box in boxes:
-        await wait_until(lambda b=box: _state(m, b, "active"), what="version-0 instances active")
+        await async_wait_until(lambda b=box: _state(m, b, "active"), message="version-0 instances active")
     before = (await greedy_via(m, [1, 2, 3]))["output_ids"]
     groups = {(i["sender"], i["group"]) for i in (await m.status())["instances"]}
     assert groups == {(0, 0), (0, 1)}  # 3 instances dealt over the 2 groups
@@ -109,7 +109,7 @@ async def _state(m, box, state):
 async def test_consecutive_versions_bootstrap_and_faulty_receivers_kept_out(rig):
     m, sender, add_box = rig
     good = await add_box()
-    await wait_until(lambda: _state(m, good, "active"))
+    await async_wait_until(lambda: _state(m, good, "active"))
     for step in (1, 2):
         weights = trainer_weights(step)
         await asyncio.to_thread(sender.stage, weights, step)
@@ -118,13 +118,13 @@ async def test_consecutive_versions_bootstrap_and_faulty_receivers_kept_out(rig)
         assert await engine_checksums(good.url) == expected_checksums(weights)
     # A box registered mid-training is bootstrapped to the current version before it serves.
     late = await add_box()
-    await wait_until(lambda: _state(m, late, "active"), timeout=60, what="late box bootstrapped")
+    await async_wait_until(lambda: _state(m, late, "active"), timeout_s=60, message="late box bootstrapped")
     assert await engine_checksums(late.url) == expected_checksums(weights)
     # A receiver that corrupts what lands and one that dies mid-transfer never serve version 3.
     corrupt = await add_box("--fault-corrupt")
     dying = await add_box("--fault-die-after-prepare")
     for box in (corrupt, dying):  # they join at version 2 through the same (faulty) path
-        await wait_until(lambda b=box: _gone(m, b), timeout=60, what="faulty box removed")
+        await async_wait_until(lambda b=box: _gone(m, b), timeout_s=60, message="faulty box removed")
     weights = trainer_weights(3)
     await asyncio.to_thread(sender.stage, weights, 3)
     status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
@@ -145,7 +145,7 @@ async def _gone(m, box):
 async def test_a_dead_sender_keeps_instances_out_of_service_without_removing_them(rig):
     m, sender, add_box = rig  # weight_push_max_attempts = 2, retry every 0.2 s
     box = await add_box()
-    await wait_until(lambda: _state(m, box, "active"))
+    await async_wait_until(lambda: _state(m, box, "active"))
     port = int(sender.port)
     sender.stop()  # the trainer's sender agent crashed
     status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 1.5})
@@ -156,7 +156,8 @@ async def test_a_dead_sender_keeps_instances_out_of_service_without_removing_the
     revived = SenderAgent(SENDER_IPS, port).start()  # the trainer restarts it and stages again
     try:
         await asyncio.to_thread(revived.stage, weights, 1)
-        await wait_until(lambda: _state(m, box, "active"), timeout=30, what="push after the sender came back")
+        await async_wait_until(lambda: _state(m, box, "active"), timeout_s=30,
+                               message="push after the sender came back")
         assert await engine_checksums(box.url) == expected_checksums(weights)
     finally:
         revived.stop()

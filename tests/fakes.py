@@ -1,0 +1,303 @@
+"""In-process fakes for testing the manager's state machines without processes or real time.
+
+- :class:`FakeClock`: monotonic time that moves only when a test advances it; its ``sleep`` parks the
+  caller until then, so a start-up grace period of minutes passes in microseconds and deterministically.
+- :class:`FakeSGLang`: an aiohttp app on 127.0.0.1 that speaks just enough of SGLang's ``/generate``
+  (encoded with :mod:`rollout_manager.sglang.wire`, so it is held to the manager's wire contract),
+  ``/health_generate`` and ``/abort_request``, and can die, stall or refuse on demand.
+- :class:`FakeProbe`: a scripted health probe for :class:`HealthMonitor`.
+- :class:`FakeAgents`: an :class:`AgentClient` for :class:`WeightSync` that records calls and fails on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.sglang import wire
+from rollout_manager.sglang.client import Probe
+from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
+from rollout_manager.weights.protocol import (
+    CommitAnswer,
+    CommitRequest,
+    LayoutAnswer,
+    LayoutBody,
+    PrepareAnswer,
+    PrepareRequest,
+    PushAnswer,
+    PushRequest,
+)
+
+
+class FakeClock:
+    """Monotonic time under the test's control; pass ``clock`` where a clock is taken and
+    ``clock.sleep`` where a sleep is taken."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._parked = asyncio.Event()
+
+    def __call__(self) -> float:
+        return self.now
+
+    @property
+    def sleepers(self) -> int:
+        """How many callers are parked in :meth:`sleep`."""
+        return len(self._sleepers)
+
+    async def sleep(self, seconds: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (self.now + max(seconds, 0.0), next(self._order), fut)
+        heapq.heappush(self._sleepers, entry)
+        self._parked.set()
+        try:
+            await fut
+        finally:
+            if entry in self._sleepers:  # cancelled while parked
+                self._sleepers.remove(entry)
+                heapq.heapify(self._sleepers)
+
+    def advance(self, seconds: float) -> None:
+        """Move time on and wake every sleeper whose deadline has come (they run at the next yield)."""
+        self.now += seconds
+        while self._sleepers and self._sleepers[0][0] <= self.now:
+            _, _, fut = heapq.heappop(self._sleepers)
+            if not fut.done():
+                fut.set_result(None)
+
+    async def parked(self, count: int = 1, timeout_s: float = 2.0) -> None:
+        """Return once ``count`` callers are parked in :meth:`sleep`: the code under test has done all
+        it can do at this instant. Real-time bounded so a broken test fails instead of hanging."""
+        async def enough() -> None:
+            while len(self._sleepers) < count:
+                self._parked.clear()
+                await self._parked.wait()
+
+        try:
+            await asyncio.wait_for(enough(), timeout_s)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"{len(self._sleepers)} caller(s) parked after {timeout_s:g}s, "
+                                 f"expected {count}") from None
+
+    async def step(self, seconds: float, parked: int = 1) -> None:
+        """Advance, then wait until ``parked`` callers are parked again."""
+        self.advance(seconds)
+        await self.parked(parked)
+
+
+# ---------------------------------------------------------------- SGLang
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: the next token depends only on the context, as with greedy decoding, so a
+    sequence continued elsewhere from its tokens so far gets the very tokens it would have got."""
+    return (sum(context) * 31 + len(context) * 7 + 3) % 251
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """What an uninterrupted greedy run of the fake model makes from ``prompt``."""
+    context, out = list(prompt), []
+    for _ in range(n):
+        token = next_token(context)
+        context.append(token)
+        out.append(token)
+    return out
+
+
+@dataclass
+class FakeSGLang:
+    """One fake SGLang server. Set the public fields to change how it behaves from the next request."""
+
+    weight_version: str = "0"
+    health_status: int = 200
+    die_after_tokens: int | None = None  # stream that many tokens, then drop the connection
+    stall_after_tokens: int | None = None  # stream that many tokens, then go silent until unstall()
+    reject_status: int | None = None  # answer every /generate with this status and an SGLang error body
+    requests: list[dict[str, Any]] = field(default_factory=list)  # /generate bodies, in order
+    aborted: list[str] = field(default_factory=list)  # rids told to /abort_request
+    health_probes: int = 0
+    server: TestServer | None = None
+    _unstall: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None and self.server.port is not None
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post(wire.GENERATE, self._generate)
+        app.router.add_get(wire.HEALTH_GENERATE, self._health)
+        app.router.add_get(wire.HEALTH, self._health)
+        app.router.add_post(wire.ABORT_REQUEST, self._abort)
+        return app
+
+    async def start(self) -> FakeSGLang:
+        self.server = TestServer(self.app(), host="127.0.0.1")
+        await self.server.start_server()
+        return self
+
+    def unstall(self) -> None:
+        self._unstall.set()
+
+    async def close(self) -> None:
+        self._unstall.set()  # a stalled handler must not hold the shutdown
+        if self.server is not None:
+            await self.server.close()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.health_probes += 1
+        return web.json_response({}, status=self.health_status)
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.aborted.append(str(body.get("rid", "")))
+        return web.json_response({})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if self.reject_status is not None:
+            error = wire.error_object(f"fake engine refuses with {self.reject_status}", self.reject_status)
+            return web.json_response(error, status=self.reject_status)
+        prompt = list(body["input_ids"])
+        budget = int((body.get("sampling_params") or {}).get("max_new_tokens", wire.DEFAULT_MAX_NEW_TOKENS))
+        rid = str(body.get("rid") or "fake")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        made: list[int] = []
+        for _ in range(budget):
+            if self.die_after_tokens is not None and len(made) >= self.die_after_tokens:
+                assert request.transport is not None
+                request.transport.close()  # as a crashed engine: no [DONE], no clean end of the body
+                return resp
+            if self.stall_after_tokens is not None and len(made) >= self.stall_after_tokens:
+                await self._unstall.wait()
+            made.append(next_token(prompt + made))
+            finish = wire.finish_reason(wire.LENGTH, length=len(made)) if len(made) == budget else None
+            await resp.write(wire.sse_frame(wire.output_chunk(
+                rid=rid, output_ids=list(made), prompt_tokens=len(prompt), completion_tokens=len(made),
+                finish=finish, weight_version=self.weight_version, text="x" * len(made) if finish else None,
+            )))
+        await resp.write(wire.DONE_FRAME)
+        await resp.write_eof()
+        return resp
+
+
+async def start_fakes(n: int) -> list[FakeSGLang]:
+    return [await FakeSGLang().start() for _ in range(n)]
+
+
+def register_active(registry: Registry, fakes: Iterable[FakeSGLang], kind: Kind = Kind.REMOTE) -> list[Instance]:
+    """Register the fakes and mark them active at once (as if their first probe had passed)."""
+    out = []
+    for fake in fakes:
+        inst = registry.add("127.0.0.1", fake.port, kind)
+        assert registry.transition(inst, State.ACTIVE, "test: healthy")
+        out.append(inst)
+    return out
+
+
+# ---------------------------------------------------------------- health probes
+
+
+class FakeProbe:
+    """A :data:`ProbeFn` whose answer the test sets (``status``: an HTTP status, or None for no answer).
+
+    With ``hold`` set, probes wait on it, so a test can act while a probe is in flight.
+    """
+
+    def __init__(self, status: int | None = 200) -> None:
+        self.status = status
+        self.calls: list[tuple[str, str]] = []
+        self.hold: asyncio.Event | None = None
+
+    async def __call__(self, base_url: str, path: str, timeout_s: float) -> Probe:
+        self.calls.append((base_url, path))
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.status is None:
+            return Probe(None, f"{path}: connection refused (fake)")
+        return Probe(self.status)
+
+
+# ---------------------------------------------------------------- weight agents
+
+
+class FakeAgents(AgentClient):
+    """The weight agents, in memory: the sender has ``staged`` staged; every call is recorded with its
+    body as a plain dict.
+
+    ``sender_down``: the sender cannot be reached (SenderUnavailable); ``fail_pushes``: that many
+    pushes fail (PushFailed), then they succeed; ``hold``: pushes wait on it.
+    """
+
+    LAYOUT = LayoutBody(alignment=64, total_bytes=0, tensors=[])
+
+    def __init__(self, staged: int | None = 0) -> None:  # no session: nothing here goes over the network
+        self.staged = staged
+        self.sender_down = False
+        self.fail_pushes = 0
+        self.hold: asyncio.Event | None = None
+        self.calls: list[tuple[str, str, dict[str, Any] | None]] = []
+
+    def count(self, name: str) -> int:
+        return sum(1 for call in self.calls if call[0] == name)
+
+    def pushed_to(self) -> list[str]:
+        """Receiver URLs that committed a version, in order."""
+        return [url for name, url, _ in self.calls if name == "commit"]
+
+    async def layout(self, sender_url: str, sender: int) -> LayoutAnswer:
+        self.calls.append(("layout", sender_url, None))
+        if self.sender_down:
+            raise SenderUnavailable(f"sender {sender} at {sender_url}: connection refused (fake)")
+        return LayoutAnswer(version=self.staged, layout=self.LAYOUT, fingerprint="fake")
+
+    async def prepare(self, receiver_url: str, req: PrepareRequest) -> PrepareAnswer:
+        self.calls.append(("prepare", receiver_url, req.model_dump()))
+        return PrepareAnswer(session_ids=["fake-session"], buffer_addr=0, buffer_bytes=0, fingerprint="fake")
+
+    async def push(self, sender_url: str, sender: int, req: PushRequest) -> PushAnswer:
+        self.calls.append(("push", sender_url, req.model_dump()))
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.fail_pushes > 0:
+            self.fail_pushes -= 1
+            raise PushFailed(f"POST {sender_url}/push -> HTTP 500: transfer failed (fake)", 500)
+        return PushAnswer(version=req.version, bytes=1 << 20, seconds=0.001, gbps=1.0, shards=[], checksums=[],
+                          fingerprint="fake")
+
+    async def commit(self, receiver_url: str, req: CommitRequest) -> CommitAnswer:
+        self.calls.append(("commit", receiver_url, req.model_dump()))
+        return CommitAnswer(ok=True, version=req.version, verify_s=0.0, load_s=0.0, buckets=0)
+
+
+async def yield_until(predicate: Callable[[], bool], max_yields: int = 1000) -> None:
+    """Let other tasks run until ``predicate`` holds: for in-process work that needs no real time
+    (a fake probe started, a fake push began). Fails instead of hanging."""
+    for _ in range(max_yields):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"condition not reached after {max_yields} event-loop turns")
+
+
+async def run_pending(turns: int = 10) -> None:
+    """Let other tasks run for a few event-loop turns (no time passes): they reach their next wait."""
+    for _ in range(turns):
+        await asyncio.sleep(0)

@@ -1,0 +1,188 @@
+"""Dispatcher accounting and waiting, in process (registry and dispatcher only, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fakes import FakeClock, run_pending
+
+from rollout_manager.errors import Unavailable
+from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.scheduling import LeastInFlight
+
+
+def active(registry: Registry, n: int, kind: Kind = Kind.REMOTE, first_port: int = 30000) -> list[Instance]:
+    out = []
+    for i in range(n):
+        inst = registry.add("127.0.0.1", first_port + i, kind)
+        assert registry.transition(inst, State.ACTIVE, "test: healthy")
+        out.append(inst)
+    return out
+
+
+def make(max_in_flight: int | None = None, clock: FakeClock | None = None) -> tuple[Registry, Dispatcher]:
+    registry = Registry(clock=clock) if clock else Registry()
+    kw = {"clock": clock} if clock else {}
+    return registry, Dispatcher(registry, LeastInFlight(max_in_flight), **kw)
+
+
+async def test_acquire_and_release_account_requests_and_tokens() -> None:
+    registry, d = make()
+    a, b = active(registry, 2)
+    first = d.try_acquire(100)
+    second = d.try_acquire(50)
+    assert (first, second) == (a, b)  # least in flight: the second goes to the idle one
+    assert (a.in_flight, a.in_flight_tokens) == (1, 100)
+    d.progress(a, 30)  # 30 tokens streamed: 70 of the budget still outstanding
+    assert a.in_flight_tokens == 70
+    d.release(a, 100 - 30)  # finished early (a stop token): the unused budget is returned
+    assert (a.in_flight, a.in_flight_tokens) == (0, 0)
+    d.release(b, 50)
+    assert (b.in_flight, b.in_flight_tokens) == (0, 0)
+    d.release(b, 50)  # an extra release never goes negative
+    assert (b.in_flight, b.in_flight_tokens) == (0, 0)
+
+
+async def test_only_active_instances_take_work() -> None:
+    registry, d = make()
+    pending = registry.add("127.0.0.1", 29999, Kind.REMOTE)
+    (a,) = active(registry, 1)
+    assert registry.transition(a, State.SYNCING, "test")
+    assert d.try_acquire(10) is None and pending.in_flight == 0
+    assert registry.transition(a, State.ACTIVE, "test")
+    assert d.try_acquire(10) is a
+
+
+async def test_local_instances_first_only_while_the_window_is_open() -> None:
+    registry, d = make()
+    (remote,) = active(registry, 1)
+    (local,) = active(registry, 1, Kind.LOCAL, first_port=31000)
+    assert d.try_acquire(10) is remote  # window closed: remote only, even though the local one is idle
+    assert d.local.open(budget_s=60)
+    try:
+        assert d.try_acquire(10) is local
+        assert d.try_acquire(10) is local  # busier than the remote one, but local goes first
+        assert d.local.close("test")
+        assert d.try_acquire(10) is remote
+    finally:
+        d.local.close("test")
+
+
+async def test_full_local_instances_spill_to_remote_ones() -> None:
+    registry, d = make(max_in_flight=1)
+    (remote,) = active(registry, 1)
+    (local,) = active(registry, 1, Kind.LOCAL, first_port=31000)
+    assert d.local.open(budget_s=60)
+    try:
+        assert d.try_acquire(10) is local
+        assert d.try_acquire(10) is remote
+        assert d.try_acquire(10) is None
+    finally:
+        d.local.close("test")
+
+
+async def test_an_instance_the_sequence_failed_on_is_avoided_unless_it_recovered() -> None:
+    registry, d = make()
+    a, b = active(registry, 2)
+    a.consecutive_failures = 1
+    assert d.try_acquire(10, avoid={a.id}) is b
+    d.release(b, 10)
+    assert registry.transition(b, State.DEAD, "test")
+    assert d.try_acquire(10, avoid={a.id}) is None  # the only one left still fails
+    a.consecutive_failures = 0  # a health check or another request succeeded there
+    assert d.try_acquire(10, avoid={a.id}) is a
+
+
+async def test_instances_with_failures_are_used_only_when_no_clean_one_is_there() -> None:
+    registry, d = make()
+    a, b = active(registry, 2)
+    a.consecutive_failures = 1
+    assert [d.try_acquire(10) for _ in range(3)] == [b, b, b]  # b is busier, but clean
+    assert registry.transition(b, State.DEAD, "test")
+    assert d.try_acquire(10) is a  # a sequence that never failed there may still use it
+
+
+async def test_acquire_waits_for_a_release() -> None:
+    registry, d = make(max_in_flight=1)
+    (a,) = active(registry, 1)
+    assert d.try_acquire(10) is a
+    waiter = asyncio.ensure_future(d.acquire(20, timeout_s=5))
+    await run_pending()
+    assert not waiter.done()  # parked: the only instance is full
+    d.release(a, 10)
+    assert await asyncio.wait_for(waiter, 2) is a
+    assert (a.in_flight, a.in_flight_tokens) == (1, 20)
+
+
+async def test_acquire_waits_for_an_instance_to_become_active() -> None:
+    registry, d = make()
+    inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
+    waiter = asyncio.ensure_future(d.acquire(20, timeout_s=5))
+    await run_pending()  # the waiter is parked on the dispatcher's signal
+    assert not waiter.done()
+    assert registry.transition(inst, State.ACTIVE, "test: healthy")
+    assert await asyncio.wait_for(waiter, 2) is inst
+
+
+async def test_acquire_times_out_with_unavailable() -> None:
+    registry, d = make(max_in_flight=1)
+    (a,) = active(registry, 1)
+    assert d.try_acquire(10) is a
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match=r"no rollout instance could take the request within 0.05s \(1 active\)"):
+        await d.acquire(10, timeout_s=0.05)
+    assert 0.04 <= time.monotonic() - t0 < 1.0
+
+
+async def test_close_fails_waiters_at_once() -> None:
+    registry, d = make()
+    waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=60)) for _ in range(3)]
+    await run_pending()  # the waiter is parked on the dispatcher's signal
+    assert not any(w.done() for w in waiters)
+    d.close()
+    for w in waiters:
+        with pytest.raises(Unavailable, match="shutting down"):
+            await asyncio.wait_for(w, 1)
+    active(registry, 1)
+    with pytest.raises(Unavailable, match="shutting down"):  # nothing new is placed either
+        await d.acquire(10, timeout_s=60)
+
+
+async def test_idle_time_is_accounted_per_active_instance() -> None:
+    clock = FakeClock()
+    registry, d = make(clock=clock)
+    a, b = active(registry, 2)
+    clock.advance(4)
+    assert d.try_acquire(10) is a  # a busy from t=4
+    clock.advance(6)
+    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx((4 + 10) / 2)  # mean of a (4) and b (10)
+    clock.advance(3)
+    d.release(a, 10)  # a idle again from t=13
+    clock.advance(2)
+    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx((2 + 5) / 2)  # counting restarted at t=10
+    assert d.take_idle_seconds(Kind.LOCAL) == 0.0  # no local instances
+
+
+async def test_idle_time_of_a_removed_instance_is_dropped() -> None:
+    clock = FakeClock()
+    registry, d = make(clock=clock)
+    a, b = active(registry, 2)
+    clock.advance(10)
+    assert registry.transition(b, State.DEAD, "test")
+    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(10)  # a alone
+
+
+async def test_time_spent_syncing_is_not_idle_time() -> None:
+    clock = FakeClock()
+    registry, d = make(clock=clock)
+    (a,) = active(registry, 1)
+    clock.advance(1)
+    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(1)
+    assert registry.transition(a, State.SYNCING, "test: needs weight version 1")
+    clock.advance(30)  # a weight push: the instance could not have taken work
+    assert registry.transition(a, State.ACTIVE, "test: weights at version 1")
+    clock.advance(2)
+    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(2)

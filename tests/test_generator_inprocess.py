@@ -1,0 +1,184 @@
+"""Generation with continuation, in process: a Generator over a Dispatcher and two fake SGLang servers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from fakes import FakeSGLang, reference, register_active, start_fakes
+
+from rollout_manager.instances.registry import Instance, Registry
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
+from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.sglang.client import SGLangClient
+
+PROMPT = [5, 17, 42]
+SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3)
+
+
+@dataclass
+class Health:
+    """Stands in for HealthMonitor's report_failure / report_success: counts, never removes.
+
+    With ``marks`` off a failure is recorded but the instance stays clean (as after a passing health
+    check), so a sequence may go back to it.
+    """
+
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    successes: list[str] = field(default_factory=list)
+    marks: bool = True
+
+    def failure(self, inst: Instance, reason: str) -> None:
+        if self.marks:
+            inst.consecutive_failures += 1
+        self.failures.append((inst.id, reason))
+
+    def success(self, inst: Instance) -> None:
+        inst.consecutive_failures = 0
+        self.successes.append(inst.id)
+
+
+@dataclass
+class Rig:
+    registry: Registry
+    dispatcher: Dispatcher
+    generator: Generator
+    health: Health
+    fakes: list[FakeSGLang]
+    finished: list[tuple[float, int, bool]]
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    fakes = await start_fakes(2)
+    async with aiohttp.ClientSession() as session:
+        registry = Registry()
+        dispatcher = Dispatcher(registry, LeastInFlight())
+        health = Health()
+        generator = Generator(dispatcher, SGLangClient(session), SETTINGS, LocalBudget(0.0, 0.0, 1.0),
+                              on_instance_failure=health.failure, on_instance_success=health.success)
+        finished: list[tuple[float, int, bool]] = []
+        generator.finished_listeners.append(lambda latency, tokens, ok: finished.append((latency, tokens, ok)))
+        try:
+            yield Rig(registry, dispatcher, generator, health, fakes, finished)
+        finally:
+            for fake in fakes:
+                await fake.close()
+
+
+def body(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
+            **extra}
+
+
+async def generate_one(generator: Generator, b: dict[str, Any]) -> dict[str, Any]:
+    out = await generator.generate(b)
+    assert isinstance(out, dict)
+    return out
+
+
+async def test_a_sequence_runs_on_one_instance(rig: Rig) -> None:
+    a, _ = register_active(rig.registry, rig.fakes)
+    out = await generate_one(rig.generator, body(6, rid="r1"))
+    assert out["output_ids"] == reference(PROMPT, 6)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert [(s["instance"], s["start"], s["end"], s["outcome"]) for s in meta["segments"]] == \
+        [(a.id, 0, 6, "finished")]
+    assert rig.health.successes == [a.id] and a.in_flight == 0 and a.in_flight_tokens == 0
+    assert rig.fakes[0].requests[0]["rid"] == "r1" and rig.fakes[0].requests[0]["stream"] is True
+
+
+async def test_a_sequence_that_dies_midway_continues_with_the_exact_tokens(rig: Rig) -> None:
+    dying, healthy = rig.fakes
+    dying.die_after_tokens = 4
+    a, b = register_active(rig.registry, rig.fakes)  # least in flight, ties by id: a goes first
+    out = await generate_one(rig.generator, body(10, rid="seq"))
+
+    assert out["output_ids"] == reference(PROMPT, 10)  # nothing lost, nothing made twice
+    made = reference(PROMPT, 4)
+    (cont,) = healthy.requests
+    assert cont["input_ids"] == PROMPT + made
+    assert cont["sampling_params"]["max_new_tokens"] == 10 - 4
+    assert cont["rid"] == "seq~1"
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 10}  # counted from 0, not from the restart
+    assert meta["completion_tokens"] == 10 and meta["prompt_tokens"] == len(PROMPT)
+    segments = [(s["instance"], s["start"], s["end"]) for s in meta["segments"]]
+    assert segments == [(a.id, 0, 4), (b.id, 4, 10)]
+    assert meta["segments"][0]["outcome"].startswith("failed: ")
+    assert meta["segments"][1]["outcome"] == "finished"
+    assert [iid for iid, _ in rig.health.failures] == [a.id] and rig.health.successes == [b.id]
+    assert rig.generator.stats["continuations"] == 1
+    assert (a.in_flight, a.in_flight_tokens, b.in_flight, b.in_flight_tokens) == (0, 0, 0, 0)
+    assert out["text"] is None  # the dead segment's text is unknown
+
+
+async def test_a_4xx_goes_back_to_the_caller_and_is_not_held_against_the_instance(rig: Rig) -> None:
+    rig.fakes[0].reject_status = 400
+    a, b = register_active(rig.registry, rig.fakes)
+    with pytest.raises(GenerationFailed) as err:
+        await rig.generator.generate(body(5))
+    assert err.value.status == 400 and "fake engine refuses with 400" in str(err.value)
+    assert len(rig.fakes[0].requests) == 1 and not rig.fakes[1].requests  # not retried elsewhere
+    assert rig.health.failures == [] and a.consecutive_failures == 0
+    assert a.in_flight == 0 and a.in_flight_tokens == 0
+    assert rig.fakes[0].aborted == []
+
+
+async def test_attempts_exhausted_is_a_502(rig: Rig) -> None:
+    for fake in rig.fakes:
+        fake.reject_status = 500
+    register_active(rig.registry, rig.fakes)
+    rig.health.marks = False  # the instances recover between attempts, so only the attempt limit stops it
+    with pytest.raises(GenerationFailed) as err:
+        await rig.generator.generate(body(5, rid="doomed"))
+    assert err.value.status == 502
+    assert "sequence doomed failed on 3 attempt(s) (limit 3)" in str(err.value)
+    assert sum(len(f.requests) for f in rig.fakes) == SETTINGS.max_attempts
+    assert rig.finished and rig.finished[-1][1:] == (0, False)
+
+
+async def test_a_sequence_failing_everywhere_waits_for_a_recovered_instance_then_503s(rig: Rig) -> None:
+    for fake in rig.fakes:
+        fake.reject_status = 503
+    register_active(rig.registry, rig.fakes)
+    with pytest.raises(GenerationFailed) as err:
+        await rig.generator.generate(body(5))
+    assert err.value.status == 503 and "within 0.2s" in str(err.value)
+    assert sum(len(f.requests) for f in rig.fakes) == 2  # each once; neither recovered since
+
+
+async def test_no_instance_is_a_503_within_the_wait_timeout(rig: Rig) -> None:
+    with pytest.raises(GenerationFailed) as err:
+        await rig.generator.generate(body(5))
+    assert err.value.status == 503
+    assert str(err.value) == "no rollout instance could take the request within 0.2s (0 active)"
+
+
+async def test_a_stalled_stream_continues_elsewhere(rig: Rig) -> None:
+    stalling, healthy = rig.fakes
+    stalling.stall_after_tokens = 2
+    a, b = register_active(rig.registry, rig.fakes)
+    out = await generate_one(rig.generator, body(5))
+    assert out["output_ids"] == reference(PROMPT, 5)
+    assert "stalled" in out["meta_info"]["segments"][0]["outcome"]
+    assert healthy.requests[0]["input_ids"] == PROMPT + reference(PROMPT, 2)
+
+
+async def test_finished_listeners_are_told_once_per_sequence(rig: Rig) -> None:
+    rig.fakes[0].die_after_tokens = 2  # a continuation is still one sequence
+    register_active(rig.registry, rig.fakes)
+    out = await rig.generator.generate({"input_ids": [list(PROMPT), [1, 2]],
+                                        "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    assert isinstance(out, list) and [o["index"] for o in out] == [0, 1]
+    assert sorted((tokens, ok) for _, tokens, ok in rig.finished) == [(4, True), (4, True)]
+    rig.fakes[1].reject_status = rig.fakes[0].reject_status = 422
+    with pytest.raises(GenerationFailed):
+        await rig.generator.generate(body(3))
+    assert len(rig.finished) == 3 and rig.finished[-1][1:] == (0, False)

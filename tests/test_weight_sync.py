@@ -1,0 +1,254 @@
+"""Weight sync and the sender plan, in process: fake agents, so a push is a few method calls."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from fakes import FakeAgents, FakeClock, FakeProbe, run_pending, yield_until
+from support import async_wait_until
+
+from rollout_manager.config import Config
+from rollout_manager.errors import BadRequest
+from rollout_manager.instances.health import HealthMonitor, HealthSettings
+from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.version import WeightVersion
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.weights.groups import SenderPlan
+from rollout_manager.weights.sync import SyncSettings, WeightSync
+
+SETTINGS = SyncSettings(transport="tcp", drain_timeout_s=2.0, push_timeout_s=2.0, retry_s=0.01, max_attempts=3)
+
+
+@dataclass
+class Rig:
+    registry: Registry
+    version: WeightVersion
+    dispatcher: Dispatcher
+    senders: SenderPlan
+    agents: FakeAgents
+    sync: WeightSync
+    ports: int = 30000
+
+    def add(self, kind: Kind = Kind.REMOTE, state: State = State.ACTIVE) -> Instance:
+        self.ports += 1
+        inst = self.registry.add("127.0.0.1", self.ports, kind, receiver_port=self.ports + 1000)
+        if state != State.PENDING:
+            assert self.registry.transition(inst, state, "test")
+        return inst
+
+    async def settled(self, *insts: Instance, state: State = State.ACTIVE) -> None:
+        await async_wait_until(lambda: all(i.state == state for i in insts), 2, interval_s=0.005,
+                               message=lambda: f"{[(i.id, i.state.value) for i in insts]} to be {state.value}")
+
+
+def sync_task(inst: Instance) -> asyncio.Task[object] | None:
+    tasks = [t for t in asyncio.all_tasks() if t.get_name() == f"sync:{inst.id}"]
+    return tasks[0] if tasks else None
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    registry = Registry()
+    version = WeightVersion()
+    dispatcher = Dispatcher(registry, LeastInFlight())
+    senders = SenderPlan(registry, Config())
+    senders.update([["127.0.0.1"]])
+    agents = FakeAgents()
+    sync = WeightSync(registry, version, senders, agents, SETTINGS, dispatcher.changed)
+    yield Rig(registry, version, dispatcher, senders, agents, sync)
+    await sync.close()
+
+
+async def test_bump_syncs_active_remote_instances_and_returns_them_at_the_new_version(rig: Rig) -> None:
+    a, b = rig.add(), rig.add()
+    rig.agents.staged = 1
+    assert rig.sync.bump(None) == 1 and rig.version.current == 1
+    assert a.state == State.SYNCING and b.state == State.SYNCING  # out of service at once
+    assert rig.dispatcher.try_acquire(10) is None
+    await rig.settled(a, b)
+    assert a.weight_version == b.weight_version == 1
+    assert sorted(rig.agents.pushed_to()) == [f"http://127.0.0.1:{i.weight_receiver_port}" for i in (a, b)]
+    prepare = next(body for name, _, body in rig.agents.calls if name == "prepare")
+    assert prepare == {"version": 1, "layout": FakeAgents.LAYOUT.model_dump(), "transport": "tcp"}
+    assert [p["version"] for p in rig.sync.pushes] == [1, 1]
+
+
+async def test_a_sync_waits_for_in_flight_requests_to_finish(rig: Rig) -> None:
+    a = rig.add()
+    assert rig.dispatcher.try_acquire(10) is a
+    rig.agents.staged = 1
+    rig.sync.bump(1)
+    await run_pending()
+    assert rig.agents.calls == [] and a.state == State.SYNCING  # SGLang is never told to abort them
+    rig.dispatcher.release(a, 10)
+    await rig.settled(a)
+    assert a.weight_version == 1
+
+
+async def test_local_instances_jump_to_the_version(rig: Rig) -> None:
+    local = rig.add(Kind.LOCAL)
+    rig.sync.bump(5)
+    assert local.weight_version == 5 and local.state == State.ACTIVE
+    await run_pending()
+    assert rig.agents.calls == []  # the trainer updates its own instances
+
+
+async def test_a_version_not_above_the_current_one_is_refused(rig: Rig) -> None:
+    rig.sync.bump(3)
+    for stale in (3, 2):
+        with pytest.raises(BadRequest, match=f"new_version {stale} is not above the current version 3"):
+            rig.sync.bump(stale)
+    assert rig.version.current == 3
+    assert rig.sync.bump(None) == 4
+
+
+async def test_an_unavailable_sender_keeps_the_instance_syncing_until_it_is_back(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged, rig.agents.sender_down = 1, True
+    rig.sync.bump(1)
+    await async_wait_until(lambda: rig.agents.count("layout") >= 5, 2, interval_s=0.005,
+                           message="several tries at the sender")
+    assert rig.registry.get(a.id) is a and a.state == State.SYNCING  # not the instance's fault
+    assert a.last_error is not None and "connection refused" in a.last_error
+    assert rig.agents.count("push") == 0
+    rig.agents.sender_down = False
+    await rig.settled(a)
+    assert a.weight_version == 1
+
+
+async def test_a_sender_with_another_version_staged_is_waited_for(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged = 1  # still staging version 2
+    rig.sync.bump(2)
+    await async_wait_until(lambda: rig.agents.count("layout") >= 3, 2, interval_s=0.005)
+    assert a.state == State.SYNCING and "has version 1 staged, not 2" in (a.last_error or "")
+    rig.agents.staged = 2
+    await rig.settled(a)
+    assert a.weight_version == 2
+
+
+async def test_push_failures_are_retried_then_the_instance_is_removed(rig: Rig) -> None:
+    a, b = rig.add(), rig.add()
+    rig.agents.staged, rig.agents.fail_pushes = 1, SETTINGS.max_attempts - 1  # shared: a and b fail once each
+    rig.sync.bump(1)
+    await rig.settled(a, b)  # retried and recovered
+    rig.agents.staged, rig.agents.fail_pushes = 2, 100
+    rig.sync.bump(2)
+    await async_wait_until(lambda: rig.registry.get(a.id) is None and rig.registry.get(b.id) is None, 2,
+                           interval_s=0.005, message="both removed")
+    assert rig.agents.count("commit") == 2  # only the version-1 pushes got through
+    reasons = [e.reason for e in rig.registry.events if e.new == State.DEAD]
+    assert len(reasons) == 2 and all(r.startswith("weight push failed 3 times; last: ") for r in reasons)
+
+
+async def test_a_removed_instance_s_sync_task_is_cancelled(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged, rig.agents.hold = 1, asyncio.Event()
+    rig.sync.bump(1)
+    await yield_until(lambda: rig.agents.count("push") == 1)  # mid-push
+    task = sync_task(a)
+    assert task is not None
+    assert rig.registry.transition(a, State.DEAD, "removed by request")
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(task), 2)
+    assert rig.agents.count("commit") == 0
+
+
+async def test_a_bump_during_a_push_pushes_again(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged, rig.agents.hold = 1, asyncio.Event()
+    rig.sync.bump(1)
+    await yield_until(lambda: rig.agents.count("push") == 1)
+    rig.agents.staged = 2
+    rig.sync.bump(2)
+    rig.agents.hold.set()
+    await rig.settled(a)
+    assert a.weight_version == 2 and [p["version"] for p in rig.sync.pushes] == [1, 2]
+    assert [e.reason for e in rig.registry.events if e.new == State.ACTIVE][-1].startswith("weights at version 2")
+
+
+async def test_wait_returns_when_enough_instances_are_at_the_version(rig: Rig) -> None:
+    a, b = rig.add(), rig.add()
+    rig.agents.staged, rig.agents.hold = 1, asyncio.Event()
+    rig.sync.bump(1)
+    waiter = asyncio.ensure_future(rig.sync.wait(1, 1, timeout_s=2))
+    await run_pending()
+    assert not waiter.done()
+    rig.agents.hold.set()
+    answer = await asyncio.wait_for(waiter, 2)
+    assert answer["timed_out"] is False and answer["instances_at_version"] >= 1
+    await rig.settled(a, b)
+    answer = await rig.sync.wait(1, None, timeout_s=2)  # "all" is already true
+    assert answer == {"timed_out": False, "waited_s": answer["waited_s"], "instances_at_version": 2}
+
+
+async def test_wait_times_out_when_too_few_reach_the_version(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged, rig.agents.sender_down = 1, True
+    rig.sync.bump(1)
+    answer = await rig.sync.wait(1, None, timeout_s=0.05)
+    assert answer["timed_out"] is True and answer["instances_at_version"] == 0
+    assert 0.05 <= answer["waited_s"] < 1.0
+    # End with no sync task retrying: cancelling one in its 10 ms retry wait can hang close() (see the report).
+    rig.agents.sender_down = False
+    await rig.settled(a)
+
+
+async def test_a_new_instance_behind_the_fleet_is_bootstrapped(rig: Rig) -> None:
+    clock = FakeClock()
+    settings = HealthSettings(60.0, 1.0, 10.0, 5.0, "/health_generate", 3)
+    health = HealthMonitor(rig.registry, rig.version, FakeProbe(), settings, sleep=clock.sleep)
+    try:
+        rig.agents.staged = 1
+        rig.sync.bump(1)
+        inst = rig.add(state=State.PENDING)
+        await clock.parked()  # probed ready; behind the fleet, so syncing, then pushed
+        await rig.settled(inst)
+        assert inst.weight_version == 1 and rig.agents.count("commit") == 1
+    finally:
+        await health.close()
+
+
+def test_sender_plan_re_deals_on_registration_and_removal() -> None:
+    registry = Registry()
+    plan = SenderPlan(registry, Config(num_mooncake_groups_per_sender=2))
+    early = registry.add("127.0.0.1", 30000, Kind.REMOTE)
+    assert (early.sender, early.group) == (None, None)  # no sender reported yet
+    plan.update([["10.0.0.1"], ["10.0.0.2", "10.0.0.3"]])
+    rest = [registry.add("127.0.0.1", 30001 + i, Kind.REMOTE) for i in range(3)]
+    local = registry.add("127.0.0.1", 31000, Kind.LOCAL)
+
+    def slots() -> list[tuple[int | None, int | None]]:
+        return [(i.sender, i.group) for i in registry.in_state(*State, kind=Kind.REMOTE)]
+
+    # group 0 of every sender, then group 1 of every sender: consecutive boxes on different nodes
+    assert slots() == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert (local.sender, local.group) == (None, None)
+    group = plan.group_of(rest[2])
+    assert group is not None and group.ip == "10.0.0.3"  # bound round-robin to the node's interfaces
+    assert registry.transition(early, State.DEAD, "test")
+    assert slots() == [(0, 0), (1, 0), (0, 1)]  # the rest moved up: groups stay even
+    assert plan.sender_url(1) == "http://10.0.0.2:17000"
+    with pytest.raises(BadRequest, match="weight sender 0: none of its IPs"):
+        SenderPlan(Registry(), Config(allowed_sender_ips="192.168.0.0/16")).update([["10.0.0.1"]])
+
+
+async def test_an_instance_waits_for_senders_to_report_without_being_removed() -> None:
+    registry, version = Registry(), WeightVersion()
+    dispatcher = Dispatcher(registry, LeastInFlight())
+    senders = SenderPlan(registry, Config())  # the trainer has not reported its senders yet
+    settings = SyncSettings(transport="tcp", drain_timeout_s=1.0, push_timeout_s=0.02, retry_s=0.01, max_attempts=2)
+    sync = WeightSync(registry, version, senders, FakeAgents(staged=1), settings, dispatcher.changed)
+    try:
+        inst = registry.add("127.0.0.1", 30000, Kind.REMOTE, receiver_port=31000)
+        assert registry.transition(inst, State.ACTIVE, "test")
+        sync.bump(1)
+        answer = await sync.wait(1, None, timeout_s=0.2)  # several push timeouts long
+        assert answer["timed_out"] is True
+        assert registry.get(inst.id) is inst and inst.state == State.SYNCING
+    finally:
+        await sync.close()
