@@ -99,4 +99,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return receiver_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    return int(args.func(args))

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 ENV_PREFIX = "ROLLOUT_MANAGER_"
 # Variables with our prefix that belong to the rollout-box side (launch_sglang.sh), not to the daemon.

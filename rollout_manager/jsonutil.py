@@ -8,7 +8,7 @@ from typing import Any
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson is a dependency; this keeps the code importable without it
-    orjson = None
+    orjson = None  # type: ignore[assignment]
 
 if orjson is not None:
     JSONDecodeError: type[ValueError] = orjson.JSONDecodeError

@@ -15,6 +15,7 @@ the stream is closed, which makes the manager abort what it still runs for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class RequestBatcher:
         batch.waiters[key] = fut
         batch.bodies[key] = body
         batch.tokens += tokens
-        fut.add_done_callback(lambda f, b=batch: self._on_done(b, f))
+        fut.add_done_callback(functools.partial(self._on_done, batch))
         if len(batch.waiters) >= self.max_batch or batch.tokens >= self.max_batch_tokens:
             self._flush()
         elif self._timer is None:

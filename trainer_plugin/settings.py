@@ -5,20 +5,18 @@ verl 0.9.1's ``RolloutConfig`` is a dataclass and Hydra runs in struct mode, so 
 the dataclass when it is instantiated). The config's own extension point is ``rollout.custom`` (a
 free dict), so the plugin's keys live there:
 
-======================================================== ===================================================
-as the issue / seed guide writes it                      where it lives on verl 0.9.1
-======================================================== ===================================================
-``actor_rollout_ref.rollout.rollout_manager.port``        ``actor_rollout_ref.rollout.custom.rollout_manager.port``
-``actor_rollout_ref.rollout.rollout_manager.config_path`` ``actor_rollout_ref.rollout.custom.rollout_manager.config_path``
-``actor_rollout_ref.rollout.rollout_manager.<key>``       ``actor_rollout_ref.rollout.custom.rollout_manager.<key>``
-``actor_rollout_ref.rollout.min_stream_batch_size``       ``actor_rollout_ref.rollout.custom.min_stream_batch_size``
-======================================================== ===================================================
+``actor_rollout_ref.rollout.`` + the key as the issue / seed guide writes it -> where it lives on verl 0.9.1:
+
+- ``rollout_manager.port`` -> ``custom.rollout_manager.port``
+- ``rollout_manager.config_path`` -> ``custom.rollout_manager.config_path``
+- ``rollout_manager.<key>`` -> ``custom.rollout_manager.<key>``
+- ``min_stream_batch_size`` -> ``custom.min_stream_batch_size``
 
 On the command line the ``custom`` form needs a leading ``+`` with verl's own ``ppo_trainer`` config
 (``custom`` is absent from its YAML) and none with the shipped config
-``trainer_plugin/config/sglang_disaggregated_trainer.yaml``, which declares it. The literal form of
-the left column is also accepted on the command line: when verl is imported, the plugin rewrites
-such arguments of ``sys.argv`` to the right column (``++`` form, which works with both configs) and
+``trainer_plugin/config/sglang_disaggregated_trainer.yaml``, which declares it. The literal
+left-hand form is also accepted on the command line: when verl is imported, the plugin rewrites
+such arguments of ``sys.argv`` to the right-hand form (``++`` form, which works with both configs) and
 says so on stderr (:func:`rewrite_argv`; ``ROLLOUT_MANAGER_VERL_ARGV_ALIASES=0`` turns that off, and
 then the literal form fails with Hydra's "Key 'rollout_manager' is not in struct").
 """
@@ -176,7 +174,8 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
     for key, value in raw.items():
         if key not in known:
             raise SettingsError(f"unknown key {PREFIX}custom.rollout_manager.{key}; known: {', '.join(sorted(known))}")
-        values[key] = _coerce(f"{PREFIX}custom.rollout_manager.{key}", value, ManagerSettings.__dataclass_fields__[key].default)
+        default = ManagerSettings.__dataclass_fields__[key].default
+        values[key] = _coerce(f"{PREFIX}custom.rollout_manager.{key}", value, default)
     port = values.get("port", 5000)
     if not 1 <= int(port) <= 65535:
         raise SettingsError(f"{PREFIX}custom.rollout_manager.port={port} is out of range 1-65535")

@@ -6,6 +6,8 @@ batch-invariantly (exact continuation, DESIGN.md section 8) and can inject fault
     python -m rollout_manager.cpu_engine --port 30000 --seed 0 [--incremental-streaming-output] [faults]
 """
 
+from collections.abc import Sequence
+
 from rollout_manager.cpu_engine.engine import BadRequest, Engine, EngineConfig, parse_generate_body
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.model import (
@@ -21,7 +23,7 @@ from rollout_manager.cpu_engine.model import (
 from rollout_manager.cpu_engine.server import create_app, run, serve
 
 
-def main(argv=None, prog=None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """CLI entry (``rollout-manager cpu-engine ...`` can delegate here)."""
     from rollout_manager.cpu_engine.__main__ import main as _main
 

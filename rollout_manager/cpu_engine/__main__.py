@@ -42,9 +42,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO")
     f = p.add_argument_group("fault injection (also settable at runtime: POST /debug/faults)")
     f.add_argument("--die-after-tokens", type=int, default=None, help="os._exit(1) after N tokens reached clients")
-    f.add_argument("--stall-after-tokens", type=int, default=None, help="stop generating after N tokens; keep connections open")
+    f.add_argument("--stall-after-tokens", type=int, default=None,
+                   help="stop generating after N tokens; keep connections open")
     f.add_argument("--slowdown", type=float, default=1.0, help="each decoding round takes F times its compute time")
-    f.add_argument("--token-delay-s", type=float, default=0.0, help="extra delay per decoding round (one token per sequence)")
+    f.add_argument("--token-delay-s", type=float, default=0.0,
+                   help="extra delay per decoding round (one token per sequence)")
     f.add_argument("--fail-rate", type=float, default=0.0, help="probability that /generate answers --fail-status")
     f.add_argument("--fail-status", type=int, default=503)
     f.add_argument("--fault-seed", type=int, default=0, help="seed of the fail-rate coin")

@@ -66,7 +66,8 @@ class Faults:
         for key, value in changes.items():
             if key == "seed":
                 continue
-            if key in ("slowdown", "token_delay_s", "fail_rate") and isinstance(value, int) and not isinstance(value, bool):
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if key in ("slowdown", "token_delay_s", "fail_rate") and is_int:
                 value = float(value)
             setattr(self, key, value)
         try:

@@ -114,7 +114,8 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         scores = scores.masked_fill(mask, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
-        return self.o_proj(out.transpose(0, 1).reshape(seq, self.n_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.transpose(0, 1).reshape(seq, self.n_heads * self.head_dim))
+        return projected
 
 
 class MLP(nn.Module):
@@ -125,7 +126,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -136,9 +138,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class Backbone(nn.Module):
@@ -151,6 +154,9 @@ class Backbone(nn.Module):
 
 class TinyCausalLM(nn.Module):
     """``model.*`` backbone plus ``lm_head``; ``logits_last(ids)`` is the one compute entry point."""
+
+    _cos: torch.Tensor  # rotary tables, registered as non-persistent buffers
+    _sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -181,7 +187,8 @@ class TinyCausalLM(nn.Module):
             for layer in self.model.layers:
                 x = layer(x, cos, sin, mask)
             x = self.model.norm(x[-1:])
-            return self.lm_head(x)[0].float()
+            logits: torch.Tensor = self.lm_head(x)[0].float()
+            return logits
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits at every position of one sequence (``[n] -> [n, vocab]``), with autograd: training only.
@@ -194,7 +201,8 @@ class TinyCausalLM(nn.Module):
         mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).triu(1)
         for layer in self.model.layers:
             x = layer(x, self._cos[:n], self._sin[:n], mask)
-        return self.lm_head(self.model.norm(x)).float()
+        logits: torch.Tensor = self.lm_head(self.model.norm(x)).float()
+        return logits
 
     # -------------------------------------------------------------- weights by name
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
 from rollout_manager.bearer import TOKEN_ENV, bearer_matches
 
 
-def token_middleware(token: str | None = None) -> Callable:
+def token_middleware(token: str | None = None) -> Callable[..., Any]:
     """Require ``Authorization: Bearer <token>`` on everything but ``GET /health`` when a token is set
     (default: ``$ROLLOUT_MANAGER_AUTH_TOKEN``)."""
     secret = os.environ.get(TOKEN_ENV, "") if token is None else token

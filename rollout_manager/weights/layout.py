@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -158,7 +158,7 @@ class WeightLayout:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-StateDict = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def _items(state_dict: StateDict) -> list[tuple[str, torch.Tensor]]:
@@ -223,7 +223,7 @@ class HostBuffer:
         end = self.nbytes if length is None else offset + length
         if offset < 0 or end > self.nbytes or end < offset:
             raise ValueError(f"range [{offset}, {end}) outside buffer of {self.nbytes} bytes")
-        return memoryview(self.array)[offset:end]
+        return memoryview(self.array)[offset:end]  # type: ignore[arg-type]
 
     def fits(self, layout: WeightLayout) -> bool:
         return layout.total_bytes <= self.nbytes
@@ -235,7 +235,7 @@ class HostBuffer:
         return f"HostBuffer({self.nbytes} bytes, addr=0x{self.addr:x}, pinned={self.pinned})"
 
 
-BufferLike = Union[HostBuffer, torch.Tensor, np.ndarray, bytearray, memoryview]
+BufferLike = HostBuffer | torch.Tensor | np.ndarray | bytearray | memoryview
 
 
 def as_byte_tensor(buffer: BufferLike) -> torch.Tensor:

@@ -13,17 +13,17 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 try:  # optional, but 5x faster than crc32
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - exercised only where xxhash is absent
-    _xxhash = None
+    _xxhash = None  # type: ignore[assignment]
 
 Shard = tuple[int, int]  # (offset, length)
-Bytes = Union[memoryview, bytes, bytearray, np.ndarray, Any]
+Bytes = memoryview | bytes | bytearray | np.ndarray | Any
 
 
 def split_shards(total_bytes: int, n: int, align: int = 256) -> list[Shard]:
@@ -60,9 +60,10 @@ def _as_bytes(data: Bytes) -> memoryview:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
             raise ValueError("checksum needs a contiguous array")
-        return memoryview(data.reshape(-1).view(np.uint8))
+        return memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     if hasattr(data, "numpy") and hasattr(data, "is_contiguous"):  # a CPU torch tensor
-        return _as_bytes(data.contiguous().numpy())
+        tensor: Any = data
+        return _as_bytes(tensor.contiguous().numpy())
     mv = memoryview(data)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
