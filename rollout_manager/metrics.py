@@ -26,6 +26,7 @@ from rollout_manager.instances.version import WeightVersion
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.sglang.local_limits import LocalLimits
 from rollout_manager.weights.sync import WeightSync
 
 PREFIX = "rollout_manager_"
@@ -109,6 +110,13 @@ class StateCollector(Collector):
                                 value=1 if m.dispatcher.local.is_open else 0)
         yield GaugeMetricFamily(PREFIX + "start_time_seconds", "Unix time the manager started.",
                                 value=m.started_at)
+        yield GaugeMetricFamily(PREFIX + "requests_waiting_for_connection",
+                                "Requests waiting because the manager itself cannot open a connection now "
+                                "(its open-file or memory limits); no instance is blamed for them.",
+                                value=m.limits.waiting)
+        yield CounterMetricFamily(PREFIX + "local_limit_events",
+                                  "Connection attempts that hit the manager's own limits (EMFILE, ENFILE, "
+                                  "ENOBUFS, ENOMEM).", value=m.limits.events)
 
         for key, (name, help_text) in GENERATION_COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, help_text, value=m.generator.stats.get(key, 0))
@@ -125,8 +133,8 @@ class ManagerMetrics:
     """The metrics of one manager: its own Prometheus registry, the state collector and the listeners."""
 
     def __init__(self, registry: Registry, version: WeightVersion, dispatcher: Dispatcher, generator: Generator,
-                 weights: WeightSync, budget: LocalBudget, started_at: float) -> None:
-        self.registry, self.version, self.dispatcher = registry, version, dispatcher
+                 weights: WeightSync, budget: LocalBudget, limits: LocalLimits, started_at: float) -> None:
+        self.registry, self.version, self.dispatcher, self.limits = registry, version, dispatcher, limits
         self.generator, self.budget, self.started_at = generator, budget, started_at
         self.prometheus = CollectorRegistry(auto_describe=False)
         self.last_gbps: dict[tuple[str, str], float] = {}

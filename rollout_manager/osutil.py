@@ -126,3 +126,37 @@ def _prctl() -> Callable[..., int] | None:
     except (OSError, AttributeError):  # an exotic libc
         return None
     return prctl
+
+
+def raise_open_file_limit() -> tuple[int, int, int]:
+    """Raise this process's soft open-file limit to its hard limit: ``(soft before, soft now, hard)``.
+
+    Every sequence in flight holds one connection, so the common soft default of 1024 caps a manager
+    far below what a fleet needs, while the hard limit is usually much higher. Where the limit cannot
+    be read or raised (not Unix; a hard limit of 'unlimited' the kernel refuses), it is left as is.
+    """
+    try:
+        import resource
+    except ImportError:  # not Unix
+        return (-1, -1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if target == resource.RLIM_INFINITY:
+        target = max(soft, 1 << 20)  # Linux refuses more than fs.nr_open (1048576 by default)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            return (soft, soft, hard)
+        return (soft, target, hard)
+    return (soft, soft, hard)
+
+
+def open_file_limit() -> tuple[int, int]:
+    """This process's (soft, hard) open-file limit; (-1, -1) where it cannot be read."""
+    try:
+        import resource
+    except ImportError:
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (int(soft), int(hard))

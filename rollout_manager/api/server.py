@@ -12,6 +12,7 @@ from aiohttp import web
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config, describe
 from rollout_manager.manager import Manager
+from rollout_manager.osutil import raise_open_file_limit
 
 log = logging.getLogger("rollout_manager.api.server")
 
@@ -22,6 +23,9 @@ class StartupError(RuntimeError):
 
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     """Serve until a termination signal arrives. Raises StartupError if the port cannot be bound."""
+    before, now, hard = raise_open_file_limit()
+    if before >= 0:  # each sequence in flight holds one connection to its instance
+        log.info("open-file limit: soft %d -> %d (hard %s)", before, now, "unlimited" if hard < 0 else hard)
     manager = Manager(config)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
     runner = web.AppRunner(create_app(manager), handle_signals=False, access_log=None,

@@ -1,0 +1,103 @@
+"""The manager's own limits are never an instance's failure, and the daemon raises its open-file limit."""
+
+from __future__ import annotations
+
+import errno
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from support import PY, Proc, wait_http_ok
+
+from rollout_manager.osutil import free_port
+from rollout_manager.sglang.client import Probe
+from rollout_manager.sglang.local_limits import local_resource_error
+
+FAST = {"pending_poll_interval_s": 0.05, "health_check_interval_s": 0.2, "health_failure_threshold": 2}
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="open-file limits as on Linux")
+
+
+def test_descriptor_exhaustion_behind_aiohttp_is_recognised_as_the_managers_own() -> None:
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    conn_key = aiohttp.client_reqrep.ConnectionKey("127.0.0.1", 1, False, True, None, None, None)
+    wrapped = aiohttp.ClientConnectorError(conn_key, emfile)
+    found = local_resource_error(wrapped)
+    assert found is not None and found.errno == errno.EMFILE
+    refused = aiohttp.ClientConnectorError(conn_key, ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    assert local_resource_error(refused) is None  # the instance's problem, not the manager's
+    assert not Probe(None, "x", local=True).failed and not Probe(None, "x", local=True).ready
+    assert Probe(None, "refused").failed
+
+
+def _start_limited_manager(tmp_path: Path, soft: int, hard: int) -> tuple[Proc, str]:
+    """The daemon as a child whose open-file limit is set before Python starts."""
+    port = free_port()
+    args = ["prlimit", f"--nofile={soft}:{hard}", PY, "-m", "rollout_manager", "serve",
+            "--bind", f"127.0.0.1:{port}"]
+    for key, value in FAST.items():
+        args += ["--set", f"{key}={value}"]
+    return Proc(args, tmp_path / "manager.log"), f"http://127.0.0.1:{port}"
+
+
+async def _status(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/get_instances_status") as resp:
+        data: dict[str, Any] = await resp.json()
+        return data
+
+
+async def test_the_daemon_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path: Path) -> None:
+    proc, url = _start_limited_manager(tmp_path, 256, 4096)
+    try:
+        await wait_http_ok(url + "/health", proc)
+        async with aiohttp.ClientSession() as session:
+            limit = (await _status(session, url))["manager"]["open_file_limit"]
+        assert limit == {"soft": 4096, "hard": 4096}
+        assert "open-file limit: soft 256 -> 4096 (hard 4096)" in proc.log()
+    finally:
+        proc.stop()
+
+
+async def test_out_of_descriptors_sequences_wait_in_the_manager_and_no_instance_is_blamed(
+        tmp_path: Path, start_engines: Any) -> None:
+    """Soft and hard limit 48 (an idle manager holds ~16): 120 sequences in flight cannot all have a
+    connection. They wait in the manager, all finish with the engines' exact tokens, and both
+    instances stay active with no failure counted."""
+    engines = await start_engines(["--token-delay-s", "0.01"], ["--token-delay-s", "0.01"])
+    proc, url = _start_limited_manager(tmp_path, 48, 48)
+    try:
+        await wait_http_ok(url + "/health", proc)
+        async with aiohttp.ClientSession() as session:
+            for e in engines:
+                async with session.post(url + "/register_rollout_instance",
+                                        json={"host": "127.0.0.1", "port": e.port}) as resp:
+                    assert resp.status == 200, await resp.text()
+            prompts = [[1 + i % 50, 2, 3 + i % 7] for i in range(120)]
+            params = {"max_new_tokens": 12, "temperature": 0.0}
+            # What each prompt gives on an engine directly (greedy: the same on every instance).
+            expected = {}
+            for i in range(0, 120, 24):
+                async with session.post(engines[0].url + "/generate",
+                                        json={"input_ids": prompts[i], "sampling_params": params}) as resp:
+                    expected[i] = (await resp.json())["output_ids"]
+            body = [[i, {"input_ids": p, "sampling_params": params}] for i, p in enumerate(prompts)]
+            lines: dict[int, Any] = {}
+            async with session.post(url + "/batch_generate_requests", json=body,
+                                    timeout=aiohttp.ClientTimeout(total=120)) as resp:
+                assert resp.status == 200
+                async for raw in resp.content:
+                    if raw.strip():
+                        line = json.loads(raw)
+                        lines[line["id"]] = line
+            status = await _status(session, url)
+        assert len(lines) == 120 and all(line["success"] for line in lines.values()), \
+            [line for line in lines.values() if not line["success"]][:3]
+        for i, ids in expected.items():
+            assert lines[i]["data"]["output_ids"] == ids
+        assert status["manager"]["local_limit_events"] > 0  # the limit was really hit
+        assert [(i["state"], i["consecutive_failures"]) for i in status["instances"]] == [("active", 0)] * 2
+        assert "removed" not in proc.log() and "consecutive failures" not in proc.log()
+    finally:
+        proc.stop()
