@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class Signal:
@@ -46,6 +49,24 @@ class Signal:
                 return False
             await self.wait(left)
         return True
+
+
+async def bounded(work: Awaitable[T], timeout_s: float) -> T:
+    """``work`` within ``timeout_s`` (else it is cancelled and TimeoutError raised), like
+    ``asyncio.wait_for`` but without its Python 3.11 race: there, a wait_for whose inner work ends
+    just as the caller is cancelled can swallow the cancellation, and the caller never stops."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise asyncio.TimeoutError(f"timed out after {timeout_s:g}s")
+    return task.result()
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

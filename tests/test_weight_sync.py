@@ -97,13 +97,22 @@ async def test_local_instances_jump_to_the_version(rig: Rig) -> None:
     assert rig.agents.calls == []  # the trainer updates its own instances
 
 
-async def test_a_version_not_above_the_current_one_is_refused(rig: Rig) -> None:
+async def test_the_current_version_again_is_a_no_op_and_a_lower_one_is_refused(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged = 3
     rig.sync.bump(3)
-    for stale in (3, 2):
-        with pytest.raises(BadRequest, match=f"new_version {stale} is not above the current version 3"):
-            rig.sync.bump(stale)
+    await rig.settled(a)
+    pushes = len(rig.agents.calls)
+    assert rig.sync.bump(3) == 3  # a trainer restarted from the checkpoint of the step the fleet serves
+    await run_pending()
+    assert a.state == State.ACTIVE and a.weight_version == 3 and len(rig.agents.calls) == pushes
+    with pytest.raises(BadRequest, match="new_version 2 is below the current version 3: .*resume from step 3"):
+        rig.sync.bump(2)
     assert rig.version.current == 3
+    rig.agents.staged = 4
     assert rig.sync.bump(None) == 4
+    await rig.settled(a)
+    assert a.weight_version == 4
 
 
 async def test_an_unavailable_sender_keeps_the_instance_syncing_until_it_is_back(rig: Rig) -> None:

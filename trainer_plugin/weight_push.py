@@ -10,7 +10,10 @@ function named by ``actor_rollout_ref.rollout.custom.rollout_manager.weight_push
     an iterator of ``(name, tensor)`` pairs (``wire_format="named_tensors"``). Every rank MUST
     iterate it to the end: with FSDP, producing each full tensor is a collective across ranks.
 ``global_steps``
-    the step whose weights these are (the new weight version), or None at start-up.
+    the step whose weights these are (the new weight version). verl's sync trainer also calls it from
+    ``on_init_end``, after loading a checkpoint: 0 on a fresh run (the model path every instance
+    loaded), N on a run resumed from step N. None: verl re-syncs weights it has not changed (around
+    validation with a colocated reward model).
 ``context``
     a :class:`WeightPushContext`: rank, world size, manager URL, the rollout config.
 
@@ -257,12 +260,17 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
     ``PUT /update_weight_senders`` (the manager deals instances over the nodes' groups). A barrier
     after staging keeps rank zero from publishing a version some node does not have yet; rank zero
     then waits as ``custom.rollout_manager.weight_push_wait`` says, and a second barrier holds the
-    other nodes (and their senders' buffers) until it is done. ``global_steps`` None (start-up)
-    is version 0, which every instance loaded from the model path: nothing to push.
+    other nodes (and their senders' buffers) until it is done.
+
+    Nothing is staged or pushed for ``global_steps`` None (unchanged weights) or 0 (a fresh run's
+    start: the model path every instance loaded, version 0). For 0, rank zero checks that the manager
+    is at version 0 too: instances that serve a later version hold another run's weights.
     """
-    if global_steps is None:
+    if global_steps is None or int(global_steps) == 0:
         for _ in weights:
             pass
+        if global_steps is not None and context.rank == 0:
+            await _check_model_path_version(context.manager_url)
         return {"pushed": False}
     leader = context.node_leader
     comm = context.comm or TorchDistComm()
@@ -285,6 +293,19 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
     finally:
         comm.barrier()
     return {"pushed": True, "senders": len(pusher.all_node_ips), **answer}
+
+
+async def _check_model_path_version(manager_url: str) -> None:
+    """A fresh run starts on the model path (version 0): refuse a manager whose instances serve a later one."""
+    from .client import ManagerClient
+
+    async with ManagerClient(manager_url) as client:
+        current = int((await client.health()).get("weight_version") or 0)
+    if current > 0:
+        raise RuntimeError(
+            f"weight version 0 (a fresh run starts from the model path) is below the rollout manager's current "
+            f"version {current} at {manager_url}: its instances serve weights of an earlier run; restart the "
+            f"manager and its instances, or resume this run from step {current} or later")
 
 
 async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> tuple[WeightPusher | None, Any]:

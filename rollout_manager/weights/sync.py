@@ -25,7 +25,7 @@ from rollout_manager.config import Config
 from rollout_manager.errors import BadRequest
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
-from rollout_manager.notify import Signal
+from rollout_manager.notify import Signal, bounded
 from rollout_manager.osutil import format_endpoint
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.groups import Group, SenderPlan
@@ -72,11 +72,22 @@ class WeightSync:
 
     # ------------------------------------------------------------ trainer-facing
     def bump(self, new_version: int | None) -> int:
-        """Set the new version and start syncing every remote instance that is behind."""
+        """Set the new version and start syncing every remote instance that is behind.
+
+        The current version again is a no-op success: a trainer restarted from the checkpoint of the
+        step the fleet already serves publishes that step once more (verl's ``on_init_end``), and its
+        weights are the ones the instances hold. A lower version would roll the fleet back to weights no
+        sender keeps, so it is refused.
+        """
         current = self.version.current
         version = current + 1 if new_version is None else new_version
-        if version <= current:
-            raise BadRequest(f"new_version {version} is not above the current version {current}")
+        if version < current:
+            raise BadRequest(f"new_version {version} is below the current version {current}: weight versions only "
+                             f"move forward (a trainer resumed from an older checkpoint than the instances serve?); "
+                             f"resume from step {current} or later, or restart the manager and its instances")
+        if version == current:
+            log.info("weight version %d published again: the instances have it or are syncing to it", version)
+            return version
         self.version.current = version
         for inst in self.registry:
             if inst.kind == Kind.LOCAL:
@@ -141,7 +152,7 @@ class WeightSync:
                 await self.senders.changed.wait(None)
                 continue
             try:
-                result = await asyncio.wait_for(self._push(inst, version, group), cfg.push_timeout_s)
+                result = await bounded(self._push(inst, version, group), cfg.push_timeout_s)
             except SenderUnavailable as exc:
                 if inst.last_error != f"weight push: {exc}":
                     log.warning("weight push of version %d to %s waits for its sender: %s", version,
