@@ -29,6 +29,7 @@ from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
+from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
@@ -61,7 +62,8 @@ class Manager:
         self.version = WeightVersion()
         self.admission = Admission(cfg.registration_networks, cfg.registration_allowed_networks,
                                    cfg.allow_registration_host_mismatch)
-        self.health = HealthMonitor(self.registry, self.version, self.sglang.probe, HealthSettings.from_config(cfg))
+        self.health = HealthMonitor(self.registry, self.version, self.sglang.probe, HealthSettings.from_config(cfg),
+                                    server_info=self.sglang.server_info)
         # rollout
         self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy))
         self.local_budget = LocalBudget(cfg.local_budget_initial_s, cfg.local_budget_min_s,
@@ -79,7 +81,7 @@ class Manager:
                                   AgentClient(self.session, cfg.auth_token, cfg.weight_push_timeout_s),
                                   SyncSettings.from_config(cfg), self.dispatcher.changed)
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
-                                      self.local_budget, self.started_at)
+                                      self.local_budget, self.sglang.limits, self.started_at)
 
     @property
     def weight_version(self) -> int:
@@ -149,6 +151,8 @@ class Manager:
             "generation": dict(self.generator.stats),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
             "recent_weight_pushes": self.weights.pushes[-10:],
+            "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),
+                        **self.sglang.limits.to_dict()},
         }
 
     # ------------------------------------------------------------ local + remote balance

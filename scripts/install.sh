@@ -29,6 +29,11 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first and pinned, so that no later dependency range pulls a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[${EXTRAS}]"
+# SGLang 0.5.23's own /generate contract (sglang/api/v1/api_types.py, which needs only msgspec) for the CPU
+# engine and the contract tests: the wheel alone, --no-deps, so none of its GPU stack comes along; that
+# one file is loaded by path and the sglang package itself is never imported.
+.venv/bin/python -c "import importlib.metadata as m; assert m.version('sglang') == '0.5.23'" 2>/dev/null \
+  || "${PIP[@]}" --no-deps "sglang==0.5.23"
 # verl 0.9.1 for the trainer plugin, after torch so no range replaces the CPU build; every version pinned.
 # TransferQueue (verl V1's store of finished rollouts), cachetools (its load balancer) and fastapi/uvicorn
 # (its rollout utilities) are imported on verl's V1 trainer path, but verl 0.9.1 declares them only in

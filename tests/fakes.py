@@ -123,6 +123,8 @@ class FakeSGLang:
     die_after_tokens: int | None = None  # stream that many tokens, then drop the connection
     stall_after_tokens: int | None = None  # stream that many tokens, then go silent until unstall()
     reject_status: int | None = None  # answer every /generate with this status and an SGLang error body
+    abort_finish: dict[str, Any] | None = None  # end every /generate at once with this finish_reason
+    context_len: int = 300  # where a request with max_new_tokens null stops
     requests: list[dict[str, Any]] = field(default_factory=list)  # /generate bodies, in order
     aborted: list[str] = field(default_factory=list)  # rids told to /abort_request
     health_probes: int = 0
@@ -175,11 +177,17 @@ class FakeSGLang:
             error = wire.error_object(f"fake engine refuses with {self.reject_status}", self.reject_status)
             return web.json_response(error, status=self.reject_status)
         prompt = list(body["input_ids"])
-        budget = int((body.get("sampling_params") or {}).get("max_new_tokens", wire.DEFAULT_MAX_NEW_TOKENS))
+        limit = (body.get("sampling_params") or {}).get("max_new_tokens", wire.DEFAULT_MAX_NEW_TOKENS)
+        budget = self.context_len - len(prompt) if limit is None else int(limit)
         rid = str(body.get("rid") or "fake")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         made: list[int] = []
+        if self.abort_finish is not None:  # as SGLang's scheduler refusing the request
+            await resp.write(wire.sse_frame(wire.output_chunk(
+                rid=rid, output_ids=[], prompt_tokens=len(prompt), completion_tokens=0,
+                finish=self.abort_finish, weight_version=self.weight_version, text="")))
+            budget = 0
         for _ in range(budget):
             if self.die_after_tokens is not None and len(made) >= self.die_after_tokens:
                 assert request.transport is not None
@@ -191,7 +199,7 @@ class FakeSGLang:
             finish = wire.finish_reason(wire.LENGTH, length=len(made)) if len(made) == budget else None
             await resp.write(wire.sse_frame(wire.output_chunk(
                 rid=rid, output_ids=list(made), prompt_tokens=len(prompt), completion_tokens=len(made),
-                finish=finish, weight_version=self.weight_version, text="x" * len(made) if finish else None,
+                finish=finish, weight_version=self.weight_version, text="x" * len(made),  # cumulative, as SGLang
             )))
         await resp.write(wire.DONE_FRAME)
         await resp.write_eof()
@@ -223,6 +231,7 @@ class FakeProbe:
 
     def __init__(self, status: int | None = 200) -> None:
         self.status = status
+        self.local = False  # the manager itself cannot connect (out of descriptors)
         self.calls: list[tuple[str, str]] = []
         self.hold: asyncio.Event | None = None
 
@@ -230,6 +239,8 @@ class FakeProbe:
         self.calls.append((base_url, path))
         if self.hold is not None:
             await self.hold.wait()
+        if self.local:
+            return Probe(None, f"{path}: the manager could not connect: [Errno 24] Too many open files", local=True)
         if self.status is None:
             return Probe(None, f"{path}: connection refused (fake)")
         return Probe(self.status)

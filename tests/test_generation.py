@@ -145,6 +145,12 @@ async def test_engine_4xx_is_returned_as_is_and_not_held_against_the_instance(st
     for _ in range(3):
         status, body = await m.post("/generate", {"input_ids": too_long, "sampling_params": greedy(4)})
         assert status == 400 and "context length" in body["error"]
+    # Within the context but past what SGLang's scheduler admits (context - 6): the engine ends the
+    # request with an abort that carries status_code 400; still the caller's error, not the instance's.
+    for _ in range(3):
+        status, body = await m.post("/generate", {"input_ids": [i % 200 for i in range(1020)],
+                                                  "sampling_params": greedy(4)})
+        assert status == 400 and "exceeds the maximum allowed length" in body["error"], body
     inst = (await m.status())["instances"][0]
     assert inst["state"] == "active" and inst["consecutive_failures"] == 0 and inst["in_flight"] == 0
 

@@ -182,3 +182,70 @@ async def test_finished_listeners_are_told_once_per_sequence(rig: Rig) -> None:
     with pytest.raises(GenerationFailed):
         await rig.generator.generate(body(3))
     assert len(rig.finished) == 3 and rig.finished[-1][1:] == (0, False)
+
+
+SCHEDULER_REFUSAL = {"type": "abort", "message": "Input length (3 tokens) exceeds the maximum allowed length",
+                     "status_code": 400, "err_type": "BadRequestError"}
+
+
+async def test_an_abort_with_a_4xx_status_is_the_callers_error_not_the_instances(rig: Rig) -> None:
+    rig.fakes[0].abort_finish = SCHEDULER_REFUSAL
+    a, b = register_active(rig.registry, rig.fakes)
+    for _ in range(3):
+        with pytest.raises(GenerationFailed) as err:
+            await rig.generator.generate(body(5))
+        assert err.value.status == 400 and "exceeds the maximum allowed length" in str(err.value)
+    assert len(rig.fakes[0].requests) == 3 and not rig.fakes[1].requests  # never retried elsewhere
+    assert rig.health.failures == [] and a.consecutive_failures == 0
+    assert a.in_flight == 0 and a.in_flight_tokens == 0
+
+
+@pytest.mark.parametrize("status", [None, 503])
+async def test_an_abort_with_no_status_or_a_5xx_is_an_instance_failure(rig: Rig, status: int | None) -> None:
+    rig.fakes[0].abort_finish = {**SCHEDULER_REFUSAL, "status_code": status, "message": "engine trouble"}
+    a, b = register_active(rig.registry, rig.fakes)
+    out = await generate_one(rig.generator, body(5))
+    assert out["output_ids"] == reference(PROMPT, 5)
+    assert [iid for iid, _ in rig.health.failures] == [a.id] and rig.health.successes == [b.id]
+
+
+async def test_max_new_tokens_zero_is_answered_without_an_instance(rig: Rig) -> None:
+    out = await generate_one(rig.generator, body(0, return_logprob=True, rid="z"))
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["output_token_logprobs"] == [] and meta["completion_tokens"] == 0
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["id"] == "z"
+    assert meta["weight_version"] == "0" and meta["segments"] == []
+    assert not any(f.requests for f in rig.fakes)
+
+
+async def test_no_token_limit_continues_to_the_context_end(rig: Rig) -> None:
+    dying, healthy = rig.fakes
+    dying.die_after_tokens = 130  # past SGLang's default budget of 128
+    register_active(rig.registry, rig.fakes)
+    out = await generate_one(rig.generator, body(None))  # type: ignore[arg-type]
+    total = dying.context_len - len(PROMPT)
+    assert out["output_ids"] == reference(PROMPT, total)
+    assert healthy.requests[0]["sampling_params"]["max_new_tokens"] is None
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": total}
+
+
+async def test_a_string_rid_names_batch_items_as_sglang_does(rig: Rig) -> None:
+    register_active(rig.registry, rig.fakes)
+    b = {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"temperature": 0, "max_new_tokens": 3}, "rid": "b"}
+    out = await rig.generator.generate(b)
+    assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
+    assert sorted(r["rid"] for f in rig.fakes for r in f.requests) == ["b_0", "b_1"]
+
+
+async def test_stream_chunks_carry_the_cumulative_text(rig: Rig) -> None:
+    rig.fakes[0].stall_after_tokens = 2  # so that a partial chunk surely goes out before the end
+    register_active(rig.registry, rig.fakes[:1])
+    chunks: list[dict[str, Any]] = []
+    async for batch in rig.generator.generate_stream(body(4)):
+        chunks.extend(batch)
+        rig.fakes[0].unstall()
+    assert len(chunks) >= 2 and chunks[0]["meta_info"]["finish_reason"] is None
+    for c in chunks:  # the fake's text is one "x" per token, cumulative, as SGLang's
+        assert c["text"] == "x" * len(c["output_ids"])

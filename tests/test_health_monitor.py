@@ -100,6 +100,23 @@ async def test_pending_dies_after_the_startup_grace_period(world: World) -> None
     assert "connection refused" in last.reason
 
 
+async def test_the_managers_own_limits_neither_end_the_grace_period_nor_count_as_failures(world: World) -> None:
+    world.probe.local = True  # the manager is out of descriptors: it cannot even ask
+    inst = world.add()
+    await world.clock.parked()
+    for _ in range(2 * int(SETTINGS.startup_grace_period_s / SETTINGS.pending_poll_interval_s)):
+        await world.clock.step(SETTINGS.pending_poll_interval_s)
+    assert state(inst) == State.PENDING and world.registry.get(inst.id) is inst
+    assert "Too many open files" in (inst.last_error or "")
+    world.probe.local = False
+    await world.clock.step(SETTINGS.pending_poll_interval_s)
+    assert state(inst) == State.ACTIVE
+    world.probe.local = True
+    for _ in range(SETTINGS.failure_threshold + 1):
+        await world.clock.step(SETTINGS.check_interval_s)
+    assert state(inst) == State.ACTIVE and inst.consecutive_failures == 0
+
+
 async def test_failures_count_to_the_threshold_then_the_instance_is_removed(world: World) -> None:
     inst = world.add()
     await world.clock.parked()

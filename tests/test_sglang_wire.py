@@ -65,6 +65,24 @@ def test_split_batch_keeps_per_item_fields() -> None:
     assert b["sampling_params"] == {"max_new_tokens": 2} and b["rid"] == "b"
 
 
+def test_split_batch_names_items_of_a_string_rid_as_sglang_does() -> None:
+    # SGLang's GenerateReqInput._normalize_rid: a string rid for n items becomes rid_0 ... rid_{n-1}.
+    parts = wire.split_batch({"input_ids": [[1], [2], [3]], "rid": "r"})
+    assert [p["rid"] for p in parts] == ["r_0", "r_1", "r_2"]
+    assert wire.split_batch({"input_ids": [1], "rid": "r"})[0]["rid"] == "r"
+
+
+def test_an_abort_with_a_4xx_status_code_is_the_callers_error() -> None:
+    refused = {"type": "abort", "message": "Input length (9 tokens) exceeds the maximum allowed length",
+               "status_code": 400, "err_type": "BadRequestError"}  # FINISH_ABORT.to_json of the scheduler
+    assert wire.abort_caller_status(refused) == 400
+    assert wire.abort_caller_status({**refused, "status_code": 404}) == 404
+    for not_callers in ({**refused, "status_code": None}, {**refused, "status_code": 503},
+                        {"type": "abort", "message": "Abort"}, {**refused, "status_code": True},
+                        wire.finish_reason(wire.LENGTH, length=3), None):
+        assert wire.abort_caller_status(not_callers) is None
+
+
 def test_update_weight_version_never_aborts_in_flight_requests() -> None:
     assert wire.update_weight_version_body(3) == {"new_version": "3", "abort_all_requests": False}
 
@@ -80,8 +98,12 @@ def test_progress_keeps_the_last_reported_weight_version_when_chunks_leave_it_ou
 def test_token_budget_and_logprobs_come_from_the_single_sequence_body() -> None:
     assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": 5}}) == 5
     assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}) == 0
-    for params in (None, {}, {"max_new_tokens": None}):
+    for params in (None, {}):
         assert wire.token_budget({"input_ids": [1], "sampling_params": params}) == wire.DEFAULT_MAX_NEW_TOKENS
+    # null is no limit in SGLang (it stops at the context end), not its default of 128.
+    assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": None}}) is None
+    cont = wire.continuation_body({"input_ids": [1], "sampling_params": {"max_new_tokens": None}}, [2, 3], rid="c")
+    assert cont["input_ids"] == [1, 2, 3] and cont["sampling_params"] == {"max_new_tokens": None}
     assert wire.wants_logprobs({"return_logprob": True})
     assert not wire.wants_logprobs({}) and not wire.wants_logprobs({"return_logprob": None})
 

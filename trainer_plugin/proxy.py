@@ -30,7 +30,9 @@ log = logging.getLogger("trainer_plugin.proxy")
 # verl sampling keys that SGLang's /generate knows under the same name
 _PASS_THROUGH = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                 "n", "min_new_tokens", "seed", "no_stop_trim", "spaces_between_special_tokens")
+                 "n", "min_new_tokens", "sampling_seed", "no_stop_trim", "spaces_between_special_tokens")
+# verl (vLLM) names SGLang spells differently; SGLang >= 0.5.22 refuses unknown sampling keys with 400.
+_RENAMED = {"seed": "sampling_seed"}
 
 
 def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None, *,
@@ -58,6 +60,9 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
                              f"length ({max_model_len})")
         budget = min(budget, room)
     return_logprob = bool(params.pop("logprobs", False))
+    for old, new in _RENAMED.items():
+        if params.get(old) is not None:
+            params.setdefault(new, params[old])
     sampling = {k: params[k] for k in _PASS_THROUGH if k in params and params[k] is not None}
     sampling["max_new_tokens"] = max(0, budget)
     body: dict[str, Any] = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling}

@@ -36,9 +36,20 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="stream deltas instead of cumulative chunks (SGLang's flag)",
     )
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="stream a chunk every N tokens (SGLang's flag; sampling_params.stream_interval overrides)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the model's context length (default: its max_position_embeddings), as SGLang's flag")
     p.add_argument("--max-running-requests", type=int, default=None, help="decode at most this many at once")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--health-generate-timeout-s", type=float, default=20.0)
+    p.add_argument("--sglang-version", default="0.5.23",
+                   help="the SGLang to emulate: /server_info's version; before 0.5.21 there are no "
+                        "weight-update sessions (/begin_weight_update answers 404)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor parallelism to report: weight loads need one payload per TP rank")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data parallelism to report: above 1, weight loads are refused as SGLang refuses them")
     p.add_argument("--log-level", default="INFO")
     f = p.add_argument_group("fault injection (also settable at runtime: POST /debug/faults)")
     f.add_argument("--die-after-tokens", type=int, default=None, help="os._exit(1) after N tokens reached clients")
@@ -62,7 +73,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--model-config must be a JSON object")
     if args.eos_token_id is not None:
         overrides["eos_token_id"] = args.eos_token_id
-    make_config(args.seed, args.model_size, **overrides)  # fail early on a bad config
+    model_config = make_config(args.seed, args.model_size, **overrides)  # fail early on a bad config
+    if args.context_length is not None and not 8 <= args.context_length <= model_config.max_position_embeddings:
+        raise ValueError(f"--context-length must be in [8, {model_config.max_position_embeddings}] "
+                         "(the model's max_position_embeddings)")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be at least 1")
+    if args.tp_size < 1 or args.dp_size < 1:
+        raise ValueError("--tp-size and --dp-size must be at least 1")
     faults = Faults(
         die_after_tokens=args.die_after_tokens,
         stall_after_tokens=args.stall_after_tokens,
@@ -79,11 +97,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model_size=args.model_size,
         model_overrides=overrides,
         incremental_streaming_output=args.incremental_streaming_output,
+        stream_interval=args.stream_interval,
+        context_length=args.context_length,
         weight_version=str(args.weight_version),
         max_running_requests=args.max_running_requests,
         health_generate_timeout_s=args.health_generate_timeout_s,
         served_model_name=args.served_model_name,
         faults=faults,
+        sglang_version=str(args.sglang_version),
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
     )
 
 

@@ -46,11 +46,19 @@ class EngineConfig:
     model_size: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     incremental_streaming_output: bool = False
+    stream_interval: int = 1  # SGLang's --stream-interval: stream every N tokens (per request: sampling_params)
+    context_length: int | None = None  # SGLang's --context-length; None: the model's max_position_embeddings
     weight_version: str = "0"
     max_running_requests: int | None = None  # None: admit everything at once
     health_generate_timeout_s: float = 20.0
     served_model_name: str | None = None
     faults: Faults = field(default_factory=Faults)
+    # The SGLang this engine stands in for: its /server_info version (older than 0.5.21: no
+    # weight-update sessions) and parallelism (tp_size: one weight payload per rank; dp_size > 1:
+    # weight loads refused, as SGLang refuses them).
+    sglang_version: str = "0.5.23"
+    tp_size: int = 1
+    dp_size: int = 1
 
 
 # ------------------------------------------------------------------ requests
@@ -71,7 +79,6 @@ _NOOP_SAMPLING_KEYS = {
     "ebnf",
     "structural_tag",
     "custom_params",
-    "stream_interval",
     "logit_bias",
 }
 _SAMPLING_KEYS = {
@@ -83,8 +90,13 @@ _SAMPLING_KEYS = {
     "stop_token_ids",
     "ignore_eos",
     "sampling_seed",
+    "stream_interval",
     "n",
 } | _NOOP_SAMPLING_KEYS
+
+# SGLang's scheduler keeps this many tokens of the context back from the input
+# (max_req_input_len = max_req_len - 5 with max_req_len = context_len - 1, in tp_worker.py).
+_SCHEDULER_INPUT_MARGIN = 6
 
 
 @dataclass
@@ -96,6 +108,7 @@ class SequenceSpec:
     params: SamplingParams
     return_logprob: bool
     index: int | None  # position in a batch, None for a single request
+    stream_interval: int | None = None  # sampling_params.stream_interval (None: the server's)
 
 
 @dataclass
@@ -156,6 +169,8 @@ def _parse_sampling(raw: Any, *, where: str) -> SamplingParams:
         if not _is_int(raw["sampling_seed"]):
             raise BadRequest(f"{where}sampling_seed must be an integer")
         p.sampling_seed = raw["sampling_seed"]
+    if raw.get("stream_interval") is not None and not _is_int(raw["stream_interval"]):
+        raise BadRequest(f"{where}stream_interval must be an integer")
     if raw.get("n", 1) != 1:
         raise BadRequest(f"{where}only n=1 is supported")
     return p
@@ -183,9 +198,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Gene
             value = body.get(key)
             if isinstance(value, list) and len(value) != n:
                 raise BadRequest(f"{key} is a list of {len(value)} items for a batch of {n}")
-        if isinstance(body.get("rid"), str):
-            raise BadRequest("rid must be a list with one id per item for a batch")
-        parts = wire.split_batch(body)
+        parts = wire.split_batch(body)  # a string rid names the items rid_0, rid_1, ... as in SGLang
     else:
         for key in wire.PER_ITEM_KEYS:
             if isinstance(body.get(key), list):
@@ -207,7 +220,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Gene
             raise BadRequest(
                 f"{where}The input ({n_in} tokens) is longer than the model's context length ({context_len} tokens)."
             )
-        if params.max_new_tokens is not None and params.max_new_tokens + n_in >= context_len:
+        if params.max_new_tokens is not None and params.max_new_tokens + n_in > context_len:
             raise BadRequest(
                 f"{where}Requested token count exceeds the model's maximum context length of {context_len} "
                 f"tokens. You requested a total of {params.max_new_tokens + n_in} tokens: {n_in} tokens from the "
@@ -226,7 +239,9 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Gene
         if rid in seen:
             raise BadRequest(f"duplicate rid {rid!r} in the batch")
         seen.add(rid)
-        specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None))
+        raw_params = part.get("sampling_params") or {}
+        specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None,
+                                  stream_interval=raw_params.get("stream_interval")))
     return GenerateRequest(specs, stream, batched)
 
 
@@ -294,6 +309,10 @@ class Engine:
         self.config = config
         self.faults = config.faults
         self.model = model or build_model(config.seed, config.model_size, **config.model_overrides)
+        positions = self.model.config.max_position_embeddings
+        if config.context_length is not None and not 8 <= config.context_length <= positions:
+            raise ValueError(f"context_length {config.context_length} is not in [8, {positions}] "
+                             "(the model's max_position_embeddings)")
         self.weight_version = str(config.weight_version)
         self.paused = False
         self.waiting: deque[Sequence] = deque()
@@ -313,7 +332,19 @@ class Engine:
 
     @property
     def context_len(self) -> int:
-        return self.model.config.max_position_embeddings
+        return self.config.context_length or self.model.config.max_position_embeddings
+
+    @property
+    def max_req_input_len(self) -> int:
+        """The longest input SGLang's scheduler admits, less one (it refuses ``len >= this``)."""
+        return self.context_len - _SCHEDULER_INPUT_MARGIN
+
+    def max_new_tokens(self, spec: SequenceSpec) -> int:
+        """The effective limit: ``max_new_tokens`` (null: none) capped to what the context leaves, as
+        SGLang's ``init_req_max_new_tokens`` does (``max_req_len - input_len - 1``)."""
+        limit = spec.params.max_new_tokens
+        room = max(self.context_len - 1 - len(spec.input_ids) - 1, 0)
+        return room if limit is None else max(min(limit, room), 0)
 
     def start(self) -> None:
         if self._task is None:
@@ -345,7 +376,16 @@ class Engine:
         for spec in req.specs:
             seq = Sequence(spec, group, internal=internal)
             group.sequences.append(seq)
-            if spec.params.max_new_tokens == 0:
+            if len(spec.input_ids) >= self.max_req_input_len:
+                # Refused by the scheduler, not the HTTP layer: the request ends at once with an
+                # abort that carries the status (Req.set_finish_with_abort in SGLang).
+                seq.set_finish(
+                    wire.ABORT,
+                    message=f"Input length ({len(spec.input_ids)} tokens) exceeds the maximum allowed length "
+                            f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.",
+                    status_code=400, err_type="BadRequestError",
+                )
+            elif self.max_new_tokens(spec) == 0:
                 seq.set_finish(wire.LENGTH, length=0)
             else:
                 self.waiting.append(seq)
@@ -505,12 +545,11 @@ class Engine:
         s.logprobs.append(lp)
         p = s.spec.params
         matched = stop_reason(token, len(s.output_ids), p, self.model.config.eos_token_id)
+        limit = self.max_new_tokens(s.spec)
         if matched is not None:
             s.set_finish(wire.STOP, matched=matched)
-        elif p.max_new_tokens is not None and len(s.output_ids) >= p.max_new_tokens:
-            s.set_finish(wire.LENGTH, length=p.max_new_tokens)
-        elif len(s.tokens) >= self.context_len:
-            s.set_finish(wire.LENGTH, length=len(s.output_ids))
+        elif len(s.output_ids) >= limit:
+            s.set_finish(wire.LENGTH, length=limit)
 
     def _note_round(self, elapsed: float, tokens: int) -> None:
         now = time.monotonic()
@@ -523,9 +562,24 @@ class Engine:
 
     # ------------------------------------------------------------ output objects
 
+    @staticmethod
+    def _text(s: Sequence, upto: int, *, final: bool) -> str:
+        """The text of the first ``upto`` tokens; until the end an unfinished UTF-8 character at the
+        tail is held back (as SGLang's detokenizer does), so the text only ever grows."""
+        text = decode_text(s.output_ids[:upto])
+        return text if final else text.rstrip("\ufffd")
+
     def chunk(self, s: Sequence, upto: int, *, since: int = 0, final: bool) -> dict[str, Any]:
-        """The output object for ``s`` with its first ``upto`` tokens; ``since`` > 0 gives a delta."""
+        """The output object for ``s`` with its first ``upto`` tokens; ``since`` > 0 gives a delta.
+
+        ``text`` is filled in every chunk, as SGLang does: the whole text so far, or with ``since``
+        the text the delta adds.
+        """
         ids = s.output_ids[since:upto]
+        text = self._text(s, upto, final=final)
+        if since:
+            before = self._text(s, since, final=False)
+            text = text[len(before):] if text.startswith(before) else decode_text(ids)
         lps = None
         if s.spec.return_logprob:
             lps = [wire.logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
@@ -537,7 +591,7 @@ class Engine:
             finish=s.finish if final else None,
             weight_version=self.weight_version,
             logprobs=lps,
-            text=decode_text(s.output_ids[:upto]) if final else None,
+            text=text,
             index=s.spec.index if s.group.stream else None,  # streamed batch items carry index
             e2e_latency=(s.finished_at or time.monotonic()) - s.created if final else None,
         )

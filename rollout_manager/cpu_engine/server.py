@@ -12,10 +12,12 @@ import logging
 import signal
 import sys
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from rollout_manager.cpu_engine.contract import generate_contract_error
 from rollout_manager.cpu_engine.engine import BadRequest, Engine, EngineConfig, GenerateRequest, Group, SequenceSpec
 from rollout_manager.cpu_engine.model import SamplingParams
 from rollout_manager.sglang import wire
@@ -24,6 +26,16 @@ log = logging.getLogger("rollout_manager.cpu_engine")
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 STOP_KEY = web.AppKey("stop", asyncio.Event)
+
+
+@dataclass
+class WeightSession:
+    """SGLang's weight-update session (one per server): open between begin and end_weight_update."""
+
+    open: bool = False
+
+
+WEIGHT_SESSION_KEY = web.AppKey("weight_session", WeightSession)
 
 DEBUG_FAULTS = "/debug/faults"
 DEBUG_CHECKSUM = "/debug/state_dict_checksum"
@@ -55,19 +67,29 @@ def _engine(request: web.Request) -> Engine:
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's order: the schema contract (``400 {"error": "..."}``), then the tokenizer's checks
+    (for a stream an error frame inside a 200 stream, else ``400 {"error": {"message": ...}}``),
+    then the scheduler's (an abort finish that carries a ``status_code``)."""
     engine = _engine(request)
     try:
         body = await _json_body(request)
-        req = engine.parse(body)
     except BadRequest as exc:
         return _error(str(exc))
+    violation = generate_contract_error(body)
+    if violation is not None:
+        return web.json_response({"error": violation}, status=400)
+    stream = body.get("stream") is True
+    try:
+        req = engine.parse(body)
+    except BadRequest as exc:
+        return await _refuse(request, str(exc), stream=stream)
     if engine.faults.should_fail_request():
         status = engine.faults.fail_status
         return _error(f"injected failure (fail_rate={engine.faults.fail_rate})", status, "ServiceUnavailable")
     try:
         group = engine.submit(req)
     except BadRequest as exc:
-        return _error(str(exc))
+        return await _refuse(request, str(exc), stream=stream)
     if req.stream:
         return await _stream(request, engine, group)
     try:
@@ -77,8 +99,33 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         if not group.finished:
             engine.cancel_group(group)
+    for s in group.sequences:  # a scheduler refusal fails the whole non-streamed request
+        refused = wire.abort_caller_status(s.finish) or _server_abort_status(s.finish)
+        if refused == 400:
+            return web.json_response({"error": {"message": wire.abort_message(s.finish or {})}}, status=400)
+        if refused is not None:
+            return web.json_response({"detail": wire.abort_message(s.finish or {})}, status=refused)
     outs = [engine.chunk(s, len(s.output_ids), final=True) for s in group.sequences]
     return web.json_response(outs if req.batched else outs[0])
+
+
+def _server_abort_status(finish: Any) -> int | None:
+    """A 5xx ``status_code`` of an abort finish (SGLang answers it as an HTTP error too)."""
+    status = finish.get("status_code") if wire.is_abort(finish) else None
+    return status if isinstance(status, int) and 500 <= status < 600 else None
+
+
+async def _refuse(request: web.Request, message: str, *, stream: bool) -> web.StreamResponse:
+    """A request the tokenizer stage refuses: SGLang has already started a stream by then."""
+    if not stream:
+        return _error(message)
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    await resp.write(wire.sse_frame({"error": error}))
+    await resp.write(wire.DONE_FRAME)
+    await resp.write_eof()
+    return resp
 
 
 async def _stream(request: web.Request, engine: Engine, group: Group) -> web.StreamResponse:
@@ -86,7 +133,8 @@ async def _stream(request: web.Request, engine: Engine, group: Group) -> web.Str
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     incremental = engine.config.incremental_streaming_output
-    sent = [0] * len(group.sequences)
+    stepped = [0] * len(group.sequences)  # tokens looked at (one decoding step each)
+    sent = [0] * len(group.sequences)  # tokens sent to the client
     closed = [False] * len(group.sequences)
     try:
         await resp.prepare(request)
@@ -97,16 +145,20 @@ async def _stream(request: web.Request, engine: Engine, group: Group) -> web.Str
                     continue
                 finished = s.finish is not None
                 n = len(s.output_ids)
-                while sent[i] < n:  # one chunk per token
-                    k = sent[i] + 1
+                interval = s.spec.stream_interval or engine.config.stream_interval
+                while stepped[i] < n:  # SGLang's output streamer, step by step
+                    k = stepped[i] = stepped[i] + 1
                     final = finished and k == n
-                    chunk = engine.chunk(s, k, since=k - 1 if incremental else 0, final=final)
+                    unsent = k - sent[i]
+                    if not (final or interval == 1 or unsent >= interval or (sent[i] == 0 and unsent > 0)):
+                        continue
+                    chunk = engine.chunk(s, k, since=sent[i] if incremental else 0, final=final)
                     await resp.write(wire.sse_frame(chunk))
+                    engine.faults.note_emitted(unsent)
                     sent[i] = k
-                    engine.faults.note_emitted(1)
                     closed[i] = final
                 if finished and not closed[i]:  # finished without a new token (abort, max_new_tokens=0)
-                    chunk = engine.chunk(s, n, since=n if incremental else 0, final=True)
+                    chunk = engine.chunk(s, n, since=sent[i] if incremental else 0, final=True)
                     await resp.write(wire.sse_frame(chunk))
                     closed[i] = True
             if all(closed):
@@ -168,7 +220,11 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
     running, queued = engine.counts()
     name = engine.config.served_model_name or f"cpu-engine-{engine.config.model_size}"
     return {
-        "version": VERSION,
+        "version": engine.config.sglang_version,
+        "tp_size": engine.config.tp_size,
+        "dp_size": engine.config.dp_size,
+        "base_gpu_id": 0,
+        "gpu_id_step": 1,
         "model_path": f"cpu-engine/{engine.config.model_size}",
         "served_model_name": name,
         "skip_tokenizer_init": True,
@@ -181,6 +237,7 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
         "internal_states": [{"last_gen_throughput": float(engine.last_gen_throughput)}],
         # Engine-specific (SGLang 0.5.23 has no such counts in server_info): for debugging only.
         "cpu_engine": {
+            "engine_version": VERSION,
             "running": running,
             "queued": queued,
             "paused": engine.paused,
@@ -293,10 +350,18 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     version = body.get("weight_version")
     if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
         return fail("weight_version must be a string")
+    if engine.config.dp_size > 1:  # SGLang's tokenizer manager asserts this; the assertion answers 500
+        return web.json_response({"success": False, "message": wire.DP_UNSUPPORTED_MESSAGE}, status=500)
     if body.get("abort_all_requests", False) is True:
         engine.abort(abort_all=True, message="Abort by update_weights_from_tensor")
+    if _sessions(engine) and not request.app[WEIGHT_SESSION_KEY].open:
+        return fail(wire.SESSION_REQUIRED_MESSAGE)
+    tp_size = engine.config.tp_size
+    if len(payloads) < tp_size:  # TP rank r reads entry r: a missing one fails that rank
+        return fail(f"serialized_named_tensors has {len(payloads)} entries for tp_size={tp_size}: "
+                    f"TP rank r loads entry r, so there must be one per rank")
     try:
-        named = await asyncio.to_thread(wire.deserialize_named_tensors, payloads[0])  # TP rank 0
+        named = await asyncio.to_thread(_own_rank_payloads, payloads[:tp_size])
         if engine.faults.load_delay_s:
             engine.faults.loading = True
             try:
@@ -311,6 +376,65 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         engine.set_weight_version(str(version))
         message += f" Weight version updated to {version}."
     return web.json_response({"success": True, "message": message})
+
+
+def _own_rank_payloads(payloads: list[str]) -> list[tuple[str, Any]]:
+    """Decode each TP rank's own entry as that rank would (and only its own), check that every rank
+    got the same tensors, each on its own device, and return rank 0's. Raises ValueError."""
+    import torch
+
+    ranks = [wire.deserialize_named_tensors(p) for p in payloads]
+    first = ranks[0]
+    for rank, named in enumerate(ranks):
+        for _, tensor in named:
+            if tensor.is_cuda and tensor.device.index != rank:
+                raise ValueError(f"TP rank {rank}'s payload holds a tensor on {tensor.device}, not on its own GPU")
+        if rank == 0:
+            continue
+        if [n for n, _ in named] != [n for n, _ in first]:
+            raise ValueError(f"TP rank {rank}'s payload names other tensors than rank 0's")
+        for (name, tensor), (_, ref) in zip(named, first):
+            if tensor.shape != ref.shape or tensor.dtype != ref.dtype or not torch.equal(tensor.cpu(), ref.cpu()):
+                raise ValueError(f"TP rank {rank}'s payload differs from rank 0's in {name}")
+    return first
+
+
+def _sessions(engine: Engine) -> bool:
+    """Whether the SGLang this engine stands in for has weight-update sessions (0.5.21 and later)."""
+    return wire.weight_update_sessions(engine.config.sglang_version) is not False
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    session = request.app[WEIGHT_SESSION_KEY]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or body.get("selector", "all") not in ("target", "draft", "all"):
+            raise BadRequest("the body must be a JSON object; selector is one of target, draft, all")
+    except BadRequest as exc:
+        return _error(str(exc))
+    if session.open:
+        return web.json_response({"success": False, "message": wire.SESSION_ALREADY_OPEN_MESSAGE}, status=400)
+    session.open = True
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    session = request.app[WEIGHT_SESSION_KEY]
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+    except BadRequest as exc:
+        return _error(str(exc))
+    if not session.open:
+        return web.json_response({"success": False, "message": wire.NO_SESSION_OPEN_MESSAGE}, status=400)
+    session.open = False
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    """What FastAPI answers for a route the emulated (older) SGLang does not have."""
+    return web.json_response({"detail": "Not Found"}, status=404)
 
 
 async def shutdown(request: web.Request) -> web.Response:
@@ -352,6 +476,7 @@ def create_app(engine_config: EngineConfig | None = None) -> web.Application:
     config = engine_config or EngineConfig()
     app = web.Application(client_max_size=1 << 30)
     app[STOP_KEY] = asyncio.Event()
+    app[WEIGHT_SESSION_KEY] = WeightSession()
 
     async def on_startup(app: web.Application) -> None:
         engine = Engine(config)
@@ -384,6 +509,9 @@ def create_app(engine_config: EngineConfig | None = None) -> web.Application:
     r.add_get(wire.FLUSH_CACHE, flush_cache)
     r.add_post(wire.UPDATE_WEIGHT_VERSION, update_weight_version)
     r.add_post(wire.UPDATE_WEIGHTS_FROM_TENSOR, update_weights_from_tensor)
+    sessions = wire.weight_update_sessions(config.sglang_version) is not False
+    r.add_post(wire.BEGIN_WEIGHT_UPDATE, begin_weight_update if sessions else not_found)
+    r.add_post(wire.END_WEIGHT_UPDATE, end_weight_update if sessions else not_found)
     r.add_post(wire.SHUTDOWN, shutdown)
     r.add_get(DEBUG_FAULTS, get_faults)
     r.add_post(DEBUG_FAULTS, set_faults)

@@ -25,6 +25,7 @@ from rollout_manager.sglang.client import Probe
 log = logging.getLogger("rollout_manager.health")
 
 ProbeFn = Callable[[str, str, float], Awaitable[Probe]]  # (base_url, path, timeout_s) -> Probe
+ServerInfoFn = Callable[[str, float], Awaitable[wire.ServerInfo]]  # (base_url, timeout_s); raises when unreadable
 SleepFn = Callable[[float], Awaitable[None]]
 
 
@@ -45,10 +46,11 @@ class HealthSettings:
 
 class HealthMonitor:
     def __init__(self, registry: Registry, version: WeightVersion, probe: ProbeFn, settings: HealthSettings,
-                 *, sleep: SleepFn = asyncio.sleep) -> None:
+                 *, sleep: SleepFn = asyncio.sleep, server_info: ServerInfoFn | None = None) -> None:
         self.registry = registry
         self.version = version
         self.probe = probe
+        self.server_info = server_info  # read once, at the first ready probe
         self.settings = settings
         self.sleep = sleep  # tests pass a fake clock's
         self._watchers: dict[str, asyncio.Task[None]] = {}
@@ -98,6 +100,12 @@ class HealthMonitor:
             if inst.state != State.PENDING:
                 break
             if probe.ready:
+                refusal = await self._refusal(inst)
+                if inst.state != State.PENDING:
+                    break
+                if refusal is not None:
+                    self.registry.transition(inst, State.DEAD, refusal)
+                    return False
                 if self.version.behind(inst):
                     self.registry.transition(inst, State.SYNCING,
                                              f"bootstrap to weight version {self.version.current}")
@@ -105,7 +113,9 @@ class HealthMonitor:
                     self.registry.transition(inst, State.ACTIVE, "healthy")
                 break
             inst.last_error = probe.describe()
-            if self.registry.clock() >= deadline:
+            if probe.local:  # the manager could not even ask: its own limit, not the instance's time
+                deadline += cfg.pending_poll_interval_s
+            elif self.registry.clock() >= deadline:
                 self.registry.transition(
                     inst, State.DEAD,
                     f"not healthy within the start-up grace period ({cfg.startup_grace_period_s:g}s); "
@@ -114,6 +124,21 @@ class HealthMonitor:
                 return False
             await self.sleep(cfg.pending_poll_interval_s)
         return self.registry.get(inst.id) is inst
+
+    async def _refusal(self, inst: Instance) -> str | None:
+        """Why a healthy new instance can never serve here (a data-parallel SGLang cannot take weight
+        pushes), or None. An unreadable ``/server_info`` is no reason: the instance stays."""
+        if self.server_info is None:
+            return None
+        try:
+            info = await self.server_info(inst.url, self.settings.check_timeout_s)
+        except Exception as exc:  # whatever went wrong, it is no reason to remove the instance
+            log.warning("instance %s %s: cannot read %s (%s); not checking its parallelism", inst.id,
+                        inst.endpoint, wire.SERVER_INFO, exc)
+            return None
+        if info.dp_size > 1:
+            return wire.dp_refusal(inst.endpoint, info.dp_size)
+        return None
 
     async def _check_periodically(self, inst: Instance) -> None:
         cfg = self.settings

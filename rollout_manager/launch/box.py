@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from rollout_manager.osutil import die_with_parent, format_endpoint, host_port, source_address_toward
+from rollout_manager.sglang import wire  # standard library only at import time
 
 PREFIX = "launch_sglang: error: "
 AUTH_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
@@ -324,6 +325,18 @@ def agent_info(agent_url: str, timeout: float = 10.0) -> dict[str, Any]:
     return info
 
 
+def check_parallelism(sglang_url: str, endpoint: str, timeout: float = 10.0) -> None:
+    """Refuse a data-parallel SGLang before registering it: it could never take a weight push. An
+    unreadable ``/server_info`` is left to the manager (it checks again when the instance is ready)."""
+    try:
+        status, answer = request("GET", sglang_url.rstrip("/") + wire.SERVER_INFO, timeout=timeout, auth=False)
+    except OSError:
+        return
+    info = wire.ServerInfo.from_json(answer if status == 200 else None)
+    if info.dp_size > 1:
+        raise BoxError(wire.dp_refusal(endpoint, info.dp_size))
+
+
 def register_with_retry(manager: str, body: dict[str, Any], timeout: float) -> tuple[int, Any]:
     """``POST /register_rollout_instance``, retried for up to ``timeout`` seconds while the manager is
     unreachable or answers 5xx (it may be restarting while the model loaded)."""
@@ -355,6 +368,7 @@ def cmd_register(args: argparse.Namespace) -> None:
     body = {"host": args.host, "port": args.port, "mooncake_handshake_port": info["handshake_port"],
             "weight_receiver_port": args.agent_port}
     endpoint = format_endpoint(args.host, args.port)
+    check_parallelism(str(info.get("sglang_url") or url_of(args.host, args.port)), endpoint)
     run_id = None
     if args.state_file:  # read before registering: a restart in between shows up as a new run id later
         try:

@@ -76,14 +76,28 @@ class SequenceState:
     failures: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     finish: dict[str, Any] | None = None
+    live_text: str | None = None  # the text so far, while a segment runs (None: not known)
 
     @property
-    def budget(self) -> int:
+    def budget(self) -> int | None:
+        """``max_new_tokens``; None when the caller set no limit (the engine stops at its context)."""
         return wire.token_budget(self.body)
 
     @property
-    def remaining(self) -> int:
-        return max(self.budget - len(self.output_ids), 0)
+    def remaining(self) -> int | None:
+        budget = self.budget
+        return None if budget is None else max(budget - len(self.output_ids), 0)
+
+    @property
+    def reserve(self) -> int:
+        """The tokens to reserve on an instance: what is left, or an estimate when there is no limit."""
+        remaining = self.remaining
+        return wire.DEFAULT_MAX_NEW_TOKENS if remaining is None else remaining
+
+    def known_text(self, current: str | None = "") -> str | None:
+        """The finished segments' text plus ``current``; None when any part of it is unknown."""
+        parts = [*self.texts, current]
+        return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
 
 
 class Generator:
@@ -209,6 +223,7 @@ class Generator:
         return wire.partial_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
             weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
+            text=seq.live_text,
         )
 
     async def run_sequence(self, body: dict[str, Any], index: int | None = None,
@@ -234,6 +249,12 @@ class Generator:
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
+        if seq.budget == 0:
+            # Answered here: SGLang would run a prefill and report a log-prob for a token it never
+            # returns. Nothing to generate, so no instance is needed.
+            seq.finish = wire.finish_reason(wire.LENGTH, length=0)
+            seq.texts.append("")
+            seq.meta = {"weight_version": self._current_version()}
         while seq.finish is None:
             if seq.remaining == 0:  # the budget was used up just as an instance died
                 seq.finish = wire.finish_reason(wire.LENGTH, length=seq.budget)
@@ -247,7 +268,7 @@ class Generator:
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
             try:
-                inst = await self.dispatcher.acquire(seq.remaining, self.settings.wait_timeout_s,
+                inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
                                                      avoid={i.id for i in tried})
             except Unavailable as exc:
                 self.stats["failed"] += 1
@@ -255,11 +276,16 @@ class Generator:
             tried.append(inst)
             if seq.segments:
                 self.stats["continuations"] += 1
-                log.info("continuing %s on %s from token %d (%d left)", seq.rid, inst.endpoint,
-                         len(seq.output_ids), seq.remaining)
+                log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
+                         len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
             await self._attempt(seq, inst, len(seq.segments), on_tokens)
         self.stats["tokens"] += len(seq.output_ids)
         return self._result(seq, index, time.monotonic() - started)
+
+    def _current_version(self) -> str:
+        """The newest weight version an active instance serves (what a request made now would get)."""
+        versions = [i.weight_version for i in self.dispatcher.registry.in_state(State.ACTIVE)]
+        return str(max(versions, default=0))
 
     # ------------------------------------------------------------ one instance
     async def _attempt(self, seq: SequenceState, inst: Instance, attempt: int,
@@ -271,13 +297,14 @@ class Generator:
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
         seq.segments.append(segment)
         base, base_lp = list(seq.output_ids), list(seq.logprobs)
-        reserved = seq.remaining
+        reserved = seq.reserve
 
         async def consume() -> None:
             async for chunk in stream_generate(
                 self.client.session, inst.url, body,
                 connect_timeout_s=self.settings.connect_timeout_s,
                 stall_timeout_s=self.settings.stall_timeout_s,
+                limits=self.client.limits,
             ):
                 new = progress.apply(chunk)
                 if new:
@@ -286,6 +313,7 @@ class Generator:
                 seq.logprobs = base_lp + progress.logprobs
                 segment.end = len(seq.output_ids)
                 segment.weight_version = progress.weight_version
+                seq.live_text = seq.known_text(progress.text)
                 if new and on_tokens is not None and progress.finish_reason is None:
                     on_tokens(seq)
 
@@ -306,12 +334,19 @@ class Generator:
             except EngineFailed as exc:
                 # The final chunk (finish_reason) already arrived and only [DONE] was lost: the
                 # sequence is complete; continuing it would generate past its end.
-                if progress.finish_reason is None or wire.is_abort(progress.finish_reason):
+                last = progress.finish_reason
+                if last is None or (wire.is_abort(last) and wire.abort_caller_status(last) is None):
                     raise
                 cut = exc
             finish = progress.finish_reason
             if finish is None:
                 raise EngineFailed("stream finished without a finish_reason")
+            caller_status = wire.abort_caller_status(finish)
+            if caller_status is not None:
+                # SGLang refused the request itself (e.g. too long for its context): every instance
+                # would, so it is the caller's error, not retried and not held against the instance.
+                raise EngineRejected(caller_status, {"message": wire.abort_message(finish),
+                                                     "type": finish.get("err_type"), "code": caller_status})
             if wire.is_abort(finish):
                 raise EngineFailed(f"aborted by the instance: {wire.abort_message(finish)}")
             seq.finish, seq.meta = wire.rebase_finish_reason(finish, segment.start), progress.meta_info
@@ -323,15 +358,18 @@ class Generator:
                 self.on_instance_failure(inst, f"stream cut after the final chunk: {cut}")
         except EngineRejected as exc:
             segment.outcome = "rejected"
+            seq.live_text = None
             raise GenerationFailed(exc.status, wire.error_message(exc.error), exc.error) from None
         except Preempted:
             segment.outcome = "preempted: local window closed"
             seq.texts.append(None)
+            seq.live_text = None
             self.stats["preempted"] += 1
         except EngineFailed as exc:
             segment.outcome = f"failed: {exc}"
             seq.failures.append(f"{inst.endpoint}: {exc}")
             seq.texts.append(None)
+            seq.live_text = None
             log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
                         segment.end - segment.start, exc)
             self.on_instance_failure(inst, str(exc))

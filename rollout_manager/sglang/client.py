@@ -11,6 +11,7 @@ import aiohttp
 
 from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -21,6 +22,7 @@ class Probe:
 
     status: int | None  # HTTP status, None when no answer came
     error: str | None = None
+    local: bool = False  # the manager itself could not connect (out of descriptors, ...): says nothing
 
     @property
     def ready(self) -> bool:
@@ -28,8 +30,9 @@ class Probe:
 
     @property
     def failed(self) -> bool:
-        """Counts against the instance: no answer or a 5xx. A 4xx is the caller's fault, not the box's."""
-        return self.status is None or self.status >= 500
+        """Counts against the instance: no answer or a 5xx. A 4xx is the caller's fault, not the box's,
+        and the manager's own limits are the manager's."""
+        return not self.local and (self.status is None or self.status >= 500)
 
     def describe(self) -> str:
         return self.error or f"HTTP {self.status}"
@@ -38,8 +41,9 @@ class Probe:
 class SGLangClient:
     """One shared aiohttp session; every call has its own timeout."""
 
-    def __init__(self, session: aiohttp.ClientSession):
+    def __init__(self, session: aiohttp.ClientSession, limits: LocalLimits | None = None):
         self.session = session
+        self.limits = limits or LocalLimits()
 
     async def probe(self, base_url: str, path: str, timeout_s: float) -> Probe:
         try:
@@ -50,8 +54,27 @@ class SGLangClient:
                 return Probe(resp.status)
         except asyncio.TimeoutError:
             return Probe(None, f"{path} timed out after {timeout_s:g}s")
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, OSError) as exc:
+            local = local_resource_error(exc)
+            if local is not None:
+                return Probe(None, f"{path}: the manager could not connect: {local}", local=True)
+            if not isinstance(exc, aiohttp.ClientError):
+                raise
             return Probe(None, f"{path}: {type(exc).__name__}: {exc}")
+
+    async def server_info(self, base_url: str, timeout_s: float) -> wire.ServerInfo:
+        """``GET /server_info``; raises :class:`ServerInfoError` when it cannot be read."""
+        try:
+            async with self.session.get(
+                base_url + wire.SERVER_INFO, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                if resp.status != 200:
+                    raise ServerInfoError(f"{wire.SERVER_INFO}: HTTP {resp.status}")
+                return wire.ServerInfo.from_json(await resp.json(content_type=None))
+        except asyncio.TimeoutError:
+            raise ServerInfoError(f"{wire.SERVER_INFO} timed out after {timeout_s:g}s") from None
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise ServerInfoError(f"{wire.SERVER_INFO}: {type(exc).__name__}: {exc}") from None
 
     async def post_json(self, base_url: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
         async with self.session.post(
@@ -70,6 +93,10 @@ class SGLangClient:
             return status < 300
         except (asyncio.TimeoutError, aiohttp.ClientError):
             return False
+
+
+class ServerInfoError(Exception):
+    """``/server_info`` could not be read (no answer, not 200, not JSON)."""
 
 
 class EngineRejected(Exception):
@@ -95,17 +122,33 @@ async def stream_generate(
     *,
     connect_timeout_s: float,
     stall_timeout_s: float,
+    limits: LocalLimits | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
 
     ``stall_timeout_s`` bounds the silence between two reads, not the whole request, so long
-    generations are fine while a hung engine is detected.
+    generations are fine while a hung engine is detected. When the manager itself cannot connect
+    (its own descriptor or memory limits), nothing was sent: the request waits and tries again,
+    and the instance is not blamed.
     """
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
     decoder = wire.SSEDecoder()
+    data = jsonutil.dumps(body)
+    limits = limits or LocalLimits()
     try:
-        async with session.post(base_url + wire.GENERATE, data=jsonutil.dumps(body), timeout=timeout,
-                                headers=JSON_HEADERS) as resp:
+        attempt = 0
+        while True:
+            try:
+                resp = await session.post(base_url + wire.GENERATE, data=data, timeout=timeout,
+                                          headers=JSON_HEADERS)
+                break
+            except (aiohttp.ClientError, OSError) as exc:
+                local = local_resource_error(exc)
+                if local is None:
+                    raise
+                await limits.wait_after(local, attempt)
+                attempt += 1
+        async with resp:
             if resp.status >= 400:
                 text = (await resp.text())[:2000]
                 try:
@@ -128,7 +171,7 @@ async def stream_generate(
                     return
     except asyncio.TimeoutError:
         raise EngineFailed(f"no data for {stall_timeout_s:g}s (stalled)") from None
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, OSError) as exc:
         raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
     if not decoder.done:
         raise EngineFailed("stream ended without [DONE]")

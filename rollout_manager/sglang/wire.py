@@ -5,9 +5,9 @@ frames and ``meta_info``. The manager's client decodes with it; the CPU engine e
 stand-in and the real server are held to the same contract.
 
 Streaming replies are server-sent events: ``data: {json}\\n\\n`` frames ending with ``data: [DONE]``.
-By default each chunk is cumulative (``output_ids`` is the whole output so far, ``text`` is null until
-the last chunk); with ``--incremental-streaming-output`` chunks carry deltas, and so do the log-probs
-in ``meta_info``. A batch request's chunks carry ``index``. An error inside the stream is a frame
+By default each chunk is cumulative (``output_ids`` and ``text`` are the whole output so far); with
+``--incremental-streaming-output`` chunks carry deltas (ids, text and the log-probs in ``meta_info``).
+A batch request's chunks carry ``index``. An error inside the stream is a frame
 ``data: {"error": {...}}``.
 """
 
@@ -32,6 +32,8 @@ FLUSH_CACHE = "/flush_cache"
 UPDATE_WEIGHT_VERSION = "/update_weight_version"
 UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
 UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # SGLang >= 0.5.21 (see weight_update_sessions)
+END_WEIGHT_UPDATE = "/end_weight_update"
 SHUTDOWN = "/shutdown"
 METRICS = "/metrics"  # Prometheus text, only with --enable-metrics
 
@@ -120,15 +122,17 @@ def partial_output(
     logprobs: list[list[Any]],
     weight_version: str,
     index: int | None,
+    text: str | None = None,
 ) -> dict[str, Any]:
     """A cumulative, unfinished stream chunk of a sequence run from the single-sequence ``body``.
 
-    Log-probs appear only when ``body`` asked for them, as SGLang does.
+    Log-probs appear only when ``body`` asked for them, as SGLang does; ``text`` is the text so far
+    (SGLang fills it in every cumulative chunk), null when it is not known.
     """
     return output_chunk(
         rid=rid, output_ids=list(output_ids), prompt_tokens=len(body["input_ids"]),
         completion_tokens=len(output_ids), finish=None, weight_version=weight_version,
-        logprobs=list(logprobs) if wants_logprobs(body) else None, index=index,
+        logprobs=list(logprobs) if wants_logprobs(body) else None, index=index, text=text,
     )
 
 
@@ -184,6 +188,22 @@ def is_abort(finish: Any) -> bool:
 def abort_message(finish: dict[str, Any]) -> str:
     """Why the engine aborted, for logs and errors (the whole finish_reason when it gives no message)."""
     return str(finish.get("message") or finish)
+
+
+def abort_caller_status(finish: Any) -> int | None:
+    """The 4xx status of an abort that refused the request itself, None for any other finish.
+
+    SGLang's scheduler refuses some requests (an input longer than it can hold, a bad
+    ``logprob_start_len``, ...) by finishing them at once with ``{"type": "abort", "status_code": 400,
+    "err_type": "BadRequestError", "message": ...}`` instead of an HTTP error. That is the caller's
+    error and every instance would say the same; an abort with no status or a 5xx is the instance's.
+    """
+    if not is_abort(finish):
+        return None
+    status = finish.get("status_code")
+    if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500:
+        return status
+    return None
 
 
 def rebase_finish_reason(finish: dict[str, Any] | None, start: int) -> dict[str, Any] | None:
@@ -374,15 +394,18 @@ class SequenceProgress:
 # hands to every item unchanged.
 PER_ITEM_KEYS: tuple[str, ...] = ("sampling_params", "return_logprob", "rid")
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default, when the key is absent
 
 
-def token_budget(body: dict[str, Any]) -> int:
-    """The manager's token budget of a single-sequence body: ``sampling_params.max_new_tokens``, or
-    :data:`DEFAULT_MAX_NEW_TOKENS` when it is absent or null."""
+def token_budget(body: dict[str, Any]) -> int | None:
+    """The token budget of a single-sequence body: ``sampling_params.max_new_tokens``,
+    :data:`DEFAULT_MAX_NEW_TOKENS` when the key is absent, None (no limit: SGLang stops at the
+    context length) when it is null."""
     params = body.get("sampling_params") or {}
-    value = params.get("max_new_tokens")
-    return DEFAULT_MAX_NEW_TOKENS if value is None else int(value)
+    if "max_new_tokens" not in params:
+        return DEFAULT_MAX_NEW_TOKENS
+    value = params["max_new_tokens"]
+    return None if value is None else int(value)
 
 
 def wants_logprobs(body: dict[str, Any]) -> bool:
@@ -397,7 +420,10 @@ def is_batched(body: dict[str, Any]) -> bool:
 
 
 def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Split a batched ``/generate`` body into one body per sequence (per-item params honoured)."""
+    """Split a batched ``/generate`` body into one body per sequence (per-item params honoured).
+
+    A single string ``rid`` for a batch names item ``i`` ``f"{rid}_{i}"``, as SGLang does.
+    """
     if not is_batched(body):
         return [dict(body)]
     n = len(body["input_ids"])
@@ -405,7 +431,9 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i in range(n):
         sub = {}
         for key, value in body.items():
-            if key in ("input_ids", "rid") or (key in PER_ITEM_KEYS and isinstance(value, list)):
+            if key == "rid" and isinstance(value, str):
+                sub[key] = f"{value}_{i}"
+            elif key in ("input_ids", "rid") or (key in PER_ITEM_KEYS and isinstance(value, list)):
                 sub[key] = value[i] if isinstance(value, list) else value
             else:
                 sub[key] = value
@@ -420,7 +448,9 @@ def continuation_body(
     """The body that continues a single sequence elsewhere from the tokens already made.
 
     ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
-    original budget, so the context never overflows and no token is produced twice.
+    original budget, so the context never overflows and no token is produced twice. A null
+    ``max_new_tokens`` (no limit) stays null: SGLang then stops where the context ends, which is
+    the same place for the continued request as for the original one.
     """
     new = dict(body)
     new["input_ids"] = list(body["input_ids"]) + list(made)
@@ -453,6 +483,82 @@ def update_weights_from_tensor_body(
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     return body
+
+
+# ---------------------------------------------------------------- weight-update sessions and /server_info
+
+# From 0.5.21 on, SGLang loads tensors only inside a weight-update session: ``POST /begin_weight_update {}``,
+# then ``/update_weights_from_tensor`` any number of times, then ``POST /end_weight_update {}``. Older
+# servers (0.5.12, which verl's ``sglang`` extra pins) have neither endpoint (FastAPI answers 404).
+WEIGHT_UPDATE_SESSIONS_SINCE = (0, 5, 21)
+# SGLang 0.5.23's refusals (scheduler_components/weight_updater.py), each with HTTP 400 and success false.
+SESSION_REQUIRED_MESSAGE = (
+    "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
+SESSION_ALREADY_OPEN_MESSAGE = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_OPEN_MESSAGE = "no weight-update session is open; call begin_weight_update() first"
+# What SGLang's tokenizer manager asserts when dp_size > 1 (the request fails with HTTP 500).
+DP_UNSUPPORTED_MESSAGE = "data-parallel replicas are not supported for update weights from tensor"
+
+
+def begin_weight_update_body() -> dict[str, Any]:
+    """``/begin_weight_update`` body: every runner (``selector`` defaults to ``"all"``)."""
+    return {}
+
+
+def end_weight_update_body() -> dict[str, Any]:
+    return {}
+
+
+def parse_version(version: Any) -> tuple[int, int, int] | None:
+    """``"0.5.23"``, ``"0.5.21.post1"``, ``"0.5.22rc0"`` -> ``(0, 5, 2x)``; None when not a release number."""
+    import re
+
+    m = re.match(r"\s*v?(\d+)\.(\d+)\.(\d+)", str(version or ""))
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def weight_update_sessions(version: Any) -> bool | None:
+    """Whether a server of ``version`` (``/server_info``'s ``version``) needs weight-update sessions;
+    None when the version cannot be read (then ask the server: a 404 on begin means no sessions)."""
+    parsed = parse_version(version)
+    return None if parsed is None else parsed >= WEIGHT_UPDATE_SESSIONS_SINCE
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The parts of ``GET /server_info`` the manager and the receiver read (0.5.12 and 0.5.23 alike:
+    the server arguments flattened into the top level, plus ``version``)."""
+
+    version: str | None
+    tp_size: int
+    dp_size: int
+    base_gpu_id: int
+    gpu_id_step: int
+
+    @classmethod
+    def from_json(cls, info: Any) -> ServerInfo:
+        info = info if isinstance(info, dict) else {}
+
+        def number(key: str, default: int) -> int:
+            value = info.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+        version = info.get("version")
+        return cls(version=str(version) if version is not None else None, tp_size=max(number("tp_size", 1), 1),
+                   dp_size=max(number("dp_size", 1), 1), base_gpu_id=number("base_gpu_id", 0),
+                   gpu_id_step=max(number("gpu_id_step", 1), 1))
+
+    def gpu_of_rank(self, tp_rank: int) -> int:
+        """The GPU (in SGLang's own numbering) that TP rank ``tp_rank`` runs on."""
+        return self.base_gpu_id + tp_rank * self.gpu_id_step
+
+
+def dp_refusal(endpoint: str, dp_size: int) -> str:
+    """Why an SGLang server with ``dp_size > 1`` cannot be a rollout instance, and what to run instead."""
+    return (f"{endpoint} runs SGLang with dp_size={dp_size}: SGLang refuses /update_weights_from_tensor on a "
+            f"data-parallel server ({DP_UNSUPPORTED_MESSAGE!r}), so it could never take a weight push; run one "
+            f"SGLang server per replica instead (--dp-size 1, each on its own port or box with its own "
+            f"launch_sglang.sh) and register each")
 
 
 def abort_body(rid: str | None = None, *, abort_all: bool = False) -> dict[str, Any]:

@@ -229,8 +229,19 @@ class MooncakeEngine:
         return int(handle)
 
     def poll(self, handle: int) -> int:
-        """1 done (handle freed), 0 running, -1 failed (handle freed), -2 timed out (still held)."""
-        return int(self.raw.transfer_check_status(handle))
+        """1 done, 0 running, -1 failed, -2 timed out; the handle is freed unless it is still running.
+
+        Mooncake's ``transfer_check_status`` frees the batch id on 1 and -1 but not on -2, and has no
+        call to free it; ``get_batch_transfer_status`` frees a timed-out batch once its tasks are done.
+        """
+        code = int(self.raw.transfer_check_status(handle))
+        if code == -2:
+            self._free_timed_out(handle)
+        return code
+
+    def _free_timed_out(self, handle: int) -> None:
+        with contextlib.suppress(Exception):  # best effort: a batch still busy stays Mooncake's
+            self.raw.get_batch_transfer_status([handle])
 
     def wait(self, handles: Sequence[int], target: str | None = None, timeout_s: float | None = None) -> None:
         """Poll until every handle is done; sleeps between polls instead of spinning.

@@ -7,8 +7,10 @@ The manager drives it over HTTP (it is one brain; this agent only moves and chec
   sender should write: Mooncake session ids and the buffer address.
 - ``POST /commit {version, fingerprint, shards, checksums}``: after the sender wrote, verify every
   shard's checksum; only then load the tensors into SGLang with ``/update_weights_from_tensor`` in
-  buckets (``flush_cache`` and ``weight_version`` on the last one). A corrupt or partial transfer is
-  refused with 422 and never loaded.
+  buckets (``flush_cache`` and ``weight_version`` on the last one), one payload per TP rank, inside a
+  weight-update session (``/begin_weight_update`` ... ``/end_weight_update``) on SGLang 0.5.21 and later,
+  without one on older servers (the version comes from ``/server_info``). A corrupt or partial transfer
+  is refused with 422 and never loaded; a data-parallel server (``dp_size > 1``) with 409.
 - ``GET /health``, ``GET /info``.
 
 SGLang is never patched: the same HTTP endpoints serve real SGLang and the CPU engine.
@@ -140,7 +142,8 @@ class ReceiverAgent:
                             load_s=round(time.perf_counter() - t1, 6), buckets=buckets)
 
     async def _load(self, version: int) -> int:
-        """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``."""
+        """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``; the session, where the
+        server has them, is closed whatever happens, since SGLang refuses a second begin while one is open."""
         assert self.buffer is not None and self.layout is not None and self.session is not None
         named = unpack(self.buffer, self.layout)
         cuda = torch.cuda.is_available()
@@ -152,37 +155,108 @@ class ReceiverAgent:
                 size = 0
             buckets[-1].append((name, tensor))
             size += tensor.nbytes
-        tp_size = await self._tp_size()
-        for i, bucket in enumerate(buckets):
-            if cuda:  # hand GPU memory to SGLang by IPC handle instead of copying through the pickle
-                bucket = [(n, t.to("cuda", non_blocking=True)) for n, t in bucket]
-                torch.cuda.synchronize()
-            else:  # views share the whole buffer's storage, which pickling would copy once per tensor
-                bucket = [(n, t.clone()) for n, t in bucket]
-            payload = wire.serialize_named_tensors(bucket, share_memory=cuda)
-            last = i == len(buckets) - 1
-            body = wire.update_weights_from_tensor_body([payload] * tp_size, flush_cache=last,
-                                                        weight_version=str(version) if last else None)
-            async with self.session.post(self.sglang_url + wire.UPDATE_WEIGHTS_FROM_TENSOR, json=body,
-                                         timeout=aiohttp.ClientTimeout(total=self.load_timeout_s)) as r:
-                text = await r.text()
+        info = await self._server_info()
+        if info.dp_size > 1:
+            raise CommitRefused(409, wire.dp_refusal(self.sglang_url, info.dp_size))
+        opened = await self._begin_session(wire.weight_update_sessions(info.version))
+        try:
+            for i, bucket in enumerate(buckets):
+                payloads, keep_alive = self._payloads(bucket, info, cuda)
+                last = i == len(buckets) - 1
+                body = wire.update_weights_from_tensor_body(payloads, flush_cache=last,
+                                                            weight_version=str(version) if last else None)
+                await self._call(wire.UPDATE_WEIGHTS_FROM_TENSOR, body, f"bucket {i}")
+                del keep_alive  # SGLang has copied the tensors its IPC handles point at
+        except BaseException:
+            if opened:  # close the session whatever happened, or SGLang refuses the next begin
                 try:
-                    answer = json.loads(text)
-                except ValueError:
-                    answer = {"raw": text[:300]}
-                if r.status != 200 or not answer.get("success", False):
-                    raise CommitRefused(502, f"SGLang refused bucket {i}: HTTP {r.status} {answer}")
+                    await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
+                except (CommitRefused, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    log.warning("could not close the weight-update session after a failed load: %s", exc)
+            raise
+        if opened:
+            await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
         return len(buckets)
 
-    async def _tp_size(self) -> int:
+    def _payloads(self, bucket: list[tuple[str, torch.Tensor]], info: wire.ServerInfo,
+                  cuda: bool) -> tuple[list[str], list[torch.Tensor]]:
+        """One ``serialized_named_tensors`` entry per TP rank, each for that rank, as SGLang's own
+        ``weight_sync`` helper builds them: on a GPU box rank r gets IPC handles to a copy on its own GPU
+        (SGLang's rank r opens entry r only, and must not map another rank's device); on CPU every rank
+        gets the tensors by value. Also returns the tensors the handles point at, to keep alive.
+
+        Device indices are pickled as numbers, which SGLang's patched reductions accept as they are:
+        this agent must see the GPUs as SGLang does (launch_sglang.sh starts both with one environment).
+        """
+        if not cuda:  # views share the whole buffer's storage, which pickling would copy once per tensor
+            payload = wire.serialize_named_tensors([(n, t.clone()) for n, t in bucket])
+            return [payload] * info.tp_size, []
+        payloads: list[str] = []
+        keep: list[torch.Tensor] = []
+        for rank in range(info.tp_size):
+            gpu = info.gpu_of_rank(rank)
+            if gpu >= torch.cuda.device_count():
+                raise CommitRefused(500, f"SGLang's TP rank {rank} runs on GPU {gpu}, which this agent does not see "
+                                         f"({torch.cuda.device_count()} visible); start it with SGLang's "
+                                         f"CUDA_VISIBLE_DEVICES")
+            on_gpu = [(n, t.to(f"cuda:{gpu}", non_blocking=True)) for n, t in bucket]
+            torch.cuda.synchronize(gpu)
+            payloads.append(wire.serialize_named_tensors(on_gpu, share_memory=True))
+            keep.extend(t for _, t in on_gpu)
+        return payloads, keep
+
+    async def _call(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+        """POST to SGLang; anything but 200 with ``success`` true is a :class:`CommitRefused`."""
+        assert self.session is not None
+        async with self.session.post(self.sglang_url + path, json=body,
+                                     timeout=aiohttp.ClientTimeout(total=self.load_timeout_s)) as r:
+            status, answer = r.status, await _answer(r)
+        if status != 200 or not answer.get("success", False):
+            raise CommitRefused(502, f"SGLang refused {what}: HTTP {status} {answer}")
+        return answer
+
+    async def _begin_session(self, sessions: bool | None) -> bool:
+        """Open a weight-update session where the server has them (``sessions``: from its version; None
+        when unknown: a 404 then means an older server without them). Returns whether one was opened."""
+        assert self.session is not None
+        if sessions is False:
+            return False
+        for attempt in range(2):
+            async with self.session.post(self.sglang_url + wire.BEGIN_WEIGHT_UPDATE,
+                                         json=wire.begin_weight_update_body(),
+                                         timeout=aiohttp.ClientTimeout(total=self.load_timeout_s)) as r:
+                status, answer = r.status, await _answer(r)
+            if status == 200 and answer.get("success", False):
+                return True
+            if status == 404 and sessions is None:
+                return False
+            if attempt == 0 and answer.get("message") == wire.SESSION_ALREADY_OPEN_MESSAGE:
+                # Left open by a load that died half-way (this agent is the only one loading): close it.
+                log.warning("SGLang had a weight-update session open from an earlier load; closing it")
+                await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
+                continue
+            raise CommitRefused(502, f"SGLang refused begin_weight_update: HTTP {status} {answer}")
+        raise AssertionError("unreachable")
+
+    async def _server_info(self) -> wire.ServerInfo:
         assert self.session is not None
         try:
             async with self.session.get(self.sglang_url + wire.SERVER_INFO,
                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
-                info = await r.json(content_type=None)
-            return int(info.get("tp_size") or 1)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return 1
+                if r.status != 200:
+                    raise CommitRefused(502, f"SGLang's {wire.SERVER_INFO} answered HTTP {r.status}")
+                return wire.ServerInfo.from_json(await r.json(content_type=None))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise CommitRefused(502, f"cannot read SGLang's {wire.SERVER_INFO}: {type(exc).__name__}: {exc}") from None
+
+
+async def _answer(r: aiohttp.ClientResponse) -> dict[str, Any]:
+    text = await r.text()
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return {"raw": text[:300]}
+    return answer if isinstance(answer, dict) else {"raw": answer}
 
 
 class CommitRefused(Exception):
