@@ -76,7 +76,7 @@ class SequenceState:
     failures: list[str] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     finish: dict[str, Any] | None = None
-    live_text: str | None = None  # the text so far, while a segment runs (None: not known)
+    live_text: str | None = None  # the running segment's text so far (None: not known)
 
     @property
     def budget(self) -> int | None:
@@ -223,7 +223,7 @@ class Generator:
         return wire.partial_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
             weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
-            text=seq.live_text,
+            text=seq.known_text(seq.live_text),
         )
 
     async def run_sequence(self, body: dict[str, Any], index: int | None = None,
@@ -313,7 +313,7 @@ class Generator:
                 seq.logprobs = base_lp + progress.logprobs
                 segment.end = len(seq.output_ids)
                 segment.weight_version = progress.weight_version
-                seq.live_text = seq.known_text(progress.text)
+                seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
                 if new and on_tokens is not None and progress.finish_reason is None:
                     on_tokens(seq)
 
