@@ -114,6 +114,12 @@ class StateCollector(Collector):
                                 "Requests waiting because the manager itself cannot open a connection now "
                                 "(its open-file or memory limits); no instance is blamed for them.",
                                 value=m.limits.waiting)
+        yield GaugeMetricFamily(PREFIX + "requests_waiting_for_instance",
+                                "Requests waiting inside the manager because no instance can take them now "
+                                "(none active, or all full).", value=m.dispatcher.waiting)
+        yield CounterMetricFamily(PREFIX + "streamed_tokens",
+                                  "Tokens relayed from instances as they stream, finished or not; a live "
+                                  "tokens/s is rate() of this.", value=m.dispatcher.streamed_tokens)
         yield CounterMetricFamily(PREFIX + "local_limit_events",
                                   "Connection attempts that hit the manager's own limits (EMFILE, ENFILE, "
                                   "ENOBUFS, ENOMEM).", value=m.limits.events)

@@ -151,6 +151,38 @@ async def test_close_fails_waiters_at_once() -> None:
         await d.acquire(10, timeout_s=60)
 
 
+async def test_streamed_tokens_are_counted_as_they_arrive() -> None:
+    """The live tokens/s figure must move while sequences run, not only when they finish."""
+    registry, d = make()
+    (a,) = active(registry, 1)
+    assert d.try_acquire(100) is a and d.streamed_tokens == 0
+    d.progress(a, 30)
+    d.progress(a, 12)
+    assert d.streamed_tokens == 42  # nothing finished yet
+    d.release(a, 58)
+    assert d.streamed_tokens == 42
+
+
+async def test_requests_waiting_for_an_instance_are_counted_while_they_wait() -> None:
+    registry, d = make(max_in_flight=1)
+    (a,) = active(registry, 1)
+    assert d.try_acquire(10) is a and d.waiting == 0  # placed at once: never waiting
+    waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=5)) for _ in range(2)]
+    timing_out = asyncio.ensure_future(d.acquire(10, timeout_s=0.05))
+    await run_pending()
+    assert d.waiting == 3
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(timing_out, 2)
+    assert d.waiting == 2  # a waiter that gave up is no longer counted
+    d.release(a, 10)
+    placed = await asyncio.wait_for(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), 2)
+    assert len(placed[0]) == 1 and d.waiting == 1
+    d.close()
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(placed[1].pop(), 2)
+    assert d.waiting == 0
+
+
 async def test_idle_time_is_accounted_per_active_instance() -> None:
     clock = FakeClock()
     registry, d = make(clock=clock)

@@ -125,6 +125,10 @@ async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig
         assert value(s, "rollout_manager_instance_info", endpoint=box.endpoint, state="active", kind="remote") == 1
     assert value(s, "rollout_manager_local_budget_seconds") > 0
     assert value(s, "rollout_manager_instance_transitions_total", to="active") == 2
+    assert value(s, "rollout_manager_requests_waiting_for_instance") == 0
+    assert value(s, "rollout_manager_streamed_tokens_total") == tokens
+    st = await m.status()
+    assert st["generation"]["streamed_tokens"] == tokens and st["requests_waiting_for_instance"] == 0
 
     await push_version(m, sender, 1)
     ctype, s = await scrape(m)
@@ -140,6 +144,27 @@ async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig
         assert value(s, "rollout_manager_instance_weight_version", endpoint=box.endpoint) == 1
         assert value(s, "rollout_manager_instance_weight_version_lag", endpoint=box.endpoint) == 0
     assert value(s, "rollout_manager_instance_transitions_total", to="syncing") == 2
+
+
+async def test_requests_waiting_for_an_instance_show_in_status_and_metrics(rig):
+    m, sender, add_boxes = rig  # no instance yet: a request must wait inside the manager
+    waiting = asyncio.ensure_future(generate(m, [1, 2, 3], 4))
+    try:
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await m.status())["requests_waiting_for_instance"] != 1:
+            assert asyncio.get_running_loop().time() < deadline, "the waiting request never showed in the status"
+            assert not waiting.done(), waiting
+            await asyncio.sleep(0.05)
+        _, s = await scrape(m)
+        assert value(s, "rollout_manager_requests_waiting_for_instance") == 1
+        await add_boxes(1)
+        out = await asyncio.wait_for(waiting, 60)
+    finally:
+        waiting.cancel()
+    assert out["output_ids"]
+    assert (await m.status())["requests_waiting_for_instance"] == 0
+    _, s = await scrape(m)
+    assert value(s, "rollout_manager_requests_waiting_for_instance") == 0
 
 
 # ------------------------------------------------------------------ the status page
@@ -227,6 +252,7 @@ async def test_status_page_renders_live_instances_in_headless_chromium(rig, tmp_
     assert box.endpoint in rows and 'class="badge st-active">active<' in rows, rows  # rendered by the JS
     assert "v1" in rows
     assert box.endpoint in tbody(dom, "pushes") and "registered (remote)" in tbody(dom, "events")
+    assert text_of(dom, "n-instances") == "(1 active)"
     assert "last updated" in dom and '<div id="banner" role="alert" class="">' in dom
 
     shot = tmp_path / "status_page.png"
@@ -241,6 +267,58 @@ async def test_status_page_renders_live_instances_in_headless_chromium(rig, tmp_
     keep = os.environ.get("STATUS_PAGE_SCREENSHOT")  # keep a copy of the screenshot there
     if keep:
         shutil.copy(shot, keep)
+
+
+def text_of(dom: str, element_id: str) -> str:
+    found = re.search(rf'<[a-z]+ [^>]*id="{element_id}"[^>]*>([^<]*)<', dom)
+    assert found, f"no #{element_id} in the rendered DOM"
+    return found.group(1)
+
+
+def syncing_instance(port: int) -> dict[str, object]:
+    return {"endpoint": f"127.0.0.1:{port}", "id": f"i{port}", "kind": "remote", "state": "syncing",
+            "state_for_s": 3.0, "weight_version": 0, "in_flight": 0, "in_flight_tokens": 0, "sender": 0,
+            "group": 0, "consecutive_failures": 0, "last_error": None}
+
+
+@needs_chromium
+async def test_status_page_counts_agree_with_badges_and_tokens_and_waiting_are_live(tmp_path):
+    """Two syncing instances, sequences streaming (none finished yet) and requests waiting: the page
+    must say "2 syncing", show a live tokens/s above zero, and show the waiting requests."""
+    polls = 0
+
+    async def status(request: web.Request) -> web.Response:
+        nonlocal polls
+        polls += 1
+        return web.json_response({
+            "ready_instances": 0, "pending_instances": 2, "weight_version": 1,
+            "counts": {"pending": 0, "syncing": 2, "active": 0, "draining": 0},
+            "instances": [syncing_instance(1), syncing_instance(2)],
+            "generation": {"sequences": 4, "tokens": 0, "streamed_tokens": 500 * polls, "continuations": 0,
+                           "failed": 0, "preempted": 0},
+            "requests_waiting_for_instance": 3,
+            "local": {"open": False, "budget_s": 1.0}, "weight_senders": {"senders": []},
+            "recent_events": [], "recent_weight_pushes": [],
+        })
+
+    async def page(request: web.Request) -> web.Response:
+        return status_page.response()
+
+    app = web.Application()
+    app.router.add_get("/", page)
+    app.router.add_get("/get_instances_status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        dom = (await chromium(tmp_path, f"http://127.0.0.1:{port}/", "--dump-dom")).decode()
+    finally:
+        await runner.cleanup()
+    assert polls >= 2, polls
+    assert text_of(dom, "n-instances") == "(2 syncing)"
+    assert float(text_of(dom, "c-tps")) > 0  # tokens streamed, although no sequence finished
+    assert text_of(dom, "c-waiting") == "3"
 
 
 @needs_chromium

@@ -10,7 +10,18 @@ import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, Strict, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    RootModel,
+    Strict,
+    Tag,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from rollout_manager.sglang import wire
 
@@ -58,6 +69,36 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+# Unions are tagged by the JSON type of the value, so a mistake is reported once, against the shape the
+# caller evidently meant, instead of once per branch ("Input should be a valid list" for an int item).
+# Tags contain a space, so ``validation.format_loc`` never mistakes one for a field name.
+ONE, MANY = "one value", "a list"
+
+
+def _one_or_list(value: Any) -> str:
+    return MANY if isinstance(value, list) else ONE
+
+
+def _sequence_or_batch(value: Any) -> str:
+    """``[1, 2]`` is one sequence, ``[[1, 2], [3]]`` a batch: the first item says which."""
+    return MANY if isinstance(value, list) and value and isinstance(value[0], list) else ONE
+
+
+def _int_or_str(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "an integer"
+    return None  # neither: one message naming both
+
+
+def _list_body(data: Any, items: str) -> Any:
+    """A root model's check that the body is a list at all, worded as what the body must be."""
+    if not isinstance(data, list):
+        raise PydanticCustomError("list_type", "the body must be a JSON list of {items}", {"items": items})
+    return data
+
+
 class RegisterRolloutInstance(StrictModel):
     """A rollout box announcing its SGLang server (and its weight receiver's Mooncake handshake port)."""
 
@@ -72,6 +113,11 @@ class RegisterLocalRolloutInstances(RootModel[list[tuple[Host, Port]]]):
     """Trainer-side instances as ``[[host, port], ...]``; the trainer updates their weights itself."""
 
     root: Annotated[list[tuple[Host, Port]], Field(min_length=1, max_length=1024)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _is_list(cls, data: Any) -> Any:
+        return _list_body(data, "[host, port] pairs")
 
 
 class ShutdownInstances(StrictModel):
@@ -93,6 +139,11 @@ class UpdateWeightSenders(StrictModel):
 
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+InputIds = Annotated[
+    Annotated[TokenIds, Tag(ONE)] | Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag(MANY)],
+    Discriminator(_sequence_or_batch),
+]
+StrictBool = Annotated[bool, Strict()]
 
 
 class SamplingParams(BaseModel):
@@ -109,10 +160,13 @@ class GenerateRequest(BaseModel):
     trainer tokenizes (verl always does). Other SGLang fields pass through unchanged."""
 
     model_config = ConfigDict(extra="allow")
-    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
-    sampling_params: SamplingParams | list[SamplingParams] | None = None
-    return_logprob: Annotated[bool, Strict()] | list[Annotated[bool, Strict()]] | None = None
-    rid: str | list[str] | None = None
+    input_ids: InputIds
+    sampling_params: Annotated[Annotated[SamplingParams, Tag(ONE)] | Annotated[list[SamplingParams], Tag(MANY)],
+                               Discriminator(_one_or_list)] | None = None
+    return_logprob: Annotated[Annotated[StrictBool, Tag(ONE)] | Annotated[list[StrictBool], Tag(MANY)],
+                              Discriminator(_one_or_list)] | None = None
+    rid: Annotated[Annotated[str, Tag(ONE)] | Annotated[list[str], Tag(MANY)],
+                   Discriminator(_one_or_list)] | None = None
     stream: Annotated[bool, Strict()] = False
 
     @model_validator(mode="before")
@@ -137,13 +191,22 @@ class GenerateRequest(BaseModel):
         return self
 
 
-RequestId = Annotated[str, Strict(), Field(max_length=512)] | Annotated[int, Strict()]
+RequestId = Annotated[
+    Annotated[str, Strict(), Field(max_length=512), Tag("a string")] | Annotated[int, Strict(), Tag("an integer")],
+    Discriminator(_int_or_str, custom_error_type="request_id_type",
+                  custom_error_message="Input should be a string or an integer"),
+]
 
 
 class BatchGenerateRequests(RootModel[list[tuple[RequestId, GenerateRequest]]]):
     """``[[id, generate_body], ...]``; ids must be unique within the batch."""
 
     root: Annotated[list[tuple[RequestId, GenerateRequest]], Field(min_length=1, max_length=100_000)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _is_list(cls, data: Any) -> Any:
+        return _list_body(data, "[id, request] pairs")
 
     @model_validator(mode="after")
     def _unique_ids(self) -> BatchGenerateRequests:
@@ -175,5 +238,9 @@ class UpdateWeightVersion(StrictModel):
     """The trainer finished a step and staged new weights; optionally wait until instances have them."""
 
     new_version: Annotated[int, Strict(), Field(ge=1)] | None = None
-    wait_for_instances: Annotated[int, Strict(), Field(ge=0)] | Literal["all"] | None = None
+    wait_for_instances: Annotated[
+        Annotated[int, Strict(), Field(ge=0), Tag("an integer")] | Annotated[Literal["all"], Tag("a string")],
+        Discriminator(_int_or_str, custom_error_type="wait_for_type",
+                      custom_error_message="Input should be a non-negative integer or 'all'"),
+    ] | None = None
     timeout_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 600.0

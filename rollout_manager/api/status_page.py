@@ -1,8 +1,10 @@
 """The live status page served at ``GET /``: one self-contained HTML document (inline CSS and JS).
 
 The page polls ``get_instances_status`` every second (and ``metrics`` every few seconds for the
-measured per-instance token rates) and renders instances, counts by state, the weight version, the
-local window and budget, generation counters, recent weight pushes and recent lifecycle events. It
+measured per-instance token rates) and renders instances, counts by state (the same states as the
+badges), the weight version, tokens/s from the tokens streamed so far (so it moves while sequences
+run, not only when they finish), the requests waiting for an instance, the local window and budget,
+generation counters, recent weight pushes and recent lifecycle events. It
 loads nothing from anywhere else. With ``auth_token`` set on the manager, open ``/#token=<token>``:
 the page keeps the token in the tab's session storage and sends it as a bearer token.
 """

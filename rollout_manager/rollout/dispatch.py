@@ -26,6 +26,8 @@ class Dispatcher:
         self.local = LocalWindow(on_change=self.changed.notify)  # while open, local instances serve first
         self.closing = False
         self.meters: dict[str, TokenRateMeter] = {}
+        self.streamed_tokens = 0  # every token relayed so far: a live tokens/s needs no finished sequence
+        self.waiting = 0  # requests parked in acquire() because no instance can take them now
         self._idle_since: dict[str, float] = {}
         self._idle_s: dict[str, float] = {}
         registry.listeners.append(self._on_event)
@@ -83,20 +85,28 @@ class Dispatcher:
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = ()) -> Instance:
         """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline."""
         deadline = self.clock() + timeout_s
-        while True:
-            if self.closing:
-                raise Unavailable("rollout manager is shutting down; no new work is placed")
-            inst = self.try_acquire(tokens, avoid)
-            if inst is not None:
-                return inst
-            left = deadline - self.clock()
-            if left <= 0:
-                active = len(self.registry.in_state(State.ACTIVE))
-                raise Unavailable(
-                    f"no rollout instance could take the request within {timeout_s:g}s "
-                    f"({active} active)"
-                )
-            await self.changed.wait(left)
+        counted = False  # counted in ``waiting`` from its first failed try until it leaves
+        try:
+            while True:
+                if self.closing:
+                    raise Unavailable("rollout manager is shutting down; no new work is placed")
+                inst = self.try_acquire(tokens, avoid)
+                if inst is not None:
+                    return inst
+                left = deadline - self.clock()
+                if left <= 0:
+                    active = len(self.registry.in_state(State.ACTIVE))
+                    raise Unavailable(
+                        f"no rollout instance could take the request within {timeout_s:g}s "
+                        f"({active} active)"
+                    )
+                if not counted:
+                    counted = True
+                    self.waiting += 1
+                await self.changed.wait(left)
+        finally:
+            if counted:
+                self.waiting -= 1
 
     def close(self) -> None:
         """The manager is shutting down: place no more work; waiting requests fail now."""
@@ -105,6 +115,7 @@ class Dispatcher:
 
     def progress(self, inst: Instance, tokens: int) -> None:
         """``tokens`` new tokens streamed from ``inst``."""
+        self.streamed_tokens += tokens
         inst.in_flight_tokens = max(inst.in_flight_tokens - tokens, 0)
         self.meter(inst).observe(tokens, self.clock())
 
