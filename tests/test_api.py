@@ -265,3 +265,25 @@ async def test_sigterm_shuts_down_cleanly_and_port_in_use_is_one_line(start_mana
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+async def test_a_version_bump_no_sender_can_deliver_is_409_and_changes_nothing(start_manager, stub_engine):
+    m = await start_manager()
+    engine = await stub_engine()
+    await m.register(engine)
+    status, err = await m.post("/update_weight_version", {})
+    assert status == 409 and set(err) == {"error"}
+    assert "no weight sender" in err["error"] and "PUT /update_weight_senders" in err["error"]
+    st = await m.status()
+    assert st["weight_version"] == 0
+    (inst,) = st["instances"]
+    assert inst["state"] == "active" and inst["waiting_for"] is None and inst["last_error_at"] is None
+
+
+async def test_sighup_shuts_down_cleanly_like_sigterm(start_manager):
+    """A closed terminal (SIGHUP) drains and stops the daemon instead of killing it mid-request."""
+    m = await start_manager()
+    m.proc.signal(signal.SIGHUP)
+    assert m.proc.wait(20) == 0
+    log = m.proc.log()
+    assert "shutting down" in log and "stopped" in log

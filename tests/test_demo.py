@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+
+import pytest
+from support import Proc, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +48,36 @@ def test_demo_trains_survives_a_killed_box_and_leaves_nothing_behind(tmp_path):
     final = re.search(r"every box at v3: (.*)$", out, re.M).group(1).split()
     assert len(final) == 2 and all(x.endswith(":active@v3") for x in final)
     assert processes_with("RM_DEMO_RUN_ID", run_id) == []
+
+
+def _demo_until(tmp_path: Path, run_id: str, line: str) -> Proc:
+    """Start the demo and wait until its output shows ``line``."""
+    demo = Proc([sys.executable, "-m", "rollout_manager", "demo", "--steps", "50", "--kill-step", "0",
+                 "--logdir", str(tmp_path / "logs")], tmp_path / "demo.out", env={"RM_DEMO_RUN_ID": run_id})
+    wait_until(lambda: line in demo.log() or demo.popen.poll() is not None, 90, interval_s=0.1,
+               message=f"{line!r} in the demo's output")
+    assert demo.popen.poll() is None, demo.log()
+    return demo
+
+
+@pytest.mark.parametrize("during_shutdown", [False, True], ids=["running", "during-shutdown"])
+def test_sighup_stops_the_demo_and_everything_it_started(tmp_path, during_shutdown):
+    """A closed terminal (SIGHUP), also while the demo already shuts down, leaves nothing running."""
+    run_id = uuid.uuid4().hex
+    demo = _demo_until(tmp_path, run_id, "rollout boxes active")
+    try:
+        assert len(processes_with("RM_DEMO_RUN_ID", run_id)) > 3  # manager, boxes and their children
+        if during_shutdown:
+            demo.signal(signal.SIGTERM)
+            wait_until(lambda: "interrupted" in demo.log(), 10, interval_s=0.02, message="the demo to begin stopping")
+        demo.signal(signal.SIGHUP)
+        demo.wait(60)
+        wait_until(lambda: processes_with("RM_DEMO_RUN_ID", run_id) == [], 30, interval_s=0.1,
+                   message=lambda: f"nothing left of the demo; left: {processes_with('RM_DEMO_RUN_ID', run_id)}")
+    finally:
+        for pid in processes_with("RM_DEMO_RUN_ID", run_id):  # what a failed run left behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        demo.stop()

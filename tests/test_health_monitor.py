@@ -211,3 +211,31 @@ async def test_close_cancels_every_watch(world: World) -> None:
     tasks = [watch_task(i) for i in insts]
     await world.health.close()
     assert all(t.cancelled() for t in tasks) and world.clock.sleepers == 0
+
+
+async def test_a_pending_instance_says_it_waits_for_its_first_health_generate(world: World) -> None:
+    world.probe.status = 503
+    inst = world.add()
+    await world.clock.parked()
+    assert inst.waiting_for == f"first successful {wire.HEALTH_GENERATE}"
+    assert inst.to_dict(0.0)["waiting_for"] == inst.waiting_for
+    assert inst.last_error == "HTTP 503" and inst.last_error_at is not None
+    world.probe.status = 200
+    await world.clock.step(SETTINGS.pending_poll_interval_s)
+    assert state(inst) == State.ACTIVE
+    assert inst.waiting_for is None and inst.last_error is None and inst.last_error_at is None
+
+
+async def test_a_successful_check_after_failures_clears_the_last_error(world: World) -> None:
+    inst = world.add()
+    await world.clock.parked()
+    world.probe.status = 503
+    await world.clock.step(SETTINGS.check_interval_s)
+    assert inst.last_error == "health check: HTTP 503" and inst.last_error_at is not None
+    world.probe.status = 200
+    await world.clock.step(SETTINGS.check_interval_s)
+    assert inst.consecutive_failures == 0 and inst.last_error is None and inst.last_error_at is None
+    world.health.report_failure(inst, "stream cut")
+    assert inst.last_error == "stream cut"
+    world.health.report_success(inst)  # a request that went through: recovered as well
+    assert inst.last_error is None and inst.last_error_at is None

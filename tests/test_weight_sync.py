@@ -11,7 +11,7 @@ from fakes import FakeAgents, FakeClock, FakeProbe, run_pending, yield_until
 from support import async_wait_until
 
 from rollout_manager.config import Config
-from rollout_manager.errors import BadRequest
+from rollout_manager.errors import BadRequest, Conflict
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
@@ -253,11 +253,75 @@ async def test_an_instance_waits_for_senders_to_report_without_being_removed() -
     settings = SyncSettings(transport="tcp", drain_timeout_s=1.0, push_timeout_s=0.02, retry_s=0.01, max_attempts=2)
     sync = WeightSync(registry, version, senders, FakeAgents(staged=1), settings, dispatcher.changed)
     try:
+        sync.bump(1)  # no remote instance yet: nothing to deliver, so no sender is needed
         inst = registry.add("127.0.0.1", 30000, Kind.REMOTE, receiver_port=31000)
-        assert registry.transition(inst, State.ACTIVE, "test")
-        sync.bump(1)
+        assert registry.transition(inst, State.SYNCING, "bootstrap to weight version 1")
         answer = await sync.wait(1, None, timeout_s=0.2)  # several push timeouts long
         assert answer["timed_out"] is True
         assert registry.get(inst.id) is inst and inst.state == State.SYNCING
+        assert inst.waiting_for == "the trainer's weight senders (PUT /update_weight_senders)"
+        senders.update([["127.0.0.1"]])
+        assert (await sync.wait(1, None, timeout_s=2))["timed_out"] is False
+        assert inst.state == State.ACTIVE and inst.waiting_for is None
     finally:
         await sync.close()
+
+
+async def test_a_bump_no_sender_can_deliver_is_refused_and_changes_nothing() -> None:
+    registry, version = Registry(), WeightVersion()
+    dispatcher = Dispatcher(registry, LeastInFlight())
+    senders = SenderPlan(registry, Config())  # the trainer has not reported its senders yet
+    sync = WeightSync(registry, version, senders, FakeAgents(staged=1), SETTINGS, dispatcher.changed)
+    try:
+        inst = registry.add("127.0.0.1", 30000, Kind.REMOTE, receiver_port=31000)
+        assert registry.transition(inst, State.ACTIVE, "test")
+        events = len(registry.events)
+        with pytest.raises(Conflict, match=r"no weight sender.*PUT /update_weight_senders"):
+            sync.bump(None)
+        with pytest.raises(Conflict):
+            sync.bump(3)
+        assert version.current == 0 and inst.state == State.ACTIVE and len(registry.events) == events
+        assert inst.waiting_for is None and dispatcher.try_acquire(10) is inst
+    finally:
+        await sync.close()
+
+
+async def test_a_bump_with_only_local_instances_needs_no_sender() -> None:
+    registry, version = Registry(), WeightVersion()
+    dispatcher = Dispatcher(registry, LeastInFlight())
+    sync = WeightSync(registry, version, SenderPlan(registry, Config()), FakeAgents(), SETTINGS, dispatcher.changed)
+    try:
+        local = registry.add("127.0.0.1", 30000, Kind.LOCAL)
+        assert registry.transition(local, State.ACTIVE, "test")
+        assert sync.bump(None) == 1 and local.weight_version == 1
+    finally:
+        await sync.close()
+
+
+async def test_a_syncing_instance_says_what_it_waits_for(rig: Rig) -> None:
+    a = rig.add()
+    assert a.waiting_for is None and a.to_dict(0.0)["waiting_for"] is None
+    assert rig.dispatcher.try_acquire(10) is a
+    rig.agents.staged = 0  # the sender still stages version 1
+    rig.sync.bump(1)
+    await run_pending()
+    assert a.waiting_for == "in-flight requests to drain (1 left)"
+    rig.dispatcher.release(a, 10)
+    await async_wait_until(lambda: a.waiting_for == "its sender to stage version 1", 2, interval_s=0.005,
+                           message=lambda: f"waiting_for to name the sender, not {a.waiting_for!r}")
+    assert a.to_dict(0.0)["waiting_for"] == "its sender to stage version 1"
+    rig.agents.staged = 1
+    await rig.settled(a)
+    assert a.waiting_for is None
+
+
+async def test_a_successful_push_clears_the_last_error(rig: Rig) -> None:
+    a = rig.add()
+    rig.agents.staged = 0
+    rig.sync.bump(1)
+    await async_wait_until(lambda: a.last_error is not None, 2, interval_s=0.005)
+    assert a.last_error_at is not None and a.to_dict(0.0)["last_error_at"] == a.last_error_at
+    rig.agents.staged = 1
+    await rig.settled(a)
+    assert a.last_error is None and a.last_error_at is None
+    assert a.to_dict(0.0)["last_error"] is None and a.to_dict(0.0)["last_error_at"] is None

@@ -1,4 +1,4 @@
-"""Run the daemon: bind, serve until SIGINT/SIGTERM, then shut down cleanly."""
+"""Run the daemon: bind, serve until SIGINT/SIGTERM/SIGHUP, then shut down cleanly."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from rollout_manager.manager import Manager
 from rollout_manager.osutil import raise_open_file_limit
 
 log = logging.getLogger("rollout_manager.api.server")
+
+# SIGHUP too: a closed terminal must drain and stop the daemon, not kill it mid-request.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class StartupError(RuntimeError):
@@ -42,7 +45,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     log.info("rollout-manager listening on http://%s", config.bind)
     log.info("effective configuration: %s", describe(config))
@@ -59,7 +62,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         log.info("shutting down: no new work; finishing in-flight requests (up to %gs)", config.shutdown_grace_s)
         await manager.drain_for_shutdown(config.shutdown_grace_s)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
         await manager.close()  # cancels health checks and other background tasks

@@ -62,14 +62,16 @@ class HealthMonitor:
         if self.registry.get(inst.id) is not inst:
             return
         inst.consecutive_failures += 1
-        inst.last_error = reason
+        inst.set_error(reason)
         if inst.consecutive_failures >= self.settings.failure_threshold:
             self.registry.transition(
                 inst, State.DEAD, f"{inst.consecutive_failures} consecutive failures; last: {reason}"
             )
 
     def report_success(self, inst: Instance) -> None:
-        inst.consecutive_failures = 0
+        if inst.consecutive_failures:  # recovered: the error it had is history (push errors stay theirs)
+            inst.consecutive_failures = 0
+            inst.clear_error()
 
     async def close(self) -> None:
         tasks = list(self._watchers.values())
@@ -95,6 +97,8 @@ class HealthMonitor:
     async def _until_ready(self, inst: Instance) -> bool:
         cfg = self.settings
         deadline = self.registry.clock() + cfg.startup_grace_period_s
+        if inst.state == State.PENDING:
+            inst.wait_for(f"first successful {wire.HEALTH_GENERATE}")
         while inst.state == State.PENDING:
             probe = await self.probe(inst.url, wire.HEALTH_GENERATE, cfg.check_timeout_s)
             if inst.state != State.PENDING:
@@ -106,13 +110,14 @@ class HealthMonitor:
                 if refusal is not None:
                     self.registry.transition(inst, State.DEAD, refusal)
                     return False
+                inst.clear_error()  # start-up probe errors are over
                 if self.version.behind(inst):
                     self.registry.transition(inst, State.SYNCING,
                                              f"bootstrap to weight version {self.version.current}")
                 else:
                     self.registry.transition(inst, State.ACTIVE, "healthy")
                 break
-            inst.last_error = probe.describe()
+            inst.set_error(probe.describe())
             if probe.local:  # the manager could not even ask: its own limit, not the instance's time
                 deadline += cfg.pending_poll_interval_s
             elif self.registry.clock() >= deadline:
@@ -150,7 +155,7 @@ class HealthMonitor:
             if _loading(inst):
                 continue  # it started loading weights while the probe ran: the answer says nothing
             if not probe.failed:
-                inst.consecutive_failures = 0
+                self.report_success(inst)
                 continue
             log.warning("instance %s %s failed a health check (%d/%d before removal): %s", inst.id,
                         inst.endpoint, inst.consecutive_failures + 1, cfg.failure_threshold, probe.describe())

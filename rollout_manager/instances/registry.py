@@ -63,6 +63,8 @@ class Instance:
     in_flight_tokens: int = 0
     consecutive_failures: int = 0
     last_error: str | None = None
+    last_error_at: float | None = None  # wall-clock time of last_error; both cleared on recovery
+    waiting_for: str | None = None  # what keeps it from serving right now, in words (None: nothing)
 
     @property
     def endpoint(self) -> str:
@@ -71,6 +73,23 @@ class Instance:
     @property
     def url(self) -> str:
         return f"http://{self.endpoint}"
+
+    def set_error(self, error: str) -> None:
+        """Record what went wrong, with its time, so a reader can tell a stale error from a fresh one."""
+        self.last_error, self.last_error_at = error, time.time()
+
+    def clear_error(self) -> None:
+        """The instance recovered: an old error would only mislead."""
+        self.last_error = self.last_error_at = None
+
+    def wait_for(self, what: str | None) -> None:
+        """Say what the instance waits for (None: nothing); logged once when it changes, so an instance
+        out of service is never silent about why."""
+        if what == self.waiting_for:
+            return
+        self.waiting_for = what
+        if what is not None:
+            log.info("instance %s %s (%s) waits for %s", self.id, self.endpoint, self.state.value, what)
 
     def to_dict(self, now: float) -> dict[str, Any]:
         return {
@@ -90,6 +109,8 @@ class Instance:
             "in_flight_tokens": self.in_flight_tokens,
             "consecutive_failures": self.consecutive_failures,
             "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "waiting_for": self.waiting_for,
         }
 
 
@@ -183,10 +204,13 @@ class Registry:
             return False
         old = inst.state
         inst.state, inst.state_since = new, self.clock()
+        inst.waiting_for = None  # whatever it waited for belonged to the old state
         if new == State.DEAD:
             del self._instances[inst.id]
             del self._by_endpoint[inst.endpoint]
         self._record(inst, old, new, reason)
+        if new == State.DRAINING:  # whoever drains it waits on the dispatcher; the instance says so here
+            inst.wait_for("in-flight requests to finish before removal")
         return True
 
     def _record(self, inst: Instance, old: State | None, new: State, reason: str) -> None:

@@ -348,6 +348,13 @@ class Demo:
             child.stop(5.0)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-manager demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -369,7 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logdir = Path(args.logdir or tempfile.mkdtemp(prefix="rollout-manager-demo-"))
     logdir.mkdir(parents=True, exist_ok=True)
     demo = Demo(args, logdir)
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM and SIGHUP (the terminal closed) stop the demo like Ctrl-C: through stop_all below.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
     try:
         code = asyncio.run(demo.run())
     except KeyboardInterrupt:
@@ -379,8 +387,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ndemo failed: {exc}", file=sys.stderr)
         code = 1
     finally:
-        demo.stop_all()
-        signal.signal(signal.SIGTERM, previous)
+        # A further signal must not cut the clean-up short (a closed terminal sends SIGHUP while Ctrl-C's
+        # shutdown runs); stop_all is bounded by the children's grace periods.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            demo.stop_all()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     if code == 0 and args.logdir is None:
         shutil.rmtree(logdir, ignore_errors=True)
     return code

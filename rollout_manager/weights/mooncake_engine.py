@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import re
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,6 +58,41 @@ KNOWN_ENV_KNOBS = (
 )
 
 _env_lock = threading.Lock()
+
+log = logging.getLogger("rollout_manager.weights.mooncake")
+
+# Mooncake logs through glog, straight to fd 2 and before glog is initialised, so neither Python's
+# logging nor GLOG_minloglevel reaches it. MC_LOG_LEVEL=ERROR (unless the user chose a level) drops its
+# INFO/WARNING lines; the rest, written while an engine starts (a harmless "Local segment descriptor not
+# found" among them), is caught and passed to our log at debug level, so a terminal shows only our lines.
+_GLOG_LINE = re.compile(r"^([IWEF]\d{4} |WARNING: Logging before InitGoogleLogging)")
+
+
+def _quiet_native_logging() -> None:
+    if not any(k in os.environ for k in ("MC_LOG_LEVEL", "GLOG_minloglevel", "GLOG_v")):
+        os.environ["MC_LOG_LEVEL"] = "ERROR"
+
+
+@contextlib.contextmanager
+def _native_stderr_to_log() -> Iterator[None]:
+    """Catch what native code writes to fd 2 during the block; glog lines go to our log at debug,
+    anything else (our own lines from other threads) back to stderr."""
+    with tempfile.TemporaryFile() as capture:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture.read().decode(errors="replace").splitlines():
+                if _GLOG_LINE.match(line):
+                    log.debug("mooncake: %s", line)
+                elif line:
+                    print(line, file=sys.stderr)
 
 
 class TransferError(RuntimeError):
@@ -146,7 +185,8 @@ class MooncakeEngine:
                     else:
                         os.environ[k] = str(v)
         scoped = {"MC_FORCE_TCP": self.env.get("MC_FORCE_TCP", "1" if self.force_tcp else None)}
-        with _scoped_env(scoped):
+        _quiet_native_logging()
+        with _scoped_env(scoped), _native_stderr_to_log():
             engine = cls()
             code = engine.initialize(self.hostname, self.metadata_server, self.protocol, self.device_name)
         if code != 0:

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from rollout_manager.config import Config
-from rollout_manager.errors import BadRequest
+from rollout_manager.errors import BadRequest, Conflict
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.notify import Signal, bounded
@@ -77,7 +77,8 @@ class WeightSync:
         The current version again is a no-op success: a trainer restarted from the checkpoint of the
         step the fleet already serves publishes that step once more (verl's ``on_init_end``), and its
         weights are the ones the instances hold. A lower version would roll the fleet back to weights no
-        sender keeps, so it is refused.
+        sender keeps, so it is refused. So is a new version while remote instances exist and no sender
+        has been reported: nobody could deliver it, and the whole pool would wait out of service.
         """
         current = self.version.current
         version = current + 1 if new_version is None else new_version
@@ -88,6 +89,11 @@ class WeightSync:
         if version == current:
             log.info("weight version %d published again: the instances have it or are syncing to it", version)
             return version
+        remote = self.registry.in_state(State.PENDING, State.SYNCING, State.ACTIVE, kind=Kind.REMOTE)
+        if remote and not self.senders.plan:
+            raise Conflict(f"cannot move to weight version {version}: no weight sender has been reported, so the "
+                           f"{len(remote)} remote instance(s) could not receive it and would stop serving; "
+                           f"report the trainer's senders first (PUT /update_weight_senders)")
         self.version.current = version
         for inst in self.registry:
             if inst.kind == Kind.LOCAL:
@@ -142,28 +148,32 @@ class WeightSync:
         failures = 0
         while self.registry.get(inst.id) is inst and inst.weight_version < self.version.current:
             version = self.version.current
+            if inst.in_flight:
+                inst.wait_for(f"in-flight requests to drain ({inst.in_flight} left)")
             drained = await self.load_changed.wait_for(lambda: inst.in_flight == 0, cfg.drain_timeout_s)
             if not drained:
                 log.warning("instance %s still has %d request(s) in flight after %gs; pushing anyway",
                             inst.endpoint, inst.in_flight, cfg.drain_timeout_s)
             group = self.senders.group_of(inst)
             if group is None:  # no sender has reported yet: wait for one, out of service but not failing
-                inst.last_error = "weight push: waiting for the trainer to report its weight senders"
+                inst.wait_for("the trainer's weight senders (PUT /update_weight_senders)")
                 await self.senders.changed.wait(None)
                 continue
+            inst.wait_for(f"weight push of version {version}")
             try:
                 result = await bounded(self._push(inst, version, group), cfg.push_timeout_s)
             except SenderUnavailable as exc:
                 if inst.last_error != f"weight push: {exc}":
                     log.warning("weight push of version %d to %s waits for its sender: %s", version,
                                 inst.endpoint, exc)
-                inst.last_error = f"weight push: {exc}"
+                    inst.set_error(f"weight push: {exc}")
+                inst.wait_for(f"its sender to stage version {version}")  # or to be back: last_error says
                 await self.load_changed.wait(cfg.retry_s)
                 continue
             except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 failures += 1
                 reason = str(exc) or type(exc).__name__
-                inst.last_error = f"weight push: {reason}"
+                inst.set_error(f"weight push: {reason}")
                 log.warning("weight push of version %d to %s failed (%d/%d): %s", version, inst.endpoint,
                             failures, cfg.max_attempts, reason)
                 if failures >= cfg.max_attempts:
@@ -174,7 +184,7 @@ class WeightSync:
             except Exception as exc:  # a bug must not leave the instance syncing for good: count it as a failure
                 log.exception("weight push of version %d to %s failed unexpectedly", version, inst.endpoint)
                 failures += 1
-                inst.last_error = f"weight push: internal error: {exc!r}"
+                inst.set_error(f"weight push: internal error: {exc!r}")
                 if failures >= cfg.max_attempts:
                     self.registry.transition(inst, State.DEAD, f"weight push failed {failures} times; last: {exc!r}")
                     return
@@ -182,6 +192,7 @@ class WeightSync:
                 continue
             failures = 0
             inst.weight_version = version
+            inst.clear_error()
             self.pushes.append(result)
             del self.pushes[:-100]
             for listener in self.push_listeners:
