@@ -1,43 +1,67 @@
 """A fake SGLang backend that answers at once: it isolates the cost of whatever sits in front of it.
 
-``/generate`` streams ``--chunks`` cumulative chunks (one token each) in SGLang's format and ends with
-``[DONE]``; non-streaming requests get the final object. Health endpoints answer 200.
+``/generate`` streams up to ``--chunks`` tokens (token ``k`` is the integer ``k``) in SGLang's format and
+ends with ``[DONE]``; non-streaming requests get the final object. As SGLang 0.5.23 does, it sends a
+chunk for the first token, then every ``stream_interval`` tokens (``sampling_params.stream_interval``,
+else ``--stream-interval``) and at the end; chunks are cumulative (the whole output so far, SGLang's default) or, with
+``--incremental-streaming-output``, deltas. ``/server_info`` reports both settings. Frames are built
+from pre-encoded bytes, so that even long cumulative streams cost the fake far less than their reader.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from aiohttp import web
 
+from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 
 
-def make_app(chunks: int) -> web.Application:
+def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1) -> web.Application:
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = body.get("input_ids") or [0]
-        budget = (body.get("sampling_params") or {}).get("max_new_tokens") or chunks
+        params = body.get("sampling_params") or {}
+        budget = params.get("max_new_tokens") or chunks
         n = min(chunks, budget)
         rid = body.get("rid") or "fake"
+        interval = int(params.get("stream_interval") or stream_interval)
 
-        def chunk(k: int) -> dict:
+        def meta(k: int) -> bytes:
             finish = wire.finish_reason(wire.LENGTH, length=n) if k == n else None
-            return wire.output_chunk(rid=rid, output_ids=list(range(1, k + 1)), prompt_tokens=len(prompt),
-                                     completion_tokens=k, finish=finish, weight_version="0")
+            return jsonutil.dumps({"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt),
+                                   "weight_version": "0", "completion_tokens": k, "cached_tokens": 0})
 
         if not body.get("stream"):
-            return web.json_response(chunk(n))
+            return web.json_response(wire.output_chunk(
+                rid=rid, output_ids=list(range(1, n + 1)), prompt_tokens=len(prompt), completion_tokens=n,
+                finish=wire.finish_reason(wire.LENGTH, length=n), weight_version="0"))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        ids = bytearray()  # the comma-separated ids of the chunk being built (all so far when cumulative)
+        sent = 0
         for k in range(1, n + 1):
-            await resp.write(wire.sse_frame(chunk(k)))
+            if ids:
+                ids += b","
+            ids += str(k).encode()
+            if not (k == n or k - sent >= interval or sent == 0):  # the first token goes out at once
+                continue
+            sent = k
+            frame: list[Any] = [b'data: {"text":null,"output_ids":[', bytes(ids), b'],"meta_info":', meta(k),
+                                b"}\n\n"]
+            await resp.write(b"".join(frame))
+            if incremental:
+                ids = bytearray()
         await resp.write(wire.DONE_FRAME)
         await resp.write_eof()
         return resp
 
     async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model_path": "fake", "is_generation": True})
+        return web.json_response({"status": "ok", "model_path": "fake", "is_generation": True, "version": "0.5.23",
+                                  "tp_size": 1, "dp_size": 1, "incremental_streaming_output": incremental,
+                                  "stream_interval": stream_interval})
 
     app = web.Application()
     app.router.add_post(wire.GENERATE, generate)
@@ -49,9 +73,13 @@ def make_app(chunks: int) -> web.Application:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=8, help="tokens per sequence at most")
+    parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--stream-interval", type=int, default=1)
     args = parser.parse_args()
-    web.run_app(make_app(args.chunks), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    web.run_app(make_app(args.chunks, incremental=args.incremental_streaming_output,
+                         stream_interval=args.stream_interval),
+                host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

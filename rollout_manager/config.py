@@ -55,7 +55,8 @@ def parse_networks(value: str | list[str]) -> list[ipaddress.IPv4Network | ipadd
 
 
 def parse_bind(value: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` -> (host, port); IPv6 hosts in brackets."""
+    """``"HOST:PORT"`` -> (host, port); IPv6 hosts in brackets. Port 0: the OS picks a free one (scripts
+    and tests read the port actually bound from the daemon's log line)."""
     host, sep, port_s = value.rpartition(":")
     if not sep or not host:
         raise ValueError("must be HOST:PORT, e.g. 0.0.0.0:5000")
@@ -63,8 +64,8 @@ def parse_bind(value: str) -> tuple[str, int]:
         port = int(port_s)
     except ValueError:
         raise ValueError(f"port {port_s!r} is not a number") from None
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} is out of range 1-65535")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range 0-65535 (0: any free port)")
     return host.strip("[]"), port
 
 
@@ -105,6 +106,7 @@ class Config(BaseModel):
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
+    engine_stream_interval: int = Field(default=16, ge=0)  # 0: send none, the server's --stream-interval holds
 
     # Local (trainer-side) instances.
     local_budget_initial_s: float = Field(default=60.0, ge=0)

@@ -71,7 +71,7 @@ class Manager:
         self.generator = Generator(
             self.dispatcher, self.sglang,
             GenerationSettings(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s,
-                               cfg.connect_timeout_s, cfg.stream_stall_timeout_s),
+                               cfg.connect_timeout_s, cfg.stream_stall_timeout_s, cfg.engine_stream_interval),
             self.local_budget,
             on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
         )

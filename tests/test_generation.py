@@ -65,7 +65,7 @@ async def test_single_and_batched_generate_equal_the_reference(start_manager, st
 @pytest.mark.parametrize("die_after", [1, 9, 23])
 async def test_continuation_after_instance_dies_equals_uninterrupted_single(
         start_manager, start_engines, model, die_after):
-    m = await start_manager()
+    m = await start_manager(engine_stream_interval=1)  # a chunk per token: the cut is exactly where it died
     dying, healthy = await start_engines(["--die-after-tokens", str(die_after), "--token-delay-s", "0.005"], [])
     await register(m, dying)  # the dying one is the only choice for the first attempt
     prompt = [10, 20, 30]
@@ -88,7 +88,7 @@ async def test_continuation_after_instance_dies_equals_uninterrupted_single(
 
 
 async def test_continuation_for_batched_input_tracks_each_sequence(start_manager, start_engines, model):
-    m = await start_manager()
+    m = await start_manager(engine_stream_interval=1)  # a chunk per token, so the count below is exact
     dying, healthy = await start_engines(["--die-after-tokens", "20", "--token-delay-s", "0.005"], [])
     await register(m, dying)
     prompts = [[1, 2], [3], [4, 5, 6]]
@@ -305,7 +305,7 @@ async def test_streaming_generate_looks_like_sglang_and_survives_a_death(start_m
 
 
 async def test_incremental_engine_and_stalled_engine(start_manager, start_engines, model):
-    m = await start_manager(stream_stall_timeout_s="1.5")
+    m = await start_manager(stream_stall_timeout_s="1.5", engine_stream_interval=1)  # the stall is at token 6 exactly
     stalling, incremental = await start_engines(["--stall-after-tokens", "6"], ["--incremental-streaming-output"])
     await register(m, stalling)
     req = asyncio.ensure_future(m.post("/generate", {"input_ids": [4, 4], "sampling_params": greedy(20),

@@ -249,3 +249,28 @@ async def test_stream_chunks_carry_the_cumulative_text(rig: Rig) -> None:
     assert len(chunks) >= 2 and chunks[0]["meta_info"]["finish_reason"] is None
     for c in chunks:  # the fake's text is one "x" per token, cumulative, as SGLang's
         assert c["text"] == "x" * len(c["output_ids"])
+
+
+async def test_every_engine_request_carries_the_managers_stream_interval(rig: Rig) -> None:
+    """The manager picks how often engines send chunks; a non-streaming caller's value cannot matter to it."""
+    register_active(rig.registry, rig.fakes[:1])
+    out = await generate_one(rig.generator, body(4))
+    assert out["output_ids"] == reference(PROMPT, 4)
+    own = body(4)
+    own["sampling_params"]["stream_interval"] = 3
+    await generate_one(rig.generator, own)
+    sent = [r["sampling_params"]["stream_interval"] for r in rig.fakes[0].requests]
+    assert sent == [SETTINGS.engine_stream_interval] * 2
+    assert "stream_interval" not in own["sampling_params"] or own["sampling_params"]["stream_interval"] == 3
+
+
+async def test_a_streaming_callers_own_stream_interval_is_respected(rig: Rig) -> None:
+    register_active(rig.registry, rig.fakes[:1])
+    own = body(4)
+    own["sampling_params"]["stream_interval"] = 2
+    async for _ in rig.generator.generate_stream(own):
+        pass
+    async for _ in rig.generator.generate_stream(body(4)):
+        pass
+    sent = [r["sampling_params"]["stream_interval"] for r in rig.fakes[0].requests]
+    assert sent == [2, SETTINGS.engine_stream_interval]

@@ -239,3 +239,38 @@ async def test_a_successful_check_after_failures_clears_the_last_error(world: Wo
     assert inst.last_error == "stream cut"
     world.health.report_success(inst)  # a request that went through: recovered as well
     assert inst.last_error is None and inst.last_error_at is None
+
+
+@pytest.mark.parametrize("incremental, mode", [(True, "incremental"), (False, "cumulative"), (None, None)])
+async def test_the_streaming_mode_is_read_once_and_a_cumulative_one_is_warned_about_once(
+        incremental: bool | None, mode: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    registry = Registry(clock=clock)
+    reads: list[str] = []
+    raw = {"version": "0.5.23", "stream_interval": 1}
+    if incremental is not None:
+        raw["incremental_streaming_output"] = incremental
+
+    async def server_info(url: str, timeout_s: float) -> wire.ServerInfo:
+        reads.append(url)
+        return wire.ServerInfo.from_json(raw)
+
+    health = HealthMonitor(registry, WeightVersion(), FakeProbe(), SETTINGS, sleep=clock.sleep,
+                           server_info=server_info)
+    try:
+        with caplog.at_level("WARNING", logger="rollout_manager.health"):
+            inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
+            await clock.parked()
+            assert state(inst) == State.ACTIVE
+            for _ in range(3):  # periodic checks neither re-read /server_info nor warn again
+                clock.advance(SETTINGS.check_interval_s)
+                await clock.parked()
+        assert reads == [inst.url]  # the one /server_info read, shared with the dp_size check
+        status = inst.to_dict(clock())
+        assert status["streaming"] == mode
+        assert status["server_stream_interval"] == (1 if mode else None)
+        warnings = [r.getMessage() for r in caplog.records if "streams cumulative" in r.getMessage()]
+        assert len(warnings) == (1 if mode == "cumulative" else 0)
+        assert all("--incremental-streaming-output" in w and inst.endpoint in w for w in warnings)
+    finally:
+        await health.close()

@@ -45,6 +45,9 @@ def manager_bodies() -> list[dict[str, Any]]:
     for body in callers:
         out.append(wire.continuation_body(body, [], rid=str(body.get("rid") or "rm-1")))
         out.append(wire.continuation_body(body, [7, 8], rid="rm-1~1"))
+        # As the Generator sends them: with the manager's per-request stream interval.
+        out.append(wire.continuation_body(body, [], rid="rm-2", stream_interval=16))
+        out.append(wire.continuation_body(body, [7], rid="rm-2~1", stream_interval=16, keep_caller_interval=True))
     return out
 
 

@@ -132,7 +132,9 @@ class HealthMonitor:
 
     async def _refusal(self, inst: Instance) -> str | None:
         """Why a healthy new instance can never serve here (a data-parallel SGLang cannot take weight
-        pushes), or None. An unreadable ``/server_info`` is no reason: the instance stays."""
+        pushes), or None. An unreadable ``/server_info`` is no reason: the instance stays.
+
+        The same read records how the instance streams; a cumulative one is warned about here, once."""
         if self.server_info is None:
             return None
         try:
@@ -141,6 +143,7 @@ class HealthMonitor:
             log.warning("instance %s %s: cannot read %s (%s); not checking its parallelism", inst.id,
                         inst.endpoint, wire.SERVER_INFO, exc)
             return None
+        _note_streaming(inst, info)
         if info.dp_size > 1:
             return wire.dp_refusal(inst.endpoint, info.dp_size)
         return None
@@ -164,3 +167,17 @@ class HealthMonitor:
 
 def _loading(inst: Instance) -> bool:
     return inst.state == State.SYNCING
+
+
+def _note_streaming(inst: Instance, info: wire.ServerInfo) -> None:
+    """Record the instance's chunk mode; warn (once: this runs at its first ready probe) when chunks are
+    cumulative, since each then repeats the whole output and costs the relay more per token."""
+    if info.incremental_streaming_output is None:
+        return
+    first = inst.streaming is None
+    inst.streaming = "incremental" if info.incremental_streaming_output else "cumulative"
+    inst.server_stream_interval = info.stream_interval
+    if first and not info.incremental_streaming_output:
+        log.warning("instance %s %s streams cumulative chunks (every chunk repeats the whole output so far, "
+                    "so relaying costs more CPU per token); start SGLang with --incremental-streaming-output "
+                    "(scripts/launch_sglang.sh does)", inst.id, inst.endpoint)

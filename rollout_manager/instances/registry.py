@@ -65,6 +65,10 @@ class Instance:
     last_error: str | None = None
     last_error_at: float | None = None  # wall-clock time of last_error; both cleared on recovery
     waiting_for: str | None = None  # what keeps it from serving right now, in words (None: nothing)
+    # How its /generate streams, from /server_info when it first became ready: "incremental" (deltas),
+    # "cumulative" (every chunk repeats the whole output: more manager CPU per token), None (unknown).
+    streaming: str | None = None
+    server_stream_interval: int | None = None  # its --stream-interval (requests from here set their own)
 
     @property
     def endpoint(self) -> str:
@@ -111,6 +115,8 @@ class Instance:
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
             "waiting_for": self.waiting_for,
+            "streaming": self.streaming,
+            "server_stream_interval": self.server_stream_interval,
         }
 
 

@@ -47,6 +47,10 @@ class GenerationSettings:
     wait_timeout_s: float  # how long a request waits for an instance that can take it
     connect_timeout_s: float
     stall_timeout_s: float
+    # sampling_params.stream_interval sent with every sequence (a streaming caller's own value wins):
+    # the engine sends a chunk per that many tokens, so the relay parses that many times fewer frames.
+    # 0: none is sent (the server's --stream-interval holds).
+    engine_stream_interval: int = 16
 
 
 @dataclass
@@ -292,7 +296,9 @@ class Generator:
                        on_tokens: Callable[[SequenceState], None] | None = None) -> None:
         """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable."""
         rid = seq.rid if attempt == 0 else f"{seq.rid}~{attempt}"
-        body = wire.continuation_body(seq.body, seq.output_ids, rid=rid)
+        body = wire.continuation_body(seq.body, seq.output_ids, rid=rid,
+                                      stream_interval=self.settings.engine_stream_interval or None,
+                                      keep_caller_interval=on_tokens is not None)
         progress = wire.SequenceProgress()
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
         seq.segments.append(segment)

@@ -443,7 +443,8 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def continuation_body(
-    body: dict[str, Any], made: list[int], *, rid: str
+    body: dict[str, Any], made: list[int], *, rid: str, stream_interval: int | None = None,
+    keep_caller_interval: bool = False,
 ) -> dict[str, Any]:
     """The body that continues a single sequence elsewhere from the tokens already made.
 
@@ -451,6 +452,11 @@ def continuation_body(
     original budget, so the context never overflows and no token is produced twice. A null
     ``max_new_tokens`` (no limit) stays null: SGLang then stops where the context ends, which is
     the same place for the continued request as for the original one.
+
+    ``stream_interval`` (when given) becomes ``sampling_params.stream_interval``, which SGLang 0.5.23
+    uses before its server-wide ``--stream-interval``: the engine then sends a chunk every that many
+    tokens, so the manager parses that many times fewer frames. ``keep_caller_interval`` leaves a
+    caller's own value in place (a streaming caller chose how often it wants chunks).
     """
     new = dict(body)
     new["input_ids"] = list(body["input_ids"]) + list(made)
@@ -460,6 +466,8 @@ def continuation_body(
         params["max_new_tokens"] = max(int(budget) - len(made), 0)
     if "min_new_tokens" in params:
         params["min_new_tokens"] = max(int(params["min_new_tokens"] or 0) - len(made), 0)
+    if stream_interval is not None and not (keep_caller_interval and params.get("stream_interval") is not None):
+        params["stream_interval"] = int(stream_interval)
     new["sampling_params"] = params
     new["stream"] = True
     new["rid"] = rid
@@ -534,6 +542,10 @@ class ServerInfo:
     dp_size: int
     base_gpu_id: int
     gpu_id_step: int
+    # ``--incremental-streaming-output`` (None: the server did not say) and ``--stream-interval``: what
+    # a streamed /generate costs the manager per token (cumulative chunks repeat the whole output).
+    incremental_streaming_output: bool | None = None
+    stream_interval: int | None = None
 
     @classmethod
     def from_json(cls, info: Any) -> ServerInfo:
@@ -544,9 +556,13 @@ class ServerInfo:
             return value if isinstance(value, int) and not isinstance(value, bool) else default
 
         version = info.get("version")
+        incremental = info.get("incremental_streaming_output")
+        interval = number("stream_interval", 0)
         return cls(version=str(version) if version is not None else None, tp_size=max(number("tp_size", 1), 1),
                    dp_size=max(number("dp_size", 1), 1), base_gpu_id=number("base_gpu_id", 0),
-                   gpu_id_step=max(number("gpu_id_step", 1), 1))
+                   gpu_id_step=max(number("gpu_id_step", 1), 1),
+                   incremental_streaming_output=incremental if isinstance(incremental, bool) else None,
+                   stream_interval=interval if interval > 0 else None)
 
     def gpu_of_rank(self, tp_rank: int) -> int:
         """The GPU (in SGLang's own numbering) that TP rank ``tp_rank`` runs on."""
