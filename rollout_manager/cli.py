@@ -1,4 +1,5 @@
-"""Command line: ``rollout-manager serve | demo | receiver-agent | cpu-engine``."""
+"""Command line: ``rollout-manager serve | demo | receiver-agent | cpu-engine``, and the operator's
+``status | drain | push-status | watch`` (rollout_manager/ops.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from rollout_manager import __version__
+from rollout_manager import __version__, ops
 from rollout_manager.config import ConfigError, load_config, parse_set_option
 
 
@@ -68,9 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "variables > --config file > built-in defaults (the shipped config.toml).",
     )
     serve.add_argument("--config", help="TOML file (see config.toml for every key)")
-    serve.add_argument("--bind", help="HOST:PORT to listen on (default 0.0.0.0:5000)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--log-format", choices=["text", "json"])
+    serve.add_argument("--bind", help="HOST:PORT to listen on (default 0.0.0.0:5000; port 0: any free "
+                       "port, logged as 'listening on http://HOST:PORT')")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                       help="log threshold (default info; key log_level)")
+    serve.add_argument("--log-format", choices=["text", "json"],
+                       help="text lines, or one JSON object per line for log collectors (default text; "
+                       "key log_format); logs go to stderr")
     serve.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     serve.set_defaults(func=_serve)
 
@@ -83,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the SGLang-compatible CPU engine (tests, demo)",
         add_help=False,
     )
+    ops.add_subcommands(sub)  # status, drain, push-status, watch: talk to a running manager
     return parser
 
 

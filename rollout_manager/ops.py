@@ -1,0 +1,409 @@
+"""The operator's subcommands: ``status``, ``drain``, ``push-status`` and ``watch`` against a running manager.
+
+They speak the manager's public HTTP API with the standard library's ``urllib``, so a call starts in a
+fraction of a second (no torch, no event loop); ``rich`` is imported only by ``watch``. Exit codes are
+meant for scripts, see :data:`EXIT_CODES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollout_manager.bearer import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+ADDR_ENV = "ROLLOUT_MANAGER_ADDR"
+DEFAULT_ADDR = "http://127.0.0.1:5000"
+STATUS_PATH = "/get_instances_status"
+
+OK = 0
+FAILED = 1  # the manager answered, but not as expected (an HTTP error other than 401, a body that is not JSON)
+USAGE = 2  # bad arguments or an unreadable --config (argparse uses 2 as well)
+UNREACHABLE = 3  # nothing answered at --manager (refused, timed out, unknown host)
+UNAUTHORIZED = 4  # the manager refused the bearer token (HTTP 401)
+UNKNOWN_ENDPOINT = 5  # drain: at least one endpoint is not registered
+SKIPPED = 6  # drain: at least one endpoint was left alone (a weight push in progress); all were known
+
+EXIT_CODES = {OK: "ok", FAILED: "unexpected answer from the manager", USAGE: "usage or configuration error",
+              UNREACHABLE: "manager unreachable", UNAUTHORIZED: "token refused",
+              UNKNOWN_ENDPOINT: "drain: unknown endpoint", SKIPPED: "drain: endpoint skipped (weight push running)"}
+
+# Keys under which an instance's status may describe its streaming mode (shown when present).
+STREAMING_KEYS = ("streaming_mode", "stream_mode", "streaming")
+
+
+class OpsError(Exception):
+    """A failure with the exit code that reports it."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Client:
+    """The manager's address and token; one blocking HTTP call per method."""
+
+    url: str
+    token: str
+    timeout_s: float | None
+
+    def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = _error_detail(exc)
+            if exc.code == 401:
+                hint = f"set {TOKEN_ENV} or auth_token in --config" if not self.token else "the token is wrong"
+                raise OpsError(f"{self.url} refused the token ({hint}): {detail}", UNAUTHORIZED) from None
+            raise OpsError(f"{method} {path} -> HTTP {exc.code}: {detail}", FAILED) from None
+        except (urllib.error.URLError, OSError) as exc:  # refused, timed out, no such host
+            reason = getattr(exc, "reason", exc)
+            raise OpsError(f"cannot reach the manager at {self.url}: {reason}", UNREACHABLE) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise OpsError(f"{method} {path}: the answer is not JSON ({raw[:80]!r})", FAILED) from None
+
+    def status(self) -> dict[str, Any]:
+        answer = self.request("GET", STATUS_PATH)
+        if not isinstance(answer, dict):
+            raise OpsError(f"GET {STATUS_PATH}: expected an object, got {type(answer).__name__}", FAILED)
+        return answer
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    """The manager's ``{"error": ...}`` message when there is one, else the start of the body."""
+    try:
+        raw = exc.read()
+    except OSError:
+        return exc.reason if isinstance(exc.reason, str) else str(exc.reason)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw[:200].decode(errors="replace") or str(exc.reason)
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    return json.dumps(body)[:200]
+
+
+# ------------------------------------------------------------ settings: address and token
+def manager_url(arg: str | None) -> str:
+    """``--manager``, else $ROLLOUT_MANAGER_ADDR, else the local default; a bare ``host:port`` gets ``http://``."""
+    url = (arg or os.environ.get(ADDR_ENV) or DEFAULT_ADDR).strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+def auth_token(config_path: str | None) -> str:
+    """$ROLLOUT_MANAGER_AUTH_TOKEN, else ``auth_token`` from the ``--config`` file (the daemon's precedence)."""
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    if config_path is None:
+        return ""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - the project's oldest Python
+        import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+    try:
+        with open(config_path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, ValueError) as exc:
+        raise OpsError(f"cannot read --config {config_path}: {exc}", USAGE) from None
+    value = data.get("auth_token", "")
+    if not isinstance(value, str):
+        raise OpsError(f"--config {config_path}: auth_token must be a string", USAGE)
+    return value
+
+
+def client_from(args: argparse.Namespace) -> Client:
+    return Client(manager_url(args.manager), auth_token(args.config), args.timeout)
+
+
+# ------------------------------------------------------------ plain-text tables
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns two spaces apart; the last column is never padded (it may be long)."""
+    cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " * (len(r) > 1) + r[-1]
+                     for r in cells).rstrip() + "\n"
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def streaming_of(inst: dict[str, Any]) -> str | None:
+    for key in STREAMING_KEYS:
+        if key in inst:
+            return _dash(inst[key])
+    return None
+
+
+def summary_line(st: dict[str, Any]) -> str:
+    counts = st.get("counts") or {}
+    by_state = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "none"
+    return (f"weight version {st.get('weight_version')}  instances {len(st.get('instances') or [])} ({by_state})"
+            f"  requests waiting {st.get('requests_waiting_for_instance', 0)}")
+
+
+def render_status(st: dict[str, Any], url: str) -> str:
+    instances = st.get("instances") or []
+    streaming = any(streaming_of(i) is not None for i in instances)
+    headers = ["ENDPOINT", "ID", "KIND", "STATE", "VERSION", "IN FLIGHT", *(["STREAMING"] * streaming),
+               "WAITING FOR", "LAST ERROR"]
+    rows = [[i.get("endpoint"), i.get("id"), i.get("kind"), i.get("state"), f"v{i.get('weight_version')}",
+             i.get("in_flight"), *([_dash(streaming_of(i))] * streaming), _dash(i.get("waiting_for")),
+             _dash(i.get("last_error"))] for i in instances]
+    out = f"manager {url}  {summary_line(st)}\n"
+    return out + (table(headers, rows) if rows else "no instances registered\n")
+
+
+def push_failures(st: dict[str, Any]) -> list[dict[str, Any]]:
+    """Instances whose last error is a weight push, and instances recently removed for failed pushes."""
+    out = [{"endpoint": i.get("endpoint"), "state": i.get("state"), "error": i.get("last_error"),
+            "at": i.get("last_error_at")}
+           for i in st.get("instances") or [] if str(i.get("last_error") or "").startswith("weight push")]
+    out += [{"endpoint": e.get("endpoint"), "state": e.get("to"), "error": e.get("reason"), "at": e.get("at")}
+            for e in st.get("recent_events") or [] if "weight push failed" in str(e.get("reason") or "")]
+    return out
+
+
+def _clock(at: Any) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at)) if isinstance(at, (int, float)) else "-"
+
+
+def _num(value: Any, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def render_push_status(pushes: list[dict[str, Any]], failures: list[dict[str, Any]]) -> str:
+    if pushes:
+        rows = [[_clock(p.get("at")), p.get("endpoint"), f"v{p.get('version')}",
+                 f"{p.get('sender')} / {p.get('group')}",
+                 _num(p["bytes"] / 1e9 if isinstance(p.get("bytes"), (int, float)) else None, 3),
+                 _num(p.get("gbps"), 2), _num(p.get("total_s"), 2)] for p in pushes]
+        out = "recent weight pushes\n" + table(["AT", "ENDPOINT", "VERSION", "SENDER / GROUP", "GB", "GB/S",
+                                                "SECONDS"], rows)
+    else:
+        out = "no weight pushes yet\n"
+    if failures:
+        rows = [[_clock(f["at"]), f["endpoint"], f["state"], f["error"]] for f in failures]
+        out += "\nweight push failures\n" + table(["AT", "ENDPOINT", "STATE", "ERROR"], rows)
+    else:
+        out += "no weight push failures\n"
+    return out
+
+
+# ------------------------------------------------------------ the subcommands
+def cmd_status(args: argparse.Namespace, client: Client) -> int:
+    st = client.status()
+    print(json.dumps(st, indent=2) if args.json else render_status(st, client.url), end="\n" if args.json else "")
+    return OK
+
+
+def cmd_drain(args: argparse.Namespace, client: Client) -> int:
+    body = {"endpoints": list(args.endpoints), "check_weight_update": not args.force}
+    # The manager answers once the instances drained (up to its drain_timeout_s): no client timeout by default.
+    result = client.request("POST", "/shutdown_instances", body, timeout_s=args.timeout)
+    if not isinstance(result, dict):
+        raise OpsError(f"POST /shutdown_instances: expected an object, got {type(result).__name__}", FAILED)
+    removed, not_found, skipped = (result.get(k) or [] for k in ("removed", "not_found", "skipped"))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for ep in removed:
+            print(f"removed    {ep}")
+        for ep in not_found:
+            print(f"not found  {ep}")
+        for item in skipped:
+            print(f"skipped    {item.get('endpoint')}: {item.get('reason')} (--force drains it anyway)")
+    return UNKNOWN_ENDPOINT if not_found else SKIPPED if skipped else OK
+
+
+def cmd_push_status(args: argparse.Namespace, client: Client) -> int:
+    st = client.status()
+    pushes, failures = list(st.get("recent_weight_pushes") or []), push_failures(st)
+    if args.json:
+        print(json.dumps({"weight_version": st.get("weight_version"), "pushes": pushes, "failures": failures},
+                         indent=2))
+    else:
+        print(render_push_status(pushes, failures), end="")
+    return OK
+
+
+def cmd_watch(args: argparse.Namespace, client: Client) -> int:
+    return watch(client, interval_s=args.interval, once=args.once)
+
+
+# ------------------------------------------------------------ watch (rich is imported only here)
+@dataclass
+class Rate:
+    """Tokens/s from the streamed-token counter between two frames (moves while sequences run)."""
+
+    last: tuple[float, int] | None = None
+    value: float | None = None
+
+    def update(self, tokens: int) -> float | None:
+        now = time.monotonic()
+        if self.last is not None and now > self.last[0]:
+            self.value = max(0.0, (tokens - self.last[1]) / (now - self.last[0]))
+        self.last = (now, tokens)
+        return self.value
+
+
+def frame(st: dict[str, Any] | None, url: str, rate: float | None, error: str | None = None) -> RenderableType:
+    """One screen: the status page's cards, instances, recent pushes and recent events."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    title = f"rollout-manager  {url}  {time.strftime('%H:%M:%S')}"
+    if st is None:
+        return Panel(Text(error or "no answer yet", style="bold red"), title=title)
+    gen, local = st.get("generation") or {}, st.get("local") or {}
+    counts = ", ".join(f"{n} {state}" for state, n in (st.get("counts") or {}).items() if n) or "none"
+    cards = Text.from_markup(
+        f"[b]weights[/b] v{st.get('weight_version')}   [b]instances[/b] {len(st.get('instances') or [])} ({counts})"
+        f"   [b]requests waiting[/b] {st.get('requests_waiting_for_instance', 0)}   [b]tokens/s[/b] {_num(rate, 1)}\n"
+        f"[b]generation[/b] {gen.get('sequences', 0)} seq, {gen.get('continuations', 0)} continued, "
+        f"{gen.get('failed', 0)} failed   [b]local window[/b] {'open' if local.get('open') else 'closed'} "
+        f"(budget {_num(local.get('budget_s'), 2)}s)")
+    if error:
+        cards.append(f"\nlast refresh failed: {error}", style="red")
+
+    instances = st.get("instances") or []
+    streaming = any(streaming_of(i) is not None for i in instances)
+    inst = Table(title="instances", title_justify="left", expand=True)
+    for name in ["endpoint", "id", "kind", "state", "for", "weights", "in flight", "tokens",
+                 *(["streaming"] * streaming), "waiting for", "last error"]:
+        inst.add_column(name, overflow="fold")
+    current = st.get("weight_version")
+    for i in instances:
+        behind = isinstance(current, int) and isinstance(i.get("weight_version"), int) and i["weight_version"] < current
+        inst.add_row(str(i.get("endpoint")), str(i.get("id")), str(i.get("kind")),
+                     Text(str(i.get("state")), style=STATE_STYLES.get(str(i.get("state")), "")),
+                     f"{_num(i.get('state_for_s'), 0)}s",
+                     Text(f"v{i.get('weight_version')}", style="yellow" if behind else ""),
+                     str(i.get("in_flight")), str(i.get("in_flight_tokens")),
+                     *([_dash(streaming_of(i))] * streaming), _dash(i.get("waiting_for")),
+                     Text(_dash(i.get("last_error")), style="red" if i.get("last_error") else "dim"))
+
+    pushes = Table(title="recent weight pushes", title_justify="left")
+    for name in ("at", "endpoint", "version", "sender / group", "MB", "GB/s", "seconds"):
+        pushes.add_column(name)
+    for p in reversed(st.get("recent_weight_pushes") or []):
+        mb = p["bytes"] / 1e6 if isinstance(p.get("bytes"), (int, float)) else None
+        pushes.add_row(_clock(p.get("at")), str(p.get("endpoint")), f"v{p.get('version')}",
+                       f"{p.get('sender')} / {p.get('group')}", _num(mb, 1), _num(p.get("gbps"), 2),
+                       _num(p.get("total_s"), 2))
+
+    events = Table(title="recent events", title_justify="left")
+    for name in ("at", "endpoint", "change", "reason"):
+        events.add_column(name, overflow="fold")
+    for e in list(reversed(st.get("recent_events") or []))[:10]:
+        events.add_row(_clock(e.get("at")), str(e.get("endpoint")), f"{e.get('from') or 'new'} -> {e.get('to')}",
+                       str(e.get("reason")))
+    return Panel(Group(cards, inst, pushes, events), title=title)
+
+
+STATE_STYLES = {"active": "green", "pending": "cyan", "syncing": "yellow", "draining": "magenta", "dead": "red"}
+
+
+def watch(client: Client, *, interval_s: float, once: bool) -> int:
+    """Redraw every ``interval_s`` until Ctrl-C; an unreachable manager at start exits at once
+    (a typo in --manager should not look like a blank screen), later failures are shown in the frame."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    rate = Rate()
+    st = client.status()  # OpsError here: the caller reports it with its exit code
+    gen = st.get("generation") or {}
+    rate.update(int(gen.get("streamed_tokens", gen.get("tokens", 0)) or 0))
+    if once:
+        console.print(frame(st, client.url, None))
+        return OK
+    try:
+        with Live(frame(st, client.url, None), console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                time.sleep(interval_s)
+                error = None
+                try:
+                    st = client.status()
+                    gen = st.get("generation") or {}
+                    rate.update(int(gen.get("streamed_tokens", gen.get("tokens", 0)) or 0))
+                except OpsError as exc:
+                    error = str(exc)
+                live.update(frame(st, client.url, rate.value, error), refresh=True)
+    except KeyboardInterrupt:
+        return OK
+
+
+Command = Callable[[argparse.Namespace, Client], int]
+
+
+def _run(command: Command) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args, client_from(args))
+        except OpsError as exc:
+            print(f"rollout-manager {args.command}: {exc}", file=sys.stderr)
+            return exc.code
+
+    return run
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add ``status``, ``drain``, ``push-status`` and ``watch`` to the CLI's subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--manager", metavar="URL",
+                        help=f"the manager's address (default ${ADDR_ENV} or {DEFAULT_ADDR})")
+    common.add_argument("--config", metavar="FILE",
+                        help=f"read auth_token from this TOML file (${TOKEN_ENV} takes precedence)")
+    codes = "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items())
+    epilog = f"exit codes: {codes}"
+
+    def add(name: str, command: Command, help_text: str, *, timeout: float | None, json_help: str | None) -> Any:
+        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text[0].upper() + help_text[1:]
+                           + ".", epilog=epilog)
+        if json_help:
+            p.add_argument("--json", action="store_true", help=json_help)
+        p.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                       help=f"HTTP timeout (default {'none' if timeout is None else f'{timeout:g}'})")
+        p.set_defaults(func=_run(command))
+        return p
+
+    add("status", cmd_status, "show the manager's instances and what each waits for", timeout=10.0,
+        json_help="print the whole /get_instances_status document")
+    drain = add("drain", cmd_drain, "drain instances (no new work, in-flight work finishes) and remove them",
+                timeout=None, json_help="print the manager's answer (removed, not_found, skipped)")
+    drain.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="HOST:PORT as registered")
+    drain.add_argument("--force", action="store_true", help="drain an instance even during its weight push")
+    add("push-status", cmd_push_status, "show recent weight pushes (GB/s, seconds) and push failures",
+        timeout=10.0, json_help="print pushes and failures as JSON")
+    watch = add("watch", cmd_watch, "a live view of the status page in the terminal, until Ctrl-C",
+                timeout=5.0, json_help=None)
+    watch.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default 1)")
+    watch.add_argument("--once", action="store_true", help="print one frame and exit")
