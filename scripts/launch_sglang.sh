@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # launch_sglang.sh: run one rollout instance on this box and keep it registered with the rollout manager.
-# `scripts/launch_sglang.sh --help` documents it; rollout_manager/box.py holds its helpers.
+# `scripts/launch_sglang.sh --help` documents it; rollout_manager/launch/box.py holds its helpers.
 set -euo pipefail
 
 usage() {
@@ -24,7 +24,7 @@ it goes away, one when it is back); it never stops SGLang because the manager is
 
 Before anything heavy starts it checks, and reports in one line on stderr:
   - that --port and --transfer-agent-handshake-port are distinct and free on this box,
-  - that the manager answers GET /health,
+  - that the manager answers GET /health (waiting up to --wait-for-manager seconds),
   - that the interpreter can import what the instance needs.
 
 Manager and box:
@@ -58,9 +58,13 @@ Engine:
                           dies) at some throughput cost. Without it a continued greedy sequence
                           can differ from an uninterrupted one after the switch.
   --no-metrics            do not add --enable-metrics (the manager reads /metrics when it is there).
+  --no-incremental-streaming
+                          do not add --incremental-streaming-output (SGLang's default: every stream
+                          chunk repeats the whole output so far, which costs the manager more CPU
+                          per relayed token; the manager warns about such instances).
   Other arguments, and everything after --, go to SGLang (or the CPU engine) unchanged, e.g.
   -- --tp-size 2 --mem-fraction-static 0.8. Added by default for SGLang: --enable-metrics,
-  --weight-version 0 (yours win). The tokenizer is kept (no --skip-tokenizer-init): the manager
+  --weight-version 0 (yours win); for both engines: --incremental-streaming-output. The tokenizer is kept (no --skip-tokenizer-init): the manager
   sends token ids, and the tokenizer still serves text requests and detokenized output.
 
 Weight receiver agent:
@@ -75,12 +79,14 @@ Timing:
   --drain-timeout-s S     how long deregistration waits for in-flight requests (default 60).
   --stop-timeout-s S      SIGTERM to SIGKILL grace for the children (default 30).
   --reregister-check-s S  how often to check that the manager has not restarted (default 5).
+  --wait-for-manager S    at the start, wait up to S seconds for the manager to answer GET /health
+                          (default 0: fail at once), for boxes that start together with the trainer.
   --dry-run               print the commands it would run, then exit (no checks, nothing started).
   -h, --help              this text.
 
 Environment:
   ROLLOUT_MANAGER_ADDR        the manager's address (as --manager-addr; ROLLOUT_MANAGER_ADDRESS, the
-                              seed project's name, is read when it is unset).
+                              older name, is read when it is unset).
   ROLLOUT_MANAGER_AUTH_TOKEN  when set, sent as "Authorization: Bearer <token>" on every manager call.
   ROLLOUT_MANAGER_ENGINE      sglang or cpu (as --engine).
   PYTHON                      the interpreter (as --python).
@@ -105,7 +111,7 @@ Example, two instances on one 8-GPU box:
 EOF
 }
 
-log() { printf 'launch_sglang: %s\n' "$*" >&2; }
+log() { printf 'launch_sglang: %s\n' "$*" >&2 || true; }  # a closed terminal must not stop the shutdown
 usage_error() { printf 'launch_sglang: error: %s (see --help)\n' "$*" >&2; exit 2; }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -115,8 +121,8 @@ MANAGER_ADDR=${ROLLOUT_MANAGER_ADDR:-${ROLLOUT_MANAGER_ADDRESS:-}}
 ENGINE=${ROLLOUT_MANAGER_ENGINE:-sglang}
 PY=${PYTHON:-python3}
 MODEL_PATH="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
-PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 DRY_RUN=0
-READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5
+PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 INCREMENTAL=1 DRY_RUN=0
+READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5 WAIT_MANAGER=0
 RECEIVER_ARGS=() EXTRA=()
 
 need_value() { [[ $# -ge 2 ]] || usage_error "$1 needs a value"; }
@@ -126,7 +132,7 @@ while [[ $# -gt 0 ]]; do
     case ${arg%%=*} in
       --manager-addr|--model-path|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
       --engine|--python|--mooncake-protocol|--mooncake-device-name|--receiver-arg|--ready-timeout-s|\
-      --drain-timeout-s|--stop-timeout-s|--reregister-check-s)
+      --drain-timeout-s|--stop-timeout-s|--reregister-check-s|--wait-for-manager)
         shift; set -- "${arg%%=*}" "${arg#*=}" "$@"; continue ;;
     esac
   fi
@@ -145,10 +151,12 @@ while [[ $# -gt 0 ]]; do
     --receiver-arg) need_value "$@"; RECEIVER_ARGS+=("$2"); shift 2 ;;
     --deterministic) DETERMINISTIC=1; shift ;;
     --no-metrics) METRICS=0; shift ;;
+    --no-incremental-streaming) INCREMENTAL=0; shift ;;
     --ready-timeout-s) need_value "$@"; READY_TIMEOUT=$2; shift 2 ;;
     --drain-timeout-s) need_value "$@"; DRAIN_TIMEOUT=$2; shift 2 ;;
     --stop-timeout-s) need_value "$@"; STOP_TIMEOUT=$2; shift 2 ;;
     --reregister-check-s) need_value "$@"; RECHECK=$2; shift 2 ;;
+    --wait-for-manager) need_value "$@"; WAIT_MANAGER=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
     *) EXTRA+=("$arg"); shift ;;  # SGLang's own flags, passed through in order
@@ -161,7 +169,7 @@ is_port "$PORT" || usage_error "--port must be a port number, got '$PORT'"
 [[ -n $AGENT_PORT ]] || AGENT_PORT=$(( PORT + 1111 <= 65535 ? PORT + 1111 : PORT - 1111 ))
 is_port "$AGENT_PORT" || usage_error "--transfer-agent-handshake-port must be a port number, got '$AGENT_PORT'"
 for pair in "ready-timeout-s:$READY_TIMEOUT" "drain-timeout-s:$DRAIN_TIMEOUT" "stop-timeout-s:$STOP_TIMEOUT" \
-            "reregister-check-s:$RECHECK"; do
+            "reregister-check-s:$RECHECK" "wait-for-manager:$WAIT_MANAGER"; do
   is_num "${pair#*:}" || usage_error "--${pair%%:*} must be a number of seconds, got '${pair#*:}'"
 done
 STOP_TIMEOUT=${STOP_TIMEOUT%%.*}
@@ -172,7 +180,7 @@ case $PROTOCOL in tcp|rdma) ;; *) usage_error "--mooncake-protocol must be tcp o
 command -v "$PY" >/dev/null 2>&1 || usage_error "no python interpreter '$PY' (set --python or PYTHON)"
 
 # The helpers and the agent come from this checkout when the script runs from one.
-if [[ -f $ROOT/rollout_manager/box.py ]]; then
+if [[ -f $ROOT/rollout_manager/launch/box.py ]]; then
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 box() { "$PY" -m rollout_manager.launch.box "$@"; }
@@ -197,6 +205,7 @@ else
   ENGINE_CMD=("$PY" -m rollout_manager.cpu_engine --host "$BIND" --port "$PORT")
   MODULES=aiohttp,torch,mooncake
 fi
+(( INCREMENTAL )) && ENGINE_CMD+=(--incremental-streaming-output)
 ENGINE_CMD+=(${EXTRA[@]+"${EXTRA[@]}"})
 AGENT_CMD=("$PY" -m rollout_manager.weights.receiver_agent --host "$HOST" --bind "$BIND" --port "$AGENT_PORT"
            --sglang-url "$ENGINE_URL" --protocol "$PROTOCOL")
@@ -211,11 +220,19 @@ fi
 
 # ------------------------------------------------------------------ checks, before anything heavy
 box preflight --manager "$MANAGER" --bind "$BIND" --port "$PORT" --agent-port "$AGENT_PORT" \
-  --modules "$MODULES" >/dev/null || exit 1
+  --modules "$MODULES" --wait-for-manager "$WAIT_MANAGER" >/dev/null || exit 1
 
 # ------------------------------------------------------------------ supervision
 ENGINE_PID="" AGENT_PID="" HELPER_PID="" WATCH_PID="" ENDPOINT="" STOP="" SIGNALS=0 DONE=0
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/launch_sglang.XXXXXX")
+# Scratch files, deleted as soon as they are open (a SIGKILLed launcher runs no trap, so nothing it
+# leaves in $TMPDIR would ever be removed): the registration's stdout on fds 6 (write) and 7 (read);
+# the registration state for `box watch` on fds 8 and 9 (helpers reopen them as /dev/fd/N).
+scratch=$(mktemp "${TMPDIR:-/tmp}/launch_sglang.XXXXXX")
+exec 6>"$scratch" 7<"$scratch"
+rm -f "$scratch"
+scratch=$(mktemp "${TMPDIR:-/tmp}/launch_sglang.XXXXXX")
+exec 8>"$scratch" 9<"$scratch"
+rm -f "$scratch"
 
 on_signal() {  # only note it and interrupt what runs; the main flow does the stopping
   SIGNALS=$((SIGNALS + 1))
@@ -241,14 +258,22 @@ run_box() {
   return "$rc"
 }
 
-start_child() {  # own process group (Ctrl-C reaches only us) that dies with us; stdin from /dev/null
-  "$PY" -m rollout_manager.launch.box exec --parent-pid $$ -- "$@" </dev/null &  # not via box(): no subshell
+start_child() {  # own process group (Ctrl-C reaches only us) that dies with us; stdin from $CHILD_STDIN
+  "$PY" -m rollout_manager.launch.box exec --parent-pid $$ -- "$@" <"${CHILD_STDIN:-/dev/null}" 6>&- 7<&- 8>&- 9<&- &  # not via box(): no subshell
 }
 
+# A child leads its own group only once `box exec` has called setpgid (a fraction of a second after the
+# start): until then only its pid reaches it. So signal and test both, or a signal that arrives during
+# the start finds no group, and a `wait` for the child never returns.
 groups_alive() {
   local p
-  for p in "$@"; do kill -0 -- "-$p" 2>/dev/null && return 0; done
+  for p in "$@"; do { kill -0 -- "-$p" || kill -0 "$p"; } 2>/dev/null && return 0; done
   return 1
+}
+
+signal_group() {  # signal_group SIG PID: the child's group and the child itself
+  kill -"$1" -- "-$2" 2>/dev/null || true
+  kill -"$1" "$2" 2>/dev/null || true
 }
 
 stop_children() {
@@ -257,12 +282,12 @@ stop_children() {
   (( ${#pids[@]} )) || return 0
   groups_alive "${pids[@]}" || { AGENT_PID="" ENGINE_PID=""; return 0; }
   log "stopping $ENGINE_NAME and the receiver agent"
-  for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do signal_group TERM "$p"; done
   local deadline=$((SECONDS + STOP_TIMEOUT)) signals=$SIGNALS
   while groups_alive "${pids[@]}" && (( SECONDS < deadline && SIGNALS == signals )); do sleep 0.1; done
   if groups_alive "${pids[@]}"; then
     log "still running after SIGTERM; sending SIGKILL"
-    for p in "${pids[@]}"; do kill -KILL -- "-$p" 2>/dev/null || true; done
+    for p in "${pids[@]}"; do signal_group KILL "$p"; done
     while groups_alive "${pids[@]}"; do sleep 0.05; done
   fi
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
@@ -271,7 +296,7 @@ stop_children() {
 
 stop_watch() {  # before deregistering: nothing may register the box again
   [[ -n $WATCH_PID ]] || return 0
-  kill -TERM -- "-$WATCH_PID" 2>/dev/null || true
+  signal_group TERM "$WATCH_PID"
   wait "$WATCH_PID" 2>/dev/null || true
   WATCH_PID=""
 }
@@ -298,7 +323,6 @@ finish() {  # deregister, stop the children, exit with $1
     stop_watch || true
     deregister || true
     stop_children || true
-    rm -rf "$TMP"
   fi
   exit "$status"
 }
@@ -325,20 +349,20 @@ fi
 stop_if_asked
 
 if ! run_box register --manager "$MANAGER" --host "$HOST" --port "$PORT" --agent-url "$AGENT_URL" \
-      --agent-port "$AGENT_PORT" --endpoint-file "$TMP/endpoint" --state-file "$TMP/state.json" \
-      >"$TMP/registration.json"; then
+      --agent-port "$AGENT_PORT" --state-file /dev/fd/8 >&6; then
   if [[ -n $STOP ]]; then  # interrupted: the manager may have filed us before the helper was stopped
     if [[ $HOST == *:* ]]; then ENDPOINT="[$HOST]:$PORT"; else ENDPOINT="$HOST:$PORT"; fi
   fi
   stop_if_asked
   finish 1
 fi
-REGISTRATION=$(<"$TMP/registration.json")
-ENDPOINT=$(<"$TMP/endpoint")
+read -r REGISTRATION <&7 || true
+if [[ $REGISTRATION =~ \"endpoint\":\"([^\"]+)\" ]]; then ENDPOINT=${BASH_REMATCH[1]}
+elif [[ $HOST == *:* ]]; then ENDPOINT="[$HOST]:$PORT"; else ENDPOINT="$HOST:$PORT"; fi
 log "registered $ENDPOINT with $MANAGER: $REGISTRATION"
 stop_if_asked
-# Registers the box again when the manager restarts (rollout_manager/box.py, `watch`).
-start_child "$PY" -m rollout_manager.launch.box watch --manager "$MANAGER" --state-file "$TMP/state.json" \
+# Registers the box again when the manager restarts (rollout_manager/launch/box.py, `watch`).
+CHILD_STDIN=/dev/fd/9 start_child "$PY" -m rollout_manager.launch.box watch --manager "$MANAGER" --state-file /dev/stdin \
   --interval "$RECHECK"
 WATCH_PID=$!
 

@@ -337,7 +337,7 @@ async def _state_is(m, endpoint: str, state: str) -> bool:
     return await m.state_of(endpoint) == state
 
 
-async def settle(m, fleet: Fleet, removed: list[str], timeout: float = 15.0) -> dict[str, Any]:
+async def settle(m, fleet: Fleet, removed: list[str], timeout: float = 30.0) -> dict[str, Any]:
     """Wait until the registry is exactly the live engines, all active, and nothing is in flight."""
     alive = {e.endpoint for e in fleet.alive()}
 

@@ -86,7 +86,7 @@ def test_refused_env_and_cli_values_name_their_source(tmp_path):
     with pytest.raises(ConfigError, match="from environment"):
         load_config(environ={"ROLLOUT_MANAGER_HEALTH_FAILURE_THRESHOLD": "many"})
     with pytest.raises(ConfigError, match="from command line"):
-        load_config(environ={}, overrides={"bind": "1.2.3.4:0"})
+        load_config(environ={}, overrides={"bind": "1.2.3.4:70000"})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml", environ={})
 

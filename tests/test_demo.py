@@ -33,10 +33,10 @@ def processes_with(marker: str, value: str) -> list[int]:
 
 def test_demo_trains_survives_a_killed_box_and_leaves_nothing_behind(tmp_path):
     run_id = uuid.uuid4().hex
-    proc = subprocess.run(
-        [sys.executable, "-m", "rollout_manager", "demo", "--steps", "3", "--kill-step", "2",
-         "--logdir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=170, env={**os.environ, "RM_DEMO_RUN_ID": run_id},
+    proc = subprocess.run(  # no --logdir: the default one, under TMPDIR, is kept and named (issue 16 bug 7)
+        [sys.executable, "-m", "rollout_manager", "demo", "--steps", "3", "--kill-step", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+        env={**os.environ, "RM_DEMO_RUN_ID": run_id, "TMPDIR": str(tmp_path)},
     )
     out = proc.stdout
     assert proc.returncode == 0, f"{out}\n{proc.stderr}"
@@ -48,6 +48,20 @@ def test_demo_trains_survives_a_killed_box_and_leaves_nothing_behind(tmp_path):
     final = re.search(r"every box at v3: (.*)$", out, re.M).group(1).split()
     assert len(final) == 2 and all(x.endswith(":active@v3") for x in final)
     assert processes_with("RM_DEMO_RUN_ID", run_id) == []
+    logdirs = list(tmp_path.glob("rollout-manager-demo-*"))
+    assert len(logdirs) == 1 and any(logdirs[0].iterdir()), "the printed log directory is kept"
+    assert f"logs kept in {logdirs[0]}" in proc.stderr
+    assert list(tmp_path.glob("launch_sglang.*")) == []  # the boxes' launchers leave nothing in TMPDIR
+
+
+def test_demo_help_is_plain_text_with_every_default():
+    out = subprocess.run([sys.executable, "-m", "rollout_manager", "demo", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "``" not in out and "scripts/launch_sglang.sh --engine cpu" in out
+    options = {chunk.split()[0]: " ".join(chunk.split()) for chunk in out.split("\n  --")[1:]}
+    for flag, default in [("steps", "8"), ("model-size", "tiny"), ("max-new-tokens", "24"), ("lr", "0.03")]:
+        assert options[flag].endswith(f"(default: {default})"), options[flag]
+    assert all(len(text.split()) > 2 for text in options.values()), options  # every flag explained
 
 
 def _demo_until(tmp_path: Path, run_id: str, line: str) -> Proc:

@@ -12,7 +12,7 @@ from aiohttp import web
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config, describe
 from rollout_manager.manager import Manager
-from rollout_manager.osutil import raise_open_file_limit
+from rollout_manager.osutil import format_endpoint, raise_open_file_limit
 
 log = logging.getLogger("rollout_manager.api.server")
 
@@ -22,6 +22,15 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message is the one-line reason."""
+
+
+def bound_address(runner: web.AppRunner, config: Config) -> str:
+    """``host:port`` as actually bound: with port 0 in ``bind`` the OS chose it, and whoever started the
+    daemon learns it only from the log line that says where it listens."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return format_endpoint(config.bind_host, int(address[1]))
+    return config.bind
 
 
 async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
@@ -43,18 +52,19 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         why = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         raise StartupError(f"cannot listen on {config.bind}: {why}") from None
 
+    bound = bound_address(runner, config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    log.info("rollout-manager listening on http://%s", config.bind)
+    log.info("rollout-manager listening on http://%s", bound)
     log.info("effective configuration: %s", describe(config))
     if any(net.prefixlen == 0 for net in config.registration_networks):
         log.warning("registration_allowed_networks admits every address (%s): any host that can reach "
                     "this port can register an instance and feed rollouts into training; restrict it",
                     config.registration_allowed_networks)
     if not config.auth_token:
-        log.warning("no auth_token: the API is open to anyone who can reach %s", config.bind)
+        log.warning("no auth_token: the API is open to anyone who can reach %s", bound)
     if ready is not None:
         ready.set()
     try:

@@ -9,8 +9,9 @@ Commands:
 - ``normalize-addr ADDR``: ``1.2.3.4:5000`` -> ``http://1.2.3.4:5000`` (no trailing slash).
 - ``detect-host --manager ADDR``: this box's address on the route to the manager (a UDP ``connect``
   sends nothing; the kernel picks the source address of the route).
-- ``preflight --manager ADDR --bind H --port P --agent-port A``: both ports distinct and free, the
-  manager answers ``GET /health``; all before anything heavy starts.
+- ``preflight --manager ADDR --bind H --port P --agent-port A [--wait-for-manager S]``: both ports
+  distinct and free, the manager answers ``GET /health`` (waiting up to S seconds for it: boxes and
+  trainer often start together); all before anything heavy starts.
 - ``exec --parent-pid PID -- CMD ...``: run CMD in its own process group (a terminal's Ctrl-C reaches
   only the launcher, which drains first) that gets SIGTERM if the launcher dies (Linux
   ``PR_SET_PDEATHSIG``), so a killed launcher leaves nothing behind.
@@ -65,6 +66,10 @@ class Unreachable(BoxError):
     def __init__(self, message: str, timed_out: bool):
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class NotHealthy(BoxError):
+    """The manager answers, but not (yet) healthy."""
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -219,7 +224,7 @@ def manager_call(manager: str, method: str, path: str, body: Any = None, *,
 def manager_health(manager: str, timeout: float = 5.0) -> dict[str, Any]:
     status, answer = manager_call(manager, "GET", "/health", timeout=timeout)
     if status != 200 or not isinstance(answer, dict) or answer.get("status") != "healthy":
-        raise BoxError(f"rollout manager at {normalize_addr(manager)} is not healthy (GET /health: "
+        raise NotHealthy(f"rollout manager at {normalize_addr(manager)} is not healthy (GET /health: "
                        f"HTTP {status} {error_of(answer)}); check ROLLOUT_MANAGER_ADDR / --manager-addr")
     return answer
 
@@ -247,11 +252,33 @@ def check_modules(modules: Sequence[str]) -> None:
                        f"interpreter with --python / PYTHON)")
 
 
+def wait_for_manager(manager: str, timeout: float, wait_s: float) -> dict[str, Any]:
+    """``GET /health`` until it answers healthy, for up to ``wait_s`` seconds (0: one try). A refused
+    token is final at once: waiting cannot fix it."""
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            return manager_health(manager, timeout)
+        except (Unreachable, NotHealthy) as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if wait_s > 0:
+                    raise BoxError(f"{exc} (waited {wait_s:g}s: --wait-for-manager)") from None
+                raise
+            if not waiting:
+                waiting = True
+                die_with_parent()  # a launcher killed meanwhile (no trap runs yet) must not leave us waiting
+                say(f"waiting up to {wait_s:g}s for the rollout manager at {normalize_addr(manager)} "
+                    f"(--wait-for-manager)")
+            time.sleep(min(0.5, left))
+
+
 def cmd_preflight(args: argparse.Namespace) -> None:
     check_modules([m for m in args.modules.split(",") if m])
     check_ports(args.bind, [("--port (SGLang)", args.port),
                             ("--transfer-agent-handshake-port (receiver agent)", args.agent_port)])
-    health = manager_health(args.manager, args.timeout)
+    health = wait_for_manager(args.manager, args.timeout, args.wait_for_manager)
     print(json.dumps({"manager": normalize_addr(args.manager), "version": health.get("version"),
                       "weight_version": health.get("weight_version")}))
 
@@ -495,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--agent-port", type=int, required=True)
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--modules", default="", help="comma-separated modules the children need")
+    s.add_argument("--wait-for-manager", type=float, default=0.0,
+                   help="seconds to wait for the manager to answer healthy (0: fail at once)")
     s.set_defaults(func=cmd_preflight)
 
     s = sub.add_parser("exec")

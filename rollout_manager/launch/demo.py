@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -355,19 +354,30 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description's paragraphs as written, and every flag's default (but "None")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout-manager demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
+    parser = argparse.ArgumentParser(prog="rollout-manager demo", description=(__doc__ or "").replace("``", ""),
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="training steps (one weight push each)")
     parser.add_argument("--boxes", type=int, default=2, help="rollout boxes at the start")
-    parser.add_argument("--model-size", default="tiny", choices=["tiny", "small"])
+    parser.add_argument("--model-size", default="tiny", choices=["tiny", "small"], help="the CPU model's size")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group)")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per sample")
     parser.add_argument("--kill-step", type=int, default=2, help="step during which a box is killed (0: none)")
     parser.add_argument("--token-delay-s", type=float, default=0.01, help="pace of the CPU engines")
-    parser.add_argument("--lr", type=float, default=0.03)
-    parser.add_argument("--logdir", default=None, help="keep the children's logs here (default: a temp dir)")
+    parser.add_argument("--lr", type=float, default=0.03, help="the optimizer's learning rate")
+    parser.add_argument("--logdir", default=None,
+                        help="where the manager's and boxes' logs go; kept afterwards (default: a new "
+                             "rollout-manager-demo-* directory under $TMPDIR)")
     args = parser.parse_args(argv)
     # Mooncake's log chatter (glog, read when the library loads) would bury the progress display.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -396,6 +406,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    if code == 0 and args.logdir is None:
-        shutil.rmtree(logdir, ignore_errors=True)
+    # Kept, also after a clean run: the logs are what a user reads when something looked odd.
+    print(f"logs kept in {logdir}", file=sys.stderr)
     return code

@@ -115,6 +115,22 @@ class EngineFailed(Exception):
     """The instance failed while serving (no answer, 5xx, reset, stall, stream cut short)."""
 
 
+def transport_failure(exc: BaseException) -> str:
+    """Say what happened to the instance in words. aiohttp's own text for a cut stream
+    (``TransferEncodingError: 400, message='Not enough data...'``) reads like a client error, although
+    the 400 is aiohttp's internal code and the engine most likely died mid-answer."""
+    raw = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, aiohttp.ClientPayloadError):  # TransferEncodingError, ContentLengthError, ...
+        return f"the instance's stream broke off mid-answer (the engine died or closed the connection; {raw})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return f"the instance closed the connection without an answer (the engine died or restarted; {raw})"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect to the instance ({raw})"
+    if isinstance(exc, (aiohttp.ClientOSError, OSError)):
+        return f"connection to the instance failed ({raw})"
+    return raw
+
+
 async def stream_generate(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -172,6 +188,6 @@ async def stream_generate(
     except asyncio.TimeoutError:
         raise EngineFailed(f"no data for {stall_timeout_s:g}s (stalled)") from None
     except (aiohttp.ClientError, OSError) as exc:
-        raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
+        raise EngineFailed(transport_failure(exc)) from None
     if not decoder.done:
         raise EngineFailed("stream ended without [DONE]")
