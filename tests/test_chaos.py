@@ -446,7 +446,9 @@ async def test_2000_requests_at_200_concurrent_while_engines_are_sigkilled_and_r
 async def test_engine_that_stalls_with_open_connections_under_load(start_manager, fleet, load_session, prompts,
                                                                    references):
     stall_timeout = 1.0
-    m = await start_manager(stream_stall_timeout_s=str(stall_timeout), no_instance_wait_timeout_s="30")
+    # Token by token (engine_stream_interval=1): the stall comes after a given token count.
+    m = await start_manager(stream_stall_timeout_s=str(stall_timeout), no_instance_wait_timeout_s="30",
+                            engine_stream_interval="1")
     healthy = [await fleet.spawn() for _ in range(3)]
     stalling = await fleet.spawn("--stall-after-tokens", "300")  # mid-way through the first batch
     await register(m, *healthy, stalling)
@@ -497,7 +499,7 @@ async def test_continued_sequence_reports_the_callers_length(start_manager, flee
     "length": remaining}``) is returned as is, so a 16-token request continued after 5 tokens reports
     ``length: 11``. SGLang reports the request's ``max_new_tokens`` there.
     """
-    m = await start_manager()
+    m = await start_manager(engine_stream_interval="1")  # token by token: the engine dies after 5 sent
     dying = await fleet.spawn("--die-after-tokens", "5", "--token-delay-s", "0.005")
     healthy = await fleet.spawn()
     await register(m, dying)  # the only choice for the first attempt
