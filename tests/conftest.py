@@ -173,8 +173,12 @@ async def start_engines(tmp_path):
 
     async def start(*flag_sets: list[str]) -> list[EngineHandle]:
         handles = []
+        taken = {h.port for h in started}
         for flags in flag_sets:
             port = free_port()
+            while port in taken:  # engines start in parallel: a port not yet bound may be offered twice
+                port = free_port()
+            taken.add(port)
             args = [PY, "-m", "rollout_manager.cpu_engine", "--port", str(port), *flags]
             if "--seed" not in flags:
                 args += ["--seed", "0"]
