@@ -13,6 +13,7 @@ import shutil
 import signal
 import struct
 import zlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,24 @@ async def test_status_page_renders_live_instances_in_headless_chromium(rig, tmp_
         shutil.copy(shot, keep)
 
 
+async def render_page(tmp_path: Path, status: Callable[[web.Request], Awaitable[web.Response]]) -> str:
+    """The status page's DOM in headless Chromium, served beside ``status`` as its status endpoint."""
+    async def page(request: web.Request) -> web.Response:
+        return status_page.response()
+
+    app = web.Application()
+    app.router.add_get("/", page)
+    app.router.add_get("/get_instances_status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        return (await chromium(tmp_path, f"http://127.0.0.1:{port}/", "--dump-dom")).decode()
+    finally:
+        await runner.cleanup()
+
+
 def text_of(dom: str, element_id: str) -> str:
     found = re.search(rf'<[a-z]+ [^>]*id="{element_id}"[^>]*>([^<]*)<', dom)
     assert found, f"no #{element_id} in the rendered DOM"
@@ -301,20 +320,7 @@ async def test_status_page_counts_agree_with_badges_and_tokens_and_waiting_are_l
             "recent_events": [], "recent_weight_pushes": [],
         })
 
-    async def page(request: web.Request) -> web.Response:
-        return status_page.response()
-
-    app = web.Application()
-    app.router.add_get("/", page)
-    app.router.add_get("/get_instances_status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        dom = (await chromium(tmp_path, f"http://127.0.0.1:{port}/", "--dump-dom")).decode()
-    finally:
-        await runner.cleanup()
+    dom = await render_page(tmp_path, status)
     assert polls >= 2, polls
     assert text_of(dom, "n-instances") == "(2 syncing)"
     assert float(text_of(dom, "c-tps")) > 0  # tokens streamed, although no sequence finished
@@ -326,20 +332,7 @@ async def test_status_page_shows_an_error_banner_when_the_status_fetch_fails(tmp
     async def failing(request: web.Request) -> web.Response:
         return web.json_response({"error": "boom"}, status=503)
 
-    async def page(request: web.Request) -> web.Response:
-        return status_page.response()
-
-    app = web.Application()
-    app.router.add_get("/", page)
-    app.router.add_get("/get_instances_status", failing)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        dom = (await chromium(tmp_path, f"http://127.0.0.1:{port}/", "--dump-dom")).decode()
-    finally:
-        await runner.cleanup()
+    dom = await render_page(tmp_path, failing)
     banner = re.search(r'<div id="banner" role="alert" class="show">(.*?)</div>', dom, re.S)
     assert banner, dom[:2000]
     assert "Cannot fetch the manager's status: HTTP 503" in banner.group(1)
