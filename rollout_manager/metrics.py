@@ -161,6 +161,10 @@ class ManagerMetrics:
         self.transitions = Counter(
             PREFIX + "instance_transitions", "Instance lifecycle transitions, by the state entered.",
             ["to"], registry=self.prometheus)
+        self.rejections = Counter(
+            PREFIX + "rejected_requests",
+            "Requests answered with a 4xx (the caller's mistake), by endpoint and reason.",
+            ["endpoint", "reason"], registry=self.prometheus)
         for state in State:
             self.transitions.labels(state.value)
         for outcome in ("ok", "error"):
@@ -185,6 +189,10 @@ class ManagerMetrics:
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         self.transitions.labels(event.new.value).inc()
+
+    def rejected(self, endpoint: str, reason: str) -> None:
+        """A request to ``endpoint`` was answered 4xx for ``reason`` (both from fixed sets)."""
+        self.rejections.labels(endpoint, reason).inc()
 
     # ------------------------------------------------------------ exposition
     def render(self) -> bytes:

@@ -336,3 +336,44 @@ async def test_status_page_shows_an_error_banner_when_the_status_fetch_fails(tmp
     banner = re.search(r'<div id="banner" role="alert" class="show">(.*?)</div>', dom, re.S)
     assert banner, dom[:2000]
     assert "Cannot fetch the manager's status: HTTP 503" in banner.group(1)
+
+
+async def test_rejected_requests_are_counted_per_endpoint_and_reason_and_change_nothing(start_manager):
+    m = await start_manager()
+    before = await m.get("/get_instances_status")
+    assert (await m.post("/register_rollout_instance", data=b"{not json"))[0] == 400
+    assert (await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": "x"}))[0] == 400
+    assert (await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": -1}))[0] == 400
+    assert (await m.post("/no/such/endpoint", {}))[0] == 404
+    assert (await m.post("/metrics", {}))[0] == 405
+    _, samples = await scrape(m)
+    name = "rollout_manager_rejected_requests_total"
+    assert value(samples, name, endpoint="/register_rollout_instance", reason="invalid_json") == 1
+    assert value(samples, name, endpoint="/register_rollout_instance", reason="invalid_field") == 2
+    assert value(samples, name, endpoint="unmatched", reason="no_route") == 1
+    assert value(samples, name, endpoint="unmatched", reason="method_not_allowed") == 1
+    assert await m.get("/get_instances_status") == before
+
+
+async def test_a_refusal_is_logged_at_debug_only(caplog):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from rollout_manager.api.http import MAX_ADMIN_BODY, MAX_BODY, ON_REJECT, accepts, json_errors
+    from rollout_manager.api.schemas import UpdateWeightVersion
+
+    seen: list[tuple[str, str]] = []
+
+    @accepts(UpdateWeightVersion)
+    async def handler(request: web.Request, body: object, raw: object) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application(middlewares=[json_errors])
+    app[MAX_BODY] = app[MAX_ADMIN_BODY] = 1 << 16
+    app[ON_REJECT] = lambda endpoint, reason: seen.append((endpoint, reason))
+    app.router.add_post("/v", handler)
+    async with TestClient(TestServer(app)) as client:
+        with caplog.at_level("DEBUG", logger="rollout_manager.http"):
+            r = await client.post("/v", json={"new_version": "one"})
+            assert r.status == 400 and "new_version" in (await r.json())["error"]
+    assert seen == [("/v", "invalid_field")]
+    assert [rec.levelname for rec in caplog.records if rec.name == "rollout_manager.http"] == ["DEBUG"]

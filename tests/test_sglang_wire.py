@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout_manager.sglang import wire
 
@@ -208,3 +210,77 @@ def test_per_item_keys_cover_what_split_batch_splits() -> None:
     body: dict[str, Any] = {"input_ids": [[1], [2]], "return_logprob": [True, False]}
     a, b = wire.split_batch(body)
     assert a["return_logprob"] is True and b["return_logprob"] is False
+
+
+# ---------------------------------------------------------------- cumulative chunks parsed by their news
+
+
+def _stream(tokens: list[int], cuts: list[int], *, cumulative: bool, lps: list[list[Any]] | None,
+            text: bool) -> bytes:
+    """The frames an engine sends for ``tokens``, one chunk ending at each of ``cuts``."""
+    frames, sent = [], 0
+    for end in cuts:
+        lo = 0 if cumulative else sent
+        frames.append(wire.sse_frame(wire.output_chunk(
+            rid="r", output_ids=tokens[lo:end], prompt_tokens=2, completion_tokens=end,
+            finish=wire.finish_reason(wire.LENGTH, length=end) if end == len(tokens) else None,
+            weight_version="1", logprobs=None if lps is None else lps[lo:end],
+            text="".join(f"<{t}>" for t in tokens[lo:end]) if text else None)))
+        sent = end
+    return b"".join(frames) + wire.DONE_FRAME
+
+
+def _fold(raw: bytes, pieces: int, *, skip_seen: bool,
+          start: tuple[list[int], list[list[Any]]] = ([], [])) -> tuple[wire.SequenceProgress, list[Any]]:
+    dec = wire.SSEDecoder(skip_seen=skip_seen)
+    progress = wire.SequenceProgress(list(start[0]), list(start[1]))
+    step = max(1, len(raw) // pieces)
+    chunks = []
+    for at in range(0, len(raw), step):
+        for c in dec.feed(raw[at:at + step]):
+            chunks.append(dict(c))
+            progress.apply(c)
+    assert dec.done
+    return progress, chunks
+
+
+@given(
+    tokens=st.lists(st.integers(0, 300), min_size=1, max_size=60),
+    data=st.data(),
+    cumulative=st.booleans(),
+    with_lps=st.sampled_from(["none", "numbers", "text"]),
+    pieces=st.integers(1, 40),
+)
+@settings(max_examples=150, deadline=None)
+def test_skipping_seen_ids_folds_exactly_what_a_full_parse_does(
+        tokens: list[int], data: st.DataObject, cumulative: bool, with_lps: str, pieces: int) -> None:
+    n = len(tokens)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n), max_size=12)) + [n]))
+    lps = None if with_lps == "none" else [
+        [-(t % 7) / 8, t, f"t{t}]]," if with_lps == "text" else None] for t in tokens]
+    raw = _stream(tokens, cuts, cumulative=cumulative, lps=lps, text=True)
+    base = ([9, 9], [[-1.0, 9, None]] * 2 if lps is not None else [])  # an earlier segment's tokens
+    fast, _ = _fold(raw, pieces, skip_seen=True, start=base)
+    full, _ = _fold(raw, 1, skip_seen=False, start=base)
+    assert fast.output_ids == full.output_ids == base[0] + tokens
+    assert fast.logprobs == full.logprobs == base[1] + (lps or [])
+    assert fast.text == full.text == "".join(f"<{t}>" for t in tokens)
+    assert fast.finish_reason == full.finish_reason == {"type": "length", "length": n}
+
+
+def test_a_cumulative_chunk_is_parsed_without_the_ids_already_seen() -> None:
+    tokens = list(range(100, 164))
+    lps = [[-0.5, t, None] for t in tokens]
+    raw = _stream(tokens, [1, 16, 32, 48, 64], cumulative=True, lps=lps, text=False)
+    progress, chunks = _fold(raw, 1, skip_seen=True)
+    assert [len(c["output_ids"]) for c in chunks] == [1, 15, 16, 16, 16]
+    assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [1, 15, 16, 16, 16]
+    assert progress.output_ids == tokens and progress.logprobs == lps
+
+
+def test_an_incremental_stream_that_repeats_a_prefix_is_not_mistaken_for_a_cumulative_one() -> None:
+    # Deltas [5], [5, 6], [5, 6, 7]: each starts with the previous delta's bytes.
+    tokens = [5, 5, 6, 5, 6, 7]
+    raw = _stream(tokens, [1, 3, 6], cumulative=False, lps=None, text=False)
+    progress, _ = _fold(raw, 3, skip_seen=True)
+    assert progress.output_ids == tokens

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollout_manager import jsonutil
 from rollout_manager.bearer import bearer_matches
-from rollout_manager.errors import ManagerError, TooLarge, Unauthorized
+from rollout_manager.errors import InvalidField, InvalidJSON, ManagerError, TooLarge, Unauthorized
 from rollout_manager.validation import describe_validation_error
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
@@ -27,6 +27,8 @@ log = logging.getLogger("rollout_manager.http")
 # Body limits in bytes, set by the app: generation bodies may be large, admin bodies are small.
 MAX_BODY: web.AppKey[int] = web.AppKey("max_body", int)
 MAX_ADMIN_BODY: web.AppKey[int] = web.AppKey("max_admin_body", int)
+# Told of every 4xx answer: (endpoint, reason). The metrics count them; see json_errors.
+ON_REJECT: web.AppKey[Callable[[str, str], None]] = web.AppKey("on_reject")
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -54,11 +56,11 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
     if not raw.strip() and optional:
         raw = b"{}"
     if not raw:
-        raise ManagerError("request body is empty; expected JSON")
+        raise InvalidJSON("request body is empty; expected JSON")
     try:
         return jsonutil.loads(raw)
     except (UnicodeDecodeError, jsonutil.JSONDecodeError) as exc:
-        raise ManagerError(f"request body is not valid JSON: {exc}") from None
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
 
 
 def validate(data: Any, model: type[M]) -> M:
@@ -66,33 +68,49 @@ def validate(data: Any, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ManagerError(describe_validation_error(exc)) from None
+        raise InvalidField(describe_validation_error(exc)) from None
 
 
 @web.middleware
 async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes a JSON ``{"error": ...}`` with the right status; nothing escapes."""
+    """Every failure becomes a JSON ``{"error": ...}`` with the right status; nothing escapes.
+
+    A 4xx is the caller's mistake: logged at debug only (a misbehaving client must not flood the
+    log) and counted per endpoint and reason through ``ON_REJECT``.
+    """
     try:
         return await handler(request)
     except Unauthorized as exc:
-        resp = error_response(401, str(exc))
+        resp = _refused(request, exc.status, exc.reason, str(exc))
         resp.headers["WWW-Authenticate"] = 'Bearer realm="rollout-manager"'
         return resp
     except ManagerError as exc:
-        return error_response(exc.status, str(exc))
+        return _refused(request, exc.status, exc.reason, str(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         if exc.status == 413:
-            return error_response(413, f"request body too large (limit {request.app[MAX_BODY]} bytes)")
+            return _refused(request, 413, "too_large", f"request body too large (limit {request.app[MAX_BODY]} bytes)")
         if exc.status == 404:
-            return error_response(404, f"no such endpoint: {request.method} {request.path}")
+            return _refused(request, 404, "no_route", f"no such endpoint: {request.method} {request.path}")
         if exc.status == 405:
-            return error_response(405, f"method {request.method} not allowed on {request.path}")
-        return error_response(exc.status, exc.reason)
+            return _refused(request, 405, "method_not_allowed",
+                            f"method {request.method} not allowed on {request.path}")
+        return _refused(request, exc.status, "http_error", exc.reason)
     except Exception:  # the daemon answers 500 and keeps running
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal error; see the manager's log")
+
+
+def _refused(request: web.Request, status: int, reason: str, message: str) -> web.Response:
+    if 400 <= status < 500:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        log.debug("%s %s refused with %d (%s): %s", request.method, request.path, status, reason, message)
+        on_reject = request.app.get(ON_REJECT)
+        if on_reject is not None:
+            on_reject(endpoint, reason)
+    return error_response(status, message)
 
 
 def bearer_auth(token: str, open_paths: Collection[tuple[str, str]]) -> Middleware:

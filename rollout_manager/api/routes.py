@@ -14,6 +14,7 @@ from rollout_manager.api import status_page
 from rollout_manager.api.http import (
     MAX_ADMIN_BODY,
     MAX_BODY,
+    ON_REJECT,
     Handler,
     accepts,
     bearer_auth,
@@ -193,6 +194,7 @@ def create_app(manager: Manager) -> web.Application:
     app = web.Application(middlewares=[json_errors, bearer_auth(manager.config.auth_token, OPEN_PATHS)],
                           client_max_size=max_body)
     app[MANAGER] = manager
+    app[ON_REJECT] = manager.metrics.rejected
     app[MAX_BODY] = max_body
     app[MAX_ADMIN_BODY] = int(manager.config.max_admin_body_kb * 1024)
     for method, path, handler in ROUTES:

@@ -46,7 +46,10 @@ class Dispatcher:
         self.changed.notify()
 
     def meter(self, inst: Instance) -> TokenRateMeter:
-        return self.meters.setdefault(inst.id, TokenRateMeter())
+        meter = self.meters.get(inst.id)  # called per relayed chunk: build a meter only the first time
+        if meter is None:
+            meter = self.meters[inst.id] = TokenRateMeter()
+        return meter
 
     def load_of(self, inst: Instance, now: float) -> InstanceLoad:
         return InstanceLoad(inst.id, inst.kind.value, inst.in_flight, inst.in_flight_tokens,

@@ -39,6 +39,7 @@ class GenerationFailed(ManagerError):
         super().__init__(message)
         self.status = status
         self.detail = detail
+        self.reason = "engine_refused" if 400 <= status < 500 else "generation_failed"
 
 
 @dataclass(frozen=True)
@@ -299,10 +300,10 @@ class Generator:
         body = wire.continuation_body(seq.body, seq.output_ids, rid=rid,
                                       stream_interval=self.settings.engine_stream_interval or None,
                                       keep_caller_interval=on_tokens is not None)
-        progress = wire.SequenceProgress()
+        # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
+        progress = wire.SequenceProgress(seq.output_ids, seq.logprobs)
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
         seq.segments.append(segment)
-        base, base_lp = list(seq.output_ids), list(seq.logprobs)
         reserved = seq.reserve
 
         async def consume() -> None:
@@ -315,8 +316,6 @@ class Generator:
                 new = progress.apply(chunk)
                 if new:
                     self.dispatcher.progress(inst, new)
-                seq.output_ids = base + progress.output_ids
-                seq.logprobs = base_lp + progress.logprobs
                 segment.end = len(seq.output_ids)
                 segment.weight_version = progress.weight_version
                 seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk

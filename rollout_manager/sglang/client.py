@@ -148,7 +148,7 @@ async def stream_generate(
     and the instance is not blamed.
     """
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
-    decoder = wire.SSEDecoder()
+    decoder = wire.SSEDecoder(skip_seen=True)  # one sequence per stream: cumulative chunks parse their news only
     data = jsonutil.dumps(body)
     limits = limits or LocalLimits()
     try:

@@ -44,6 +44,7 @@ METRIC_GEN_THROUGHPUT = "sglang:gen_throughput"
 
 DONE_FRAME = b"data: [DONE]\n\n"
 _DATA_PREFIX = b"data: "
+_DATA_FIELD = b"data:"
 
 # finish_reason types.
 STOP = "stop"
@@ -313,37 +314,161 @@ class StreamError(Exception):
         super().__init__(message or str(error))
 
 
+# Set by SSEDecoder(skip_seen=True) on a cumulative chunk whose already-seen ids it left unparsed:
+# that chunk's ``output_ids`` (and ``output_token_logprobs``) start after that many tokens.
+SKIPPED_IDS = "rm_skipped_ids"
+SKIPPED_LOGPROBS = "rm_skipped_logprobs"
+
+
+class _SeenPrefix:
+    """The raw bytes of one JSON array's content as the last cumulative chunk had it.
+
+    SGLang serializes with orjson, so the next cumulative chunk's array starts with exactly these
+    bytes; cutting them out before parsing makes a chunk cost what it adds, not the sequence's length.
+    """
+
+    def __init__(self, key: bytes, closer: bytes):
+        self.key = key  # '"output_ids":[' ; cannot occur inside a JSON string (its quotes are escaped)
+        self.closer = closer  # where the content ends: b"]" for ints, b"]]" for lists of number lists
+        self.raw = b""
+        self.count = 0
+        self.enabled = True
+
+    def locate(self, payload: bytes) -> tuple[int, int] | None:
+        """(start, end) of the array's content in ``payload``, or None."""
+        at = payload.find(self.key)
+        if at < 0:
+            return None
+        start = at + len(self.key)
+        if payload.startswith(b"]", start):
+            return start, start
+        end = payload.find(self.closer, start)
+        if end < 0:
+            return None
+        return start, end + len(self.closer) - 1
+
+    def cut(self, payload: bytes) -> tuple[int, int] | None:
+        """The byte range to drop from ``payload`` (the seen prefix and its comma), or None."""
+        if not (self.enabled and self.count):
+            return None
+        where = self.locate(payload)
+        if where is None:
+            return None
+        start = where[0]
+        stop = start + len(self.raw)
+        if not payload.startswith(self.raw, start) or payload[stop:stop + 1] not in (b",", b"]"):
+            return None
+        return start, stop + (payload[stop:stop + 1] == b",")
+
+    def remember(self, payload: bytes, count: int) -> None:
+        where = self.locate(payload)
+        if where is None:
+            self.enabled = False
+            return
+        raw = payload[where[0]:where[1]]
+        if b'"' in raw:  # strings inside (text in log-probs): a bracket may hide in them, so stop here
+            self.enabled = False
+            return
+        self.raw, self.count = raw, count
+
+
 class SSEDecoder:
     """Incremental decoder of SGLang's event stream: feed bytes, get JSON objects.
 
-    ``done`` turns true at ``data: [DONE]``; a stream that ends before it is a broken stream.
+    ``done`` turns true at ``data: [DONE]``; a stream that ends before it is a broken stream. Bytes are
+    scanned once: a frame split over many reads is not searched again from its start.
+
+    With ``skip_seen=True`` (one sequence per stream, as the manager sends), cumulative chunks are
+    parsed without the ids and log-probs already seen; :class:`SequenceProgress` reads the
+    ``SKIPPED_*`` counts it leaves. A chunk that does not fit (an incremental stream, a format
+    surprise) is parsed whole, and skipping stops for that stream.
     """
 
-    def __init__(self) -> None:
-        self._buf = b""
+    def __init__(self, *, skip_seen: bool = False) -> None:
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for a frame end
         self.done = False
+        self._seen: tuple[_SeenPrefix, _SeenPrefix] | None = (
+            (_SeenPrefix(b'"output_ids":[', b"]"), _SeenPrefix(b'"output_token_logprobs":[', b"]]"))
+            if skip_seen else None)
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buf += data
+        if not self._buf:  # the usual read: exactly one whole one-line frame
+            end = data.find(b"\n\n")
+            if end == len(data) - 2 and data.startswith(_DATA_PREFIX) and data.find(b"\n", 0, end) < 0:
+                obj = self._payload(data[len(_DATA_PREFIX):end])
+                return [] if obj is None else [obj]
+        buf = self._buf
+        buf += data
         out: list[dict[str, Any]] = []
+        begin = 0
         while True:
-            cut = self._buf.find(b"\n\n")
+            cut = buf.find(b"\n\n", max(begin, self._scanned - 1))
             if cut < 0:
                 break
-            frame, self._buf = self._buf[:cut], self._buf[cut + 2 :]
+            frame = bytes(buf[begin:cut])
+            begin = cut + 2
             for line in frame.split(b"\n"):
                 line = line.strip()
-                if not line.startswith(_DATA_PREFIX.strip()):
-                    continue
-                payload = line[len(_DATA_PREFIX.strip()) :].strip()
-                if payload == b"[DONE]":
-                    self.done = True
-                    continue
-                obj = jsonutil.loads(payload)
-                if isinstance(obj, dict) and "error" in obj and "meta_info" not in obj:
-                    raise StreamError(obj["error"])
-                out.append(obj)
+                if line.startswith(_DATA_FIELD):
+                    obj = self._payload(line[len(_DATA_FIELD):])
+                    if obj is not None:
+                        out.append(obj)
+        if begin:
+            del buf[:begin]
+        self._scanned = len(buf)
         return out
+
+    def _payload(self, payload: bytes) -> Any:
+        """One ``data:`` field's JSON; None for ``[DONE]``; raises on an error frame."""
+        if payload[:2] != b"{\"" and payload.strip() == b"[DONE]":
+            self.done = True
+            return None
+        obj = self._decode(payload)
+        if isinstance(obj, dict) and "error" in obj and "meta_info" not in obj:
+            raise StreamError(obj["error"])
+        return obj
+
+    def _decode(self, payload: bytes) -> Any:
+        if self._seen is None or not self._seen[0].enabled:  # incremental streams end up here at once
+            return jsonutil.loads(payload)
+        ids, lps = self._seen
+        cuts = [(seen, c) for seen in (ids, lps) if (c := seen.cut(payload)) is not None]
+        if not cuts:
+            obj = jsonutil.loads(payload)
+            skipped = {}
+        else:
+            cuts.sort(key=lambda sc: sc[1][0])
+            pieces, pos = [], 0
+            for _, (a, b) in cuts:
+                pieces.append(payload[pos:a])
+                pos = b
+            pieces.append(payload[pos:])
+            obj = jsonutil.loads(b"".join(pieces))
+            skipped = {seen.key: seen.count for seen, _ in cuts}
+        if not isinstance(obj, dict):
+            return obj
+        meta = obj.get("meta_info")
+        total = meta.get("completion_tokens") if isinstance(meta, dict) else None
+        n_ids = len(obj.get("output_ids") or []) + skipped.get(ids.key, 0)
+        if not isinstance(total, int) or n_ids != total:
+            if skipped:  # it was not the cumulative chunk it looked like: parse it whole, skip no more
+                obj = jsonutil.loads(payload)
+            ids.enabled = lps.enabled = False
+            return obj
+        if skipped.get(ids.key):
+            obj[SKIPPED_IDS] = skipped[ids.key]
+        ids.remember(payload, n_ids)
+        lp_list = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+        if isinstance(lp_list, list):
+            n_lps = len(lp_list) + skipped.get(lps.key, 0)
+            if skipped.get(lps.key):
+                obj[SKIPPED_LOGPROBS] = skipped[lps.key]
+            lps.remember(payload, n_lps)
+        elif lps.key in skipped:  # cannot happen with a well-formed chunk; never guess
+            obj = jsonutil.loads(payload)
+            ids.enabled = lps.enabled = False
+        return obj
 
 
 @dataclass
@@ -352,6 +477,10 @@ class SequenceProgress:
 
     Chunks are classified by ``meta_info.completion_tokens`` (always cumulative): if ``output_ids``
     is as long as that count the chunk is cumulative, otherwise it is a delta.
+
+    ``output_ids`` and ``logprobs`` may be handed in already holding what earlier segments made (the
+    sequence's own lists): the engine's tokens are appended to them in place, so folding a chunk costs
+    what the chunk brings, never the length of the sequence. ``made`` is this engine's share.
     """
 
     output_ids: list[int] = field(default_factory=list)
@@ -360,30 +489,41 @@ class SequenceProgress:
     meta_info: dict[str, Any] = field(default_factory=dict)
     text: str | None = None
     weight_version: str | None = None  # the latest a chunk reported (chunks may leave it out)
+    _ids_start: int = field(init=False, repr=False)
+    _lps_start: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._ids_start, self._lps_start = len(self.output_ids), len(self.logprobs)
+
+    @property
+    def made(self) -> int:
+        """Tokens this engine produced (not counting what the lists held at the start)."""
+        return len(self.output_ids) - self._ids_start
 
     def apply(self, chunk: dict[str, Any]) -> int:
         """Fold one chunk in; return how many new tokens it brought."""
         meta = chunk.get("meta_info") or {}
-        ids = list(chunk.get("output_ids") or [])
+        ids = chunk.get("output_ids") or []
+        skipped = chunk.pop(SKIPPED_IDS, 0)  # ids the decoder left unparsed: they were seen already
+        skipped_lps = chunk.pop(SKIPPED_LOGPROBS, 0)
         total = meta.get("completion_tokens")
-        before = len(self.output_ids)
-        cumulative = total is not None and len(ids) == total and total >= before
+        before = self.made
+        cumulative = total is not None and len(ids) + skipped == total and total >= before
+        if skipped > before or skipped_lps > len(self.logprobs) - self._lps_start:
+            raise ValueError("a chunk skipped tokens this sequence never saw")
         lps = meta.get("output_token_logprobs")
-        if cumulative:
-            self.output_ids = ids
-            if lps is not None:
-                self.logprobs = list(lps)
-        else:
-            self.output_ids.extend(ids)
-            if lps is not None:
-                self.logprobs.extend(lps)
+        # A cumulative chunk repeats what was seen: only its tail is new.
+        self.output_ids.extend(ids[before - skipped:] if cumulative else ids)
+        if lps is not None:
+            seen_lps = len(self.logprobs) - self._lps_start - skipped_lps
+            self.logprobs.extend(lps[seen_lps:] if cumulative else lps)
         if chunk.get("text") is not None:
             self.text = chunk["text"] if cumulative else (self.text or "") + chunk["text"]
         self.meta_info = meta
         self.finish_reason = meta.get("finish_reason")
         if "weight_version" in meta:
             self.weight_version = meta["weight_version"]
-        return len(self.output_ids) - before
+        return self.made - before
 
 
 # ---------------------------------------------------------------- request bodies
