@@ -180,6 +180,8 @@ class FakeSGLang:
         limit = (body.get("sampling_params") or {}).get("max_new_tokens", wire.DEFAULT_MAX_NEW_TOKENS)
         budget = self.context_len - len(prompt) if limit is None else int(limit)
         rid = str(body.get("rid") or "fake")
+        if body.get("stream") is not True:
+            return await self._answer_once(request, prompt, budget, rid)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         made: list[int] = []
@@ -204,6 +206,31 @@ class FakeSGLang:
         await resp.write(wire.DONE_FRAME)
         await resp.write_eof()
         return resp
+
+    async def _answer_once(self, request: web.Request, prompt: list[int], budget: int,
+                           rid: str) -> web.StreamResponse:
+        """A non-streaming ``/generate``, as SGLang answers it: one object at the end. A scheduler abort
+        with a status comes back as that HTTP status (400: ``{"error": ...}``), one without as a 200."""
+        finish = self.abort_finish
+        status = finish.get("status_code") if finish is not None else None
+        if isinstance(status, int) and status >= 400:
+            message = wire.abort_message(finish or {})
+            if status == 400:
+                return web.json_response(wire.error_object(message), status=400)
+            return web.json_response({"detail": message}, status=status)
+        made: list[int] = []
+        for _ in range(0 if finish is not None else budget):
+            if self.die_after_tokens is not None and len(made) >= self.die_after_tokens:
+                assert request.transport is not None
+                request.transport.close()  # as a crashed engine: no answer at all
+                return web.Response()
+            if self.stall_after_tokens is not None and len(made) >= self.stall_after_tokens:
+                await self._unstall.wait()
+            made.append(next_token(prompt + made))
+        return web.json_response(wire.output_chunk(
+            rid=rid, output_ids=made, prompt_tokens=len(prompt), completion_tokens=len(made),
+            finish=finish or wire.finish_reason(wire.LENGTH, length=len(made)),
+            weight_version=self.weight_version, text="x" * len(made)))
 
 
 async def start_fakes(n: int) -> list[FakeSGLang]:

@@ -18,7 +18,10 @@ from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
 PROMPT = [5, 17, 42]
-SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3)
+# A chunk per token: the tests below see exactly where a stream was cut. Short non-streaming sequences
+# get one answer from the engine instead (see the tests at the end, which use the default interval).
+SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3,
+                              engine_stream_interval=1)
 
 
 @dataclass
@@ -274,3 +277,52 @@ async def test_a_streaming_callers_own_stream_interval_is_respected(rig: Rig) ->
         pass
     sent = [r["sampling_params"]["stream_interval"] for r in rig.fakes[0].requests]
     assert sent == [2, SETTINGS.engine_stream_interval]
+
+
+# ---------------------------------------------------------------- short sequences: one answer, no stream
+
+
+def short_rig(rig: Rig) -> Generator:
+    """The rig's generator with the default chunk interval (16): budgets up to 16 are asked in one answer."""
+    settings = GenerationSettings(**{**SETTINGS.__dict__, "engine_stream_interval": 16})
+    return Generator(rig.dispatcher, rig.generator.client, settings, rig.generator.budget,
+                     on_instance_failure=rig.health.failure, on_instance_success=rig.health.success)
+
+
+async def test_a_short_non_streaming_sequence_asks_the_engine_for_one_answer(rig: Rig) -> None:
+    register_active(rig.registry, rig.fakes[:1])
+    gen = short_rig(rig)
+    out = await generate_one(gen, body(8, return_logprob=False))
+    assert out["output_ids"] == reference(PROMPT, 8)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    sent = rig.fakes[0].requests[0]
+    assert sent["stream"] is False and "stream_interval" not in sent["sampling_params"]
+    # Longer than one interval, or a caller that streams: the engine streams.
+    await generate_one(gen, body(17))
+    async for _ in gen.generate_stream(body(8)):
+        pass
+    assert [r["stream"] for r in rig.fakes[0].requests[1:]] == [True, True]
+
+
+async def test_a_short_sequence_whose_engine_dies_is_made_again_exactly_elsewhere(rig: Rig) -> None:
+    dying, healthy = rig.fakes
+    dying.die_after_tokens = 3
+    a, b = register_active(rig.registry, rig.fakes)
+    out = await generate_one(short_rig(rig), body(8, rid="s"))
+    assert out["output_ids"] == reference(PROMPT, 8)  # the lost tokens (<= one interval) are made again
+    (cont,) = healthy.requests
+    assert cont["input_ids"] == PROMPT and cont["sampling_params"]["max_new_tokens"] == 8
+    assert [(s["instance"], s["start"], s["end"]) for s in out["meta_info"]["segments"]] == \
+        [(a.id, 0, 0), (b.id, 0, 8)]
+    assert [i for i, _ in rig.health.failures] == [a.id]
+
+
+async def test_a_short_sequence_the_scheduler_refuses_is_the_callers_error(rig: Rig) -> None:
+    (fake,) = rig.fakes[:1]
+    fake.abort_finish = {"type": "abort", "message": "Input length (3 tokens) exceeds the maximum allowed length",
+                         "status_code": 400, "err_type": "BadRequestError"}
+    (a,) = register_active(rig.registry, rig.fakes[:1])
+    with pytest.raises(GenerationFailed) as info:
+        await generate_one(short_rig(rig), body(8))
+    assert info.value.status == 400 and "exceeds the maximum allowed length" in str(info.value)
+    assert rig.health.failures == [] and a.consecutive_failures == 0 and len(fake.requests) == 1

@@ -22,7 +22,13 @@ from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.sglang import wire
-from rollout_manager.sglang.client import EngineFailed, EngineRejected, SGLangClient, stream_generate
+from rollout_manager.sglang.client import (
+    EngineFailed,
+    EngineRejected,
+    SGLangClient,
+    generate_once,
+    stream_generate,
+)
 
 log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
@@ -297,9 +303,13 @@ class Generator:
                        on_tokens: Callable[[SequenceState], None] | None = None) -> None:
         """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable."""
         rid = seq.rid if attempt == 0 else f"{seq.rid}~{attempt}"
-        body = wire.continuation_body(seq.body, seq.output_ids, rid=rid,
-                                      stream_interval=self.settings.engine_stream_interval or None,
-                                      keep_caller_interval=on_tokens is not None)
+        interval = self.settings.engine_stream_interval
+        # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
+        # A failure then loses no more than a stream at that interval would (<= interval tokens).
+        once = on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
+        body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
+                                      keep_caller_interval=on_tokens is not None, stream=not once)
+        engine_call = generate_once if once else stream_generate
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         progress = wire.SequenceProgress(seq.output_ids, seq.logprobs)
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
@@ -307,7 +317,7 @@ class Generator:
         reserved = seq.reserve
 
         async def consume() -> None:
-            async for chunk in stream_generate(
+            async for chunk in engine_call(
                 self.client.session, inst.url, body,
                 connect_timeout_s=self.settings.connect_timeout_s,
                 stall_timeout_s=self.settings.stall_timeout_s,

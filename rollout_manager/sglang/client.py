@@ -131,6 +131,36 @@ def transport_failure(exc: BaseException) -> str:
     return raw
 
 
+async def _post_generate(session: aiohttp.ClientSession, url: str, data: bytes, timeout: aiohttp.ClientTimeout,
+                         limits: LocalLimits) -> aiohttp.ClientResponse:
+    """POST ``/generate``. When the manager itself cannot connect (its own descriptor or memory
+    limits), nothing was sent: wait and try again, without blaming the instance."""
+    attempt = 0
+    while True:
+        try:
+            return await session.post(url, data=data, timeout=timeout, headers=JSON_HEADERS)
+        except (aiohttp.ClientError, OSError) as exc:
+            local = local_resource_error(exc)
+            if local is None:
+                raise
+            await limits.wait_after(local, attempt)
+            attempt += 1
+
+
+async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
+    """A 4xx is the caller's (SGLang refused the request), a 5xx the instance's."""
+    if resp.status < 400:
+        return
+    text = (await resp.text())[:2000]
+    try:
+        error: Any = jsonutil.loads(text)
+    except ValueError:
+        error = text
+    if resp.status < 500:
+        raise EngineRejected(resp.status, error)
+    raise EngineFailed(f"HTTP {resp.status}: {text[:200]}")
+
+
 async def stream_generate(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -149,31 +179,11 @@ async def stream_generate(
     """
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
     decoder = wire.SSEDecoder(skip_seen=True)  # one sequence per stream: cumulative chunks parse their news only
-    data = jsonutil.dumps(body)
-    limits = limits or LocalLimits()
     try:
-        attempt = 0
-        while True:
-            try:
-                resp = await session.post(base_url + wire.GENERATE, data=data, timeout=timeout,
-                                          headers=JSON_HEADERS)
-                break
-            except (aiohttp.ClientError, OSError) as exc:
-                local = local_resource_error(exc)
-                if local is None:
-                    raise
-                await limits.wait_after(local, attempt)
-                attempt += 1
+        resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
+                                    limits or LocalLimits())
         async with resp:
-            if resp.status >= 400:
-                text = (await resp.text())[:2000]
-                try:
-                    error: Any = jsonutil.loads(text)
-                except ValueError:
-                    error = text
-                if resp.status < 500:
-                    raise EngineRejected(resp.status, error)
-                raise EngineFailed(f"HTTP {resp.status}: {text[:200]}")
+            await _raise_for_status(resp)
             async for data in resp.content.iter_any():
                 try:
                     chunks = decoder.feed(data)
@@ -191,3 +201,40 @@ async def stream_generate(
         raise EngineFailed(transport_failure(exc)) from None
     if not decoder.done:
         raise EngineFailed("stream ended without [DONE]")
+
+
+async def generate_once(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: dict[str, Any],
+    *,
+    connect_timeout_s: float,
+    stall_timeout_s: float,
+    limits: LocalLimits | None = None,
+) -> AsyncIterator[dict[str, Any]]:
+    """POST a non-streaming ``/generate`` and yield its one answer, like a stream of one final chunk.
+
+    For short sequences: one answer costs both ends far less than a stream, and what a failure loses
+    (every token of the request) is no more than a stream at the manager's chunk interval loses.
+    SGLang answers a request its scheduler refuses with the abort's status (400 ``{"error": ...}``),
+    not with a 200 carrying the abort, so the caller's errors still come back as EngineRejected.
+    ``stall_timeout_s`` bounds the whole wait for the answer.
+    """
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
+    try:
+        resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
+                                    limits or LocalLimits())
+        async with resp:
+            await _raise_for_status(resp)
+            raw = await resp.read()
+    except asyncio.TimeoutError:
+        raise EngineFailed(f"no answer for {stall_timeout_s:g}s (stalled)") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise EngineFailed(transport_failure(exc)) from None
+    try:
+        answer = jsonutil.loads(raw)
+    except ValueError as exc:
+        raise EngineFailed(f"undecodable answer: {exc}") from None
+    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+        raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
+    yield answer

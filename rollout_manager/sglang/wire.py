@@ -584,7 +584,7 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def continuation_body(
     body: dict[str, Any], made: list[int], *, rid: str, stream_interval: int | None = None,
-    keep_caller_interval: bool = False,
+    keep_caller_interval: bool = False, stream: bool = True,
 ) -> dict[str, Any]:
     """The body that continues a single sequence elsewhere from the tokens already made.
 
@@ -596,7 +596,8 @@ def continuation_body(
     ``stream_interval`` (when given) becomes ``sampling_params.stream_interval``, which SGLang 0.5.23
     uses before its server-wide ``--stream-interval``: the engine then sends a chunk every that many
     tokens, so the manager parses that many times fewer frames. ``keep_caller_interval`` leaves a
-    caller's own value in place (a streaming caller chose how often it wants chunks).
+    caller's own value in place (a streaming caller chose how often it wants chunks). With
+    ``stream=False`` the engine answers once, at the end (no interval is set).
     """
     new = dict(body)
     new["input_ids"] = list(body["input_ids"]) + list(made)
@@ -606,10 +607,11 @@ def continuation_body(
         params["max_new_tokens"] = max(int(budget) - len(made), 0)
     if "min_new_tokens" in params:
         params["min_new_tokens"] = max(int(params["min_new_tokens"] or 0) - len(made), 0)
-    if stream_interval is not None and not (keep_caller_interval and params.get("stream_interval") is not None):
+    if stream and stream_interval is not None and not (
+            keep_caller_interval and params.get("stream_interval") is not None):
         params["stream_interval"] = int(stream_interval)
     new["sampling_params"] = params
-    new["stream"] = True
+    new["stream"] = stream
     new["rid"] = rid
     return new
 
