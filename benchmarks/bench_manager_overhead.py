@@ -1,7 +1,8 @@
-"""Manager overhead: the same streaming requests sent directly, through the manager, and through sglang-router.
+"""Manager overhead: the same short requests sent directly, through the manager, and through sglang-router.
 
-Two fake backends answer at once (benchmarks/fake_sglang.py: 8 streamed chunks per request), so what is
-measured is the cost of the layer in front of them. Everything runs on this machine over 127.0.0.1, in one
+Two fake backends answer at once (benchmarks/fake_sglang.py: 8 tokens per request), so what is
+measured is the cost of the layer in front of them. Callers ask non-streaming ``/generate`` (what a
+trainer sends; ``--stream`` for streaming callers). Everything runs on this machine over 127.0.0.1, in one
 run, so the ratios are comparable. Prints requests/s and p50/p99 latency per path, and manager / router.
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --requests 4000 --concurrency 64
@@ -122,6 +123,7 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
     parser.add_argument("--no-router", action="store_true", help="skip sglang-router (not installed)")
+    parser.add_argument("--stream", action="store_true", help="streaming callers (default: non-streaming)")
     args = parser.parse_args()
     logs = Path(os.environ.get("BENCH_LOGS", "/tmp/bench-manager-overhead"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -139,9 +141,9 @@ async def main() -> None:
         if router:
             await wait_ok(router + "/health", timeout=120)
 
-        paths = [("direct (client round-robin)", backends, True), ("rollout-manager", [manager], True)]
+        paths = [("direct (client round-robin)", backends, args.stream), ("rollout-manager", [manager], args.stream)]
         if router:
-            paths.append(("sglang-router 0.3.2 round_robin", [router], True))
+            paths.append(("sglang-router 0.3.2 round_robin", [router], args.stream))
         for _, urls, stream in paths:  # warm-up: connections, caches, rate meters
             await load(urls, 400, args.concurrency, stream)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in paths}
@@ -149,7 +151,8 @@ async def main() -> None:
             for name, urls, stream in paths:
                 runs[name].append(await load(urls, args.requests, args.concurrency, stream))
         results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-        print(f"\n{args.requests} streaming requests (8 chunks each), {args.concurrency} concurrent, "
+        print(f"\n{args.requests} {'streaming' if args.stream else 'non-streaming'} requests of 8 tokens, "
+              f"{args.concurrency} concurrent, "
               f"2 instant fake backends, {os.cpu_count()} cores, median of {args.rounds} interleaved rounds\n")
         print("| path | req/s | p50 ms | p99 ms |")
         print("| --- | ---: | ---: | ---: |")
