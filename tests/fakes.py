@@ -300,18 +300,18 @@ class FakeAgents(AgentClient):
         """Receiver URLs that committed a version, in order."""
         return [url for name, url, _ in self.calls if name == "commit"]
 
-    async def layout(self, sender_url: str, sender: int) -> LayoutAnswer:
+    async def layout(self, sender_url: str, sender: int, delta_base: int | None = None) -> LayoutAnswer:
         self.calls.append(("layout", sender_url, None))
         if self.sender_down:
             raise SenderUnavailable(f"sender {sender} at {sender_url}: connection refused (fake)")
         return LayoutAnswer(version=self.staged, layout=self.LAYOUT, fingerprint="fake")
 
     async def prepare(self, receiver_url: str, req: PrepareRequest) -> PrepareAnswer:
-        self.calls.append(("prepare", receiver_url, req.model_dump()))
+        self.calls.append(("prepare", receiver_url, req.model_dump(exclude_none=True)))
         return PrepareAnswer(session_ids=["fake-session"], buffer_addr=0, buffer_bytes=0, fingerprint="fake")
 
     async def push(self, sender_url: str, sender: int, req: PushRequest) -> PushAnswer:
-        self.calls.append(("push", sender_url, req.model_dump()))
+        self.calls.append(("push", sender_url, req.model_dump(exclude_none=True)))
         if self.hold is not None:
             await self.hold.wait()
         if self.fail_pushes > 0:
@@ -321,7 +321,7 @@ class FakeAgents(AgentClient):
                           fingerprint="fake")
 
     async def commit(self, receiver_url: str, req: CommitRequest) -> CommitAnswer:
-        self.calls.append(("commit", receiver_url, req.model_dump()))
+        self.calls.append(("commit", receiver_url, req.model_dump(exclude_none=True)))
         return CommitAnswer(ok=True, version=req.version, verify_s=0.0, load_s=0.0, buckets=0)
 
 

@@ -27,9 +27,10 @@ from rollout_manager.weights.protocol import (
 class PushFailed(Exception):
     """The push to one instance failed; counts towards that instance's attempts."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, bad_shards: list[int] | None = None):
         super().__init__(message)
         self.status = status
+        self.bad_shards = bad_shards  # a commit refused for these shards' checksums (a repair can fix them)
 
 
 class SenderUnavailable(PushFailed):
@@ -43,9 +44,11 @@ class AgentClient:
         self.headers = {"Authorization": f"Bearer {token}"} if token else None  # the manager's own token
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def layout(self, sender_url: str, sender: int) -> LayoutAnswer:
+    async def layout(self, sender_url: str, sender: int, delta_base: int | None = None) -> LayoutAnswer:
+        """The staged layout; with ``delta_base``, also the sender's delta offer from that version."""
+        query = "" if delta_base is None else f"?delta_base={delta_base}"
         try:
-            return await self._call("GET", sender_url + "/layout", None, LayoutAnswer)
+            return await self._call("GET", sender_url + "/layout" + query, None, LayoutAnswer)
         except (PushFailed, aiohttp.ClientConnectionError) as exc:
             raise SenderUnavailable(f"sender {sender} at {sender_url}: {exc}") from None
 
@@ -67,7 +70,7 @@ class AgentClient:
 
     async def _call(self, method: str, url: str, req: BaseModel | None, answer: type[Body]) -> Body:
         """One call; a refusal (non-200) or an answer that does not fit ``answer`` is :class:`PushFailed`."""
-        body = None if req is None else req.model_dump()
+        body = None if req is None else req.model_dump(exclude_none=True)  # unused delta fields stay out
         async with self.session.request(method, url, json=body, timeout=self.timeout, headers=self.headers) as resp:
             text = await resp.text()
             if resp.status != 200:
@@ -76,7 +79,10 @@ class AgentClient:
                 except ValueError:
                     data = {"error": text[:300]}
                 error = data.get("error", data) if isinstance(data, dict) else data
-                raise PushFailed(f"{method} {url} -> HTTP {resp.status}: {error}", resp.status)
+                bad = data.get("bad_shards") if isinstance(data, dict) else None
+                bad_shards = [int(i) for i in bad] if isinstance(bad, list) and all(
+                    isinstance(i, int) for i in bad) else None
+                raise PushFailed(f"{method} {url} -> HTTP {resp.status}: {error}", resp.status, bad_shards)
             try:
                 return parse_body(text, answer)
             except BadBody as exc:

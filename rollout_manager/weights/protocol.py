@@ -11,6 +11,9 @@ must not import torch (nor the byte layer that does).
 - receiver ``POST /commit`` :class:`CommitRequest` -> :class:`CommitAnswer`
 - any refusal -> :class:`ErrorAnswer` with a 4xx/5xx status
 
+Delta pushes (:mod:`rollout_manager.weights.delta`) add optional fields, None when unused, which the
+manager leaves out of the bodies it sends: a full push's bodies are what they were before deltas.
+
 Numbers and strings are strict (``"1"`` is not a version, ``true`` is not a count): every sender of
 these bodies is our own code, so a loose value is a bug worth a 400 rather than a guess.
 """
@@ -26,6 +29,8 @@ from rollout_manager.validation import describe_validation_error
 
 TransportName = Literal["mooncake", "tcp"]  # as config.weight_transport
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+PushMode = Literal["auto", "full", "delta"]  # as config.weight_push_mode
+PUSH_MODES: tuple[str, ...] = get_args(PushMode)
 
 NonNegInt = Annotated[int, Field(strict=True, ge=0)]
 PosInt = Annotated[int, Field(strict=True, ge=1)]
@@ -84,13 +89,22 @@ class LayoutBody(BaseModel):
 # ---------------------------------------------------------------- sender
 
 
+class DeltaOffer(_Answer):
+    """The sender can send the staged version as a delta of ``bytes`` bytes from ``base_version``."""
+
+    base_version: Version
+    bytes: NonNegInt
+
+
 class LayoutAnswer(_Answer):
     """``GET /layout``: what the sender has staged. ``version`` is None while a restage is writing
-    the buffer (the layout is then the previous one)."""
+    the buffer (the layout is then the previous one). ``GET /layout?delta_base=V`` adds ``delta`` when
+    the sender still holds version V of the same layout (it encodes the delta then, once per version)."""
 
     version: Version | None
     layout: LayoutBody
     fingerprint: NonEmptyText
+    delta: DeltaOffer | None = None
 
 
 class PushRequest(_Request):
@@ -102,6 +116,19 @@ class PushRequest(_Request):
     session_ids: Annotated[list[NonEmptyText], Field(min_length=1)]
     buffer_addr: NonNegInt
     transport: TransportName = "mooncake"
+    # A delta push: write the delta from ``delta_base`` to the receiver's ``delta_addr`` instead.
+    delta_base: Version | None = None
+    delta_addr: NonNegInt | None = None
+    # A repair: write only these shards (indices into the push's shards), in full.
+    only_shards: list[NonNegInt] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PushRequest:
+        if (self.delta_base is None) != (self.delta_addr is None):
+            raise ValueError("delta_base and delta_addr go together")
+        if self.delta_base is not None and self.only_shards is not None:
+            raise ValueError("a push is a delta or a shard repair, not both")
+        return self
 
 
 class PushAnswer(_Answer):
@@ -114,6 +141,7 @@ class PushAnswer(_Answer):
     shards: list[Shard]
     checksums: list[NonEmptyText]
     fingerprint: NonEmptyText
+    delta_base: Version | None = None  # set when a delta was sent (``bytes`` is then its size)
 
     @model_validator(mode="after")
     def _paired(self) -> PushAnswer:
@@ -130,15 +158,30 @@ class PrepareRequest(_Request):
     version: Version
     layout: LayoutBody
     transport: TransportName = "mooncake"
+    # The sender offers a delta of ``delta_bytes`` from ``delta_base``: take it if the buffer holds that.
+    delta_base: Version | None = None
+    delta_bytes: NonNegInt | None = None
+
+    @model_validator(mode="after")
+    def _paired(self) -> PrepareRequest:
+        if (self.delta_base is None) != (self.delta_bytes is None):
+            raise ValueError("delta_base and delta_bytes go together")
+        return self
 
 
 class PrepareAnswer(_Answer):
-    """Where the sender writes: the receiver's session ids (one per engine) and buffer address."""
+    """Where the sender writes: the receiver's session ids (one per engine) and buffer address.
+
+    ``held_version``: the version the buffer holds, verified, for this layout (None: none, or it is about
+    to be overwritten). ``delta_addr``: set when the offered delta was taken (the buffer holds its base):
+    the sender writes the delta there."""
 
     session_ids: Annotated[list[NonEmptyText], Field(min_length=1)]
     buffer_addr: NonNegInt
     buffer_bytes: NonNegInt
     fingerprint: NonEmptyText
+    held_version: Version | None = None
+    delta_addr: NonNegInt | None = None
 
 
 class CommitRequest(_Request):
@@ -148,10 +191,15 @@ class CommitRequest(_Request):
     fingerprint: NonEmptyText
     shards: list[Shard]
     checksums: list[NonEmptyText]
+    # A delta of ``delta_bytes`` from ``delta_base`` landed at the prepared ``delta_addr``: apply it first.
+    delta_base: Version | None = None
+    delta_bytes: NonNegInt | None = None
 
     @model_validator(mode="after")
     def _paired(self) -> CommitRequest:
         _check_checksums(self.shards, self.checksums)
+        if (self.delta_base is None) != (self.delta_bytes is None):
+            raise ValueError("delta_base and delta_bytes go together")
         return self
 
 
@@ -163,12 +211,15 @@ class CommitAnswer(_Answer):
     verify_s: NonNegFloat
     load_s: NonNegFloat
     buckets: NonNegInt
+    reloaded: NonNegInt | None = None  # tensors loaded into SGLang (only the changed ones after a delta)
+    apply_s: NonNegFloat | None = None  # decoding and applying a delta
 
 
 class ErrorAnswer(_Answer):
     """Any refusal or failure, with the HTTP status saying whose it is (see the agents)."""
 
     error: Text
+    bad_shards: list[NonNegInt] | None = None  # a commit whose bytes did not verify: which shards
 
 
 # ---------------------------------------------------------------- parsing

@@ -53,12 +53,13 @@ def push_buffer(engines: Transport | Sequence[Transport], src_addr: int, total: 
                 target_session: str | Sequence[str], dst_addr: int, num_shards: int, *,
                 align: int = 256, checksums: Sequence[str] | None = None, compute_checksums: bool = True,
                 algorithm: str | None = None, mode: str | None = None,
-                timeout_s: float | None = None) -> PushResult:
+                timeout_s: float | None = None, only: Sequence[int] | None = None) -> PushResult:
     """Write ``[src_addr, src_addr + total)`` to ``[dst_addr, dst_addr + total)`` at the target.
 
     ``checksums``: precomputed per-shard checksums to hand back as they are (skips hashing).
     ``compute_checksums=False`` skips them altogether. ``mode`` is passed to ``write_many``
-    (Mooncake: "poll", "batch", "async_batch"). Raises ``TransferError`` on the first failed shard,
+    (Mooncake: "poll", "batch", "async_batch"). ``only``: write just these shards (a repair); the
+    checksums and shards returned are still those of every shard. Raises ``TransferError`` on the first failed shard,
     after every engine's in-flight writes have finished.
     """
     shards = split_shards(total, num_shards, align)
@@ -78,7 +79,14 @@ def push_buffer(engines: Transport | Sequence[Transport], src_addr: int, total: 
 
     # Shard i goes through engine i % E to target i % T; group the work per (engine, target).
     plan: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    chosen = set(range(len(shards)) if only is None else only)
+    if not chosen <= set(range(len(shards))):
+        raise ValueError(f"shards {sorted(chosen)} asked for, the push has {len(shards)}")
+    sent = 0
     for i, (off, length) in enumerate(shards):
+        if i not in chosen:
+            continue
+        sent += length
         key = (i % len(engine_list), i % len(targets))
         plan.setdefault(key, []).append((src_addr + off, dst_addr + off, length))
     kwargs: dict[str, Any] = {}
@@ -95,5 +103,5 @@ def push_buffer(engines: Transport | Sequence[Transport], src_addr: int, total: 
         run_in_threads([functools.partial(engine_list[e].write_many, targets[t], items, **kwargs)
                         for (e, t), items in plan.items()], name="push")
     seconds = time.perf_counter() - t0
-    return PushResult(bytes=total, seconds=seconds, checksums=sums, shards=shards,
+    return PushResult(bytes=sent, seconds=seconds, checksums=sums, shards=shards,
                       checksum_seconds=checksum_seconds)

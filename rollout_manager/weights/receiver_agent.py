@@ -13,6 +13,13 @@ The manager drives it over HTTP (it is one brain; this agent only moves and chec
   is refused with 422 and never loaded; a data-parallel server (``dp_size > 1``) with 409.
 - ``GET /health``, ``GET /info``.
 
+Deltas: the buffer keeps the last verified version. When ``/prepare`` offers a delta from exactly that
+version (same layout), the agent answers a registered landing area (``delta_addr``) and keeps the
+buffer; ``/commit`` then applies the delta there, verifies the result against the checksums of the
+full new bytes (a mismatch: 422 naming the bad shards, which the manager rewrites in full), and reloads
+only the tensors whose bytes changed since the last load. Any other ``/prepare`` means a full push:
+the buffer's version is forgotten and the next load reloads every tensor.
+
 SGLang is never patched: the same HTTP endpoints serve real SGLang and the CPU engine.
 """
 
@@ -34,6 +41,7 @@ import torch
 from aiohttp import web
 
 from rollout_manager.sglang import wire
+from rollout_manager.weights import delta
 from rollout_manager.weights.agent_auth import token_middleware
 from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
 from rollout_manager.weights.mooncake_engine import MooncakeEngine
@@ -46,7 +54,7 @@ from rollout_manager.weights.protocol import (
     TransportName,
     parse_body,
 )
-from rollout_manager.weights.shards import verify_shards
+from rollout_manager.weights.shards import Shard, verify_shards
 from rollout_manager.weights.tcp_transport import TcpEngine
 from rollout_manager.weights.transport import Transport
 
@@ -58,7 +66,8 @@ AGENT: web.AppKey[ReceiverAgent] = web.AppKey("agent", object)  # type: ignore[a
 class ReceiverAgent:
     def __init__(self, host: str, sglang_url: str, *, protocol: str = "tcp", device_name: str = "",
                  num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
-                 fault_corrupt: bool = False, fault_die_after_prepare: bool = False):
+                 fault_corrupt: bool = False, fault_die_after_prepare: bool = False,
+                 fault_corrupt_delta: bool = False):
         self.host = host
         self.sglang_url = sglang_url.rstrip("/")
         # The Mooncake engines (one session id each, all sharing the buffer); engines[0] does the handshake.
@@ -70,10 +79,15 @@ class ReceiverAgent:
         self.buffer: HostBuffer | None = None
         self.layout: WeightLayout | None = None
         self.version: int | None = None  # last version loaded into SGLang
+        self.held: tuple[int, str] | None = None  # (version, layout fingerprint) the buffer holds, verified
+        self.dirty: set[str] | None = None  # tensors whose bytes may differ from SGLang's (None: all)
+        self.delta_buffer: HostBuffer | None = None  # where the sender writes a delta
+        self.reloaded = 0  # tensors the last load sent to SGLang
         self.busy = asyncio.Lock()
         # Test faults: flip a byte of what landed before verifying; exit once the sender may write.
         self.fault_corrupt = fault_corrupt
         self.fault_die_after_prepare = fault_die_after_prepare
+        self.fault_corrupt_delta = fault_corrupt_delta  # flip a byte of every delta before applying it
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -102,11 +116,17 @@ class ReceiverAgent:
             "weight_version": self.version,
             "buffer_bytes": self.buffer.nbytes if self.buffer else 0,
             "layout_fingerprint": self.layout.fingerprint() if self.layout else None,
+            "buffer_version": self.held[0] if self.held else None,  # verified bytes of that layout
         }
 
     # ------------------------------------------------------------ prepare
-    def prepare(self, layout: WeightLayout, transport: TransportName = "mooncake") -> PrepareAnswer:
-        """A registered buffer for ``layout``; reallocated only when it no longer fits."""
+    def prepare(self, layout: WeightLayout, transport: TransportName = "mooncake", delta_base: int | None = None,
+                delta_bytes: int | None = None) -> PrepareAnswer:
+        """A registered buffer for ``layout``; reallocated only when it no longer fits. A delta offer from
+        the version the buffer holds is taken (a landing area for it is answered); otherwise the buffer is
+        about to be overwritten, so what it held is forgotten."""
+        fingerprint = layout.fingerprint()
+        held = self.held[0] if self.held and self.held[1] == fingerprint else None
         if transport == "tcp" and self.tcp is None:
             self.tcp = TcpEngine(self.host).start()
             if self.buffer is not None:
@@ -119,33 +139,97 @@ class ReceiverAgent:
             for engine in self._all_engines():
                 engine.register(self.buffer.addr, max(self.buffer.nbytes, 1))
             log.info("receive buffer of %d bytes registered at 0x%x", self.buffer.nbytes, self.buffer.addr)
+            held = None
         self.layout = layout
+        delta_addr = None
+        if delta_base is not None and delta_bytes is not None and held == delta_base:
+            delta_addr = self._delta_area(delta_bytes).addr
+        else:  # a full push follows: neither the buffer's version nor what changed in it is known any more
+            self.held, self.dirty = None, None
         sessions = [self.tcp.session_id] if transport == "tcp" and self.tcp else self.session_ids
         return PrepareAnswer(session_ids=sessions, buffer_addr=self.buffer.addr, buffer_bytes=self.buffer.nbytes,
-                             fingerprint=layout.fingerprint())
+                             fingerprint=fingerprint, held_version=held, delta_addr=delta_addr)
+
+    def _delta_area(self, nbytes: int) -> HostBuffer:
+        """The registered landing area for deltas, grown (with headroom) when one does not fit."""
+        if self.delta_buffer is None or self.delta_buffer.nbytes < nbytes:
+            if self.delta_buffer is not None:
+                for engine in self._all_engines():
+                    engine.unregister(self.delta_buffer.addr)
+            self.delta_buffer = HostBuffer(nbytes + (nbytes >> 2) + 4096)
+            for engine in self._all_engines():
+                engine.register(self.delta_buffer.addr, self.delta_buffer.nbytes)
+        return self.delta_buffer
+
+    def _touched(self, layout: WeightLayout, applied: delta.Applied, ranges: Sequence[Shard] = ()) -> set[str]:
+        specs = layout.specs
+        hit = delta.touched_tensors([s.offset for s in specs], [s.offset + s.nbytes for s in specs], applied,
+                                    [(off, off + length) for off, length in ranges])
+        return {specs[i].name for i in hit}
+
+    def _apply_delta(self, req: CommitRequest, layout: WeightLayout) -> float:
+        """Apply the delta that landed; the bytes it may have changed join ``dirty``. Returns seconds."""
+        assert self.buffer is not None and req.delta_base is not None and req.delta_bytes is not None
+        fingerprint = layout.fingerprint()
+        area = self.delta_buffer
+        if self.held != (req.delta_base, fingerprint) or area is None or req.delta_bytes > area.nbytes:
+            raise CommitRefused(409, f"no delta from version {req.delta_base} was prepared here; call /prepare first")
+        self.held = None  # the buffer is being rewritten
+        blob = area.array[: req.delta_bytes]
+        if self.fault_corrupt_delta and req.delta_bytes:
+            blob[-1] ^= 0xFF
+        t0 = time.perf_counter()
+        try:
+            applied = delta.apply(memoryview(blob), self.buffer.array, fingerprint=fingerprint,  # type: ignore[arg-type]
+                                  base_version=req.delta_base)
+        except delta.DeltaError as exc:  # nothing was changed; the checksums will say whether that is wrong
+            log.warning("delta for version %d not applied: %s", req.version, exc)
+            applied = delta.Applied()
+        if applied.failed_blocks:
+            log.warning("delta for version %d: blocks %s did not decode", req.version, applied.failed_blocks)
+        if self.dirty is not None:
+            self.dirty |= self._touched(layout, applied)
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------ commit
     async def commit(self, req: CommitRequest) -> CommitAnswer:
         if self.buffer is None or self.layout is None or self.layout.fingerprint() != req.fingerprint:
             raise CommitRefused(409, "no prepared buffer for this layout; call /prepare first")
-        if self.fault_corrupt and self.layout.total_bytes:
-            self.buffer.array[self.layout.total_bytes // 2] ^= 0xFF
+        layout = self.layout
+        apply_s = None
+        if req.delta_base is not None:
+            apply_s = round(await asyncio.to_thread(self._apply_delta, req, layout), 6)
+        else:
+            self.held = None
+        if self.fault_corrupt and layout.total_bytes:
+            self.buffer.array[layout.total_bytes // 2] ^= 0xFF
         t0 = time.perf_counter()
         bad = await asyncio.to_thread(verify_shards, self.buffer.array, list(req.shards), list(req.checksums))
         verify_s = time.perf_counter() - t0
         if bad:
-            raise CommitRefused(422, f"checksum mismatch in shard(s) {bad}; nothing loaded")
+            if self.dirty is not None:  # the repair rewrites these shards: their tensors reload too
+                self.dirty |= self._touched(layout, delta.Applied(), [req.shards[i] for i in bad])
+            raise CommitRefused(422, f"checksum mismatch in shard(s) {bad}; nothing loaded", bad_shards=bad)
+        self.held = (req.version, layout.fingerprint())
         t1 = time.perf_counter()
-        buckets = await self._load(req.version)
-        self.version = req.version
+        names = None if self.dirty is None or self.version is None else set(self.dirty)
+        buckets = await self._load(req.version, names)
+        self.version, self.dirty = req.version, set()
         return CommitAnswer(ok=True, version=req.version, verify_s=round(verify_s, 6),
-                            load_s=round(time.perf_counter() - t1, 6), buckets=buckets)
+                            load_s=round(time.perf_counter() - t1, 6), buckets=buckets, reloaded=self.reloaded,
+                            apply_s=apply_s)
 
-    async def _load(self, version: int) -> int:
-        """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``; the session, where the
-        server has them, is closed whatever happens, since SGLang refuses a second begin while one is open."""
+    async def _load(self, version: int, names: set[str] | None = None) -> int:
+        """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``, for the tensors in ``names``
+        (None: all; none: the smallest one, which still carries the new ``weight_version``); the session,
+        where the server has them, is closed whatever happens, since SGLang refuses a second begin while
+        one is open. Returns the buckets; ``reloaded`` says how many tensors went."""
         assert self.buffer is not None and self.layout is not None and self.session is not None
         named = unpack(self.buffer, self.layout)
+        if names is not None:
+            chosen = [(n, t) for n, t in named if n in names]
+            named = chosen or ([min(named, key=lambda item: item[1].nbytes)] if named else [])
+        self.reloaded = len(named)
         cuda = torch.cuda.is_available()
         buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
         size = 0
@@ -260,9 +344,10 @@ async def _answer(r: aiohttp.ClientResponse) -> dict[str, Any]:
 
 
 class CommitRefused(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, bad_shards: list[int] | None = None):
         super().__init__(message)
         self.status = status
+        self.bad_shards = bad_shards
 
 
 # ---------------------------------------------------------------- HTTP
@@ -283,7 +368,7 @@ async def handle_prepare(request: web.Request) -> web.Response:
     except (KeyError, TypeError, ValueError) as exc:
         return bad_body("prepare", f"field 'layout': {exc}")
     async with agent.busy:
-        answer = await asyncio.to_thread(agent.prepare, layout, req.transport)
+        answer = await asyncio.to_thread(agent.prepare, layout, req.transport, req.delta_base, req.delta_bytes)
     if agent.fault_die_after_prepare:
         asyncio.get_running_loop().call_later(0.05, os._exit, 1)
     return web.json_response(answer.model_dump())
@@ -300,7 +385,10 @@ async def handle_commit(request: web.Request) -> web.Response:
             result = await agent.commit(req)
         except CommitRefused as exc:
             log.warning("commit of version %d refused: %s", req.version, exc)
-            return web.json_response({"error": str(exc)}, status=exc.status)
+            body: dict[str, Any] = {"error": str(exc)}
+            if exc.bad_shards is not None:
+                body["bad_shards"] = exc.bad_shards
+            return web.json_response(body, status=exc.status)
     log.info("version %d loaded into SGLang (verify %.3fs, load %.3fs)", req.version, result.verify_s,
              result.load_s)
     return web.json_response(result.model_dump())
@@ -355,11 +443,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--fault-corrupt", action="store_true", help="test: corrupt every transfer")
     parser.add_argument("--fault-die-after-prepare", action="store_true", help="test: exit mid-transfer")
+    parser.add_argument("--fault-corrupt-delta", action="store_true", help="test: corrupt every delta that lands")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = ReceiverAgent(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
                           num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
-                          fault_corrupt=args.fault_corrupt, fault_die_after_prepare=args.fault_die_after_prepare)
+                          fault_corrupt=args.fault_corrupt, fault_die_after_prepare=args.fault_die_after_prepare,
+                          fault_corrupt_delta=args.fault_corrupt_delta)
     asyncio.run(serve(agent, args.bind or args.host, args.port))
     return 0
 

@@ -8,6 +8,11 @@ the receiver verify and load. Only then is the instance ``active`` again, at the
 push is retried; after ``weight_push_max_attempts`` the instance is removed. Instances never wait on
 each other. A sender that is down or has not staged the version is not the instance's fault: the
 instance waits, out of service, until it is back.
+
+With ``weight_push_mode`` "delta" or "auto", an instance one version behind, whose receiver still holds
+that version's bytes, gets only what changed (:mod:`rollout_manager.weights.delta`); any other gets the
+full bytes. A delta whose result does not match the full version's checksums is repaired at once by
+rewriting the failing shards in full, then verified again; nothing unverified is ever loaded.
 """
 
 from __future__ import annotations
@@ -29,11 +34,21 @@ from rollout_manager.notify import Signal, bounded
 from rollout_manager.osutil import format_endpoint
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.groups import Group, SenderPlan
-from rollout_manager.weights.protocol import CommitRequest, PrepareRequest, PushRequest, TransportName
+from rollout_manager.weights.protocol import (
+    CommitRequest,
+    PrepareRequest,
+    PushAnswer,
+    PushMode,
+    PushRequest,
+    TransportName,
+)
 
 log = logging.getLogger("rollout_manager.weights.sync")
 
 PushListener = Callable[[dict[str, Any]], None]
+# "auto" sends a delta only when it is at most 1/this of the full bytes (larger ones save too little
+# wire time to pay for encoding and applying them); "delta" sends any delta the sender has.
+AUTO_DELTA_MAX_RATIO = 2
 
 
 @dataclass(frozen=True)
@@ -43,11 +58,15 @@ class SyncSettings:
     push_timeout_s: float
     retry_s: float
     max_attempts: int
+    push_mode: PushMode = "full"
 
     @classmethod
     def from_config(cls, cfg: Config) -> SyncSettings:
+        mode = cfg.weight_push_mode
+        if mode == "auto" and cfg.weight_transport == "mooncake" and cfg.mooncake_transfer_protocol == "rdma":
+            mode = "full"  # RDMA moves the full bytes faster than a delta is encoded and applied
         return cls(cfg.weight_transport, cfg.drain_timeout_s, cfg.weight_push_timeout_s, cfg.weight_push_retry_s,
-                   cfg.weight_push_max_attempts)
+                   cfg.weight_push_max_attempts, mode)
 
 
 class WeightSync:
@@ -209,18 +228,47 @@ class WeightSync:
         sender_url = self.senders.sender_url(group.sender)
         receiver_url = f"http://{format_endpoint(inst.host, inst.weight_receiver_port)}"
         transport = self.settings.transport
+        mode = self.settings.push_mode
         t0 = time.monotonic()
-        layout = await self.agents.layout(sender_url, group.sender)
+        base = inst.weight_version if mode != "full" and inst.weight_version < version else None
+        layout = await (self.agents.layout(sender_url, group.sender) if base is None else
+                        self.agents.layout(sender_url, group.sender, delta_base=base))
         if layout.version != version:  # None: the sender is restaging right now
             raise SenderUnavailable(f"sender {group.sender} has version {layout.version} staged, not {version}")
-        prep = await self.agents.prepare(receiver_url, PrepareRequest(version=version, layout=layout.layout,
-                                                                      transport=transport))
-        push = await self.agents.push(sender_url, group.sender, PushRequest(
-            version=version, ip=group.ip, num_engines=self.senders.engines_per_group, transport=transport,
-            session_ids=prep.session_ids, buffer_addr=prep.buffer_addr))
-        commit = await self.agents.commit(receiver_url, CommitRequest(
-            version=version, fingerprint=push.fingerprint, shards=push.shards, checksums=push.checksums))
+        offer = layout.delta if layout.delta is not None and layout.delta.base_version == base else None
+        if offer is not None and mode == "auto" and offer.bytes * AUTO_DELTA_MAX_RATIO > layout.layout.total_bytes:
+            offer = None  # a delta this large saves too little to pay for decoding it
+        prep = await self.agents.prepare(receiver_url, PrepareRequest(
+            version=version, layout=layout.layout, transport=transport,
+            delta_base=None if offer is None else offer.base_version,
+            delta_bytes=None if offer is None else offer.bytes))
+        use_delta = offer is not None and prep.delta_addr is not None
+        request = PushRequest(version=version, ip=group.ip, num_engines=self.senders.engines_per_group,
+                              transport=transport, session_ids=prep.session_ids, buffer_addr=prep.buffer_addr)
+        if offer is not None and use_delta:
+            request = request.model_copy(update={"delta_base": offer.base_version, "delta_addr": prep.delta_addr})
+        push = await self.agents.push(sender_url, group.sender, request)
+        sent, kind = push.bytes, "delta" if use_delta else "full"
+        try:
+            commit = await self.agents.commit(receiver_url, self._commit_request(version, push))
+        except PushFailed as exc:
+            if not use_delta or not exc.bad_shards:
+                raise
+            log.warning("delta push of version %d to %s: shard(s) %s did not verify; rewriting them in full",
+                        version, inst.endpoint, exc.bad_shards)
+            repair = await self.agents.push(sender_url, group.sender, request.model_copy(update={
+                "delta_base": None, "delta_addr": None, "only_shards": exc.bad_shards}))
+            commit = await self.agents.commit(receiver_url, self._commit_request(version, repair, delta=False))
+            sent, kind = sent + repair.bytes, "delta+repair"
         return {"instance": inst.id, "endpoint": inst.endpoint, "version": version, "sender": group.sender,
-                "group": group.group, "ip": group.ip, "transport": transport, "bytes": push.bytes,
-                "transfer_s": push.seconds, "gbps": push.gbps, "verify_s": commit.verify_s,
-                "load_s": commit.load_s, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
+                "group": group.group, "ip": group.ip, "transport": transport, "mode": kind, "bytes": sent,
+                "full_bytes": layout.layout.total_bytes, "transfer_s": push.seconds, "gbps": push.gbps,
+                "verify_s": commit.verify_s, "load_s": commit.load_s, "apply_s": commit.apply_s,
+                "reloaded": commit.reloaded, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
+
+    @staticmethod
+    def _commit_request(version: int, push: PushAnswer, *, delta: bool = True) -> CommitRequest:
+        with_delta = delta and push.delta_base is not None
+        return CommitRequest(version=version, fingerprint=push.fingerprint, shards=push.shards,
+                             checksums=push.checksums, delta_base=push.delta_base if with_delta else None,
+                             delta_bytes=push.bytes if with_delta else None)

@@ -12,6 +12,9 @@ Wire format, per write on a connection (little endian):
     sender -> ``length`` payload bytes
     receiver -> 1 byte: 0 once every byte is in memory
 A write is complete only when the last byte landed, as with Mooncake. Blocking sockets in threads.
+
+``rate_bytes_per_s`` caps what one engine sends, over all its streams together, to emulate a slow
+link (a WAN between clusters) on loopback: benchmarks only.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +38,29 @@ _SOCK_BUF = 0  # 0: leave buffer sizes to kernel autotuning (setting them disabl
 DEFAULT_STREAMS = 4
 DEFAULT_PIECE = 64 << 20  # work-queue granularity when one write is spread over several streams
 _RECV_STEP = 16 << 20     # bytes per recv_into call (with MSG_WAITALL)
+_PACE_STEP = 256 << 10    # bytes sent per paced step under a rate cap
+
+
+class _Pacer:
+    """Shared send-rate cap: every chunk books the next free slot of the link, then waits for it."""
+
+    def __init__(self, rate_bytes_per_s: float):
+        if rate_bytes_per_s <= 0:
+            raise ValueError("rate_bytes_per_s must be positive")
+        self.rate = float(rate_bytes_per_s)
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def send(self, sock: socket.socket, data: memoryview) -> None:
+        for off in range(0, len(data), _PACE_STEP):
+            chunk = data[off: off + _PACE_STEP]
+            with self._lock:
+                start = max(time.monotonic(), self._next)
+                self._next = start + len(chunk) / self.rate
+            delay = start - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            sock.sendall(chunk)
 
 
 def _memory(addr: int, length: int) -> memoryview:
@@ -65,7 +92,8 @@ class TcpEngine:
     """Sender and receiver of raw memory ranges over plain TCP (blocking sockets, threads)."""
 
     def __init__(self, hostname: str, port: int = 0, *, streams: int = DEFAULT_STREAMS,
-                 piece_bytes: int = DEFAULT_PIECE, connect_timeout_s: float = 5.0, listen: bool = True):
+                 piece_bytes: int = DEFAULT_PIECE, connect_timeout_s: float = 5.0, listen: bool = True,
+                 rate_bytes_per_s: float | None = None):
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self.hostname = hostname
@@ -73,6 +101,7 @@ class TcpEngine:
         self.piece_bytes = piece_bytes
         self.connect_timeout_s = connect_timeout_s
         self._listen = listen
+        self._pacer = _Pacer(rate_bytes_per_s) if rate_bytes_per_s else None
         self._port = port
         self._server: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -239,7 +268,10 @@ class TcpEngine:
         if sock.recv(1) != _ACCEPT:
             raise TransferError("write", -1, target,
                                 f"peer rejected remote range 0x{remote_addr:x}+{len(src)} (not registered)")
-        sock.sendall(src)
+        if self._pacer is None:
+            sock.sendall(src)
+        else:
+            self._pacer.send(sock, src)
         if sock.recv(1) != _ACCEPT:
             raise TransferError("write", -1, target, "peer closed before acknowledging the payload")
 
