@@ -1,29 +1,39 @@
 #!/usr/bin/env python
-"""Scheduling policies on a simulated heterogeneous, preemptible rollout pool.
+"""Scheduling and tail migration on a simulated heterogeneous, preemptible rollout pool.
 
 Discrete-event simulation, no GPU, no network. The manager side is the real code
-(``rollout_manager.rollout.scheduling``: the policies and ``TokenRateMeter``); the instances are a model:
+(``rollout_manager.rollout.scheduling``: the dispatch policies, ``TokenRateMeter`` and
+``TailMigration``); the instances are a model:
 
-- continuous batching: an instance running ``n`` sequences produces ``speed * n**beta`` tokens/s in
-  total (sublinear growth), shared equally; at most ``max_running`` run, the rest wait in the
-  instance's own FIFO queue (as SGLang's waiting queue does);
-- speeds differ (default 1:2:3:4 times ``--base-rate`` tokens/s for a lone sequence);
+- continuous batching with saturating throughput: an instance running ``n`` sequences makes
+  ``speed * n / (1 + (n - 1) / batch_half)`` tokens/s in total, shared equally (a lone sequence
+  gets ``speed``, each of ``batch_half + 1`` gets half of it, the total saturates at
+  ``speed * batch_half``); at most ``max_running`` run, the rest wait in the instance's own FIFO
+  queue (as SGLang's waiting queue does);
+- prefill: a sequence admitted to an instance first prefills its prompt plus the tokens it already
+  made at ``prefill_factor * speed`` tokens/s, holding a running slot but making no token; a moved
+  sequence also pays ``move_overhead`` seconds (abort, reconnect). So a continuation is not free;
+- speeds differ (default 1:2:3:4 times ``--base-rate`` tokens/s for a lone sequence: a 4x spread);
 - a batch of requests arrives at t=0 with long-tailed output lengths (seeded lognormal or Pareto),
   each clipped to the request's ``max_new_tokens`` budget; the manager sees only budgets and the
   tokens streamed so far, never the true lengths;
-- one instance is preempted mid-batch: its running sequences continue elsewhere from the tokens
-  already made (only their remaining tokens move); its queued requests move whole. Moved requests go
-  to the front of the manager's queue;
+- one instance may be preempted mid-batch: its running sequences continue elsewhere from the tokens
+  already made; its queued requests move whole. Moved requests go to the front of the manager's queue;
 - the manager holds what the policy will not place and offers its queue again on every completion,
-  every stream tick and the preemption.
+  every stream tick and the preemption; with tail migration on, every ``--migrate-interval`` it
+  asks ``TailMigration.plan`` which running sequences to move, from the instances' measured
+  lone-sequence rates (a ``TokenRateMeter`` fed ``tokens * lone_rate_weight(in_flight)``, as the
+  dispatcher does) and in-flight counts, and moves them as the generator does (abort, continue).
 
-Printed per policy: makespan, the fluid lower bound (total tokens / pool peak throughput, with the
-lost instance's share gone after the preemption), their ratio, tokens that had to move, and p50/p99
-request latency (all requests arrive at t=0). Deterministic for a given ``--seed``; ``--repeat N``
-averages N seeds, since one seed's makespan depends on where its few longest requests land. Not
-modelled: prefill, so the re-prefill a continued sequence costs on its new instance is free here.
+Bounds: *fluid* = total tokens / pool peak throughput (the lost instance's share gone after the
+preemption); *tight* = max(fluid, the longest sequence alone on the fastest instance, prompt
+prefill included, moving to the next fastest if that one is preempted first). Printed per policy,
+over seeds ``seed..seed+repeat-1``: makespan, both bounds, makespan / tight bound (mean and worst
+seed), tokens re-prefilled because of migrations as a fraction of tokens generated, and moves.
 
-    .venv/bin/python benchmarks/bench_scheduling.py --seed 0 [--repeat 10] [--preempt slowest]
+    .venv/bin/python benchmarks/bench_scheduling.py --seed 0 --repeat 10 [--preempt slowest]
+    .venv/bin/python benchmarks/bench_scheduling.py --scenarios --repeat 10   # fastest, slowest, none
+    .venv/bin/python benchmarks/bench_scheduling.py --plan-cost               # plan() CPU time, 1k instances
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import argparse
 import math
 import random
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +53,10 @@ from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
     Policy,
+    RunningSequence,
+    TailMigration,
     TokenRateMeter,
+    lone_rate_weight,
     make_policy,
 )
 
@@ -54,8 +68,13 @@ class Req:
     rid: int
     length: int  # true output length, hidden from the manager
     budget: int  # max_new_tokens
+    prompt: int  # prompt tokens
     done: float = 0.0  # tokens generated so far (kept across a continuation)
     finish: float | None = None
+    ready_at: float = 0.0  # prefill ends (decoding starts) at this time on its current instance
+    moves: int = 0
+    last_moved_at: float | None = None
+    visited: set[str] = field(default_factory=set)
 
     @property
     def remaining(self) -> float:
@@ -71,16 +90,19 @@ class Req:
 class Inst:
     iid: str
     speed: float  # tokens/s for a lone sequence
-    beta: float
+    batch_half: float
     max_running: int
-    meter: TokenRateMeter
+    prefill_rate: float
+    meter: TokenRateMeter  # aggregate tokens/s (what dispatch policies read)
+    lone_meter: TokenRateMeter  # lone-sequence tokens/s (what TailMigration reads)
     running: list[Req] = field(default_factory=list)
     queue: deque[Req] = field(default_factory=deque)
     alive: bool = True
     carry: float = 0.0  # fractional tokens not yet reported to the meter
 
     def throughput(self, n: int) -> float:
-        return self.speed * min(n, self.max_running) ** self.beta if n > 0 else 0.0
+        n = min(n, self.max_running)
+        return self.speed * n / (1 + (n - 1) / self.batch_half) if n > 0 else 0.0
 
     @property
     def peak(self) -> float:
@@ -95,11 +117,28 @@ class Inst:
 
     def load(self, now: float) -> InstanceLoad:
         toks = sum(r.budget_left for r in self.running) + sum(r.budget_left for r in self.queue)
-        return InstanceLoad(self.iid, "remote", self.in_flight(), toks, self.meter.rate(now))
+        return InstanceLoad(self.iid, "remote", self.in_flight(), toks, self.meter.rate(now),
+                            self.lone_meter.rate(now))
 
-    def admit(self, req: Req, now: float) -> None:
-        (self.running if len(self.running) < self.max_running else self.queue).append(req)
+    def start(self, req: Req, now: float, overhead: float = 0.0) -> None:
+        req.ready_at = now + overhead + (req.prompt + req.done) / self.prefill_rate
+        req.visited.add(self.iid)
+        self.running.append(req)
+
+    def admit(self, req: Req, now: float, overhead: float = 0.0) -> None:
+        if len(self.running) < self.max_running:
+            self.start(req, now, overhead)
+        else:
+            self.queue.append(req)
+        self.busy_changed(now)
+
+    def promote(self, now: float) -> None:
+        while self.queue and len(self.running) < self.max_running:
+            self.start(self.queue.popleft(), now)
+
+    def busy_changed(self, now: float) -> None:
         self.meter.set_in_flight(self.in_flight(), now)
+        self.lone_meter.set_in_flight(self.in_flight(), now)
 
 
 @dataclass
@@ -107,10 +146,13 @@ class Result:
     label: str
     makespan: float
     moved_tokens: int  # remaining tokens of everything on the preempted instance
-    moved_queued_tokens: int  # of which: requests it had not started (moved whole)
     moved_requests: int
+    migrations: int
+    reprefill_tokens: int  # prompt + made tokens prefilled again because of migrations
+    generated: int
     p50: float
     p99: float
+    plan_s: float  # CPU seconds spent in TailMigration.plan
 
 
 def percentile(sorted_xs: list[float], q: float) -> float:
@@ -137,9 +179,11 @@ def make_instances(args: argparse.Namespace) -> list[Inst]:
         Inst(
             iid=f"i{k}",
             speed=args.base_rate * s,
-            beta=args.beta,
+            batch_half=args.batch_half,
             max_running=args.max_running,
+            prefill_rate=args.base_rate * s * args.prefill_factor,
             meter=TokenRateMeter(tau_s=args.meter_tau, min_busy_s=args.meter_min_busy),
+            lone_meter=TokenRateMeter(tau_s=args.meter_tau, min_busy_s=args.meter_min_busy),
         )
         for k, s in enumerate(args.speeds)
     ]
@@ -162,14 +206,30 @@ def fluid_bound(total_tokens: float, peak_all: float, peak_after: float, t_p: fl
     return t_p + (total_tokens - peak_all * t_p) / peak_after
 
 
+def longest_alone_bound(longest: int, args: argparse.Namespace, victim: int | None,
+                        t_p: float | None) -> float:
+    """The longest sequence alone on the fastest instance (after its prompt's prefill there); if
+    that instance is preempted first, the rest on the next fastest (re-prefill not counted)."""
+    speeds = [args.base_rate * s for s in args.speeds]
+    order = sorted(range(len(speeds)), key=lambda k: -speeds[k])
+    fast = order[0]
+    t = args.prompt_tokens / (speeds[fast] * args.prefill_factor)
+    if victim != fast or t_p is None or t + longest / speeds[fast] <= t_p or len(order) < 2:
+        return t + longest / speeds[fast]
+    made = max(0.0, (t_p - t) * speeds[fast])
+    return max(t, t_p) + (longest - made) / speeds[order[1]]
+
+
 def simulate(label: str, policy: Policy, lengths: list[int], args: argparse.Namespace,
-             t_preempt: float | None, victim: int | None) -> Result:
+             t_preempt: float | None, victim: int | None,
+             migration: TailMigration | None = None) -> Result:
     insts = make_instances(args)
-    reqs = [Req(i, n, args.max_new_tokens) for i, n in enumerate(lengths)]
+    reqs = [Req(i, n, args.max_new_tokens, args.prompt_tokens) for i, n in enumerate(lengths)]
     held: deque[Req] = deque(reqs)
     by_id = {i.iid: i for i in insts}
-    now, next_tick = 0.0, args.tick
-    moved_tokens, moved_queued, moved_requests, finished = 0.0, 0, 0, 0
+    now, next_tick, next_migrate = 0.0, args.tick, args.migrate_interval
+    moved_tokens, moved_requests, finished = 0.0, 0, 0
+    migrations, reprefill, plan_s = 0, 0.0, 0.0
 
     def offer() -> None:
         while held:
@@ -182,30 +242,74 @@ def simulate(label: str, policy: Policy, lengths: list[int], args: argparse.Name
                 raise AssertionError(f"{label} picked {choice!r}, not a candidate")
             inst.admit(held.popleft(), now)
 
+    def migrate() -> None:
+        nonlocal migrations, reprefill, plan_s
+        assert migration is not None
+        alive = [i for i in insts if i.alive]
+        where: dict[int, Inst] = {}
+        running = []
+        for inst in alive:
+            for r in list(inst.running) + list(inst.queue):
+                where[r.rid] = inst
+                running.append(RunningSequence(str(r.rid), inst.iid, int(r.done), r.prompt, r.budget_left,
+                                               r.moves, r.last_moved_at, frozenset(r.visited)))
+        t0 = time.perf_counter()
+        moves = migration.plan([i.load(now) for i in alive], running, len(held), now)
+        plan_s += time.perf_counter() - t0
+        for mv in moves:
+            r = reqs[int(mv.seq_id)]
+            src, dst = where[r.rid], by_id[mv.target]
+            if mv.target in r.visited or not dst.alive or r.finish is not None:
+                raise AssertionError(f"bad move {mv}")
+            if r in src.running:
+                src.running.remove(r)
+                src.promote(now)
+            else:
+                src.queue.remove(r)
+            src.busy_changed(now)
+            migrations += 1
+            reprefill += r.prompt + int(r.done)
+            r.done = float(int(r.done))  # the manager continues from the tokens it has seen
+            r.moves += 1
+            r.last_moved_at = now
+            dst.admit(r, now, args.move_overhead)
+
     offer()
     while finished < len(reqs):
         if held and not any(i.alive and i.in_flight() for i in insts):
             raise RuntimeError(f"{label} holds work while every instance is idle")
-        # Next event: the first sequence to finish, a stream tick, or the preemption.
+        # Next event: a sequence finishes or ends its prefill, a stream tick, a migration tick,
+        # or the preemption.
         t_next = next_tick
+        if migration is not None:
+            t_next = min(t_next, next_migrate)
         if t_preempt is not None and now < t_preempt:
             t_next = min(t_next, t_preempt)
         for inst in insts:
             if inst.alive and inst.running:
                 rate = inst.per_seq_rate()
-                t_next = min(t_next, now + min(r.remaining for r in inst.running) / rate)
+                for r in inst.running:
+                    if r.ready_at > now + EPS:
+                        t_next = min(t_next, r.ready_at)
+                    else:
+                        t_next = min(t_next, now + r.remaining / rate)
         dt = t_next - now
-        # Advance: every running sequence gains its share; meters see the tokens as a stream would.
+        # Advance: every decoding sequence gains its share; meters see the tokens as a stream would.
         for inst in insts:
             if not (inst.alive and inst.running):
                 continue
             rate = inst.per_seq_rate()
+            made = 0.0
             for r in inst.running:
-                r.done = min(float(r.length), r.done + rate * dt)
-            inst.carry += rate * dt * len(inst.running)
+                if r.ready_at <= now + EPS:
+                    step = min(r.remaining, rate * dt)
+                    r.done += step
+                    made += step
+            inst.carry += made
             whole = int(inst.carry)
             inst.carry -= whole
             inst.meter.observe(whole, t_next)
+            inst.lone_meter.observe(whole * lone_rate_weight(inst.in_flight(), args.batch_half), t_next)
         now = t_next
         # Completions; the instance promotes from its own queue.
         for inst in insts:
@@ -218,9 +322,8 @@ def simulate(label: str, policy: Policy, lengths: list[int], args: argparse.Name
                 r.done, r.finish = float(r.length), now
                 inst.running.remove(r)
                 finished += 1
-            while inst.queue and len(inst.running) < inst.max_running:
-                inst.running.append(inst.queue.popleft())
-            inst.meter.set_in_flight(inst.in_flight(), now)
+            inst.promote(now)
+            inst.busy_changed(now)
         if now >= next_tick - EPS:
             next_tick += args.tick
         if t_preempt is not None and victim is not None and abs(now - t_preempt) <= EPS:
@@ -228,39 +331,49 @@ def simulate(label: str, policy: Policy, lengths: list[int], args: argparse.Name
             dead.alive = False
             lost = dead.running + list(dead.queue)
             moved_tokens += sum(r.remaining for r in lost)
-            moved_queued += sum(r.length for r in dead.queue)
             moved_requests += len(lost)
+            for r in lost:
+                r.done = float(int(r.done))
             dead.running, dead.queue = [], deque()
             held.extendleft(reversed(lost))
             t_preempt = None
             if not any(i.alive for i in insts):
                 raise SystemExit("every instance is gone")
         offer()
+        if migration is not None and now >= next_migrate - EPS:
+            next_migrate += args.migrate_interval
+            migrate()
 
     lat = sorted(r.finish for r in reqs if r.finish is not None)
-    return Result(label, now, round(moved_tokens), moved_queued, moved_requests,
-                  percentile(lat, 50), percentile(lat, 99))
+    return Result(label, now, round(moved_tokens), moved_requests, migrations, round(reprefill),
+                  sum(lengths), percentile(lat, 50), percentile(lat, 99), plan_s)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1,
-                   help="average over seeds seed..seed+repeat-1 (one seed's tail is luck)")
+                   help="seeds seed..seed+repeat-1: mean and worst seed (one seed's tail is luck)")
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--speeds", type=lambda s: [float(x) for x in s.split(",")], default=[1, 2, 3, 4],
                    help="relative instance speeds, comma separated (default 1,2,3,4)")
     p.add_argument("--base-rate", type=float, default=25.0, help="tokens/s of a lone sequence at speed 1")
-    p.add_argument("--beta", type=float, default=0.85,
-                   help="batch throughput exponent: speed * n**beta (0.85: in a batch of 64 a sequence "
-                   "runs at 54%% of its lone speed)")
+    p.add_argument("--batch-half", type=float, default=64.0,
+                   help="batch size past which a sequence runs at under half its lone speed: "
+                   "throughput speed*n/(1+(n-1)/batch_half)")
     p.add_argument("--max-running", type=int, default=64, help="sequences one instance runs at once")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--prefill-factor", type=float, default=200.0,
+                   help="prefill tokens/s as a multiple of the instance's lone decode tokens/s")
+    p.add_argument("--move-overhead", type=float, default=0.3, help="seconds a migration costs besides prefill")
     p.add_argument("--dist", choices=("lognormal", "pareto"), default="lognormal")
     p.add_argument("--median-tokens", type=float, default=512)
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma")
     p.add_argument("--pareto-alpha", type=float, default=1.5)
     p.add_argument("--max-new-tokens", type=int, default=4096, help="every request's budget")
     p.add_argument("--preempt", default="fastest", help="fastest | slowest | none | instance index")
+    p.add_argument("--scenarios", action="store_true",
+                   help="run preempt fastest, slowest and none; one summary table")
     p.add_argument("--preempt-frac", type=float, default=0.5,
                    help="preemption time as a fraction of the no-preemption fluid bound")
     p.add_argument("--tick", type=float, default=0.25, help="stream observation interval, s")
@@ -271,12 +384,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run least_in_flight(max_in_flight=N): holding without rates; 0: skip")
     p.add_argument("--ta-target-drain", type=float, default=None)
     p.add_argument("--ta-min-concurrency", type=int, default=None)
+    p.add_argument("--migration", choices=("both", "on", "off"), default="both",
+                   help="run each policy without and/or with TailMigration")
+    p.add_argument("--migrate-interval", type=float, default=1.0, help="seconds between two plans")
+    p.add_argument("--tm-batch-half", type=float, default=None,
+                   help="the policy's batch_half (default: the simulated one; set it to test a wrong guess)")
+    p.add_argument("--tm-min-speedup", type=float, default=None)
+    p.add_argument("--tm-min-gain", type=float, default=None)
+    p.add_argument("--tm-prefill-factor", type=float, default=None)
+    p.add_argument("--tm-max-moves", type=int, default=None)
+    p.add_argument("--tm-cooldown", type=float, default=None)
+    p.add_argument("--plan-cost", action="store_true",
+                   help="only time TailMigration.plan on 1,000 instances and 20,000 sequences")
     return p.parse_args(argv)
 
 
-def policy_runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, object]]]:
-    """(label, policy name, constructor kwargs) for every row of the table."""
-    runs = []
+def migration_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    kw: dict[str, object] = {"batch_half": args.tm_batch_half or args.batch_half}
+    for key, name in (("tm_min_speedup", "min_speedup"), ("tm_min_gain", "min_gain_s"),
+                      ("tm_prefill_factor", "prefill_factor"), ("tm_max_moves", "max_moves"),
+                      ("tm_cooldown", "cooldown_s")):
+        if getattr(args, key) is not None:
+            kw[name] = getattr(args, key)
+    return kw
+
+
+def policy_runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, object], bool]]:
+    """(label, policy name, constructor kwargs, tail migration) for every row of the table."""
+    base = []
     for name in args.policies.split(","):
         kw: dict[str, object] = {}
         if name == "throughput_aware":
@@ -284,16 +419,31 @@ def policy_runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, obje
                 kw["target_drain_s"] = args.ta_target_drain
             if args.ta_min_concurrency is not None:
                 kw["min_concurrency"] = args.ta_min_concurrency
-        runs.append((name + (f"({', '.join(f'{k}={v}' for k, v in kw.items())})" if kw else ""),
-                     name, kw))
+        base.append((name + (f"({', '.join(f'{k}={v}' for k, v in kw.items())})" if kw else ""), name, kw))
     if args.lif_cap:
-        runs.append((f"least_in_flight(max_in_flight={args.lif_cap})", "least_in_flight",
+        base.append((f"least_in_flight(max_in_flight={args.lif_cap})", "least_in_flight",
                      {"max_in_flight": args.lif_cap}))
-    return runs
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.migration]
+    return [(label + (" + tail migration" if m else ""), name, kw, m) for label, name, kw in base for m in modes]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+@dataclass
+class Row:
+    label: str
+    makespan: float
+    fluid: float
+    tight: float
+    ratio_mean: float
+    ratio_worst: float
+    reprefill_frac: float
+    migrations: float
+    moved_tokens: float
+    p50: float
+    p99: float
+    plan_ms: float
+
+
+def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
     insts = make_instances(args)
     victim = preempt_index(args)
     peak_all = sum(i.peak for i in insts)
@@ -305,33 +455,90 @@ def main(argv: list[str] | None = None) -> None:
         lengths = make_lengths(argparse.Namespace(**{**vars(args), "seed": seed}))
         total = float(sum(lengths))
         t_p = args.preempt_frac * total / peak_all if victim is not None else None
-        workloads.append((lengths, t_p, fluid_bound(total, peak_all, peak_after, t_p)))
+        fluid = fluid_bound(total, peak_all, peak_after, t_p)
+        tight = max(fluid, longest_alone_bound(max(lengths), args, victim, t_p))
+        workloads.append((lengths, t_p, fluid, tight))
+    info = {"peak": peak_all, "tokens": float(sum(workloads[0][0])),
+            "t_p": workloads[0][1] or 0.0, "longest": float(max(workloads[0][0]))}
+    rows = []
+    for label, name, kw, migrate in policy_runs(args):
+        res = []
+        for lengths, t_p, fluid, tight in workloads:
+            mig = TailMigration(**migration_kwargs(args)) if migrate else None  # type: ignore[arg-type]
+            r = simulate(label, make_policy(name, **kw), lengths, args, t_p, victim, mig)
+            res.append((r, fluid, tight))
+        k = len(res)
+        ratios = [r.makespan / tight for r, _, tight in res]
+        rows.append(Row(
+            label, sum(r.makespan for r, _, _ in res) / k, sum(f for _, f, _ in res) / k,
+            sum(t for _, _, t in res) / k, sum(ratios) / k, max(ratios),
+            sum(r.reprefill_tokens for r, _, _ in res) / sum(r.generated for r, _, _ in res),
+            sum(r.migrations for r, _, _ in res) / k, sum(r.moved_tokens for r, _, _ in res) / k,
+            sum(r.p50 for r, _, _ in res) / k, sum(r.p99 for r, _, _ in res) / k,
+            1000 * max(r.plan_s / max(1, math.ceil(r.makespan / args.migrate_interval)) for r, _, _ in res),
+        ))
+    return rows, info
 
-    lengths0, t_p0, _ = workloads[0]
+
+def print_rows(rows: list[Row], scenario: str | None = None) -> None:
+    head = "| preempted " if scenario is not None else ""
+    print(head + "| policy | makespan s | fluid bound s | tight bound s | makespan/tight mean | worst seed "
+          "| re-prefilled / generated | migrations | p50 s | p99 s |")
+    print(("| --- " if scenario is not None else "") + "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| ---: | ---: |")
+    for r in rows:
+        print((f"| {scenario} " if scenario is not None else "") +
+              f"| {r.label} | {r.makespan:.1f} | {r.fluid:.1f} | {r.tight:.1f} | {r.ratio_mean:.2f} "
+              f"| {r.ratio_worst:.2f} | {100 * r.reprefill_frac:.2f}% | {r.migrations:.0f} | {r.p50:.1f} "
+              f"| {r.p99:.1f} |")
+
+
+def plan_cost(args: argparse.Namespace) -> None:
+    """CPU time of one plan at the scale of a large pool, in the worst case (every sequence a candidate)."""
+    rng = random.Random(args.seed)
+    n_inst, n_seq = 1000, 20000
+    loads = [InstanceLoad(f"i{k}", "remote", 0, 0, 1000.0, rng.uniform(20, 100)) for k in range(n_inst)]
+    running = []
+    for k in range(n_seq):
+        inst = loads[rng.randrange(n_inst // 2)]  # half the pool busy, half idle: many candidates
+        inst.in_flight_requests += 1
+        running.append(RunningSequence(f"s{k}", inst.instance_id, rng.randrange(1, 4000), 512, 4096))
+    tm = TailMigration(batch_half=args.batch_half)
+    times, moves = [], 0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        moves = len(tm.plan(loads, running, 0, 100.0))
+        times.append(time.perf_counter() - t0)
+    print(f"TailMigration.plan on {n_inst} instances, {n_seq} running sequences: "
+          f"{1000 * min(times):.1f} ms (best of 5), {moves} moves planned")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.plan_cost:
+        plan_cost(args)
+        return
+    scenarios = ["fastest", "slowest", "none"] if args.scenarios else [args.preempt]
+    insts = make_instances(args)
+    peak = sum(i.peak for i in insts)
     print(f"pool: speeds {args.speeds} x {args.base_rate:g} tok/s per lone sequence, batch throughput"
-          f" speed*n^{args.beta:g} up to {args.max_running} running; peak {peak_all:.0f} tok/s")
+          f" speed*n/(1+(n-1)/{args.batch_half:g}) up to {args.max_running} running; peak {peak:.0f} tok/s;"
+          f" prefill {args.prefill_factor:g}x the lone decode rate, {args.prompt_tokens}-token prompts,"
+          f" {args.move_overhead:g}s per move")
     print(f"batch: {args.requests} requests, {args.dist} lengths (median {args.median_tokens:g},"
-          f" budget {args.max_new_tokens}), seed {args.seed}: {sum(lengths0)} tokens")
-    if victim is not None:
-        print(f"preemption: instance i{victim} (speed {args.speeds[victim]:g}) at "
-              f"{args.preempt_frac:g} x the fluid bound (t={t_p0:.1f}s for seed {args.seed})")
-    print(f"longest request of seed {args.seed} alone on the fastest instance: "
-          f"{max(lengths0) / (args.base_rate * max(args.speeds)):.1f}s")
-    if args.repeat > 1:
-        print(f"figures: means over seeds {seeds.start}..{seeds.stop - 1}")
-    print()
-    print("| policy | makespan s | fluid bound s | makespan/bound | moved tokens (of which queued) "
-          "| moved reqs | p50 latency s | p99 latency s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, name, kw in policy_runs(args):
-        rows = []
-        for lengths, t_p, bound in workloads:
-            r = simulate(label, make_policy(name, **kw), lengths, args, t_p, victim)
-            rows.append((r.makespan, bound, r.makespan / bound, r.moved_tokens,
-                         r.moved_queued_tokens, r.moved_requests, r.p50, r.p99))
-        m = [sum(col) / len(rows) for col in zip(*rows)]
-        print(f"| {label} | {m[0]:.1f} | {m[1]:.1f} | {m[2]:.2f} | {m[3]:.0f} ({m[4]:.0f}) "
-              f"| {m[5]:.0f} | {m[6]:.1f} | {m[7]:.1f} |")
+          f" budget {args.max_new_tokens}); seeds {args.seed}..{args.seed + args.repeat - 1}"
+          f" (figures: mean over seeds; worst seed of makespan/tight)")
+    if args.migration != "off":
+        print(f"tail migration: every {args.migrate_interval:g}s, TailMigration({migration_kwargs(args)})")
+    for scenario in scenarios:
+        sargs = argparse.Namespace(**{**vars(args), "preempt": scenario})
+        rows, info = run_scenario(sargs)
+        print()
+        where = (f"preempted: {scenario} at {args.preempt_frac:g} x the fluid bound (t={info['t_p']:.1f}s "
+                 f"for seed {args.seed})" if scenario != "none" else "no preemption")
+        print(f"{where}; seed {args.seed}: {info['tokens']:.0f} tokens, longest {info['longest']:.0f}")
+        print()
+        print_rows(rows)
 
 
 if __name__ == "__main__":

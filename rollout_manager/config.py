@@ -108,6 +108,15 @@ class Config(BaseModel):
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     engine_stream_interval: int = Field(default=16, ge=0)  # 0: send none, the server's --stream-interval holds
+    # Tail migration (scheduling.TailMigration; config.toml says what each one means).
+    tail_migration: bool = True
+    tail_migration_interval_s: float = Field(default=1.0, gt=0)
+    tail_migration_min_speedup: float = Field(default=1.25, ge=1)
+    tail_migration_min_gain_s: float = Field(default=1.0, ge=0)
+    tail_migration_max_moves: int = Field(default=3, gt=0)
+    tail_migration_cooldown_s: float = Field(default=5.0, ge=0)
+    tail_migration_batch_half: float = Field(default=64.0, gt=0)
+    tail_migration_prefill_factor: float = Field(default=200.0, gt=0)
 
     # Local (trainer-side) instances.
     local_budget_initial_s: float = Field(default=60.0, ge=0)

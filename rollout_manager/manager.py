@@ -33,7 +33,7 @@ from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
-from rollout_manager.rollout.scheduling import make_policy
+from rollout_manager.rollout.scheduling import TailMigration, make_policy
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.weights.agent_client import AgentClient
 from rollout_manager.weights.groups import SenderPlan
@@ -71,7 +71,8 @@ class Manager:
         self.generator = Generator(
             self.dispatcher, self.sglang,
             GenerationSettings(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s,
-                               cfg.connect_timeout_s, cfg.stream_stall_timeout_s, cfg.engine_stream_interval),
+                               cfg.connect_timeout_s, cfg.stream_stall_timeout_s, cfg.engine_stream_interval,
+                               _tail_migration(cfg), cfg.tail_migration_interval_s),
             self.local_budget,
             on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
         )
@@ -214,6 +215,14 @@ class Manager:
 
     async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
         return await self.dispatcher.changed.wait_for(lambda: inst.in_flight == 0, timeout_s)
+
+
+def _tail_migration(cfg: Config) -> TailMigration | None:
+    if not cfg.tail_migration:
+        return None
+    return TailMigration(batch_half=cfg.tail_migration_batch_half, min_speedup=cfg.tail_migration_min_speedup,
+                         min_gain_s=cfg.tail_migration_min_gain_s, prefill_factor=cfg.tail_migration_prefill_factor,
+                         max_moves=cfg.tail_migration_max_moves, cooldown_s=cfg.tail_migration_cooldown_s)
 
 
 @contextlib.asynccontextmanager

@@ -45,6 +45,7 @@ GENERATION_COUNTERS = {
     "failed": ("failed_sequences",
                "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
     "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),
+    "migrated": ("migrated_sequences", "Segments tail migration moved to an instance where they finish sooner."),
 }
 
 

@@ -14,7 +14,7 @@ from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.notify import Signal
 from rollout_manager.rollout.local_budget import LocalWindow
-from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter
+from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter, lone_rate_weight
 
 
 class Dispatcher:
@@ -30,11 +30,15 @@ class Dispatcher:
         self.waiting = 0  # requests parked in acquire() because no instance can take them now
         self._idle_since: dict[str, float] = {}
         self._idle_s: dict[str, float] = {}
+        # Tail migration: each instance's lone-sequence rate under the batch model of scheduling.py.
+        self.batch_half = 64.0
+        self.lone_meters: dict[str, TokenRateMeter] = {}
         registry.listeners.append(self._on_event)
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         if event.new == State.DEAD:
             self.meters.pop(inst.id, None)
+            self.lone_meters.pop(inst.id, None)
             self._idle_since.pop(inst.id, None)
             self._idle_s.pop(inst.id, None)
         elif event.new == State.ACTIVE and inst.in_flight == 0:
@@ -120,7 +124,9 @@ class Dispatcher:
         """``tokens`` new tokens streamed from ``inst``."""
         self.streamed_tokens += tokens
         inst.in_flight_tokens = max(inst.in_flight_tokens - tokens, 0)
-        self.meter(inst).observe(tokens, self.clock())
+        now = self.clock()
+        self.meter(inst).observe(tokens, now)
+        self.lone_meter(inst).observe(tokens * lone_rate_weight(inst.in_flight, self.batch_half), now)
 
     def release(self, inst: Instance, tokens_left: int) -> None:
         """A sequence left ``inst`` (finished or failed) with ``tokens_left`` of its budget unused."""
@@ -129,9 +135,31 @@ class Dispatcher:
         self._busy_changed(inst, self.clock())
         self.changed.notify()
 
+    # ------------------------------------------------------------ tail migration
+    def lone_meter(self, inst: Instance) -> TokenRateMeter:
+        meter = self.lone_meters.get(inst.id)
+        if meter is None:
+            meter = self.lone_meters[inst.id] = TokenRateMeter()
+        return meter
+
+    def lone_rate(self, inst: Instance, now: float) -> float | None:
+        """Tokens/s a lone sequence gets on ``inst``, measured at whatever batch it ran."""
+        return self.lone_meter(inst).rate(now)
+
+    def claim(self, inst: Instance, tokens: int) -> bool:
+        """Reserve ``inst`` for a sequence tail migration moves there, past the dispatch policy (the
+        migration policy chose it); False if it cannot take work now."""
+        if self.closing or inst.state != State.ACTIVE or self.registry.get(inst.id) is not inst:
+            return False
+        inst.in_flight += 1
+        inst.in_flight_tokens += tokens
+        self._busy_changed(inst, self.clock())
+        return True
+
     # ------------------------------------------------------------ idle time, for the local budget
     def _busy_changed(self, inst: Instance, now: float) -> None:
         self.meter(inst).set_in_flight(inst.in_flight, now)
+        self.lone_meter(inst).set_in_flight(inst.in_flight, now)
         since = self._idle_since.get(inst.id)
         if inst.in_flight > 0 and since is not None:
             self._idle_s[inst.id] = self._idle_s.get(inst.id, 0.0) + now - since

@@ -21,6 +21,7 @@ from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
     EngineFailed,
@@ -36,6 +37,10 @@ T = TypeVar("T")
 
 class Preempted(Exception):
     """The manager took the sequence off a local instance on purpose; not the instance's fault."""
+
+
+class Migrated(Exception):
+    """Tail migration took the sequence off its instance on purpose; not the instance's fault."""
 
 
 class GenerationFailed(ManagerError):
@@ -58,6 +63,9 @@ class GenerationSettings:
     # the engine sends a chunk per that many tokens, so the relay parses that many times fewer frames.
     # 0: none is sent (the server's --stream-interval holds).
     engine_stream_interval: int = 16
+    # Tail migration (None: off): the policy, and how often it is asked which sequences to move.
+    migration: TailMigration | None = None
+    migration_interval_s: float = 1.0
 
 
 @dataclass
@@ -88,6 +96,13 @@ class SequenceState:
     meta: dict[str, Any] = field(default_factory=dict)
     finish: dict[str, Any] | None = None
     live_text: str | None = None  # the running segment's text so far (None: not known)
+    # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
+    # instance is already reserved for it), and whether the running segment is being taken off.
+    moves: int = 0
+    moved_at: float | None = None
+    move_to: Instance | None = None
+    move_reserved: int = 0  # tokens reserved on move_to
+    migrating: bool = False
 
     @property
     def budget(self) -> int | None:
@@ -125,7 +140,15 @@ class Generator:
         self.on_instance_failure = on_instance_failure
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
-        self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0}
+        self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
+                      "migrated": 0}
+        # Tail migration: the segments streaming now (sequence, instance, engine rid), and the task
+        # that asks the policy every ``migration_interval_s`` while there are any.
+        self._live: dict[int, tuple[SequenceState, Instance, str]] = {}
+        self._migrator: asyncio.Task[None] | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
+        if settings.migration is not None:
+            dispatcher.batch_half = settings.migration.batch_half
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
@@ -278,12 +301,14 @@ class Generator:
                     f"(limit {self.settings.max_attempts}); instances tried: {', '.join(i.endpoint for i in tried)}; "
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
-            try:
-                inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
-                                                     avoid={i.id for i in tried})
-            except Unavailable as exc:
-                self.stats["failed"] += 1
-                raise GenerationFailed(503, str(exc)) from None
+            inst = self._take_handoff(seq)
+            if inst is None:
+                try:
+                    inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
+                                                         avoid={i.id for i in tried})
+                except Unavailable as exc:
+                    self.stats["failed"] += 1
+                    raise GenerationFailed(503, str(exc)) from None
             tried.append(inst)
             if seq.segments:
                 self.stats["continuations"] += 1
@@ -334,7 +359,9 @@ class Generator:
 
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
+        live = id(segment)
         try:
+            self._enter_live(live, seq, inst, rid)
             cut: EngineFailed | None = None
             try:
                 if stream is None:
@@ -354,6 +381,8 @@ class Generator:
                     raise
                 cut = exc
             finish = progress.finish_reason
+            if seq.migrating and (finish is None or wire.is_abort(finish)):
+                raise Migrated()  # the stream ended because the manager aborted it to move it
             if finish is None:
                 raise EngineFailed("stream finished without a finish_reason")
             caller_status = wire.abort_caller_status(finish)
@@ -380,7 +409,12 @@ class Generator:
             seq.texts.append(None)
             seq.live_text = None
             self.stats["preempted"] += 1
+        except Migrated:
+            self._migrated(seq, segment)
         except EngineFailed as exc:
+            if seq.migrating:  # the abort that moves it cut the stream: not the instance's fault
+                self._migrated(seq, segment)
+                return
             segment.outcome = f"failed: {exc}"
             seq.failures.append(f"{inst.endpoint}: {exc}")
             seq.texts.append(None)
@@ -393,10 +427,111 @@ class Generator:
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
             self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))
+            self._leave_live(live, seq, segment)
             if segment.outcome in ("running", "preempted: local window closed"):
                 if segment.outcome == "running":  # cancelled: the caller went away
                     segment.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
+
+    # ------------------------------------------------------------ tail migration
+    def _enter_live(self, key: int, seq: SequenceState, inst: Instance, rid: str) -> None:
+        seq.migrating = False
+        if self.settings.migration is None:
+            return
+        self._live[key] = (seq, inst, rid)
+        if self._migrator is None or self._migrator.done():
+            self._migrator = asyncio.ensure_future(self._migrate_periodically())
+
+    def _leave_live(self, key: int, seq: SequenceState, segment: Segment) -> None:
+        self._live.pop(key, None)
+        if not segment.outcome.startswith("migrated") or seq.remaining == 0:
+            self._drop_handoff(seq)  # it ended where it ran: the instance reserved for it is free again
+        seq.migrating = False
+        if not self._live and self._migrator is not None:
+            self._migrator.cancel()
+            self._migrator = None
+
+    def _migrated(self, seq: SequenceState, segment: Segment) -> None:
+        target = seq.move_to.endpoint if seq.move_to is not None else "another instance"
+        segment.outcome = f"migrated to {target}"
+        seq.texts.append(None)
+        seq.live_text = None
+        self.stats["migrated"] += 1
+        log.info("sequence %s migrated from %s to %s after %d token(s)", seq.rid, segment.endpoint, target,
+                 len(seq.output_ids))
+
+    def _take_handoff(self, seq: SequenceState) -> Instance | None:
+        """The instance tail migration reserved for this sequence, if it can still take it."""
+        inst, seq.move_to = seq.move_to, None
+        if inst is None:
+            return None
+        if inst.state != State.ACTIVE:
+            self.dispatcher.release(inst, seq.move_reserved)
+            return None
+        # Tokens made between the decision and the abort shrink what the new segment reserves.
+        inst.in_flight_tokens = max(inst.in_flight_tokens - max(seq.move_reserved - seq.reserve, 0), 0)
+        return inst
+
+    def _drop_handoff(self, seq: SequenceState) -> None:
+        if seq.move_to is not None:
+            self.dispatcher.release(seq.move_to, seq.move_reserved)
+            seq.move_to = None
+
+    async def _abort_to_move(self, seq: SequenceState, src: Instance, rid: str) -> None:
+        if not await self.client.abort(src.url, rid) and seq.migrating:
+            seq.migrating = False  # the instance did not take the abort: the sequence stays there
+            self._drop_handoff(seq)
+
+    async def _migrate_periodically(self) -> None:
+        while self._live:
+            await asyncio.sleep(self.settings.migration_interval_s)
+            self.migrate_now()
+
+    def migrate_now(self) -> int:
+        """Ask the tail-migration policy which running sequences to move, and start moving them.
+
+        A move reserves the target at once (so the next plan and the dispatcher see it loaded), then
+        aborts the sequence on its instance; its stream ends, and the sequence continues on the
+        target from the tokens made, exactly as after a failure, but with no failure recorded.
+        Returns the number of moves started.
+        """
+        policy = self.settings.migration
+        if policy is None or not self._live:
+            return 0
+        now = self.dispatcher.clock()
+        registry = self.dispatcher.registry
+        # Remote instances only: the local window alone decides when sequences leave local instances
+        # (Preempted), and a sequence moved onto one would be moved again when the window closes.
+        targets = [i for i in registry.in_state(State.ACTIVE, kind=Kind.REMOTE) if i.consecutive_failures == 0]
+        loads = []
+        for i in targets:
+            load = self.dispatcher.load_of(i, now)
+            load.lone_rate = self.dispatcher.lone_rate(i, now)
+            loads.append(load)
+        draining = {i.id for i in registry.in_state(State.DRAINING)}
+        running, by_key = [], {}
+        for key, (seq, inst, _) in self._live.items():
+            if seq.migrating or seq.move_to is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
+                continue
+            by_key[str(key)] = key
+            running.append(RunningSequence(
+                str(key), inst.id, len(seq.output_ids), len(seq.body.get("input_ids") or ()), seq.remaining,
+                seq.moves, seq.moved_at, frozenset(s.instance for s in seq.segments)))
+        moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining)
+        started = 0
+        for move in moves:
+            seq, src, rid = self._live[by_key[move.seq_id]]
+            target = registry.get(move.target)
+            if target is None or not self.dispatcher.claim(target, seq.reserve):
+                continue
+            seq.move_to, seq.move_reserved, seq.migrating = target, seq.reserve, True
+            seq.moves += 1
+            seq.moved_at = now
+            started += 1
+            task = asyncio.ensure_future(self._abort_to_move(seq, src, rid))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+        return started
 
     def _result(self, seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
         # The text is known only if every segment's engine sent its part (a cut segment's is lost).
