@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from support import PY, Proc, wait_http_ok
 
 from rollout_manager.osutil import free_port
-from rollout_manager.sglang.client import Probe
-from rollout_manager.sglang.local_limits import local_resource_error
+from rollout_manager.sglang import wire
+from rollout_manager.sglang.client import Probe, stream_generate
+from rollout_manager.sglang.local_limits import LocalLimits, LoopWatch, local_resource_error
 
 FAST = {"pending_poll_interval_s": 0.05, "health_check_interval_s": 0.2, "health_failure_threshold": 2}
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="open-file limits as on Linux")
@@ -101,3 +105,50 @@ async def test_out_of_descriptors_sequences_wait_in_the_manager_and_no_instance_
         assert "removed" not in proc.log() and "consecutive failures" not in proc.log()
     finally:
         proc.stop()
+
+
+async def test_a_blocked_event_loop_is_measured_and_its_timeouts_are_the_managers_own() -> None:
+    """A timeout that ran out while the manager's own loop was blocked (thousands of sequences placed
+    at once) is not the instance's; one that ran out on a responsive loop still is."""
+    limits = LocalLimits()
+    limits.loop.ensure_started()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    time.sleep(0.6)  # the loop is blocked: no timer runs
+    assert limits.loop.blocked_s(started) >= 0.6 - LoopWatch.TICK_S - 0.05  # lateness past the next tick
+    assert limits.timed_out_locally(started, 0.5)
+    started = loop.time()
+    await asyncio.sleep(0.6)  # the measured interval itself, on a responsive loop
+    assert limits.loop.blocked_s(started) < 0.1
+    assert not limits.timed_out_locally(started, 0.5)
+
+
+async def test_a_connect_timed_out_by_a_blocked_loop_is_retried_and_not_blamed() -> None:
+    """The kernel completes the connection at once, but the manager's loop is blocked past the connect
+    timeout, so by the loop's clock the connect timed out: the request goes out again and succeeds."""
+    async def generate(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text":null,"output_ids":[7],"meta_info":{"id":"r","finish_reason":'
+                         b'{"type":"length","length":1},"prompt_tokens":1,"completion_tokens":1}}\n\n')
+        await resp.write(wire.DONE_FRAME)
+        return resp
+
+    app = web.Application()
+    app.router.add_post(wire.GENERATE, generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    limits = LocalLimits()
+    try:
+        async with aiohttp.ClientSession() as session:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(time.sleep, 1.0)  # blocks the loop once the connect has started
+            chunks = [c async for c in stream_generate(
+                session, f"http://127.0.0.1:{port}", {"input_ids": [1]}, connect_timeout_s=0.3,
+                stall_timeout_s=5.0, limits=limits)]
+    finally:
+        await runner.cleanup()
+    assert [c["output_ids"] for c in chunks] == [[7]]
+    assert limits.events == 1 and "event loop was blocked" in (limits.last_error or "")

@@ -46,6 +46,8 @@ class SGLangClient:
         self.limits = limits or LocalLimits()
 
     async def probe(self, base_url: str, path: str, timeout_s: float) -> Probe:
+        self.limits.loop.ensure_started()
+        started = asyncio.get_running_loop().time()
         try:
             async with self.session.get(
                 base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -53,6 +55,9 @@ class SGLangClient:
                 await resp.read()
                 return Probe(resp.status)
         except asyncio.TimeoutError:
+            if self.limits.timed_out_locally(started, timeout_s):  # the manager's loop was blocked, not the box
+                return Probe(None, f"{path} timed out while the manager's event loop was blocked "
+                                   f"{self.limits.loop.blocked_s(started):.1f}s", local=True)
             return Probe(None, f"{path} timed out after {timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as exc:
             local = local_resource_error(exc)
@@ -136,11 +141,18 @@ async def _post_generate(session: aiohttp.ClientSession, url: str, data: bytes, 
     """POST ``/generate``. When the manager itself cannot connect (its own descriptor or memory
     limits), nothing was sent: wait and try again, without blaming the instance."""
     attempt = 0
+    loop = asyncio.get_running_loop()
+    limits.loop.ensure_started()
     while True:
+        started = loop.time()
         try:
             return await session.post(url, data=data, timeout=timeout, headers=JSON_HEADERS)
         except (aiohttp.ClientError, OSError) as exc:
-            local = local_resource_error(exc)
+            local: OSError | str | None = local_resource_error(exc)
+            if (local is None and isinstance(exc, aiohttp.ConnectionTimeoutError) and timeout.connect
+                    and limits.timed_out_locally(started, timeout.connect)):
+                local = f"connect timed out while the manager's event loop was blocked " \
+                        f"{limits.loop.blocked_s(started):.1f}s (the manager is overloaded)"
             if local is None:
                 raise
             await limits.wait_after(local, attempt)
@@ -195,6 +207,8 @@ async def stream_generate(
                     yield chunk
                 if decoder.done:
                     return
+    except aiohttp.ConnectionTimeoutError:
+        raise EngineFailed(f"cannot connect to the instance within {connect_timeout_s:g}s") from None
     except asyncio.TimeoutError:
         raise EngineFailed(f"no data for {stall_timeout_s:g}s (stalled)") from None
     except (aiohttp.ClientError, OSError) as exc:
@@ -227,6 +241,8 @@ async def generate_once(
         async with resp:
             await _raise_for_status(resp)
             raw = await resp.read()
+    except aiohttp.ConnectionTimeoutError:
+        raise EngineFailed(f"cannot connect to the instance within {connect_timeout_s:g}s") from None
     except asyncio.TimeoutError:
         raise EngineFailed(f"no answer for {stall_timeout_s:g}s (stalled)") from None
     except (aiohttp.ClientError, OSError) as exc:

@@ -1,0 +1,331 @@
+"""Scale: many instances and many sequences in flight, with the manager under a low open-file limit.
+
+A few helper processes serve ``--instances`` fake SGLang ports (benchmarks/fake_sglang.py's app, one
+aiohttp site per port; each helper raises its own open-file limit: it is not what is measured).
+A real manager is started with ``prlimit --nofile=SOFT:HARD`` (soft 1024; hard as the machine has it,
+or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), and the script
+
+1. registers every instance with ``POST /register_rollout_instance`` and times until all are active;
+2. measures the manager's idle CPU with every instance registered (``/proc/<pid>/stat``);
+3. sends ``--sequences`` sequences of ``--tokens`` tokens in ``--batches`` ``/batch_generate_requests``
+   all at once, checks every output exactly (the fake answers tokens 1..n), and counts instances
+   removed (must be 0), the manager's peak RSS (VmHWM), its CPU per sequence and per token, the wall
+   time, and its open sockets to the instances (from ``/proc/<pid>/fd`` and ``/proc/<pid>/net/tcp``):
+   how many sequences in flight share a connection.
+
+    .venv/bin/python benchmarks/bench_scale.py                      # 1,000 instances, 8,000 x 64 tokens
+    .venv/bin/python benchmarks/bench_scale.py --hard 1024          # the daemon cannot raise its limit
+    .venv/bin/python benchmarks/bench_scale.py --instances 50 --sequences 400   # development
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollout_manager.osutil import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------- the fake fleet (helper processes)
+async def serve_fake(count: int, tokens: int, cumulative: bool) -> None:
+    """Serve ``count`` ports from this process; print them as one JSON line, then serve until killed."""
+    from aiohttp import web
+
+    from benchmarks.fake_sglang import make_app
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    runner = web.AppRunner(make_app(tokens, incremental=not cumulative), access_log=None, handle_signals=False)
+    await runner.setup()
+    ports = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        site = web.SockSite(runner, sock, backlog=1024)
+        await site.start()
+        ports.append(sock.getsockname()[1])
+    print(json.dumps(ports), flush=True)
+    await asyncio.Event().wait()
+
+
+def start_fleet(instances: int, helpers: int, tokens: int, cumulative: bool, logs: Path,
+                procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    counts = [instances // helpers + (1 if k < instances % helpers else 0) for k in range(helpers)]
+    started = []
+    for k, count in enumerate(counts):
+        p = subprocess.Popen([PY, __file__, "--serve-fake", str(count), "--tokens", str(tokens),
+                              *(["--cumulative"] if cumulative else [])], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=open(logs / f"fake{k}.log", "wb"),
+                             start_new_session=True)
+        procs.append(p)
+        started.append(p)
+    ports: list[int] = []
+    for p in started:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError("a fake helper died at start; see its log")
+        ports += json.loads(line)
+    return ports
+
+
+# ---------------------------------------------------------------- /proc readings of the manager
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
+def status_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return -1
+
+
+def sockets(pid: int, ports: set[int]) -> tuple[int, int, dict[int, int]]:
+    """(descriptors, sockets, connections per instance port) the manager holds now."""
+    inodes = set()
+    fds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        fds += 1
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    per_port: dict[int, int] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[9] in inodes:
+                port = int(f[2].rsplit(":", 1)[1], 16)  # remote port
+                if port in ports:
+                    per_port[port] = per_port.get(port, 0) + 1
+    return fds, len(inodes), per_port
+
+
+# ---------------------------------------------------------------- the run
+async def get_status(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    for _ in range(100):  # the manager may briefly fail to accept while it is out of descriptors
+        try:
+            async with s.get(url + "/get_instances_status", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                data: dict[str, Any] = await r.json()
+                return data
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the manager does not answer /get_instances_status")
+
+
+async def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("the manager exited at start; see its log")
+            try:
+                async with s.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("the manager did not come up")
+
+
+async def run(args: argparse.Namespace) -> None:
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    machine_soft, machine_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = args.hard if args.hard else machine_hard
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        t0 = time.monotonic()
+        ports = start_fleet(args.instances, args.helpers, args.tokens, args.cumulative, logs, procs)
+        print(f"fleet: {len(ports)} fake SGLang ports in {args.helpers} helper processes "
+              f"({time.monotonic() - t0:.1f}s)", flush=True)
+        mport = free_port()
+        sets = [a for kv in args.set for a in ("--set", kv)]
+        cmd = ["prlimit", f"--nofile={args.soft}:{hard}", PY, "-m", "rollout_manager", "serve",
+               "--bind", f"127.0.0.1:{mport}", "--log-level", "warning", *sets]
+        manager = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / "manager.log", "wb"),
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(manager)
+        url = f"http://127.0.0.1:{mport}"
+        await wait_health(url, manager)
+        # prlimit execs Python in place, so the manager's pid is the child's
+        limit = Path(f"/proc/{manager.pid}/limits").read_text()
+        nofile = next(line for line in limit.splitlines() if line.startswith("Max open files")).split()[3:5]
+        print(f"manager: started as `{' '.join(cmd[:2])} ... serve`; machine limit soft {machine_soft} hard "
+              f"{machine_hard}; the daemon runs with soft {nofile[0]} hard {nofile[1]}", flush=True)
+        pid = manager.pid
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            # 1. registrations
+            t0 = time.monotonic()
+            for port in ports:
+                async with s.post(url + "/register_rollout_instance",
+                                  json={"host": "127.0.0.1", "port": port}) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"register: HTTP {r.status} {await r.text()}")
+            t_reg = time.monotonic() - t0
+            while True:
+                st = await get_status(s, url)
+                if st["ready_instances"] == len(ports):
+                    break
+                if time.monotonic() - t0 > 300:
+                    raise RuntimeError(f"not all active after 300s: {st['counts']}")
+                await asyncio.sleep(0.1)
+            t_active = time.monotonic() - t0
+            print(f"registration: {len(ports)} POSTs in {t_reg:.2f}s; all active {t_active:.2f}s after the "
+                  f"first POST", flush=True)
+
+            # 2. idle CPU
+            await asyncio.sleep(1.0)
+            c0, w0 = cpu_s(pid), time.monotonic()
+            await asyncio.sleep(args.idle_s)
+            idle = (cpu_s(pid) - c0) / (time.monotonic() - w0)
+            fds, socks, per_port = sockets(pid, set(ports))
+            print(f"idle: {100 * idle:.1f}% of one core over {args.idle_s:g}s with {len(ports)} instances; "
+                  f"{fds} descriptors, {socks} sockets, {sum(per_port.values())} to instances; "
+                  f"RSS {status_kb(pid, 'VmRSS') / 1024:.0f} MB", flush=True)
+
+            # 3. the load
+            per_batch = args.sequences // args.batches
+            expected = list(range(1, args.tokens + 1))
+            bad: list[str] = []
+            done = 0
+
+            async def batch(b: int) -> None:
+                nonlocal done
+                items = [[f"{b}-{i}", {"input_ids": [1 + (i % 97), 2, 3],
+                                       "sampling_params": {"max_new_tokens": args.tokens, "temperature": 0}}]
+                         for i in range(per_batch)]
+                seen = set()
+                async with s.post(url + "/batch_generate_requests", json=items,
+                                  timeout=aiohttp.ClientTimeout(total=None)) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"batch: HTTP {r.status} {await r.text()}")
+                    async for raw in r.content:
+                        line = json.loads(raw)
+                        seen.add(line["id"])
+                        done += 1
+                        data = line.get("data") or {}
+                        meta = data.get("meta_info") or {}
+                        if not line["success"] or data.get("output_ids") != expected or \
+                                meta.get("completion_tokens") != args.tokens:
+                            bad.append(json.dumps(line)[:300])
+                missing = per_batch - len(seen)
+                if missing:
+                    bad.append(f"batch {b}: {missing} ids never answered")
+
+            peak = {"fds": 0, "socks": 0, "to_instances": 0, "max_per_instance": 0, "waiting_conn": 0,
+                    "in_flight": 0}
+            samples: list[tuple[int, int, int]] = []  # (in flight on instances, waiting to connect, connections)
+
+            async def sample() -> None:
+                while True:
+                    fds, socks, per_port = sockets(pid, set(ports))
+                    st = await get_status(s, url)
+                    in_flight = sum(i.get("in_flight", 0) for i in st["instances"])
+                    conns = sum(per_port.values())
+                    peak["fds"] = max(peak["fds"], fds)
+                    peak["socks"] = max(peak["socks"], socks)
+                    peak["to_instances"] = max(peak["to_instances"], conns)
+                    peak["max_per_instance"] = max(peak["max_per_instance"], max(per_port.values(), default=0))
+                    peak["waiting_conn"] = max(peak["waiting_conn"], st["manager"].get("waiting_for_connection", 0))
+                    peak["in_flight"] = max(peak["in_flight"], in_flight)
+                    samples.append((in_flight, st["manager"].get("waiting_for_connection", 0), conns))
+                    await asyncio.sleep(args.sample_s)
+
+            c0, w0 = cpu_s(pid), time.monotonic()
+            sampler = asyncio.create_task(sample())
+            try:
+                await asyncio.gather(*(batch(b) for b in range(args.batches)))
+            finally:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+            wall = time.monotonic() - w0
+            cpu = cpu_s(pid) - c0
+            n = per_batch * args.batches
+            st = await get_status(s, url)
+            removed = len(ports) - st["ready_instances"]
+            events = [e for e in st.get("recent_events", []) if "dead" in json.dumps(e).lower()]
+            print(f"load: {n} sequences x {args.tokens} tokens in {args.batches} batches at once: "
+                  f"{wall:.1f}s wall, {n / wall:.0f} sequences/s", flush=True)
+            print(f"  exact outputs: {done - len(bad)}/{n}; instances removed: {removed} "
+                  f"(active {st['ready_instances']}/{len(ports)}, counts {st['counts']}); dead events: {len(events)}")
+            print(f"  manager CPU: {cpu:.1f}s = {1000 * cpu / n:.2f} ms per sequence, "
+                  f"{1e6 * cpu / (n * args.tokens):.1f} us per token; peak RSS (VmHWM) "
+                  f"{status_kb(pid, 'VmHWM') / 1024:.0f} MB")
+            print(f"  manager: {json.dumps(st['manager'])}")
+            # HTTP/1.1 streams one answer per connection: sharing would show as fewer connections than
+            # sequences streaming; the sample with the most connections shows how they compare
+            top = max(samples, key=lambda x: x[2], default=(0, 0, 0))
+            print(f"  connections: peak {peak['fds']} descriptors, {peak['socks']} sockets, "
+                  f"{peak['to_instances']} to instances (at most {peak['max_per_instance']} to one instance); "
+                  f"peak {peak['in_flight']} sequences in flight on instances, "
+                  f"{peak['waiting_conn']} waiting for a connection; at the sample with the most connections: "
+                  f"{top[0]} sequences placed on instances, {top[1]} of them waiting for a connection, "
+                  f"{top[2]} connections to instances")
+            for line in bad[:5]:
+                print("  BAD:", line)
+            if bad or removed:
+                raise SystemExit(1)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instances", type=int, default=1000)
+    parser.add_argument("--sequences", type=int, default=8000)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--helpers", type=int, default=2, help="fake SGLang processes serving the ports")
+    parser.add_argument("--cumulative", action="store_true",
+                        help="fakes stream cumulative chunks (SGLang's default) instead of deltas")
+    parser.add_argument("--soft", type=int, default=1024, help="the manager's soft open-file limit at start")
+    parser.add_argument("--hard", type=int, default=0, help="its hard limit (default: the machine's)")
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--sample-s", type=float, default=0.5, help="how often descriptors are counted")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="manager config")
+    parser.add_argument("--logs", default="/tmp/bench-scale")
+    parser.add_argument("--serve-fake", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_fake:
+        asyncio.run(serve_fake(args.serve_fake, args.tokens, args.cumulative))
+    else:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the helpers
+        asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
