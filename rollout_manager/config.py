@@ -117,6 +117,13 @@ class Config(BaseModel):
     tail_migration_cooldown_s: float = Field(default=5.0, ge=0)
     tail_migration_batch_half: float = Field(default=64.0, gt=0)
     tail_migration_prefill_factor: float = Field(default=200.0, gt=0)
+    # Affinity (rollout.affinity) and bounded staleness (rollout.generation); config.toml explains them.
+    affinity: bool = True
+    affinity_max_slowdown: float = Field(default=2.0, ge=1)
+    affinity_block_tokens: int = Field(default=64, gt=0)
+    affinity_capacity: int = Field(default=65536, gt=0)
+    max_staleness: int = Field(default=-1, ge=-1)  # -1: no bound
+    staleness_action: Literal["finish_on_old", "restart"] = "finish_on_old"
 
     # Local (trainer-side) instances.
     local_budget_initial_s: float = Field(default=60.0, ge=0)

@@ -30,6 +30,7 @@ from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
 from rollout_manager.osutil import open_file_limit
+from rollout_manager.rollout.affinity import AffinitySettings
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
@@ -66,13 +67,17 @@ class Manager:
                                     server_info=self.sglang.server_info)
         # rollout
         self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy))
+        if cfg.affinity:
+            self.dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,
+                                                             max_slowdown=cfg.affinity_max_slowdown))
         self.local_budget = LocalBudget(cfg.local_budget_initial_s, cfg.local_budget_min_s,
                                         cfg.local_budget_max_s, cfg.local_budget_gain)
         self.generator = Generator(
             self.dispatcher, self.sglang,
             GenerationSettings(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s,
                                cfg.connect_timeout_s, cfg.stream_stall_timeout_s, cfg.engine_stream_interval,
-                               _tail_migration(cfg), cfg.tail_migration_interval_s),
+                               _tail_migration(cfg), cfg.tail_migration_interval_s,
+                               None if cfg.max_staleness < 0 else cfg.max_staleness, cfg.staleness_action),
             self.local_budget,
             on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
         )

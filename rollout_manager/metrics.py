@@ -46,6 +46,13 @@ GENERATION_COUNTERS = {
                "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
     "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),
     "migrated": ("migrated_sequences", "Segments tail migration moved to an instance where they finish sooner."),
+    "affinity_hits": ("affinity_hits", "Sequences placed on the instance that holds their trajectory's or prompt's "
+                      "prefix."),
+    "affinity_misses": ("affinity_misses", "Sequences with no remembered instance (a new trajectory or prompt)."),
+    "affinity_fallbacks": ("affinity_fallbacks", "Sequences whose remembered instance could not take them "
+                           "(by reason: rollout_manager_affinity_fallbacks_by_reason_total)."),
+    "stale_restarts": ("stale_restarts", "Sequences restarted from their prompt because continuing them would "
+                       "exceed max_staleness."),
 }
 
 
@@ -127,6 +134,12 @@ class StateCollector(Collector):
 
         for key, (name, help_text) in GENERATION_COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, help_text, value=m.generator.stats.get(key, 0))
+        reasons = CounterMetricFamily(PREFIX + "affinity_fallbacks_by_reason",
+                                      "Affinity fallbacks by why the remembered instance was not used.",
+                                      labels=["reason"])
+        for reason, n in m.generator.affinity_fallbacks.items():
+            reasons.add_metric([reason], n)
+        yield reasons
 
         gbps = GaugeMetricFamily(PREFIX + "weight_push_last_gbps",
                                  "Transfer GB/s of the last weight push through each sender group.",

@@ -524,7 +524,8 @@ async def test_proxy_server_turns_verl_generate_into_manager_calls(start_manager
         {"max_new_tokens": 4}
     body = build_generate_body([1, 2], {"max_tokens": 50, "temperature": 0.7}, "r", prompt_length=8,
                                response_length=6, max_model_len=20)
-    assert body == {"input_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_new_tokens": 17}, "rid": "r"}
+    assert body == {"input_ids": [1, 2], "sampling_params": {"temperature": 0.7, "max_new_tokens": 17}, "rid": "r",
+                    "trajectory_key": "r"}
 
 
 @needs_verl

@@ -41,7 +41,8 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
 
     ``max_new_tokens``: the caller's ``max_new_tokens``/``max_tokens``, else
     ``min(response_length, prompt_length + response_length - len(prompt))``; clamped to what the
-    model context leaves. ``logprobs`` -> ``return_logprob``.
+    model context leaves. ``logprobs`` -> ``return_logprob``. ``request_id`` is both the engine's
+    ``rid`` and the manager's ``trajectory_key`` (affinity; the manager strips it before the engine).
     """
     params = dict(sampling_params)
     if params.get("max_new_tokens") is not None:
@@ -70,6 +71,9 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
         body["return_logprob"] = True
     if request_id:
         body["rid"] = str(request_id)
+        # verl's agent loops pass one request_id per trajectory, the same for every turn: the manager
+        # sends each next turn to the instance whose prefix cache holds the conversation so far.
+        body["trajectory_key"] = str(request_id)
     return body
 
 

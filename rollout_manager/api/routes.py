@@ -33,8 +33,10 @@ from rollout_manager.api.schemas import (
     UpdateWeightSenders,
     UpdateWeightVersion,
 )
+from rollout_manager.errors import BadRequest
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
+from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.generation import run_batch
 from rollout_manager.sglang import wire
 
@@ -100,11 +102,12 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     """SGLang's /generate through the pool, continued on another instance if one dies mid-sequence."""
     generator = manager_of(request).generator
     assert generator is not None
-    if not body.stream:  # validated; the caller's own dict goes on unchanged
-        return json_response(await generator.generate(data))
+    key = _trajectory_header(request)
+    if not body.stream:  # validated; the caller's own dict goes on (less the manager's trajectory key)
+        return json_response(await generator.generate(data, key))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    chunks = generator.generate_stream(data)
+    chunks = generator.generate_stream(data, key)
     try:
         async for ready in chunks:
             await resp.write(b"".join(wire.sse_frame(chunk) for chunk in ready))
@@ -113,6 +116,14 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     await resp.write(wire.DONE_FRAME)
     await resp.write_eof()
     return resp
+
+
+def _trajectory_header(request: web.Request) -> str | None:
+    """The ``X-Trajectory-Key`` header (affinity), for callers that cannot add a body key."""
+    key = request.headers.get(KEY_HEADER)
+    if key is not None and not 1 <= len(key) <= KEY_MAX_LEN:
+        raise BadRequest(f"{KEY_HEADER} must be 1 to {KEY_MAX_LEN} characters")
+    return key
 
 
 @accepts(BatchGenerateRequests, large=True)

@@ -144,6 +144,7 @@ InputIds = Annotated[
     Discriminator(_sequence_or_batch),
 ]
 StrictBool = Annotated[bool, Strict()]
+TrajectoryKey = Annotated[str, Strict(), Field(min_length=1, max_length=512)]
 
 
 class SamplingParams(BaseModel):
@@ -168,6 +169,10 @@ class GenerateRequest(BaseModel):
     rid: Annotated[Annotated[str, Tag(ONE)] | Annotated[list[str], Tag(MANY)],
                    Discriminator(_one_or_list)] | None = None
     stream: Annotated[bool, Strict()] = False
+    # The manager's own key (stripped before the engine sees the body): requests with one key, e.g. the
+    # turns of one agent trajectory, go to the instance whose prefix cache holds their context.
+    trajectory_key: Annotated[Annotated[TrajectoryKey, Tag(ONE)] | Annotated[list[TrajectoryKey | None], Tag(MANY)],
+                              Discriminator(_one_or_list)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -181,7 +186,7 @@ class GenerateRequest(BaseModel):
     def _per_item_lists_match_batch(self) -> GenerateRequest:
         batched = isinstance(self.input_ids[0], list)
         n = len(self.input_ids)
-        for name in wire.PER_ITEM_KEYS:
+        for name in (*wire.PER_ITEM_KEYS, "trajectory_key"):
             value = getattr(self, name, None)
             if isinstance(value, list):
                 if not batched:

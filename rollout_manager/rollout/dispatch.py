@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.notify import Signal
+from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
 from rollout_manager.rollout.local_budget import LocalWindow
 from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter, lone_rate_weight
 
@@ -33,7 +34,13 @@ class Dispatcher:
         # Tail migration: each instance's lone-sequence rate under the batch model of scheduling.py.
         self.batch_half = 64.0
         self.lone_meters: dict[str, TokenRateMeter] = {}
+        # Affinity (None: off): which instance holds which trajectory's or prompt's prefix.
+        self.affinity: AffinityTable | None = None
         registry.listeners.append(self._on_event)
+
+    def enable_affinity(self, settings: AffinitySettings | None = None) -> AffinityTable:
+        self.affinity = AffinityTable(settings)
+        return self.affinity
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         if event.new == State.DEAD:
@@ -41,6 +48,8 @@ class Dispatcher:
             self.lone_meters.pop(inst.id, None)
             self._idle_since.pop(inst.id, None)
             self._idle_s.pop(inst.id, None)
+            if self.affinity is not None:
+                self.affinity.forget_instance(inst.id)
         elif event.new == State.ACTIVE and inst.in_flight == 0:
             self._idle_since.setdefault(inst.id, self.clock())
         elif event.old == State.ACTIVE:  # syncing or draining: no work is possible, so none is idle time
@@ -59,22 +68,39 @@ class Dispatcher:
         return InstanceLoad(inst.id, inst.kind.value, inst.in_flight, inst.in_flight_tokens,
                             self.meter(inst).rate(now))
 
-    def try_acquire(self, tokens: int, avoid: Collection[str] = ()) -> Instance | None:
+    def try_acquire(self, tokens: int, avoid: Collection[str] = (), prefer: str | None = None,
+                    allow: Callable[[Instance], bool] | None = None) -> Instance | None:
         """Pick an instance now, or None. Local (trainer-side) instances are offered the work first.
 
         An instance this sequence already failed on is used again only once it has recovered (a
         health check or another request succeeded there); instances with recent failures get work
-        only when no clean instance is there.
+        only when no clean instance is there. ``prefer`` (affinity: it holds the request's prefix)
+        wins while it is clean and not overloaded; ``allow`` restricts the candidates (the staleness
+        bound).
         """
         usable = [i for i in self.registry.in_state(State.ACTIVE)
-                  if i.id not in avoid or i.consecutive_failures == 0]
+                  if (i.id not in avoid or i.consecutive_failures == 0) and (allow is None or allow(i))]
         local = [i for i in usable if i.kind == Kind.LOCAL] if self.local.is_open else []
         remote = [i for i in usable if i.kind == Kind.REMOTE]
         for group in (local, remote):
-            inst = self._pick([i for i in group if i.consecutive_failures == 0] or group, tokens)
+            clean = [i for i in group if i.consecutive_failures == 0]
+            inst = self._preferred(clean, prefer, tokens) if prefer is not None else None
+            inst = inst or self._pick(clean or group, tokens)
             if inst is not None:
                 return inst
         return None
+
+    def _preferred(self, clean: list[Instance], prefer: str, tokens: int) -> Instance | None:
+        mine = next((i for i in clean if i.id == prefer), None)
+        if mine is None:
+            return None
+        now = self.clock()
+        loads = [self.load_of(i, now) for i in clean]
+        settings = self.affinity.settings if self.affinity is not None else AffinitySettings()
+        if overloaded(self.load_of(mine, now), loads, tokens, self.policy, settings.max_slowdown):
+            return None
+        self._reserve(mine, tokens, now)
+        return mine
 
     def _pick(self, candidates: list[Instance], tokens: int) -> Instance | None:
         if not candidates:
@@ -84,12 +110,16 @@ class Dispatcher:
         inst = self.registry.get(chosen) if chosen else None
         if inst is None:
             return None
+        self._reserve(inst, tokens, now)
+        return inst
+
+    def _reserve(self, inst: Instance, tokens: int, now: float) -> None:
         inst.in_flight += 1
         inst.in_flight_tokens += tokens
         self._busy_changed(inst, now)
-        return inst
 
-    async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = ()) -> Instance:
+    async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
+                      allow: Callable[[Instance], bool] | None = None) -> Instance:
         """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline."""
         deadline = self.clock() + timeout_s
         counted = False  # counted in ``waiting`` from its first failed try until it leaves
@@ -97,7 +127,7 @@ class Dispatcher:
             while True:
                 if self.closing:
                     raise Unavailable("rollout manager is shutting down; no new work is placed")
-                inst = self.try_acquire(tokens, avoid)
+                inst = self.try_acquire(tokens, avoid, prefer, allow)
                 if inst is not None:
                     return inst
                 left = deadline - self.clock()

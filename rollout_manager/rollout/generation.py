@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout import affinity as aff
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
@@ -66,6 +67,11 @@ class GenerationSettings:
     # Tail migration (None: off): the policy, and how often it is asked which sequences to move.
     migration: TailMigration | None = None
     migration_interval_s: float = 1.0
+    # Bounded staleness (None: no bound): the most weight versions one sequence's segments may span,
+    # and what a continuation that would span more does: "finish_on_old" (only on an instance within
+    # the bound; restart if none is active) or "restart" (from the prompt, on the current version).
+    max_staleness: int | None = None
+    staleness_action: str = "finish_on_old"
 
 
 @dataclass
@@ -103,6 +109,8 @@ class SequenceState:
     move_to: Instance | None = None
     move_reserved: int = 0  # tokens reserved on move_to
     migrating: bool = False
+    versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
+    discarded: list[Segment] = field(default_factory=list)  # segments a staleness restart threw away
 
     @property
     def budget(self) -> int | None:
@@ -141,7 +149,9 @@ class Generator:
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
-                      "migrated": 0}
+                      "migrated": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
+                      "stale_restarts": 0}
+        self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         # Tail migration: the segments streaming now (sequence, instance, engine rid), and the task
         # that asks the policy every ``migration_interval_s`` while there are any.
         self._live: dict[int, tuple[SequenceState, Instance, str]] = {}
@@ -186,16 +196,26 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    async def generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    async def generate(self, body: dict[str, Any],
+                       trajectory_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """An SGLang ``/generate`` body -> SGLang's final answer (a list for batched input)."""
-        return await self.guarded(self._generate(body))
+        return await self.guarded(self._generate(body, trajectory_key))
 
-    async def _generate(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    @staticmethod
+    def _split(body: dict[str, Any], trajectory_key: str | None) -> list[tuple[dict[str, Any], str | None]]:
+        """One body per sequence, each with its trajectory key (stripped: engines refuse unknown keys)."""
+        n = len(body["input_ids"]) if wire.is_batched(body) else 1
+        body, keys = aff.take_keys(body, n, trajectory_key)
+        return list(zip(wire.split_batch(body), keys))
+
+    async def _generate(self, body: dict[str, Any],
+                        trajectory_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         self.begin_rollout()
-        subs = wire.split_batch(body)
+        subs = self._split(body, trajectory_key)
         if not wire.is_batched(body):
-            return await self.run_sequence(subs[0])
-        tasks = [asyncio.ensure_future(self.run_sequence(sub, index=i)) for i, sub in enumerate(subs)]
+            return await self.run_sequence(subs[0][0], trajectory_key=subs[0][1])
+        tasks = [asyncio.ensure_future(self.run_sequence(sub, index=i, trajectory_key=key))
+                 for i, (sub, key) in enumerate(subs)]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -203,7 +223,8 @@ class Generator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def generate_stream(self, body: dict[str, Any]) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate_stream(self, body: dict[str, Any],
+                              trajectory_key: str | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
@@ -214,15 +235,16 @@ class Generator:
         batched = wire.is_batched(body)
         queue: asyncio.Queue[tuple[int, SequenceState | dict[str, Any] | GenerationFailed]] = asyncio.Queue()
 
-        async def one(i: int, sub: dict[str, Any]) -> None:
+        async def one(i: int, sub: dict[str, Any], key: str | None) -> None:
             try:
                 final = await self.run_sequence(sub, i if batched else None,
-                                                on_tokens=lambda seq: queue.put_nowait((i, seq)))
+                                                on_tokens=lambda seq: queue.put_nowait((i, seq)), trajectory_key=key)
                 queue.put_nowait((i, final))
             except GenerationFailed as exc:
                 queue.put_nowait((i, exc))
 
-        tasks = [asyncio.ensure_future(one(i, sub)) for i, sub in enumerate(wire.split_batch(body))]
+        tasks = [asyncio.ensure_future(one(i, sub, key))
+                 for i, (sub, key) in enumerate(self._split(body, trajectory_key))]
         tasks.append(asyncio.ensure_future(self._fail_on_stop(queue)))
         finished = 0
         try:
@@ -261,11 +283,12 @@ class Generator:
         )
 
     async def run_sequence(self, body: dict[str, Any], index: int | None = None,
-                           on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
+                           on_tokens: Callable[[SequenceState], None] | None = None,
+                           trajectory_key: str | None = None) -> dict[str, Any]:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told)."""
         started = time.monotonic()
         try:
-            out = await self._run_sequence(body, index, on_tokens)
+            out = await self._run_sequence(body, index, on_tokens, trajectory_key)
         except GenerationFailed:
             for listener in self.finished_listeners:
                 listener(time.monotonic() - started, 0, False)
@@ -277,7 +300,11 @@ class Generator:
         return out
 
     async def _run_sequence(self, body: dict[str, Any], index: int | None,
-                            on_tokens: Callable[[SequenceState], None] | None) -> dict[str, Any]:
+                            on_tokens: Callable[[SequenceState], None] | None,
+                            trajectory_key: str | None = None) -> dict[str, Any]:
+        body, (trajectory_key,) = aff.take_keys(body, 1, trajectory_key)
+        table = self.dispatcher.affinity
+        keys = table.keys(body["input_ids"], trajectory_key) if table is not None else None
         caller_rid = body.get("rid")
         seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{uuid.uuid4().hex[:12]}"))
         self.stats["sequences"] += 1
@@ -301,21 +328,30 @@ class Generator:
                     f"(limit {self.settings.max_attempts}); instances tried: {', '.join(i.endpoint for i in tried)}; "
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
-            inst = self._take_handoff(seq)
+            allow = self._staleness_bound(seq)
+            inst = self._take_handoff(seq, allow)
             if inst is None:
+                first = keys is not None and not seq.versions and not seq.discarded
+                prefer = table.lookup(keys) if table is not None and keys is not None and first else None
                 try:
                     inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
-                                                         avoid={i.id for i in tried})
+                                                         avoid={i.id for i in tried}, prefer=prefer, allow=allow)
                 except Unavailable as exc:
                     self.stats["failed"] += 1
                     raise GenerationFailed(503, str(exc)) from None
+                if table is not None and keys is not None and first:
+                    self._count_affinity(prefer, inst)
+                    table.placed(keys, inst.id)
             tried.append(inst)
+            seq.versions.append(inst.weight_version)
             if seq.segments:
                 self.stats["continuations"] += 1
                 log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
                          len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
-            await self._attempt(seq, inst, len(seq.segments), on_tokens)
+            await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
         self.stats["tokens"] += len(seq.output_ids)
+        if table is not None and keys is not None and seq.segments:
+            table.finished(keys, [*body["input_ids"], *seq.output_ids], seq.segments[-1].instance)
         return self._result(seq, index, time.monotonic() - started)
 
     def _current_version(self) -> str:
@@ -460,12 +496,12 @@ class Generator:
         log.info("sequence %s migrated from %s to %s after %d token(s)", seq.rid, segment.endpoint, target,
                  len(seq.output_ids))
 
-    def _take_handoff(self, seq: SequenceState) -> Instance | None:
+    def _take_handoff(self, seq: SequenceState, allow: Callable[[Instance], bool] | None = None) -> Instance | None:
         """The instance tail migration reserved for this sequence, if it can still take it."""
         inst, seq.move_to = seq.move_to, None
         if inst is None:
             return None
-        if inst.state != State.ACTIVE:
+        if inst.state != State.ACTIVE or (allow is not None and not allow(inst)):
             self.dispatcher.release(inst, seq.move_reserved)
             return None
         # Tokens made between the decision and the abort shrink what the new segment reserves.
@@ -522,7 +558,9 @@ class Generator:
         for move in moves:
             seq, src, rid = self._live[by_key[move.seq_id]]
             target = registry.get(move.target)
-            if target is None or not self.dispatcher.claim(target, seq.reserve):
+            bound = self._staleness_bound(seq, restart=False)
+            if target is None or (bound is not None and not bound(target)) or \
+                    not self.dispatcher.claim(target, seq.reserve):
                 continue
             seq.move_to, seq.move_reserved, seq.migrating = target, seq.reserve, True
             seq.moves += 1
@@ -533,15 +571,67 @@ class Generator:
             task.add_done_callback(self._aborts.discard)
         return started
 
+    # ------------------------------------------------------------ affinity and staleness
+    def _count_affinity(self, prefer: str | None, inst: Instance) -> None:
+        if prefer is None:
+            self.stats["affinity_misses"] += 1
+        elif prefer == inst.id:
+            self.stats["affinity_hits"] += 1
+        else:
+            self.stats["affinity_fallbacks"] += 1
+            reason = aff.fallback_reason(self.dispatcher.registry.get(prefer), inst)
+            self.affinity_fallbacks[reason] = self.affinity_fallbacks.get(reason, 0) + 1
+
+    def _staleness_bound(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
+        """Which instances may continue ``seq`` without its segments spanning more than
+        ``max_staleness`` versions (None: any). With ``restart``, a sequence that cannot continue within
+        the bound as ``staleness_action`` says is restarted from its prompt here (its tokens dropped)."""
+        bound = self.settings.max_staleness
+        if bound is None or not seq.versions:
+            return None
+        lo, hi = min(seq.versions), max(seq.versions)
+
+        def within(inst: Instance) -> bool:
+            return within_version(lo, hi, inst.weight_version, bound)
+
+        if not restart:
+            return within
+        active = self.dispatcher.registry.in_state(State.ACTIVE)
+        if self.settings.staleness_action == "restart":  # the fleet's newest version, or start over
+            stale = not within_version(lo, hi, max((i.weight_version for i in active), default=hi), bound)
+        else:
+            stale = not any(within(i) and i.consecutive_failures == 0 for i in active)  # a clean one, that is
+        if not stale:
+            return within
+        log.info("restarting %s from its prompt: %d token(s) on weight version(s) %d..%d would span more than "
+                 "max_staleness=%d", seq.rid, len(seq.output_ids), lo, hi, bound)
+        seq.discarded.extend(seq.segments)
+        seq.segments.clear()
+        seq.versions.clear()
+        seq.output_ids.clear()
+        seq.logprobs.clear()
+        seq.texts.clear()
+        seq.live_text = None
+        self.stats["stale_restarts"] += 1
+        return None
+
     def _result(self, seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
         # The text is known only if every segment's engine sent its part (a cut segment's is lost).
         texts = [t for t in seq.texts if t is not None]
         text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
-        return wire.final_output(
+        out = wire.final_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
             engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
             e2e_latency=latency, index=index,
         )
+        if seq.discarded:  # a staleness restart: what was thrown away stays visible
+            out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
+        return out
+
+
+def within_version(lo: int, hi: int, version: int, bound: int) -> bool:
+    """Whether segments on versions ``lo..hi`` plus one on ``version`` span at most ``bound`` versions."""
+    return max(hi, version) - min(lo, version) <= bound
 
 
 async def run_batch(
