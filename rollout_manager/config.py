@@ -90,6 +90,7 @@ class Config(BaseModel):
     weight_push_timeout_s: float = Field(default=600.0, gt=0)
     weight_push_retry_s: float = Field(default=2.0, gt=0)
     weight_push_mode: Literal["auto", "full", "delta"] = "auto"
+    peer_bootstrap: bool = True
 
     # Instance health.
     startup_grace_period_s: float = Field(default=1800.0, gt=0)

@@ -172,6 +172,11 @@ class ManagerMetrics:
         self.push_bytes = Counter(
             PREFIX + "weight_push_bytes", "Bytes pushed to instances, per sender group.",
             ["sender", "group"], registry=self.prometheus)
+        self.peer_bootstraps = Counter(
+            PREFIX + "weight_peer_bootstraps",
+            "Versions a joining or lagging instance got: ok from a peer (not counted in weight_push_*, "
+            "which are the senders' pushes), fallback from its sender after the peer failed.",
+            ["outcome"], registry=self.prometheus)
         self.transitions = Counter(
             PREFIX + "instance_transitions", "Instance lifecycle transitions, by the state entered.",
             ["to"], registry=self.prometheus)
@@ -183,6 +188,8 @@ class ManagerMetrics:
             self.transitions.labels(state.value)
         for outcome in ("ok", "error"):
             self.latency.labels(outcome)
+        for outcome in ("ok", "fallback"):
+            self.peer_bootstraps.labels(outcome)
         self.prometheus.register(StateCollector(self))
         registry.listeners.append(self._on_event)
         weights.push_listeners.append(self._on_push)
@@ -195,6 +202,11 @@ class ManagerMetrics:
             self.completion_tokens.observe(tokens)
 
     def _on_push(self, result: dict[str, Any]) -> None:
+        if str(result.get("source") or "").startswith("peer:"):
+            self.peer_bootstraps.labels("ok").inc()
+            return
+        if result.get("peer_failed"):
+            self.peer_bootstraps.labels("fallback").inc()
         key = (_label(result.get("sender")), _label(result.get("group")))
         self.push_seconds.labels(*key).observe(float(result.get("total_s") or 0.0))
         self.push_bytes.labels(*key).inc(float(result.get("bytes") or 0))

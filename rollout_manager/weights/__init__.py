@@ -1,8 +1,8 @@
-"""Weights: the manager's side of a push (``sync``, ``groups``, ``protocol``), the sender and receiver
+"""Weights: the manager's side of a push (``sync``, ``groups``, ``peers``, ``protocol``), the sender and receiver
 agents, and the byte layer under them (buffer layout, shards and checksums, transports).
 
 The byte layer needs torch and, for Mooncake, its native library. The manager imports only
-``groups``, ``sync`` and ``protocol``, so the names below load on first use (PEP 562): importing this
+``groups``, ``peers``, ``sync`` and ``protocol``, so the names below load on first use (PEP 562): importing this
 package does not import torch.
 """
 

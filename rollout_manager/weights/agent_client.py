@@ -1,6 +1,7 @@
 """The manager's calls to the weight agents: the sender's ``/layout`` and ``/push``, the receiver's
-``/prepare`` and ``/commit``. Errors are sorted by whose fault they are: a sender that is down or
-restaged is :class:`SenderUnavailable` (the instance waits), anything else :class:`PushFailed`."""
+``/prepare`` and ``/commit``, and a peer receiver's ``/layout`` and ``/serve`` (peer bootstrap).
+Errors are sorted by whose fault they are: a sender that is down or restaged is
+:class:`SenderUnavailable` (the instance waits), anything else :class:`PushFailed`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rollout_manager.weights.protocol import (
     PrepareRequest,
     PushAnswer,
     PushRequest,
+    ServeRequest,
     parse_body,
 )
 
@@ -67,6 +69,14 @@ class AgentClient:
 
     async def commit(self, receiver_url: str, req: CommitRequest) -> CommitAnswer:
         return await self._call("POST", receiver_url + "/commit", req, CommitAnswer)
+
+    async def peer_layout(self, receiver_url: str) -> LayoutAnswer:
+        """The verified version a peer's receiver holds, and its layout."""
+        return await self._call("GET", receiver_url + "/layout", None, LayoutAnswer)
+
+    async def serve(self, receiver_url: str, req: ServeRequest) -> PushAnswer:
+        """Have a peer's receiver write its verified buffer into another receiver's prepared one."""
+        return await self._call("POST", receiver_url + "/serve", req, PushAnswer)
 
     async def _call(self, method: str, url: str, req: BaseModel | None, answer: type[Body]) -> Body:
         """One call; a refusal (non-200) or an answer that does not fit ``answer`` is :class:`PushFailed`."""

@@ -9,6 +9,9 @@ must not import torch (nor the byte layer that does).
 - sender ``POST /push`` :class:`PushRequest` -> :class:`PushAnswer`
 - receiver ``POST /prepare`` :class:`PrepareRequest` -> :class:`PrepareAnswer`
 - receiver ``POST /commit`` :class:`CommitRequest` -> :class:`CommitAnswer`
+- receiver ``GET /layout`` -> :class:`LayoutAnswer` (the verified version its buffer holds)
+- receiver ``POST /serve`` :class:`ServeRequest` -> :class:`PushAnswer` (a peer bootstrap: the mirror of
+  the sender's ``/push``, answering the trainer's checksums of that version)
 - any refusal -> :class:`ErrorAnswer` with a 4xx/5xx status
 
 Delta pushes (:mod:`rollout_manager.weights.delta`) add optional fields, None when unused, which the
@@ -213,6 +216,18 @@ class CommitAnswer(_Answer):
     buckets: NonNegInt
     reloaded: NonNegInt | None = None  # tensors loaded into SGLang (only the changed ones after a delta)
     apply_s: NonNegFloat | None = None  # decoding and applying a delta
+
+
+class ServeRequest(_Request):
+    """``POST /serve`` on a peer's receiver: write the verified ``version`` its buffer holds (layout
+    ``fingerprint``) into another receiver's prepared buffer, as the sender's ``/push`` does."""
+
+    version: Version
+    fingerprint: NonEmptyText
+    num_engines: PosInt
+    session_ids: Annotated[list[NonEmptyText], Field(min_length=1)]
+    buffer_addr: NonNegInt
+    transport: TransportName = "mooncake"
 
 
 class ErrorAnswer(_Answer):

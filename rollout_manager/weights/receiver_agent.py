@@ -13,6 +13,13 @@ The manager drives it over HTTP (it is one brain; this agent only moves and chec
   is refused with 422 and never loaded; a data-parallel server (``dp_size > 1``) with 409.
 - ``GET /health``, ``GET /info``.
 
+Peers: the buffer keeps the last verified version with the trainer's checksums of it, so the agent can
+serve it to a box that joins (``GET /layout``, then ``POST /serve``: the mirror of the sender's
+``/push``, through the same engines into the puller's prepared buffer). The puller verifies against those
+checksums, the trainer's, never against anything this agent computes. While it serves the buffer is
+read-only: a ``/prepare`` or ``/commit`` waits for the serves in flight, and a serve of a version the
+buffer no longer holds verified is refused (409).
+
 Deltas: the buffer keeps the last verified version. When ``/prepare`` offers a delta from exactly that
 version (same layout), the agent answers a registered landing area (``delta_addr``) and keeps the
 buffer; ``/commit`` then applies the delta there, verifies the result against the checksums of the
@@ -49,11 +56,16 @@ from rollout_manager.weights.protocol import (
     BadBody,
     CommitAnswer,
     CommitRequest,
+    LayoutAnswer,
+    LayoutBody,
     PrepareAnswer,
     PrepareRequest,
+    PushAnswer,
+    ServeRequest,
     TransportName,
     parse_body,
 )
+from rollout_manager.weights.pusher import PushResult, push_buffer
 from rollout_manager.weights.shards import Shard, verify_shards
 from rollout_manager.weights.tcp_transport import TcpEngine
 from rollout_manager.weights.transport import Transport
@@ -67,7 +79,8 @@ class ReceiverAgent:
     def __init__(self, host: str, sglang_url: str, *, protocol: str = "tcp", device_name: str = "",
                  num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
                  fault_corrupt: bool = False, fault_die_after_prepare: bool = False,
-                 fault_corrupt_delta: bool = False):
+                 fault_corrupt_delta: bool = False, fault_die_mid_serve: bool = False,
+                 fault_corrupt_serve: bool = False):
         self.host = host
         self.sglang_url = sglang_url.rstrip("/")
         # The Mooncake engines (one session id each, all sharing the buffer); engines[0] does the handshake.
@@ -88,6 +101,14 @@ class ReceiverAgent:
         self.fault_corrupt = fault_corrupt
         self.fault_die_after_prepare = fault_die_after_prepare
         self.fault_corrupt_delta = fault_corrupt_delta  # flip a byte of every delta before applying it
+        self.fault_die_mid_serve = fault_die_mid_serve  # exit after serving the first shard to a peer
+        self.fault_corrupt_serve = fault_corrupt_serve  # serve peers one wrong byte
+        # Serving peers: the trainer's (shards, checksums) of the held version; serves in flight.
+        self.sums: tuple[list[Shard], list[str]] | None = None
+        self.served_bytes = 0
+        self._serving = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -117,7 +138,65 @@ class ReceiverAgent:
             "buffer_bytes": self.buffer.nbytes if self.buffer else 0,
             "layout_fingerprint": self.layout.fingerprint() if self.layout else None,
             "buffer_version": self.held[0] if self.held else None,  # verified bytes of that layout
+            "served_bytes": self.served_bytes,  # to peers
         }
+
+    # ------------------------------------------------------------ serving peers
+    async def writable(self) -> None:
+        """Wait until no peer is reading the buffer (the caller holds ``busy``, so none starts)."""
+        await self._idle.wait()
+
+    def held_layout(self) -> LayoutAnswer | None:
+        """The verified version the buffer holds and its layout, which a peer bootstrap prepares for."""
+        if self.held is None or self.layout is None or self.sums is None:
+            return None
+        if self.held[1] != self.layout.fingerprint():
+            return None
+        return LayoutAnswer(version=self.held[0], layout=LayoutBody.model_validate(self.layout.to_dict()),
+                            fingerprint=self.held[1])
+
+    async def serve_peer(self, req: ServeRequest) -> PushAnswer:
+        """Write the held verified version into a puller's buffer; refused (409) unless this buffer holds
+        exactly ``req.version`` of ``req.fingerprint``. Answers the trainer's checksums of that version."""
+        async with self.busy:
+            sums, buffer, layout = self.sums, self.buffer, self.layout
+            if self.held != (req.version, req.fingerprint) or sums is None or buffer is None or layout is None:
+                held = self.held[0] if self.held else None
+                raise CommitRefused(409, f"version {req.version} of layout {req.fingerprint[:12]} is not held verified "
+                                         f"here (held: {held})")
+            if req.transport == "tcp" and self.tcp is None:
+                self.tcp = TcpEngine(self.host).start()
+                self.tcp.register(buffer.addr, max(buffer.nbytes, 1))
+            engines: list[Transport] = [self.tcp] if req.transport == "tcp" and self.tcp else list(self.engines)
+            self._serving += 1
+            self._idle.clear()
+        try:
+            result = await asyncio.to_thread(self._write_to_peer, req, buffer.addr, layout.total_bytes, engines)
+        finally:
+            self._serving -= 1
+            if not self._serving:
+                self._idle.set()
+        self.served_bytes += result.bytes
+        return PushAnswer(version=req.version, bytes=result.bytes, seconds=round(result.seconds, 6),
+                          gbps=round(result.gbps, 3), shards=sums[0], checksums=sums[1],
+                          fingerprint=req.fingerprint)
+
+    def _write_to_peer(self, req: ServeRequest, addr: int, total: int, engines: list[Transport]) -> PushResult:
+        assert self.buffer is not None
+        sessions = list(req.session_ids)
+        if self.fault_die_mid_serve:  # the first shard lands, then this box is gone
+            push_buffer(engines, addr, total, sessions, req.buffer_addr, req.num_engines, compute_checksums=False,
+                        only=[0])
+            os._exit(1)
+        flip = total // 2 if self.fault_corrupt_serve and total else None
+        if flip is not None:
+            self.buffer.array[flip] ^= 0xFF
+        try:
+            return push_buffer(engines, addr, total, sessions, req.buffer_addr, req.num_engines,
+                               compute_checksums=False)
+        finally:
+            if flip is not None:
+                self.buffer.array[flip] ^= 0xFF
 
     # ------------------------------------------------------------ prepare
     def prepare(self, layout: WeightLayout, transport: TransportName = "mooncake", delta_base: int | None = None,
@@ -211,6 +290,7 @@ class ReceiverAgent:
                 self.dirty |= self._touched(layout, delta.Applied(), [req.shards[i] for i in bad])
             raise CommitRefused(422, f"checksum mismatch in shard(s) {bad}; nothing loaded", bad_shards=bad)
         self.held = (req.version, layout.fingerprint())
+        self.sums = (list(req.shards), list(req.checksums))  # the trainer's, for serving peers
         t1 = time.perf_counter()
         names = None if self.dirty is None or self.version is None else set(self.dirty)
         buckets = await self._load(req.version, names)
@@ -368,6 +448,7 @@ async def handle_prepare(request: web.Request) -> web.Response:
     except (KeyError, TypeError, ValueError) as exc:
         return bad_body("prepare", f"field 'layout': {exc}")
     async with agent.busy:
+        await agent.writable()
         answer = await asyncio.to_thread(agent.prepare, layout, req.transport, req.delta_base, req.delta_bytes)
     if agent.fault_die_after_prepare:
         asyncio.get_running_loop().call_later(0.05, os._exit, 1)
@@ -381,6 +462,7 @@ async def handle_commit(request: web.Request) -> web.Response:
     except BadBody as exc:
         return bad_body("commit", str(exc))
     async with agent.busy:
+        await agent.writable()
         try:
             result = await agent.commit(req)
         except CommitRefused as exc:
@@ -398,6 +480,31 @@ async def handle_info(request: web.Request) -> web.Response:
     return web.json_response(request.app[AGENT].info())
 
 
+async def handle_layout(request: web.Request) -> web.Response:
+    answer = request.app[AGENT].held_layout()
+    if answer is None:
+        return web.json_response({"error": "no verified version held"}, status=404)
+    return web.json_response(answer.model_dump())
+
+
+async def handle_serve(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    try:
+        req = parse_body(await request.read(), ServeRequest)
+    except BadBody as exc:
+        return bad_body("serve", str(exc))
+    try:
+        answer = await agent.serve_peer(req)
+    except CommitRefused as exc:
+        return web.json_response({"error": str(exc)}, status=exc.status)
+    except Exception as exc:  # a transfer failure: report it, the manager falls back to the sender
+        log.warning("serving version %d to %s failed: %s", req.version, req.session_ids[0], exc)
+        return web.json_response({"error": f"transfer failed: {exc}"}, status=502)
+    log.info("served version %d to %s: %d bytes in %.3fs", req.version, req.session_ids[0], answer.bytes,
+             answer.seconds)
+    return web.json_response(answer.model_dump())
+
+
 def create_app(agent: ReceiverAgent) -> web.Application:
     app = web.Application(client_max_size=64 << 20, middlewares=[token_middleware()])
     app[AGENT] = agent
@@ -405,6 +512,8 @@ def create_app(agent: ReceiverAgent) -> web.Application:
     app.router.add_get("/info", handle_info)
     app.router.add_post("/prepare", handle_prepare)
     app.router.add_post("/commit", handle_commit)
+    app.router.add_get("/layout", handle_layout)
+    app.router.add_post("/serve", handle_serve)
     return app
 
 
@@ -444,12 +553,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fault-corrupt", action="store_true", help="test: corrupt every transfer")
     parser.add_argument("--fault-die-after-prepare", action="store_true", help="test: exit mid-transfer")
     parser.add_argument("--fault-corrupt-delta", action="store_true", help="test: corrupt every delta that lands")
+    parser.add_argument("--fault-die-mid-serve", action="store_true", help="test: exit while serving a peer")
+    parser.add_argument("--fault-corrupt-serve", action="store_true", help="test: serve peers a wrong byte")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = ReceiverAgent(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
                           num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
                           fault_corrupt=args.fault_corrupt, fault_die_after_prepare=args.fault_die_after_prepare,
-                          fault_corrupt_delta=args.fault_corrupt_delta)
+                          fault_corrupt_delta=args.fault_corrupt_delta, fault_die_mid_serve=args.fault_die_mid_serve,
+                          fault_corrupt_serve=args.fault_corrupt_serve)
     asyncio.run(serve(agent, args.bind or args.host, args.port))
     return 0
 

@@ -81,6 +81,7 @@ class SenderAgent:
         self._blob: HostBuffer | None = None  # registered with every engine, grown when a delta does not fit
         self._delta_lock = threading.Lock()
         self.delta_encode_s = 0.0  # time the last delta took to encode
+        self.bytes_sent = 0  # over every push, to see what peer bootstraps spare the trainer's links
 
     # ------------------------------------------------------------ trainer side
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> WeightLayout:
@@ -267,6 +268,8 @@ class SenderAgent:
             else:
                 result = push_buffer(engine, buffer.addr, total, sessions, req.buffer_addr, req.num_engines,
                                      checksums=sums, only=req.only_shards)
+            with self._gate:
+                self.bytes_sent += result.bytes
         return PushAnswer(version=req.version, bytes=result.bytes, seconds=round(result.seconds, 6),
                           gbps=round(result.gbps, 3), shards=result.shards, checksums=result.checksums,
                           fingerprint=layout.fingerprint(), delta_base=req.delta_base)
@@ -334,6 +337,7 @@ class PushRefused(Exception):
 async def handle_info(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     return web.json_response({"status": "ok", "ips": agent.ips, "version": agent.version,
+                              "bytes_sent": agent.bytes_sent,
                               "fingerprint": agent.layout.fingerprint() if agent.layout else None})
 
 

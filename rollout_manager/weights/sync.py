@@ -13,6 +13,12 @@ With ``weight_push_mode`` "delta" or "auto", an instance one version behind, who
 that version's bytes, gets only what changed (:mod:`rollout_manager.weights.delta`); any other gets the
 full bytes. A delta whose result does not match the full version's checksums is repaired at once by
 rewriting the failing shards in full, then verified again; nothing unverified is ever loaded.
+
+With ``peer_bootstrap``, an instance that joins or fell behind (never synced here, missed a version, or
+its last attempt failed) first pulls the version from the nearest active instance that holds it
+(:mod:`rollout_manager.weights.peers`), so the trainer's links stay free for the regular push; the
+puller verifies against the trainer's checksums (recorded here from the sender's pushes; the peer's
+copy of them when this manager has none). A peer that fails sends it to its sender in the same attempt.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ from rollout_manager.notify import Signal, bounded
 from rollout_manager.osutil import format_endpoint
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.groups import Group, SenderPlan
+from rollout_manager.weights.peers import choose_peer, holders
 from rollout_manager.weights.protocol import (
     CommitRequest,
     PrepareRequest,
     PushAnswer,
     PushMode,
     PushRequest,
+    ServeRequest,
     TransportName,
 )
 
@@ -59,6 +67,7 @@ class SyncSettings:
     retry_s: float
     max_attempts: int
     push_mode: PushMode = "full"
+    peer_bootstrap: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> SyncSettings:
@@ -66,7 +75,7 @@ class SyncSettings:
         if mode == "auto" and cfg.weight_transport == "mooncake" and cfg.mooncake_transfer_protocol == "rdma":
             mode = "full"  # RDMA moves the full bytes faster than a delta is encoded and applied
         return cls(cfg.weight_transport, cfg.drain_timeout_s, cfg.weight_push_timeout_s, cfg.weight_push_retry_s,
-                   cfg.weight_push_max_attempts, mode)
+                   cfg.weight_push_max_attempts, mode, cfg.peer_bootstrap)
 
 
 class WeightSync:
@@ -87,6 +96,9 @@ class WeightSync:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.pushes: list[dict[str, Any]] = []  # recent push results, for status
         self.push_listeners: list[PushListener] = []  # every successful push (metrics)
+        self._synced: set[str] = set()  # instances that got a version here (else: joining, a peer may serve)
+        self._serving: dict[str, int] = {}  # peer bootstraps in flight per serving instance
+        self._trainer_sums: dict[int, tuple[str, list[tuple[int, int]], list[str]]] = {}  # version -> sums
         registry.listeners.append(self._on_event)
 
     # ------------------------------------------------------------ trainer-facing
@@ -153,6 +165,7 @@ class WeightSync:
         if event.new == State.SYNCING:
             self._ensure_sync(inst)
         elif event.new == State.DEAD:
+            self._synced.discard(inst.id)
             task = self._tasks.pop(inst.id, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -180,7 +193,7 @@ class WeightSync:
                 continue
             inst.wait_for(f"weight push of version {version}")
             try:
-                result = await bounded(self._push(inst, version, group), cfg.push_timeout_s)
+                result = await self._deliver(inst, version, group, failures)
             except SenderUnavailable as exc:
                 if inst.last_error != f"weight push: {exc}":
                     log.warning("weight push of version %d to %s waits for its sender: %s", version,
@@ -210,6 +223,7 @@ class WeightSync:
                 await self.load_changed.wait(cfg.retry_s)
                 continue
             failures = 0
+            self._synced.add(inst.id)
             inst.weight_version = version
             inst.clear_error()
             self.pushes.append(result)
@@ -220,6 +234,69 @@ class WeightSync:
                 self.registry.transition(inst, State.ACTIVE, f"weights at version {version} "
                                          f"({result['gbps']:.2f} GB/s, {result['total_s']:.2f}s)")
         self._tasks.pop(inst.id, None)
+
+    async def _deliver(self, inst: Instance, version: int, group: Group, failures: int) -> dict[str, Any]:
+        """From the nearest peer holding ``version`` where one may serve, else (or when it fails) from the
+        instance's sender; each bounded by ``push_timeout_s``."""
+        timeout_s = self.settings.push_timeout_s
+        peer = self._peer_for(inst, version, failures)
+        if peer is None:
+            return await bounded(self._push(inst, version, group), timeout_s)
+        self._serving[peer.id] = self._serving.get(peer.id, 0) + 1
+        try:
+            return await bounded(self._pull_from_peer(inst, peer, version, group), timeout_s)
+        except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            reason = str(exc) or type(exc).__name__
+        finally:
+            self._serving[peer.id] -= 1
+            if not self._serving[peer.id]:
+                del self._serving[peer.id]
+        log.warning("peer bootstrap of version %d to %s from %s failed; falling back to its sender: %s", version,
+                    inst.endpoint, peer.endpoint, reason)
+        result = await bounded(self._push(inst, version, group), timeout_s)
+        return {**result, "peer_failed": f"{peer.endpoint}: {reason}"}
+
+    def _peer_for(self, inst: Instance, version: int, failures: int) -> Instance | None:
+        """A peer for an instance that joins or fell behind; None for the regular push (its sender)."""
+        if not self.settings.peer_bootstrap or inst.weight_receiver_port is None:
+            return None
+        if inst.id in self._synced and inst.weight_version == version - 1 and not failures:
+            return None
+        return choose_peer(inst, holders(self.registry, inst, version), self._serving)
+
+    async def _pull_from_peer(self, inst: Instance, peer: Instance, version: int, group: Group) -> dict[str, Any]:
+        """prepare (puller) -> serve (peer's receiver, its verified buffer) -> commit (puller, checked against
+        the trainer's checksums of ``version``)."""
+        assert inst.weight_receiver_port is not None and peer.weight_receiver_port is not None
+        receiver_url = f"http://{format_endpoint(inst.host, inst.weight_receiver_port)}"
+        peer_url = f"http://{format_endpoint(peer.host, peer.weight_receiver_port)}"
+        transport = self.settings.transport
+        t0 = time.monotonic()
+        held = await self.agents.peer_layout(peer_url)
+        if held.version != version:
+            raise PushFailed(f"peer {peer.endpoint} holds version {held.version}, not {version}")
+        prep = await self.agents.prepare(receiver_url, PrepareRequest(version=version, layout=held.layout,
+                                                                      transport=transport))
+        served = await self.agents.serve(peer_url, ServeRequest(
+            version=version, fingerprint=held.fingerprint, num_engines=self.senders.engines_per_group,
+            session_ids=prep.session_ids, buffer_addr=prep.buffer_addr, transport=transport))
+        trainer = self._trainer_sums.get(version)
+        ours = trainer is not None and trainer[0] == served.fingerprint
+        shards, sums = (trainer[1], trainer[2]) if trainer is not None and ours else (served.shards, served.checksums)
+        commit = await self.agents.commit(receiver_url, CommitRequest(version=version, fingerprint=served.fingerprint,
+                                                                      shards=shards, checksums=sums))
+        return {"instance": inst.id, "endpoint": inst.endpoint, "version": version, "sender": group.sender,
+                "group": group.group, "ip": group.ip, "transport": transport, "mode": "full",
+                "source": f"peer:{peer.endpoint}", "checksums_from": "manager" if ours else "peer",
+                "bytes": served.bytes, "full_bytes": held.layout.total_bytes, "transfer_s": served.seconds,
+                "gbps": served.gbps, "verify_s": commit.verify_s, "load_s": commit.load_s, "apply_s": None,
+                "reloaded": commit.reloaded, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
+
+    def _record_sums(self, version: int, push: PushAnswer) -> None:
+        """Keep the trainer's checksums of the last few versions, for verifying peer bootstraps."""
+        self._trainer_sums[version] = (push.fingerprint, list(push.shards), list(push.checksums))
+        for old in sorted(self._trainer_sums)[:-3]:
+            del self._trainer_sums[old]
 
     async def _push(self, inst: Instance, version: int, group: Group) -> dict[str, Any]:
         """prepare (receiver) -> push (sender, through the instance's group) -> commit (receiver)."""
@@ -248,6 +325,7 @@ class WeightSync:
         if offer is not None and use_delta:
             request = request.model_copy(update={"delta_base": offer.base_version, "delta_addr": prep.delta_addr})
         push = await self.agents.push(sender_url, group.sender, request)
+        self._record_sums(version, push)
         sent, kind = push.bytes, "delta" if use_delta else "full"
         try:
             commit = await self.agents.commit(receiver_url, self._commit_request(version, push))
@@ -262,6 +340,7 @@ class WeightSync:
             sent, kind = sent + repair.bytes, "delta+repair"
         return {"instance": inst.id, "endpoint": inst.endpoint, "version": version, "sender": group.sender,
                 "group": group.group, "ip": group.ip, "transport": transport, "mode": kind, "bytes": sent,
+                "source": f"sender:{group.sender}",
                 "full_bytes": layout.layout.total_bytes, "transfer_s": push.seconds, "gbps": push.gbps,
                 "verify_s": commit.verify_s, "load_s": commit.load_s, "apply_s": commit.apply_s,
                 "reloaded": commit.reloaded, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
