@@ -218,3 +218,56 @@ async def test_time_spent_syncing_is_not_idle_time() -> None:
     assert registry.transition(a, State.ACTIVE, "test: weights at version 1")
     clock.advance(2)
     assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(2)
+
+
+async def test_waiting_requests_are_placed_first_come_first_served_in_one_pass() -> None:
+    registry, d = make(max_in_flight=1)
+    a, b = active(registry, 2)
+    assert d.try_acquire(10) is a and d.try_acquire(10) is b
+    waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=5)) for _ in range(200)]
+    await run_pending()
+    tries = 0
+    real = d.try_acquire
+
+    def counting(*args, **kw):  # type: ignore[no-untyped-def]
+        nonlocal tries
+        tries += 1
+        return real(*args, **kw)
+
+    d.try_acquire = counting  # type: ignore[method-assign]
+    d.release(a, 10)
+    await run_pending()
+    # One free slot: the oldest waiter gets it, and the 199 behind it are not each woken to try again.
+    assert waiters[0].done() and waiters[0].result() is a
+    assert not any(w.done() for w in waiters[1:]) and tries <= 2 and d.waiting == 199
+    d.close()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert d.waiting == 0
+
+
+async def test_a_waiter_that_cannot_use_the_free_instance_does_not_hold_up_the_others() -> None:
+    registry, d = make(max_in_flight=1)
+    a, b = active(registry, 2)
+    assert d.try_acquire(10) is a and d.try_acquire(10) is b
+    # The first waiter may only run on b (say, a staleness bound): a frees up first.
+    picky = asyncio.ensure_future(d.acquire(10, timeout_s=5, allow=lambda inst: inst is b))
+    other = asyncio.ensure_future(d.acquire(10, timeout_s=5))
+    await run_pending()
+    d.release(a, 10)
+    await run_pending()
+    assert other.done() and other.result() is a and not picky.done()
+    d.release(b, 10)
+    assert await asyncio.wait_for(picky, 2) is b
+
+
+async def test_a_waiter_cancelled_as_it_is_placed_gives_its_instance_back() -> None:
+    registry, d = make(max_in_flight=1)
+    (a,) = active(registry, 1)
+    assert d.try_acquire(10) is a
+    waiter = asyncio.ensure_future(d.acquire(10, timeout_s=5))
+    await run_pending()
+    d.release(a, 10)  # placed: the future holds a, but the caller has not run yet
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert a.in_flight == 0 and a.in_flight_tokens == 0 and d.waiting == 0
+    assert d.try_acquire(10) is a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -361,6 +362,31 @@ async def test_every_id_answered_once_with_the_timer_moving_sequences() -> None:
             assert rig.generator.stats["migrated"] >= 1 and rig.failures == []
             assert all(i.in_flight == 0 and i.in_flight_tokens == 0 for i in rig.registry)
             await wait_for(lambda: rig.generator._migrator is None)
+    finally:
+        for f in fakes:
+            await f.close()
+
+
+async def test_no_move_while_the_managers_own_event_loop_lags() -> None:
+    """A blocked loop makes every measured rate the manager's own: moving then would feed the overload."""
+    fakes = [PacedFake(), PacedFake()]
+    for f in fakes:
+        await f.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            settings = GenerationSettings(**{**SETTINGS.__dict__, "migration_interval_s": 1.0})
+            rig = await make_rig(session, fakes, settings)
+            fakes[0].hold_after = 40
+            task = asyncio.ensure_future(rig.generator.generate(body(100, "lag")))
+            await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
+            watch = rig.generator.client.limits.loop
+            watch.ensure_started()
+            time.sleep(0.5)  # the manager's loop is blocked (this is what is being tested, not a wait)
+            assert rig.generator.migrate_now() == 0 and rig.b.in_flight == 0
+            fakes[0].release.set()
+            out = await task
+            assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 100)
+            assert rig.generator.stats["migrated"] == 0
     finally:
         for f in fakes:
             await f.close()

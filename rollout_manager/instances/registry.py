@@ -162,7 +162,9 @@ class Registry:
         return len(self._instances)
 
     def __iter__(self) -> Iterator[Instance]:
-        return iter(sorted(self._instances.values(), key=lambda i: i.seq))
+        # Registration order: instances enter the dict in ``seq`` order and never move, so no sort
+        # (this runs on every dispatch decision; sorting 1,000 instances each time was measurable).
+        return iter(list(self._instances.values()))
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

@@ -7,8 +7,11 @@ numbers. Requests wait here (bounded) while no instance can take them.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
@@ -17,6 +20,25 @@ from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, ov
 from rollout_manager.rollout.local_budget import LocalWindow
 from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter, lone_rate_weight
 
+_MAX_SKIPPED = 32  # constrained requests one placing pass may step over
+_RATE_REUSE_S = 0.01  # how long a computed rate is reused while its meter does not change
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A request waiting in the manager for an instance."""
+
+    tokens: int
+    avoid: Collection[str]
+    prefer: str | None
+    allow: Callable[[Instance], bool] | None
+    future: asyncio.Future[Instance]
+
+    @property
+    def constrained(self) -> bool:
+        """It may be unplaceable where others are not (instances it must avoid, a version bound)."""
+        return bool(self.avoid) or self.allow is not None
+
 
 class Dispatcher:
     def __init__(self, registry: Registry, policy: Policy, *, clock: Callable[[], float] = time.monotonic):
@@ -24,11 +46,16 @@ class Dispatcher:
         self.policy = policy
         self.clock = clock
         self.changed = Signal()  # any change in who can take work, or in load
-        self.local = LocalWindow(on_change=self.changed.notify)  # while open, local instances serve first
+        self.local = LocalWindow(on_change=self._changed)  # while open, local instances serve first
         self.closing = False
         self.meters: dict[str, TokenRateMeter] = {}
         self.streamed_tokens = 0  # every token relayed so far: a live tokens/s needs no finished sequence
+        self._placing = False
+        self._rates: dict[str, float | None] = {}  # see _rate
+        self._loads: dict[str, InstanceLoad] = {}  # see load_of
+        self._rates_at = 0.0
         self.waiting = 0  # requests parked in acquire() because no instance can take them now
+        self._queue: deque[_Waiter] = deque()  # those requests, first come first served
         self._idle_since: dict[str, float] = {}
         self._idle_s: dict[str, float] = {}
         # Tail migration: each instance's lone-sequence rate under the batch model of scheduling.py.
@@ -45,6 +72,7 @@ class Dispatcher:
     def _on_event(self, inst: Instance, event: Event) -> None:
         if event.new == State.DEAD:
             self.meters.pop(inst.id, None)
+            self._loads.pop(inst.id, None)
             self.lone_meters.pop(inst.id, None)
             self._idle_since.pop(inst.id, None)
             self._idle_s.pop(inst.id, None)
@@ -56,7 +84,12 @@ class Dispatcher:
             since = self._idle_since.pop(inst.id, None)
             if since is not None:
                 self._idle_s[inst.id] = self._idle_s.get(inst.id, 0.0) + self.clock() - since
+        self._changed()
+
+    def _changed(self) -> None:
+        """Who can take work, or the load, changed: wake the generic waiters, place queued requests."""
         self.changed.notify()
+        self._place_waiting()
 
     def meter(self, inst: Instance) -> TokenRateMeter:
         meter = self.meters.get(inst.id)  # called per relayed chunk: build a meter only the first time
@@ -65,8 +98,32 @@ class Dispatcher:
         return meter
 
     def load_of(self, inst: Instance, now: float) -> InstanceLoad:
-        return InstanceLoad(inst.id, inst.kind.value, inst.in_flight, inst.in_flight_tokens,
-                            self.meter(inst).rate(now))
+        """The instance's load now. One object per instance, refreshed in place: a placement reads
+        every candidate's, and building a thousand of them per placement was measurable."""
+        load = self._loads.get(inst.id)
+        if load is None:
+            load = self._loads[inst.id] = InstanceLoad(inst.id, inst.kind.value, 0, 0)
+        load.in_flight_requests = inst.in_flight
+        load.in_flight_tokens = inst.in_flight_tokens
+        load.token_rate = self._rate(inst, now)
+        load.lone_rate = None
+        return load
+
+    def _rate(self, inst: Instance, now: float) -> float | None:
+        """The instance's measured rate, remembered for up to ``_RATE_REUSE_S``.
+
+        Every placement reads every candidate's rate; with a thousand instances recomputing them all
+        each time was most of the manager's CPU. An instance's entry is dropped as soon as its meter
+        changes (a chunk, a start or an end), so what is reused is only the decay over a few ms.
+        """
+        if not 0 <= now - self._rates_at <= _RATE_REUSE_S:
+            self._rates.clear()
+            self._rates_at = now
+        try:
+            return self._rates[inst.id]
+        except KeyError:
+            rate = self._rates[inst.id] = self.meter(inst).rate(now)
+            return rate
 
     def try_acquire(self, tokens: int, avoid: Collection[str] = (), prefer: str | None = None,
                     allow: Callable[[Instance], bool] | None = None) -> Instance | None:
@@ -82,31 +139,33 @@ class Dispatcher:
                   if (i.id not in avoid or i.consecutive_failures == 0) and (allow is None or allow(i))]
         local = [i for i in usable if i.kind == Kind.LOCAL] if self.local.is_open else []
         remote = [i for i in usable if i.kind == Kind.REMOTE]
+        now = self.clock()
         for group in (local, remote):
             clean = [i for i in group if i.consecutive_failures == 0]
-            inst = self._preferred(clean, prefer, tokens) if prefer is not None else None
-            inst = inst or self._pick(clean or group, tokens)
+            candidates = clean or group
+            loads = [self.load_of(i, now) for i in candidates]  # once per group, for both decisions
+            inst = self._preferred(clean, loads, prefer, tokens, now) if prefer is not None and clean else None
+            inst = inst or self._pick(loads, tokens, now)
             if inst is not None:
                 return inst
         return None
 
-    def _preferred(self, clean: list[Instance], prefer: str, tokens: int) -> Instance | None:
-        mine = next((i for i in clean if i.id == prefer), None)
-        if mine is None:
+    def _preferred(self, clean: list[Instance], loads: list[InstanceLoad], prefer: str, tokens: int,
+                   now: float) -> Instance | None:
+        at = next((k for k, i in enumerate(clean) if i.id == prefer), None)
+        if at is None:
             return None
-        now = self.clock()
-        loads = [self.load_of(i, now) for i in clean]
         settings = self.affinity.settings if self.affinity is not None else AffinitySettings()
-        if overloaded(self.load_of(mine, now), loads, tokens, self.policy, settings.max_slowdown):
+        if overloaded(loads[at], loads, tokens, self.policy, settings.max_slowdown):
             return None
+        mine = clean[at]
         self._reserve(mine, tokens, now)
         return mine
 
-    def _pick(self, candidates: list[Instance], tokens: int) -> Instance | None:
-        if not candidates:
+    def _pick(self, loads: list[InstanceLoad], tokens: int, now: float) -> Instance | None:
+        if not loads:
             return None
-        now = self.clock()
-        chosen = self.policy.pick([self.load_of(i, now) for i in candidates], tokens, now)
+        chosen = self.policy.pick(loads, tokens, now)
         inst = self.registry.get(chosen) if chosen else None
         if inst is None:
             return None
@@ -120,41 +179,94 @@ class Dispatcher:
 
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
                       allow: Callable[[Instance], bool] | None = None) -> Instance:
-        """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline."""
-        deadline = self.clock() + timeout_s
-        counted = False  # counted in ``waiting`` from its first failed try until it leaves
+        """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline.
+
+        Requests that cannot be placed at once queue here and are placed in arrival order whenever
+        something changes (:meth:`_place_waiting`), by one pass over the queue rather than by every
+        waiter waking to try again: with thousands waiting and a thousand instances, that herd
+        (each wake-up a full pick over the pool) blocked the event loop for seconds.
+        """
+        if self.closing:
+            raise Unavailable("rollout manager is shutting down; no new work is placed")
+        if not self._queue:  # nobody is waiting ahead of it
+            inst = self.try_acquire(tokens, avoid, prefer, allow)
+            if inst is not None:
+                return inst
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future())
+        self._queue.append(waiter)
+        self.waiting += 1
+        timer = loop.call_later(max(timeout_s, 0.0), self._expire, waiter, timeout_s)
         try:
-            while True:
-                if self.closing:
-                    raise Unavailable("rollout manager is shutting down; no new work is placed")
-                inst = self.try_acquire(tokens, avoid, prefer, allow)
-                if inst is not None:
-                    return inst
-                left = deadline - self.clock()
-                if left <= 0:
-                    active = len(self.registry.in_state(State.ACTIVE))
-                    raise Unavailable(
-                        f"no rollout instance could take the request within {timeout_s:g}s "
-                        f"({active} active)"
-                    )
-                if not counted:
-                    counted = True
-                    self.waiting += 1
-                await self.changed.wait(left)
+            self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(waiter.future.result(), tokens)  # placed just as its caller went away
+            raise
         finally:
-            if counted:
-                self.waiting -= 1
+            timer.cancel()
+            self.waiting -= 1
+            if not waiter.future.done():
+                waiter.future.cancel()
+            if waiter in self._queue and self._queue[0] is not waiter:
+                self._queue.remove(waiter)  # rare: timed out or cancelled behind others
+            self._trim()
+
+    def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
+        if not waiter.future.done():
+            active = len(self.registry.in_state(State.ACTIVE))
+            waiter.future.set_exception(Unavailable(
+                f"no rollout instance could take the request within {timeout_s:g}s ({active} active)"))
+
+    def _trim(self) -> None:
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()
+
+    def _place_waiting(self) -> None:
+        """Place queued requests in order until one cannot be placed.
+
+        A request that cannot be placed blocks those behind it (first come, first served; under
+        the policy's limits the ones behind would not fit either), unless it carries its own
+        constraints (instances to avoid, a staleness bound): up to ``_MAX_SKIPPED`` such requests
+        are stepped over, so one of them cannot hold up the rest.
+        """
+        if self._placing:
+            return
+        self._placing = True
+        skipped: list[_Waiter] = []
+        try:
+            while self._queue:
+                waiter = self._queue[0]
+                if waiter.future.done():
+                    self._queue.popleft()
+                    continue
+                if self.closing:
+                    waiter.future.set_exception(Unavailable("rollout manager is shutting down; no new work is placed"))
+                    continue
+                inst = self.try_acquire(waiter.tokens, waiter.avoid, waiter.prefer, waiter.allow)
+                if inst is not None:
+                    self._queue.popleft()
+                    waiter.future.set_result(inst)
+                    continue
+                if not waiter.constrained or len(skipped) >= _MAX_SKIPPED:
+                    break
+                skipped.append(self._queue.popleft())
+        finally:
+            self._queue.extendleft(reversed(skipped))
+            self._placing = False
 
     def close(self) -> None:
         """The manager is shutting down: place no more work; waiting requests fail now."""
         self.closing = True
-        self.changed.notify()
+        self._changed()
 
     def progress(self, inst: Instance, tokens: int) -> None:
         """``tokens`` new tokens streamed from ``inst``."""
         self.streamed_tokens += tokens
         inst.in_flight_tokens = max(inst.in_flight_tokens - tokens, 0)
         now = self.clock()
+        self._rates.pop(inst.id, None)
         self.meter(inst).observe(tokens, now)
         self.lone_meter(inst).observe(tokens * lone_rate_weight(inst.in_flight, self.batch_half), now)
 
@@ -163,7 +275,7 @@ class Dispatcher:
         inst.in_flight = max(inst.in_flight - 1, 0)
         inst.in_flight_tokens = max(inst.in_flight_tokens - tokens_left, 0)
         self._busy_changed(inst, self.clock())
-        self.changed.notify()
+        self._changed()
 
     # ------------------------------------------------------------ tail migration
     def lone_meter(self, inst: Instance) -> TokenRateMeter:
@@ -188,6 +300,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------ idle time, for the local budget
     def _busy_changed(self, inst: Instance, now: float) -> None:
+        self._rates.pop(inst.id, None)
         self.meter(inst).set_in_flight(inst.in_flight, now)
         self.lone_meter(inst).set_in_flight(inst.in_flight, now)
         since = self._idle_since.get(inst.id)

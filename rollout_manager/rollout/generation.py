@@ -36,6 +36,10 @@ log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
 
 
+# Tail migration pauses while the event loop was blocked for more than this share of its interval.
+MIGRATION_MAX_LAG = 0.1
+
+
 class Preempted(Exception):
     """The manager took the sequence off a local instance on purpose; not the instance's fault."""
 
@@ -533,6 +537,12 @@ class Generator:
         """
         policy = self.settings.migration
         if policy is None or not self._live:
+            return 0
+        # While the manager's own event loop lags, the rates it measures are its own, not the
+        # instances': moving sequences then only adds aborts and reconnects to an overloaded manager.
+        interval = self.settings.migration_interval_s
+        since = asyncio.get_running_loop().time() - interval
+        if self.client.limits.loop.blocked_s(since) > MIGRATION_MAX_LAG * interval:
             return 0
         now = self.dispatcher.clock()
         registry = self.dispatcher.registry

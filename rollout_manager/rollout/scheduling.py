@@ -111,10 +111,18 @@ class TokenRateMeter:
         They were made across the busy interval since then, not at ``now``, so they get that
         interval's mean decay; counting them as fresh would bias the rate up by ~dt/(2*tau).
         """
-        dt = self._elapsed_busy(now)
-        self._advance(now)
-        weight = -math.expm1(-dt / self.tau_s) * self.tau_s / dt if dt > 0 else 1.0
-        self._decayed_tokens += max(0, tokens) * weight
+        # Runs for every relayed chunk: one transcendental call, the same arithmetic as _advance.
+        last = self._last
+        if self._busy and last is not None and now > last:
+            dt = now - last
+            shrink = math.expm1(-dt / self.tau_s)  # exp(-dt/tau) - 1
+            self._decayed_tokens += self._decayed_tokens * shrink - max(0, tokens) * shrink * self.tau_s / dt
+            self._busy_s += dt
+            self._last = now
+            return
+        if last is None or now > last:
+            self._last = now
+        self._decayed_tokens += max(0, tokens)
 
     def rate(self, now: float) -> float | None:
         """Tokens/s while busy, or None before ``min_busy_s`` of busy time. Does not mutate."""
