@@ -361,7 +361,7 @@ async def test_every_id_answered_once_with_the_timer_moving_sequences() -> None:
                 assert line["data"]["output_ids"] == reference(PROMPT, 30 + line["id"])
             assert rig.generator.stats["migrated"] >= 1 and rig.failures == []
             assert all(i.in_flight == 0 and i.in_flight_tokens == 0 for i in rig.registry)
-            await wait_for(lambda: rig.generator._migrator is None)
+            await wait_for(lambda: not rig.generator.migrator.running)
     finally:
         for f in fakes:
             await f.close()

@@ -1,7 +1,8 @@
 """Generation with token-level continuation.
 
-Every sequence is streamed from SGLang whatever the caller asked, and the tokens (and log-probs) seen
-so far are kept. When the instance fails mid-sequence, the sequence continues on another instance
+Every sequence is streamed from SGLang whatever the caller asked (unless what is left fits in one
+chunk interval and the caller does not stream: then one answer is asked for), and the tokens (and
+log-probs) seen so far are kept. When the instance fails mid-sequence, the sequence continues on another instance
 with ``input_ids`` extended by those tokens and ``max_new_tokens`` reduced by them, so no token is
 lost and none is generated twice; the result lists the segments it was made of (instance, weight
 version, token range) so a sample mixing weight versions is visible.
@@ -14,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_manager.errors import ManagerError, Unavailable
@@ -22,7 +23,9 @@ from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.local_budget import LocalBudget
-from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
+from rollout_manager.rollout.migration import Migrator
+from rollout_manager.rollout.scheduling import TailMigration
+from rollout_manager.rollout.sequence import Segment, SequenceState, within_version
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
     EngineFailed,
@@ -34,10 +37,6 @@ from rollout_manager.sglang.client import (
 
 log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
-
-
-# Tail migration pauses while the event loop was blocked for more than this share of its interval.
-MIGRATION_MAX_LAG = 0.1
 
 
 class Preempted(Exception):
@@ -78,66 +77,6 @@ class GenerationSettings:
     staleness_action: str = "finish_on_old"
 
 
-@dataclass
-class Segment:
-    instance: str
-    endpoint: str
-    weight_version: str | None
-    start: int
-    end: int
-    outcome: str = "running"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"instance": self.instance, "endpoint": self.endpoint, "weight_version": self.weight_version,
-                "start": self.start, "end": self.end, "outcome": self.outcome}
-
-
-@dataclass
-class SequenceState:
-    """Everything known about one sequence across the instances it has been on."""
-
-    body: dict[str, Any]
-    rid: str
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[Any]] = field(default_factory=list)
-    texts: list[str | None] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
-    finish: dict[str, Any] | None = None
-    live_text: str | None = None  # the running segment's text so far (None: not known)
-    # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
-    # instance is already reserved for it), and whether the running segment is being taken off.
-    moves: int = 0
-    moved_at: float | None = None
-    move_to: Instance | None = None
-    move_reserved: int = 0  # tokens reserved on move_to
-    migrating: bool = False
-    versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
-    discarded: list[Segment] = field(default_factory=list)  # segments a staleness restart threw away
-
-    @property
-    def budget(self) -> int | None:
-        """``max_new_tokens``; None when the caller set no limit (the engine stops at its context)."""
-        return wire.token_budget(self.body)
-
-    @property
-    def remaining(self) -> int | None:
-        budget = self.budget
-        return None if budget is None else max(budget - len(self.output_ids), 0)
-
-    @property
-    def reserve(self) -> int:
-        """The tokens to reserve on an instance: what is left, or an estimate when there is no limit."""
-        remaining = self.remaining
-        return wire.DEFAULT_MAX_NEW_TOKENS if remaining is None else remaining
-
-    def known_text(self, current: str | None = "") -> str | None:
-        """The finished segments' text plus ``current``; None when any part of it is unknown."""
-        parts = [*self.texts, current]
-        return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
-
-
 class Generator:
     """Runs sequences on the pool; the HTTP layer only hands it validated bodies."""
 
@@ -156,13 +95,8 @@ class Generator:
                       "migrated": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
                       "stale_restarts": 0}
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
-        # Tail migration: the segments streaming now (sequence, instance, engine rid), and the task
-        # that asks the policy every ``migration_interval_s`` while there are any.
-        self._live: dict[int, tuple[SequenceState, Instance, str]] = {}
-        self._migrator: asyncio.Task[None] | None = None
-        self._aborts: set[asyncio.Task[None]] = set()
-        if settings.migration is not None:
-            dispatcher.batch_half = settings.migration.batch_half
+        self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
+                                 bound=lambda seq: self._staleness_bound(seq, restart=False))
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
@@ -333,7 +267,7 @@ class Generator:
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
             allow = self._staleness_bound(seq)
-            inst = self._take_handoff(seq, allow)
+            inst = self.migrator.take_handoff(seq, allow)
             if inst is None:
                 first = keys is not None and not seq.versions and not seq.discarded
                 prefer = table.lookup(keys) if table is not None and keys is not None and first else None
@@ -401,7 +335,7 @@ class Generator:
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
         live = id(segment)
         try:
-            self._enter_live(live, seq, inst, rid)
+            self.migrator.enter(live, seq, inst, rid)
             cut: EngineFailed | None = None
             try:
                 if stream is None:
@@ -467,30 +401,13 @@ class Generator:
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
             self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))
-            self._leave_live(live, seq, segment)
+            self.migrator.leave(live, seq, segment)
             if segment.outcome in ("running", "preempted: local window closed"):
                 if segment.outcome == "running":  # cancelled: the caller went away
                     segment.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
 
     # ------------------------------------------------------------ tail migration
-    def _enter_live(self, key: int, seq: SequenceState, inst: Instance, rid: str) -> None:
-        seq.migrating = False
-        if self.settings.migration is None:
-            return
-        self._live[key] = (seq, inst, rid)
-        if self._migrator is None or self._migrator.done():
-            self._migrator = asyncio.ensure_future(self._migrate_periodically())
-
-    def _leave_live(self, key: int, seq: SequenceState, segment: Segment) -> None:
-        self._live.pop(key, None)
-        if not segment.outcome.startswith("migrated") or seq.remaining == 0:
-            self._drop_handoff(seq)  # it ended where it ran: the instance reserved for it is free again
-        seq.migrating = False
-        if not self._live and self._migrator is not None:
-            self._migrator.cancel()
-            self._migrator = None
-
     def _migrated(self, seq: SequenceState, segment: Segment) -> None:
         target = seq.move_to.endpoint if seq.move_to is not None else "another instance"
         segment.outcome = f"migrated to {target}"
@@ -500,86 +417,9 @@ class Generator:
         log.info("sequence %s migrated from %s to %s after %d token(s)", seq.rid, segment.endpoint, target,
                  len(seq.output_ids))
 
-    def _take_handoff(self, seq: SequenceState, allow: Callable[[Instance], bool] | None = None) -> Instance | None:
-        """The instance tail migration reserved for this sequence, if it can still take it."""
-        inst, seq.move_to = seq.move_to, None
-        if inst is None:
-            return None
-        if inst.state != State.ACTIVE or (allow is not None and not allow(inst)):
-            self.dispatcher.release(inst, seq.move_reserved)
-            return None
-        # Tokens made between the decision and the abort shrink what the new segment reserves.
-        inst.in_flight_tokens = max(inst.in_flight_tokens - max(seq.move_reserved - seq.reserve, 0), 0)
-        return inst
-
-    def _drop_handoff(self, seq: SequenceState) -> None:
-        if seq.move_to is not None:
-            self.dispatcher.release(seq.move_to, seq.move_reserved)
-            seq.move_to = None
-
-    async def _abort_to_move(self, seq: SequenceState, src: Instance, rid: str) -> None:
-        if not await self.client.abort(src.url, rid) and seq.migrating:
-            seq.migrating = False  # the instance did not take the abort: the sequence stays there
-            self._drop_handoff(seq)
-
-    async def _migrate_periodically(self) -> None:
-        while self._live:
-            await asyncio.sleep(self.settings.migration_interval_s)
-            self.migrate_now()
-
     def migrate_now(self) -> int:
-        """Ask the tail-migration policy which running sequences to move, and start moving them.
-
-        A move reserves the target at once (so the next plan and the dispatcher see it loaded), then
-        aborts the sequence on its instance; its stream ends, and the sequence continues on the
-        target from the tokens made, exactly as after a failure, but with no failure recorded.
-        Returns the number of moves started.
-        """
-        policy = self.settings.migration
-        if policy is None or not self._live:
-            return 0
-        # While the manager's own event loop lags, the rates it measures are its own, not the
-        # instances': moving sequences then only adds aborts and reconnects to an overloaded manager.
-        interval = self.settings.migration_interval_s
-        since = asyncio.get_running_loop().time() - interval
-        if self.client.limits.loop.blocked_s(since) > MIGRATION_MAX_LAG * interval:
-            return 0
-        now = self.dispatcher.clock()
-        registry = self.dispatcher.registry
-        # Remote instances only: the local window alone decides when sequences leave local instances
-        # (Preempted), and a sequence moved onto one would be moved again when the window closes.
-        targets = [i for i in registry.in_state(State.ACTIVE, kind=Kind.REMOTE) if i.consecutive_failures == 0]
-        loads = []
-        for i in targets:
-            load = self.dispatcher.load_of(i, now)
-            load.lone_rate = self.dispatcher.lone_rate(i, now)
-            loads.append(load)
-        draining = {i.id for i in registry.in_state(State.DRAINING)}
-        running, by_key = [], {}
-        for key, (seq, inst, _) in self._live.items():
-            if seq.migrating or seq.move_to is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
-                continue
-            by_key[str(key)] = key
-            running.append(RunningSequence(
-                str(key), inst.id, len(seq.output_ids), len(seq.body.get("input_ids") or ()), seq.remaining,
-                seq.moves, seq.moved_at, frozenset(s.instance for s in seq.segments)))
-        moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining)
-        started = 0
-        for move in moves:
-            seq, src, rid = self._live[by_key[move.seq_id]]
-            target = registry.get(move.target)
-            bound = self._staleness_bound(seq, restart=False)
-            if target is None or (bound is not None and not bound(target)) or \
-                    not self.dispatcher.claim(target, seq.reserve):
-                continue
-            seq.move_to, seq.move_reserved, seq.migrating = target, seq.reserve, True
-            seq.moves += 1
-            seq.moved_at = now
-            started += 1
-            task = asyncio.ensure_future(self._abort_to_move(seq, src, rid))
-            self._aborts.add(task)
-            task.add_done_callback(self._aborts.discard)
-        return started
+        """Run one tail-migration plan now (see :meth:`Migrator.migrate_now`); the number of moves started."""
+        return self.migrator.migrate_now()
 
     # ------------------------------------------------------------ affinity and staleness
     def _count_affinity(self, prefer: str | None, inst: Instance) -> None:
@@ -637,11 +477,6 @@ class Generator:
         if seq.discarded:  # a staleness restart: what was thrown away stays visible
             out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
         return out
-
-
-def within_version(lo: int, hi: int, version: int, bound: int) -> bool:
-    """Whether segments on versions ``lo..hi`` plus one on ``version`` span at most ``bound`` versions."""
-    return max(hi, version) - min(lo, version) <= bound
 
 
 async def run_batch(

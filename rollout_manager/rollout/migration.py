@@ -1,0 +1,148 @@
+"""Tail migration at run time: which sequences stream where, and moving them when the policy says.
+
+The decisions are :class:`~rollout_manager.rollout.scheduling.TailMigration`'s (pure, shared with the
+simulator). This module keeps the segments streaming now, asks the policy every
+``migration_interval_s`` while there are any, and starts each move: the target is reserved at once,
+the sequence is aborted where it runs, and generation continues it on the target from the tokens
+made, exactly as after a failure but with no failure recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
+from rollout_manager.rollout.sequence import Segment, SequenceState
+from rollout_manager.sglang.client import SGLangClient
+
+# Moves pause while the event loop was blocked for more than this share of the interval.
+MAX_LAG = 0.1
+
+Bound = Callable[[Instance], bool]
+
+
+class Migrator:
+    """The live segments and the moves in flight; a no-op when ``policy`` is None (migration off).
+
+    ``bound(seq)`` says which instances may take ``seq`` (the staleness bound; None: any).
+    """
+
+    def __init__(self, dispatcher: Dispatcher, client: SGLangClient, policy: TailMigration | None,
+                 interval_s: float, bound: Callable[[SequenceState], Bound | None]):
+        self.dispatcher = dispatcher
+        self.client = client
+        self.policy = policy
+        self.interval_s = interval_s
+        self.bound = bound
+        # The segments streaming now (sequence, instance, engine rid), by segment key.
+        self._live: dict[int, tuple[SequenceState, Instance, str]] = {}
+        self._timer: asyncio.Task[None] | None = None  # runs the policy while anything streams
+        self._aborts: set[asyncio.Task[None]] = set()
+        if policy is not None:
+            dispatcher.batch_half = policy.batch_half
+
+    @property
+    def running(self) -> bool:
+        """Whether the periodic planning task is running (only while segments stream)."""
+        return self._timer is not None
+
+    def enter(self, key: int, seq: SequenceState, inst: Instance, rid: str) -> None:
+        """A segment of ``seq`` starts streaming from ``inst`` as engine request ``rid``."""
+        seq.migrating = False
+        if self.policy is None:
+            return
+        self._live[key] = (seq, inst, rid)
+        if self._timer is None or self._timer.done():
+            self._timer = asyncio.ensure_future(self._plan_periodically())
+
+    def leave(self, key: int, seq: SequenceState, segment: Segment) -> None:
+        """The segment ended (finished, failed, moved or cancelled)."""
+        self._live.pop(key, None)
+        if not segment.outcome.startswith("migrated") or seq.remaining == 0:
+            self._drop_handoff(seq)  # it ended where it ran: the instance reserved for it is free again
+        seq.migrating = False
+        if not self._live and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def take_handoff(self, seq: SequenceState, allow: Bound | None = None) -> Instance | None:
+        """The instance a move reserved for this sequence, if it can still take it."""
+        inst, seq.move_to = seq.move_to, None
+        if inst is None:
+            return None
+        if inst.state != State.ACTIVE or (allow is not None and not allow(inst)):
+            self.dispatcher.release(inst, seq.move_reserved)
+            return None
+        # Tokens made between the decision and the abort shrink what the new segment reserves.
+        inst.in_flight_tokens = max(inst.in_flight_tokens - max(seq.move_reserved - seq.reserve, 0), 0)
+        return inst
+
+    def _drop_handoff(self, seq: SequenceState) -> None:
+        if seq.move_to is not None:
+            self.dispatcher.release(seq.move_to, seq.move_reserved)
+            seq.move_to = None
+
+    async def _abort_to_move(self, seq: SequenceState, src: Instance, rid: str) -> None:
+        if not await self.client.abort(src.url, rid) and seq.migrating:
+            seq.migrating = False  # the instance did not take the abort: the sequence stays there
+            self._drop_handoff(seq)
+
+    async def _plan_periodically(self) -> None:
+        while self._live:
+            await asyncio.sleep(self.interval_s)
+            self.migrate_now()
+
+    def migrate_now(self) -> int:
+        """Ask the policy which running sequences to move, and start moving them; the number started.
+
+        A move reserves the target at once (so the next plan and the dispatcher see it loaded), then
+        aborts the sequence on its instance; its stream ends, and generation continues it on the
+        target (see ``Generator._attempt``).
+        """
+        policy = self.policy
+        if policy is None or not self._live:
+            return 0
+        # While the manager's own event loop lags, the rates it measures are its own, not the
+        # instances': moving sequences then only adds aborts and reconnects to an overloaded manager.
+        since = asyncio.get_running_loop().time() - self.interval_s
+        if self.client.limits.loop.blocked_s(since) > MAX_LAG * self.interval_s:
+            return 0
+        now = self.dispatcher.clock()
+        registry = self.dispatcher.registry
+        # Remote instances only: the local window alone decides when sequences leave local instances
+        # (Preempted), and a sequence moved onto one would be moved again when the window closes.
+        targets = [i for i in registry.in_state(State.ACTIVE, kind=Kind.REMOTE) if i.consecutive_failures == 0]
+        loads = []
+        for i in targets:
+            load = self.dispatcher.load_of(i, now)
+            load.lone_rate = self.dispatcher.lone_rate(i, now)
+            loads.append(load)
+        draining = {i.id for i in registry.in_state(State.DRAINING)}
+        running, by_key = [], {}
+        for key, (seq, inst, _) in self._live.items():
+            if seq.migrating or seq.move_to is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
+                continue
+            by_key[str(key)] = key
+            running.append(RunningSequence(
+                str(key), inst.id, len(seq.output_ids), len(seq.body.get("input_ids") or ()), seq.remaining,
+                seq.moves, seq.moved_at, frozenset(s.instance for s in seq.segments)))
+        moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining)
+        started = 0
+        for move in moves:
+            seq, src, rid = self._live[by_key[move.seq_id]]
+            target = registry.get(move.target)
+            bound = self.bound(seq)
+            if target is None or (bound is not None and not bound(target)) or \
+                    not self.dispatcher.claim(target, seq.reserve):
+                continue
+            seq.move_to, seq.move_reserved, seq.migrating = target, seq.reserve, True
+            seq.moves += 1
+            seq.moved_at = now
+            started += 1
+            task = asyncio.ensure_future(self._abort_to_move(seq, src, rid))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+        return started

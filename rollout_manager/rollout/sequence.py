@@ -1,0 +1,77 @@
+"""One sequence's state across the instances it runs on: tokens, segments, moves, versions.
+
+Shared by generation (which runs sequences) and tail migration (which moves them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_manager.instances.registry import Instance
+from rollout_manager.sglang import wire
+
+
+@dataclass
+class Segment:
+    instance: str
+    endpoint: str
+    weight_version: str | None
+    start: int
+    end: int
+    outcome: str = "running"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instance": self.instance, "endpoint": self.endpoint, "weight_version": self.weight_version,
+                "start": self.start, "end": self.end, "outcome": self.outcome}
+
+
+@dataclass
+class SequenceState:
+    """Everything known about one sequence across the instances it has been on."""
+
+    body: dict[str, Any]
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[list[Any]] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    finish: dict[str, Any] | None = None
+    live_text: str | None = None  # the running segment's text so far (None: not known)
+    # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
+    # instance is already reserved for it), and whether the running segment is being taken off.
+    moves: int = 0
+    moved_at: float | None = None
+    move_to: Instance | None = None
+    move_reserved: int = 0  # tokens reserved on move_to
+    migrating: bool = False
+    versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
+    discarded: list[Segment] = field(default_factory=list)  # segments a staleness restart threw away
+
+    @property
+    def budget(self) -> int | None:
+        """``max_new_tokens``; None when the caller set no limit (the engine stops at its context)."""
+        return wire.token_budget(self.body)
+
+    @property
+    def remaining(self) -> int | None:
+        budget = self.budget
+        return None if budget is None else max(budget - len(self.output_ids), 0)
+
+    @property
+    def reserve(self) -> int:
+        """The tokens to reserve on an instance: what is left, or an estimate when there is no limit."""
+        remaining = self.remaining
+        return wire.DEFAULT_MAX_NEW_TOKENS if remaining is None else remaining
+
+    def known_text(self, current: str | None = "") -> str | None:
+        """The finished segments' text plus ``current``; None when any part of it is unknown."""
+        parts = [*self.texts, current]
+        return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
+
+
+def within_version(lo: int, hi: int, version: int, bound: int) -> bool:
+    """Whether segments on versions ``lo..hi`` plus one on ``version`` span at most ``bound`` versions."""
+    return max(hi, version) - min(lo, version) <= bound
