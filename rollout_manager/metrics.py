@@ -46,6 +46,8 @@ GENERATION_COUNTERS = {
                "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
     "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),
     "migrated": ("migrated_sequences", "Segments tail migration moved to an instance where they finish sooner."),
+    "evicted": ("evicted_sequences", "Segments moved off an instance that had to be idle for a weight push "
+                "(still running after drain_timeout_s)."),
     "affinity_hits": ("affinity_hits", "Sequences placed on the instance that holds their trajectory's or prompt's "
                       "prefix."),
     "affinity_misses": ("affinity_misses", "Sequences with no remembered instance (a new trajectory or prompt)."),

@@ -343,3 +343,71 @@ def test_server_info_reads_both_generations() -> None:
     assert wire.weight_update_sessions(new.version) is True and new.dp_size == 4 and new.gpu_of_rank(1) == 4
     assert wire.weight_update_sessions("0.5.21.post1") is True and wire.weight_update_sessions("0.5.20") is False
     assert wire.weight_update_sessions(None) is None  # unknown: the receiver asks the server
+
+
+# ---------------------------------------------------------------- the cache flush needs an idle engine
+
+
+async def slow_generation(e: Engine, rid: str, tokens: int) -> asyncio.Task[tuple[int, Any]]:
+    """A non-streaming request that decodes for a while (50 ms a token); returns once it is running."""
+    async with aiohttp.ClientSession() as s, s.post(e.url + "/debug/faults", json={"token_delay_s": 0.05}) as r:
+        assert r.status == 200
+    task = asyncio.ensure_future(e.post(wire.GENERATE, {"input_ids": [1, 2, 3], "rid": rid,
+                                                        "sampling_params": {"max_new_tokens": tokens}}))
+
+    async def running() -> bool:
+        counts = (await e.get(wire.SERVER_INFO))["cpu_engine"]
+        return counts["running"] + counts["queued"] > 0 or task.done()
+
+    deadline = asyncio.get_running_loop().time() + 10
+    while not await running():
+        assert asyncio.get_running_loop().time() < deadline, "the generation never started"
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def flush(e: Engine, timeout_s: float | None = None) -> int:
+    path = wire.FLUSH_CACHE if timeout_s is None else wire.flush_cache_path(timeout_s)
+    async with aiohttp.ClientSession() as s, s.post(e.url + path) as r:
+        return r.status
+
+
+async def test_a_load_while_a_request_runs_loads_but_refuses_to_flush_the_cache(start_engine: StartEngine) -> None:
+    e = await start_engine()
+    gen = await slow_generation(e, "busy", 400)
+    assert (await e.post(wire.BEGIN_WEIGHT_UPDATE, {}))[0] == 200
+    assert await e.post(wire.UPDATE_WEIGHTS_FROM_TENSOR, body(named_weights(1), version="4")) == (
+        400, {"success": False, "message": wire.CACHE_NOT_FLUSHED_MESSAGE})
+    assert (await e.get("/debug/state_dict_checksum"))["weight_version"] == "4"  # loaded all the same
+    assert await flush(e) == 400  # still busy
+    assert (await e.post(wire.ABORT_REQUEST, wire.abort_body("busy")))[0] == 200
+    assert await flush(e, 5) == 200  # waits for the engine to go idle
+    assert (await e.post(wire.END_WEIGHT_UPDATE, {}))[0] == 200
+    status, out = await gen
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_the_receiver_waits_for_the_engine_to_go_idle_before_it_flushes(start_engine: StartEngine) -> None:
+    e = await start_engine()
+    gen = await slow_generation(e, "short", 20)  # about a second
+    await load(e, dict(named_weights(1)), 11)
+    status, out = await gen
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"  # not aborted: waited
+    assert (wire.UPDATE_WEIGHTS_FROM_TENSOR, 400) in e.calls and e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)
+    assert (await e.get("/debug/state_dict_checksum"))["weight_version"] == "11"
+
+
+async def test_a_load_whose_cache_cannot_be_flushed_in_time_is_not_committed(start_engine: StartEngine) -> None:
+    e = await start_engine()
+    gen = await slow_generation(e, "long", 400)
+    agent = await receiver_for(e, dict(named_weights(1)), 1 << 30)
+    agent.flush_wait_s = 0.3
+    try:
+        with pytest.raises(CommitRefused, match="prefix cache could not be flushed"):
+            await agent._load(12)
+    finally:
+        assert agent.session is not None
+        await agent.session.close()
+        await e.post(wire.ABORT_REQUEST, wire.abort_body("long"))
+        await gen
+    assert e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)  # the session is closed all the same

@@ -186,3 +186,47 @@ async def test_a_weight_load_longer_than_the_health_interval_is_not_taken_for_de
     finally:
         sender.stop()
         box.stop()
+
+
+async def test_a_sequence_still_running_at_the_drain_timeout_moves_on_and_the_push_succeeds(start_manager, tmp_path):
+    """SGLang >= 0.5.21 will not flush its cache while requests run, and the old weights' cache must go:
+    after drain_timeout_s the manager moves what still runs elsewhere (from the tokens made), then pushes."""
+    port = free_port()
+    m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8",
+                            weight_transport="tcp", drain_timeout_s="0.5", tail_migration="false",
+                            engine_stream_interval="1")
+    sender = SenderAgent(SENDER_IPS, port).start()
+    boxes = [Box(tmp_path, MODEL_JSON), Box(tmp_path, MODEL_JSON)]
+    try:
+        for box in boxes:
+            await box.ready()
+        await m.register(*boxes)
+        await m.put_senders([SENDER_IPS], 1)
+        async with aiohttp.ClientSession() as s:
+            for box in boxes:
+                async with s.post(box.url + "/debug/faults", json={"token_delay_s": 0.05}) as r:
+                    assert r.status == 200
+        gen = asyncio.ensure_future(m.post("/generate", {"input_ids": [3, 1, 4], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 200}}))  # about 10 s at 50 ms a token
+
+        async def streaming() -> bool:
+            return any(i["in_flight"] for i in (await m.status())["instances"])
+
+        await async_wait_until(streaming, 20, message="the sequence is running")
+        await asyncio.to_thread(sender.stage, trainer_weights(1), 1)
+        status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
+        assert status == 200 and not res["timed_out"] and res["instances_at_version"] == 2, res
+        status, out = await gen
+        assert status == 200, out
+        segs = out["meta_info"]["segments"]
+        assert segs[0]["outcome"] == "migrated to another instance (weight push)", segs
+        assert segs[-1]["outcome"] == "finished" and segs[-1]["weight_version"] == "1"
+        assert [s["start"] for s in segs[1:]] == [s["end"] for s in segs[:-1]] and segs[-1]["end"] == 200
+        assert len(out["output_ids"]) == 200
+        st = await m.status()
+        assert len(st["instances"]) == 2 and all(i["state"] == "active" for i in st["instances"])
+        assert st["generation"]["evicted"] == 1 and st["generation"]["failed"] == 0
+    finally:
+        sender.stop()
+        for box in boxes:
+            box.stop()

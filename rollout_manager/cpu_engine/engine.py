@@ -435,6 +435,11 @@ class Engine:
         """Re-check whether the loop can run (after a fault setting changed)."""
         self._wake.set()
 
+    def busy(self) -> bool:
+        """Whether anything is running or queued, health probes included: SGLang's ``is_fully_idle``,
+        which decides whether the prefix cache may be flushed."""
+        return bool(self._all_live())
+
     def counts(self) -> tuple[int, int]:
         """(running, queued) client requests; health probes are not counted."""
         running = sum(1 for s in self.running if s.finish is None and not s.internal)

@@ -304,6 +304,21 @@ async def continue_generation(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
+    """As SGLang 0.5.23: refused (400) while anything runs or waits; ``?timeout=S`` first waits up to S
+    seconds for the engine to go idle."""
+    engine = _engine(request)
+    try:
+        timeout = float(request.query.get("timeout", "0") or 0)
+    except ValueError:
+        return web.json_response({"detail": "timeout must be a number"}, status=422)
+    if timeout < 0:
+        return web.json_response({"detail": "timeout must be >= 0"}, status=422)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.busy() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)  # SGLang's scheduler re-checks each loop iteration too
+    if engine.busy():
+        return web.Response(status=400, text="Timed out waiting for idle state." if timeout else
+                            "Flush cache failed.\n")
     return web.Response(status=200, text="Cache flushed.\n")
 
 
@@ -375,6 +390,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if version is not None:
         engine.set_weight_version(str(version))
         message += f" Weight version updated to {version}."
+    if _sessions(engine) and body.get("flush_cache", True) is not False and engine.busy():
+        # SGLang >= 0.5.21: the weights and the version are in, but the prefix cache could not be
+        # flushed while requests run or wait, and the call fails.
+        return fail(wire.CACHE_NOT_FLUSHED_MESSAGE)
     return web.json_response({"success": True, "message": message})
 
 

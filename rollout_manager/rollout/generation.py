@@ -92,7 +92,7 @@ class Generator:
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
-                      "migrated": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
+                      "migrated": 0, "evicted": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
                       "stale_restarts": 0}
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
@@ -410,12 +410,17 @@ class Generator:
     # ------------------------------------------------------------ tail migration
     def _migrated(self, seq: SequenceState, segment: Segment) -> None:
         target = seq.move_to.endpoint if seq.move_to is not None else "another instance"
-        segment.outcome = f"migrated to {target}"
+        why = f" ({seq.move_reason})" if seq.move_reason else ""
+        segment.outcome = f"migrated to {target}{why}"
         seq.texts.append(None)
         seq.live_text = None
-        self.stats["migrated"] += 1
-        log.info("sequence %s migrated from %s to %s after %d token(s)", seq.rid, segment.endpoint, target,
-                 len(seq.output_ids))
+        self.stats["evicted" if seq.move_reason else "migrated"] += 1
+        log.info("sequence %s moved from %s to %s after %d token(s)%s", seq.rid, segment.endpoint, target,
+                 len(seq.output_ids), why)
+
+    def evict(self, inst: Instance, reason: str) -> int:
+        """Move the sequences streaming from ``inst`` to other instances now (see :meth:`Migrator.evict`)."""
+        return self.migrator.evict(inst, reason)
 
     def migrate_now(self) -> int:
         """Run one tail-migration plan now (see :meth:`Migrator.migrate_now`); the number of moves started."""

@@ -51,11 +51,9 @@ class Migrator:
 
     def enter(self, key: int, seq: SequenceState, inst: Instance, rid: str) -> None:
         """A segment of ``seq`` starts streaming from ``inst`` as engine request ``rid``."""
-        seq.migrating = False
-        if self.policy is None:
-            return
-        self._live[key] = (seq, inst, rid)
-        if self._timer is None or self._timer.done():
+        seq.migrating, seq.move_reason = False, ""
+        self._live[key] = (seq, inst, rid)  # tracked even with migration off: evict() needs it
+        if self.policy is not None and (self._timer is None or self._timer.done()):
             self._timer = asyncio.ensure_future(self._plan_periodically())
 
     def leave(self, key: int, seq: SequenceState, segment: Segment) -> None:
@@ -67,6 +65,25 @@ class Migrator:
         if not self._live and self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def evict(self, inst: Instance, reason: str) -> int:
+        """Move every sequence streaming from ``inst`` elsewhere now, whatever the policy: the instance
+        must be idle (a weight load whose cache flush SGLang refuses while requests run). Each is
+        aborted there and continues from the tokens made on whichever instance the dispatcher picks.
+        Returns how many were started moving."""
+        moved = 0
+        for seq, where, rid in list(self._live.values()):
+            if where is not inst or seq.migrating or seq.finish is not None:
+                continue
+            seq.migrating, seq.move_reason = True, reason
+            self._start_abort(seq, where, rid)
+            moved += 1
+        return moved
+
+    def _start_abort(self, seq: SequenceState, src: Instance, rid: str) -> None:
+        task = asyncio.ensure_future(self._abort_to_move(seq, src, rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     def take_handoff(self, seq: SequenceState, allow: Bound | None = None) -> Instance | None:
         """The instance a move reserved for this sequence, if it can still take it."""
@@ -142,7 +159,5 @@ class Migrator:
             seq.moves += 1
             seq.moved_at = now
             started += 1
-            task = asyncio.ensure_future(self._abort_to_move(seq, src, rid))
-            self._aborts.add(task)
-            task.add_done_callback(self._aborts.discard)
+            self._start_abort(seq, src, rid)
         return started

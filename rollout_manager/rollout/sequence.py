@@ -47,6 +47,7 @@ class SequenceState:
     move_to: Instance | None = None
     move_reserved: int = 0  # tokens reserved on move_to
     migrating: bool = False
+    move_reason: str = ""  # why the running segment is being taken off ("": tail migration)
     versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
     discarded: list[Segment] = field(default_factory=list)  # segments a staleness restart threw away
 

@@ -642,6 +642,26 @@ def update_weights_from_tensor_body(
 # servers (0.5.12, which verl's ``sglang`` extra pins) have neither endpoint (FastAPI answers 404).
 WEIGHT_UPDATE_SESSIONS_SINCE = (0, 5, 21)
 # SGLang 0.5.23's refusals (scheduler_components/weight_updater.py), each with HTTP 400 and success false.
+# SGLang >= 0.5.21 loads the weights, records the new version, then flushes the prefix cache; with
+# requests still running or queued the flush is refused and the update call answers 400 with this
+# (scheduler_components/weight_updater.py). ``/flush_cache?timeout=S`` then waits up to S seconds for
+# the engine to be idle and flushes (scheduler_components/flush_wrapper.py).
+CACHE_NOT_FLUSHED_MESSAGE = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
+
+
+def cache_not_flushed(message: str) -> bool:
+    """Whether a refused weight update did load the weights and only failed to flush the cache."""
+    return "the cache was not flushed" in message
+
+
+def flush_cache_path(timeout_s: float) -> str:
+    """``/flush_cache`` waiting up to ``timeout_s`` for the engine to go idle (0: try once)."""
+    return f"{FLUSH_CACHE}?timeout={timeout_s:g}"
+
+
 SESSION_REQUIRED_MESSAGE = (
     "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")
 SESSION_ALREADY_OPEN_MESSAGE = "a weight-update session is already open; call end_weight_update() first"

@@ -78,7 +78,7 @@ AGENT: web.AppKey[ReceiverAgent] = web.AppKey("agent", object)  # type: ignore[a
 class ReceiverAgent:
     def __init__(self, host: str, sglang_url: str, *, protocol: str = "tcp", device_name: str = "",
                  num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
-                 fault_corrupt: bool = False, fault_die_after_prepare: bool = False,
+                 flush_wait_s: float = 30.0, fault_corrupt: bool = False, fault_die_after_prepare: bool = False,
                  fault_corrupt_delta: bool = False, fault_die_mid_serve: bool = False,
                  fault_corrupt_serve: bool = False):
         self.host = host
@@ -89,6 +89,7 @@ class ReceiverAgent:
         self.tcp: TcpEngine | None = None  # the plain-TCP transport, started when first asked for
         self.bucket_bytes = bucket_bytes
         self.load_timeout_s = load_timeout_s
+        self.flush_wait_s = flush_wait_s  # how long SGLang may take to go idle for the cache flush
         self.buffer: HostBuffer | None = None
         self.layout: WeightLayout | None = None
         self.version: int | None = None  # last version loaded into SGLang
@@ -329,7 +330,12 @@ class ReceiverAgent:
                 last = i == len(buckets) - 1
                 body = wire.update_weights_from_tensor_body(payloads, flush_cache=last,
                                                             weight_version=str(version) if last else None)
-                await self._call(wire.UPDATE_WEIGHTS_FROM_TENSOR, body, f"bucket {i}")
+                try:
+                    await self._call(wire.UPDATE_WEIGHTS_FROM_TENSOR, body, f"bucket {i}")
+                except CommitRefused as exc:
+                    if not (last and wire.cache_not_flushed(str(exc))):
+                        raise
+                    await self._flush_when_idle()  # the weights are in; only the old prefix cache is left
                 del keep_alive  # SGLang has copied the tensors its IPC handles point at
         except BaseException:
             if opened:  # close the session whatever happened, or SGLang refuses the next begin
@@ -378,6 +384,22 @@ class ReceiverAgent:
         if status != 200 or not answer.get("success", False):
             raise CommitRefused(502, f"SGLang refused {what}: HTTP {status} {answer}")
         return answer
+
+    async def _flush_when_idle(self) -> None:
+        """Flush SGLang's prefix cache once nothing runs there (a request the manager had not drained,
+        a health probe), waiting up to ``flush_wait_s``: serving from a cache the old weights made
+        would mix versions inside one sequence, so no flush means no commit."""
+        assert self.session is not None
+        wait = self.flush_wait_s
+        log.info("SGLang at %s could not flush its cache with requests running; waiting up to %gs for it to "
+                 "go idle", self.sglang_url, wait)
+        async with self.session.post(self.sglang_url + wire.flush_cache_path(wait),
+                                     timeout=aiohttp.ClientTimeout(total=wait + 30)) as r:
+            status, text = r.status, (await r.text())[:200]
+        if status != 200:
+            raise CommitRefused(503, f"the weights are loaded but SGLang's prefix cache could not be flushed "
+                                     f"within {wait:g}s (requests still running or queued there): HTTP {status} "
+                                     f"{text.strip()}")
 
     async def _begin_session(self, sessions: bool | None) -> bool:
         """Open a weight-update session where the server has them (``sessions``: from its version; None
@@ -549,6 +571,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device-name", default="")
     parser.add_argument("--engines", type=int, default=1, help="Mooncake engines sharing the buffer")
     parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--flush-wait-s", type=float, default=30.0,
+                        help="after a load, how long to wait for SGLang to go idle so it can flush its cache")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--fault-corrupt", action="store_true", help="test: corrupt every transfer")
     parser.add_argument("--fault-die-after-prepare", action="store_true", help="test: exit mid-transfer")
@@ -559,7 +583,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = ReceiverAgent(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
                           num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
-                          fault_corrupt=args.fault_corrupt, fault_die_after_prepare=args.fault_die_after_prepare,
+                          flush_wait_s=args.flush_wait_s, fault_corrupt=args.fault_corrupt,
+                          fault_die_after_prepare=args.fault_die_after_prepare,
                           fault_corrupt_delta=args.fault_corrupt_delta, fault_die_mid_serve=args.fault_die_mid_serve,
                           fault_corrupt_serve=args.fault_corrupt_serve)
     asyncio.run(serve(agent, args.bind or args.host, args.port))

@@ -54,6 +54,7 @@ from rollout_manager.weights.protocol import (
 log = logging.getLogger("rollout_manager.weights.sync")
 
 PushListener = Callable[[dict[str, Any]], None]
+EVICT_WAIT_S = 10.0  # after moving an instance's sequences off, how long their aborts may take to land
 # "auto" sends a delta only when it is at most 1/this of the full bytes (larger ones save too little
 # wire time to pay for encoding and applying them); "delta" sends any delta the sender has.
 AUTO_DELTA_MAX_RATIO = 2
@@ -86,8 +87,12 @@ class WeightSync:
     """
 
     def __init__(self, registry: Registry, version: WeightVersion, senders: SenderPlan, agents: AgentClient,
-                 settings: SyncSettings, load_changed: Signal) -> None:
+                 settings: SyncSettings, load_changed: Signal,
+                 evict: Callable[[Instance, str], int] | None = None) -> None:
+        """``evict(inst, reason)`` moves the sequences still running on ``inst`` elsewhere (the rollout
+        side's; this package does not import it)."""
         self.registry = registry
+        self.evict = evict
         self.version = version
         self.senders = senders
         self.agents = agents
@@ -184,8 +189,15 @@ class WeightSync:
                 inst.wait_for(f"in-flight requests to drain ({inst.in_flight} left)")
             drained = await self.load_changed.wait_for(lambda: inst.in_flight == 0, cfg.drain_timeout_s)
             if not drained:
-                log.warning("instance %s still has %d request(s) in flight after %gs; pushing anyway",
-                            inst.endpoint, inst.in_flight, cfg.drain_timeout_s)
+                # SGLang >= 0.5.21 refuses to flush its prefix cache while requests run, and serving from
+                # the old weights' cache would mix versions: move them on (they continue elsewhere from
+                # the tokens made), then push.
+                moved = self.evict(inst, "weight push") if self.evict is not None else 0
+                log.warning("instance %s still has %d request(s) in flight after %gs; moved %d to other "
+                            "instances before the push", inst.endpoint, inst.in_flight, cfg.drain_timeout_s, moved)
+                if not await self.load_changed.wait_for(lambda: inst.in_flight == 0, EVICT_WAIT_S):
+                    log.warning("instance %s: %d request(s) still in flight; pushing anyway (the receiver waits "
+                                "for SGLang to go idle before it flushes the cache)", inst.endpoint, inst.in_flight)
             group = self.senders.group_of(inst)
             if group is None:  # no sender has reported yet: wait for one, out of service but not failing
                 inst.wait_for("the trainer's weight senders (PUT /update_weight_senders)")
