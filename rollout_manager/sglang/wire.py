@@ -314,6 +314,15 @@ class StreamError(Exception):
         super().__init__(message or str(error))
 
 
+def _frame_end(buf: bytes | bytearray, start: int) -> int:
+    """Where the next ``\\n\\n`` begins, or -1. A one-byte find is a memchr, several times faster than
+    a two-byte one, and JSON payloads hold no raw newline, so this rarely loops."""
+    at = buf.find(b"\n", start)
+    while at >= 0 and buf[at + 1:at + 2] != b"\n":
+        at = buf.find(b"\n", at + 1)
+    return at
+
+
 # Set by SSEDecoder(skip_seen=True) on a cumulative chunk whose already-seen ids it left unparsed:
 # that chunk's ``output_ids`` (and ``output_token_logprobs``) start after that many tokens.
 SKIPPED_IDS = "rm_skipped_ids"
@@ -394,7 +403,7 @@ class SSEDecoder:
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         if not self._buf:  # the usual read: exactly one whole one-line frame
-            end = data.find(b"\n\n")
+            end = _frame_end(data, 0)
             if end == len(data) - 2 and data.startswith(_DATA_PREFIX) and data.find(b"\n", 0, end) < 0:
                 obj = self._payload(data[len(_DATA_PREFIX):end])
                 return [] if obj is None else [obj]
@@ -403,17 +412,19 @@ class SSEDecoder:
         out: list[dict[str, Any]] = []
         begin = 0
         while True:
-            cut = buf.find(b"\n\n", max(begin, self._scanned - 1))
+            cut = _frame_end(buf, max(begin, self._scanned - 1))
             if cut < 0:
                 break
-            frame = bytes(buf[begin:cut])
-            begin = cut + 2
-            for line in frame.split(b"\n"):
-                line = line.strip()
-                if line.startswith(_DATA_FIELD):
-                    obj = self._payload(line[len(_DATA_FIELD):])
-                    if obj is not None:
-                        out.append(obj)
+            start, begin = begin, cut + 2
+            if buf.startswith(_DATA_PREFIX, start) and buf.find(b"\n", start, cut) < 0:  # one data line
+                payloads = [bytes(buf[start + len(_DATA_PREFIX):cut])]
+            else:
+                lines = (line.strip() for line in bytes(buf[start:cut]).split(b"\n"))
+                payloads = [line[len(_DATA_FIELD):] for line in lines if line.startswith(_DATA_FIELD)]
+            for payload in payloads:
+                obj = self._payload(payload)
+                if obj is not None:
+                    out.append(obj)
         if begin:
             del buf[:begin]
         self._scanned = len(buf)
