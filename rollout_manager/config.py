@@ -108,7 +108,7 @@ class Config(BaseModel):
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
-    engine_stream_interval: int = Field(default=16, ge=0)  # 0: send none, the server's --stream-interval holds
+    engine_stream_interval: int = Field(default=32, ge=0)  # 0: send none, the server's --stream-interval holds
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True
     tail_migration_interval_s: float = Field(default=1.0, gt=0)
