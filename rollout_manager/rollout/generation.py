@@ -305,7 +305,9 @@ class Generator:
         interval = self.settings.engine_stream_interval
         # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
         # A failure then loses no more than a stream at that interval would (<= interval tokens).
-        once = on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
+        # Not on a local instance: the local window takes those back every step, routinely.
+        once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
+                and inst.kind == Kind.REMOTE)
         body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                                       keep_caller_interval=on_tokens is not None, stream=not once)
         engine_call = generate_once if once else stream_generate
