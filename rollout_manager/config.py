@@ -90,6 +90,7 @@ class Config(BaseModel):
     weight_push_timeout_s: float = Field(default=600.0, gt=0)
     weight_push_retry_s: float = Field(default=2.0, gt=0)
     weight_push_mode: Literal["auto", "full", "delta"] = "auto"
+    weight_delta_below_gbps: float = Field(default=0.4, gt=0)
     peer_bootstrap: bool = True
 
     # Instance health.

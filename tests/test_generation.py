@@ -128,7 +128,10 @@ async def test_ndjson_batch_of_200_survives_sigkill_of_one_of_three_engines(star
         assert by_id[f"r{i}"]["output_ids"] == reference_generate(model, p, 12)[0], f"r{i}"
     continued = [d for d in by_id.values() if len(d["meta_info"]["segments"]) > 1]
     assert continued, "the kill should have interrupted some sequences"
-    assert all(d["meta_info"]["segments"][0]["endpoint"] == victim.endpoint for d in continued)
+    # A continued sequence started on the victim, or tail migration moved it (an idle engine at the end).
+    assert all(d["meta_info"]["segments"][0]["endpoint"] == victim.endpoint
+               or d["meta_info"]["segments"][0]["outcome"].startswith("migrated to ") for d in continued)
+    assert any(d["meta_info"]["segments"][0]["endpoint"] == victim.endpoint for d in continued)
     await async_wait_until(lambda: _gone(m, victim.endpoint),
                            message="victim removed")
 

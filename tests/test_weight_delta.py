@@ -133,11 +133,11 @@ def pushes_of(st: dict, version: int) -> dict[str, dict]:
 
 @pytest.fixture
 async def fleet(start_manager, tmp_path, request):
-    transport, mode = request.param
+    transport, mode, *below = request.param  # below: auto's link threshold in GB/s (default: every link)
     sender_port = free_port()
     m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
                             weight_push_retry_s="0.2", weight_push_max_attempts="2", weight_transport=transport,
-                            weight_push_mode=mode)
+                            weight_push_mode=mode, weight_delta_below_gbps=str(below[0] if below else 1e6))
     sender = SenderAgent(SENDER_IPS, sender_port).start()
     boxes: list[Box] = []
 
@@ -185,6 +185,19 @@ async def test_delta_pushes_are_bit_exact_reload_only_changed_tensors_and_repair
     assert await engine_checksums(late.url) == expected(ws)
     boot = pushes_of(await m.status(), 3)[late.endpoint]
     assert boot["mode"] == "full" and boot["bytes"] == total
+
+
+@pytest.mark.parametrize("fleet", [("tcp", "auto", 1e-9)], indirect=True)
+async def test_auto_mode_pushes_full_bytes_over_a_link_faster_than_a_delta_pays_for(fleet) -> None:
+    """Every link here is 'fast' (threshold 1 byte/s): a delta would cost more to encode and apply than
+    the bytes it saves, so auto never asks the sender for one."""
+    m, sender, add_box = fleet
+    box = await add_box()
+    for step in (1, 2, 3):
+        ws = await publish(m, sender, step)
+        assert await engine_checksums(box.url) == expected(ws)
+        push = pushes_of(await m.status(), step)[box.endpoint]
+        assert push["mode"] == "full" and push["bytes"] == sender.layout.total_bytes
 
 
 @pytest.mark.parametrize("fleet", [("tcp", "full")], indirect=True)

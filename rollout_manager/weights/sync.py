@@ -69,6 +69,9 @@ class SyncSettings:
     max_attempts: int
     push_mode: PushMode = "full"
     peer_bootstrap: bool = False
+    # "auto" sends deltas only to instances whose last full push from their sender ran below this
+    # (GB/s): on a faster link encoding and applying a delta costs more than the bytes it saves.
+    delta_below_gbps: float = 0.4
 
     @classmethod
     def from_config(cls, cfg: Config) -> SyncSettings:
@@ -76,7 +79,7 @@ class SyncSettings:
         if mode == "auto" and cfg.weight_transport == "mooncake" and cfg.mooncake_transfer_protocol == "rdma":
             mode = "full"  # RDMA moves the full bytes faster than a delta is encoded and applied
         return cls(cfg.weight_transport, cfg.drain_timeout_s, cfg.weight_push_timeout_s, cfg.weight_push_retry_s,
-                   cfg.weight_push_max_attempts, mode, cfg.peer_bootstrap)
+                   cfg.weight_push_max_attempts, mode, cfg.peer_bootstrap, cfg.weight_delta_below_gbps)
 
 
 class WeightSync:
@@ -104,6 +107,7 @@ class WeightSync:
         self._synced: set[str] = set()  # instances that got a version here (else: joining, a peer may serve)
         self._serving: dict[str, int] = {}  # peer bootstraps in flight per serving instance
         self._trainer_sums: dict[int, tuple[str, list[tuple[int, int]], list[str]]] = {}  # version -> sums
+        self._full_gbps: dict[str, float] = {}  # instance -> GB/s of its last full push from its sender
         registry.listeners.append(self._on_event)
 
     # ------------------------------------------------------------ trainer-facing
@@ -171,6 +175,7 @@ class WeightSync:
             self._ensure_sync(inst)
         elif event.new == State.DEAD:
             self._synced.discard(inst.id)
+            self._full_gbps.pop(inst.id, None)
             task = self._tasks.pop(inst.id, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -319,7 +324,10 @@ class WeightSync:
         transport = self.settings.transport
         mode = self.settings.push_mode
         t0 = time.monotonic()
-        base = inst.weight_version if mode != "full" and inst.weight_version < version else None
+        link = self._link_gbps(inst, group)
+        slow = link is not None and link < self.settings.delta_below_gbps
+        wants_delta = mode == "delta" or (mode == "auto" and slow)
+        base = inst.weight_version if wants_delta and inst.weight_version < version else None
         layout = await (self.agents.layout(sender_url, group.sender) if base is None else
                         self.agents.layout(sender_url, group.sender, delta_base=base))
         if layout.version != version:  # None: the sender is restaging right now
@@ -339,6 +347,8 @@ class WeightSync:
         push = await self.agents.push(sender_url, group.sender, request)
         self._record_sums(version, push)
         sent, kind = push.bytes, "delta" if use_delta else "full"
+        if not use_delta and push.gbps > 0:
+            self._full_gbps[inst.id] = push.gbps
         try:
             commit = await self.agents.commit(receiver_url, self._commit_request(version, push))
         except PushFailed as exc:
@@ -356,6 +366,16 @@ class WeightSync:
                 "full_bytes": layout.layout.total_bytes, "transfer_s": push.seconds, "gbps": push.gbps,
                 "verify_s": commit.verify_s, "load_s": commit.load_s, "apply_s": commit.apply_s,
                 "reloaded": commit.reloaded, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
+
+    def _link_gbps(self, inst: Instance, group: Group) -> float | None:
+        """GB/s of ``inst``'s last full push from its sender; for one that never had one (bootstrapped by
+        a peer), the median over its sender group's instances; None when nothing was measured."""
+        own = self._full_gbps.get(inst.id)
+        if own is not None:
+            return own
+        rates = sorted(self._full_gbps[i.id] for i in self.registry
+                       if i.id in self._full_gbps and self.senders.group_of(i) == group)
+        return rates[len(rates) // 2] if rates else None
 
     @staticmethod
     def _commit_request(version: int, push: PushAnswer, *, delta: bool = True) -> CommitRequest:
