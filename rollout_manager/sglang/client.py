@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +174,28 @@ async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
     raise EngineFailed(f"HTTP {resp.status}: {text[:200]}")
 
 
+@contextlib.asynccontextmanager
+async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], *,
+                         connect_timeout_s: float, stall_timeout_s: float, limits: LocalLimits | None,
+                         silence: str) -> AsyncIterator[aiohttp.ClientResponse]:
+    """POST ``/generate`` and hand over the answer; whatever goes wrong, then or while the caller reads
+    it, comes out as :class:`EngineRejected` (4xx) or :class:`EngineFailed` saying what happened
+    (``silence``: how a read timeout is described)."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
+    try:
+        resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
+                                    limits or LocalLimits())
+        async with resp:
+            await _raise_for_status(resp)
+            yield resp
+    except aiohttp.ConnectionTimeoutError:
+        raise EngineFailed(f"cannot connect to the instance within {connect_timeout_s:g}s") from None
+    except asyncio.TimeoutError:
+        raise EngineFailed(f"{silence} for {stall_timeout_s:g}s (stalled)") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise EngineFailed(transport_failure(exc)) from None
+
+
 async def stream_generate(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -189,30 +212,20 @@ async def stream_generate(
     (its own descriptor or memory limits), nothing was sent: the request waits and tries again,
     and the instance is not blamed.
     """
-    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
     decoder = wire.SSEDecoder(skip_seen=True)  # one sequence per stream: cumulative chunks parse their news only
-    try:
-        resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
-                                    limits or LocalLimits())
-        async with resp:
-            await _raise_for_status(resp)
-            async for data in resp.content.iter_any():
-                try:
-                    chunks = decoder.feed(data)
-                except wire.StreamError as exc:
-                    raise EngineRejected(400, exc.error) from None
-                except ValueError as exc:
-                    raise EngineFailed(f"undecodable stream: {exc}") from None
-                for chunk in chunks:
-                    yield chunk
-                if decoder.done:
-                    return
-    except aiohttp.ConnectionTimeoutError:
-        raise EngineFailed(f"cannot connect to the instance within {connect_timeout_s:g}s") from None
-    except asyncio.TimeoutError:
-        raise EngineFailed(f"no data for {stall_timeout_s:g}s (stalled)") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise EngineFailed(transport_failure(exc)) from None
+    async with _generate_call(session, base_url, body, connect_timeout_s=connect_timeout_s,
+                              stall_timeout_s=stall_timeout_s, limits=limits, silence="no data") as resp:
+        async for data in resp.content.iter_any():
+            try:
+                chunks = decoder.feed(data)
+            except wire.StreamError as exc:
+                raise EngineRejected(400, exc.error) from None
+            except ValueError as exc:
+                raise EngineFailed(f"undecodable stream: {exc}") from None
+            for chunk in chunks:
+                yield chunk
+            if decoder.done:
+                return
     if not decoder.done:
         raise EngineFailed("stream ended without [DONE]")
 
@@ -234,19 +247,9 @@ async def generate_once(
     not with a 200 carrying the abort, so the caller's errors still come back as EngineRejected.
     ``stall_timeout_s`` bounds the whole wait for the answer.
     """
-    timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
-    try:
-        resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
-                                    limits or LocalLimits())
-        async with resp:
-            await _raise_for_status(resp)
-            raw = await resp.read()
-    except aiohttp.ConnectionTimeoutError:
-        raise EngineFailed(f"cannot connect to the instance within {connect_timeout_s:g}s") from None
-    except asyncio.TimeoutError:
-        raise EngineFailed(f"no answer for {stall_timeout_s:g}s (stalled)") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise EngineFailed(transport_failure(exc)) from None
+    async with _generate_call(session, base_url, body, connect_timeout_s=connect_timeout_s,
+                              stall_timeout_s=stall_timeout_s, limits=limits, silence="no answer") as resp:
+        raw = await resp.read()
     try:
         answer = jsonutil.loads(raw)
     except ValueError as exc:
