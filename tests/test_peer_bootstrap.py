@@ -3,25 +3,23 @@ verified against the trainer's checksums, and falls back to the trainer's sender
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
+from functools import partial
 
 import aiohttp
 import numpy as np
 import pytest
 import torch
-from support import Box, async_wait_until, free_port
+from weight_fleet import engine_checksums, expected_checksums, weight_fleet
+from weight_fleet import publish as publish_weights
 
-from rollout_manager.cpu_engine.model import build_model, tensor_checksum
+from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.weights.peers import choose_peer, holders
 from rollout_manager.weights.protocol import ServeRequest
 from rollout_manager.weights.receiver_agent import CommitRefused, ReceiverAgent
-from rollout_manager.weights.sender_agent import SenderAgent
 
 MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2}
-SENDER_IPS = ["127.0.0.1"]
 
 
 def weights(step: int) -> dict[str, torch.Tensor]:
@@ -35,15 +33,6 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def expected(ws: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: tensor_checksum(t.to(torch.float32)) for n, t in ws.items()}
-
-
-async def engine_checksums(url: str) -> dict[str, str]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/debug/state_dict_checksum") as r:
-        return dict((await r.json())["tensors"])
-
-
 async def greedy(url: str) -> list[int]:
     body = {"input_ids": [5, 17, 3, 99], "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
     async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as r:
@@ -51,12 +40,7 @@ async def greedy(url: str) -> list[int]:
         return list((await r.json())["output_ids"])
 
 
-async def publish(m, sender: SenderAgent, step: int) -> dict[str, torch.Tensor]:
-    ws = weights(step)
-    await asyncio.to_thread(sender.stage, ws, step)
-    status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
-    assert status == 200 and not res["timed_out"], res
-    return ws
+publish = partial(publish_weights, make=weights)
 
 
 async def push_to(m, endpoint: str, version: int) -> dict:
@@ -75,33 +59,9 @@ async def peer_bootstraps(m) -> dict[str, float]:
 @pytest.fixture
 async def fleet(start_manager, tmp_path, request):
     transport, extra = request.param
-    sender_port = free_port()
-    m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_push_retry_s="0.2", weight_push_max_attempts="2", weight_transport=transport,
-                            weight_delta_below_gbps="1e6", **extra)  # every loopback link counts as slow
-    sender = SenderAgent(SENDER_IPS, sender_port).start()
-    boxes: list[Box] = []
-
-    async def add_box(*flags: str) -> Box:
-        box = Box(tmp_path, json.dumps(MODEL), *flags)
-        boxes.append(box)
-        await box.ready()
-        await m.register(box, wait_active=False)
-        await async_wait_until(lambda: _active(m, box), timeout_s=60, message="box active")
-        return box
-
-    try:
-        status, _ = await m.put_senders([SENDER_IPS], 1, engines=4)
-        assert status == 200
-        yield m, sender, add_box
-    finally:
-        for box in boxes:
-            box.stop()
-        sender.stop()
-
-
-async def _active(m, box: Box) -> bool:
-    return await m.state_of(box.endpoint) == "active"
+    async with weight_fleet(start_manager, tmp_path, MODEL, transport,
+                            weight_delta_below_gbps="1e6", **extra) as f:  # every loopback link counts as slow
+        yield f
 
 
 @pytest.mark.parametrize("fleet", [("tcp", {}), ("mooncake", {})], indirect=True)
@@ -117,14 +77,14 @@ async def test_a_box_joining_while_two_serve_gets_the_version_from_a_peer_and_se
     boot = await push_to(m, late.endpoint, 2)
     assert boot["source"] in {f"peer:{b.endpoint}" for b in serving} and boot["bytes"] == total
     assert boot["checksums_from"] == "manager"  # the trainer's, as the manager saw them pushed
-    assert await engine_checksums(late.url) == expected(ws)
+    assert await engine_checksums(late.url) == expected_checksums(ws)
     assert await greedy(late.url) == await greedy(serving[0].url)
     assert (await peer_bootstraps(m)) == {"ok": 1.0, "fallback": 0.0}
     # The bootstrapped buffer is a verified base: the next step reaches it as a delta from the sender.
     ws = await publish(m, sender, 3)
     nxt = await push_to(m, late.endpoint, 3)
     assert nxt["source"] == "sender:0" and nxt["mode"] == "delta"
-    assert await engine_checksums(late.url) == expected(ws)
+    assert await engine_checksums(late.url) == expected_checksums(ws)
 
 
 @pytest.mark.parametrize("fleet", [("tcp", {})], indirect=True)
@@ -133,7 +93,7 @@ async def test_a_peer_dying_mid_bootstrap_sends_the_box_back_to_the_trainers_sen
     doomed = await add_box("--fault-die-mid-serve")
     ws = await publish(m, sender, 1)
     late = await add_box()
-    assert await engine_checksums(late.url) == expected(ws)
+    assert await engine_checksums(late.url) == expected_checksums(ws)
     boot = await push_to(m, late.endpoint, 1)
     assert boot["source"] == "sender:0" and boot["bytes"] == sender.layout.total_bytes
     assert boot["peer_failed"].startswith(doomed.endpoint)
@@ -147,7 +107,7 @@ async def test_the_puller_checks_the_trainers_checksums_so_a_peer_serving_wrong_
     liar = await add_box("--fault-corrupt-serve")
     ws = await publish(m, sender, 1)
     late = await add_box()
-    assert await engine_checksums(late.url) == expected(ws)  # never loaded the peer's wrong byte
+    assert await engine_checksums(late.url) == expected_checksums(ws)  # never loaded the peer's wrong byte
     boot = await push_to(m, late.endpoint, 1)
     assert boot["source"] == "sender:0" and "checksum mismatch" in boot["peer_failed"]
     assert liar.endpoint in boot["peer_failed"]
@@ -159,7 +119,7 @@ async def test_peer_bootstrap_off_bootstraps_from_the_sender(fleet) -> None:
     await add_box()
     ws = await publish(m, sender, 1)
     late = await add_box()
-    assert await engine_checksums(late.url) == expected(ws)
+    assert await engine_checksums(late.url) == expected_checksums(ws)
     boot = await push_to(m, late.endpoint, 1)
     assert boot["source"] == "sender:0" and "peer_failed" not in boot
 

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import json
+from functools import partial
 
-import aiohttp
 import numpy as np
 import pytest
 import torch
-from support import Box, async_wait_until, free_port
+from weight_fleet import engine_checksums, expected_checksums, weight_fleet
+from weight_fleet import publish as publish_weights
 
-from rollout_manager.cpu_engine.model import build_model, tensor_checksum
+from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.weights import delta
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage
-from rollout_manager.weights.sender_agent import SenderAgent
 
 FP = hashlib.sha256(b"layout").hexdigest()
 
@@ -95,7 +93,6 @@ def test_touched_tensors_are_the_ones_holding_a_changed_word() -> None:
 # ---------------------------------------------------------------- end to end, through the manager
 
 MODEL = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 2}  # 17 MB in bf16: 5 blocks
-SENDER_IPS = ["127.0.0.1"]
 CHANGED = ["model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
 
 
@@ -110,21 +107,7 @@ def weights(step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-async def engine_checksums(url: str) -> dict[str, str]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/debug/state_dict_checksum") as r:
-        return dict((await r.json())["tensors"])
-
-
-def expected(ws: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: tensor_checksum(t.to(torch.float32)) for n, t in ws.items()}
-
-
-async def publish(m, sender: SenderAgent, step: int) -> dict[str, torch.Tensor]:
-    ws = weights(step)
-    await asyncio.to_thread(sender.stage, ws, step)
-    status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
-    assert status == 200 and not res["timed_out"], res
-    return ws
+publish = partial(publish_weights, make=weights)
 
 
 def pushes_of(st: dict, version: int) -> dict[str, dict]:
@@ -134,33 +117,9 @@ def pushes_of(st: dict, version: int) -> dict[str, dict]:
 @pytest.fixture
 async def fleet(start_manager, tmp_path, request):
     transport, mode, *below = request.param  # below: auto's link threshold in GB/s (default: every link)
-    sender_port = free_port()
-    m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_push_retry_s="0.2", weight_push_max_attempts="2", weight_transport=transport,
-                            weight_push_mode=mode, weight_delta_below_gbps=str(below[0] if below else 1e6))
-    sender = SenderAgent(SENDER_IPS, sender_port).start()
-    boxes: list[Box] = []
-
-    async def add_box(*flags: str) -> Box:
-        box = Box(tmp_path, json.dumps(MODEL), *flags)
-        boxes.append(box)
-        await box.ready()
-        await m.register(box, wait_active=False)
-        await async_wait_until(lambda: _active(m, box), timeout_s=60, message="box active")
-        return box
-
-    try:
-        status, _ = await m.put_senders([SENDER_IPS], 1, engines=4)
-        assert status == 200
-        yield m, sender, add_box
-    finally:
-        for box in boxes:
-            box.stop()
-        sender.stop()
-
-
-async def _active(m, box: Box) -> bool:
-    return await m.state_of(box.endpoint) == "active"
+    async with weight_fleet(start_manager, tmp_path, MODEL, transport, weight_push_mode=mode,
+                            weight_delta_below_gbps=str(below[0] if below else 1e6)) as f:
+        yield f
 
 
 @pytest.mark.parametrize("fleet", [("tcp", "auto"), ("mooncake", "delta")], indirect=True)
@@ -174,7 +133,7 @@ async def test_delta_pushes_are_bit_exact_reload_only_changed_tensors_and_repair
     for step in (2, 3):
         ws = await publish(m, sender, step)
         for box in (good, corrupt):
-            assert await engine_checksums(box.url) == expected(ws)  # bit-exact, repaired one included
+            assert await engine_checksums(box.url) == expected_checksums(ws)  # bit-exact, repaired one included
         got = pushes_of(await m.status(), step)
         assert got[good.endpoint]["mode"] == "delta" and got[good.endpoint]["bytes"] * 10 < total
         assert got[good.endpoint]["reloaded"] == len(CHANGED)  # only the changed tensors went to the engine
@@ -182,7 +141,7 @@ async def test_delta_pushes_are_bit_exact_reload_only_changed_tensors_and_repair
         assert got[corrupt.endpoint]["bytes"] < total  # one shard of four, plus the delta
     # A box that joins now holds version 0, three versions behind: it gets the full bytes.
     late = await add_box()
-    assert await engine_checksums(late.url) == expected(ws)
+    assert await engine_checksums(late.url) == expected_checksums(ws)
     boot = pushes_of(await m.status(), 3)[late.endpoint]
     assert boot["mode"] == "full" and boot["bytes"] == total
 
@@ -195,7 +154,7 @@ async def test_auto_mode_pushes_full_bytes_over_a_link_faster_than_a_delta_pays_
     box = await add_box()
     for step in (1, 2, 3):
         ws = await publish(m, sender, step)
-        assert await engine_checksums(box.url) == expected(ws)
+        assert await engine_checksums(box.url) == expected_checksums(ws)
         push = pushes_of(await m.status(), step)[box.endpoint]
         assert push["mode"] == "full" and push["bytes"] == sender.layout.total_bytes
 
@@ -206,7 +165,7 @@ async def test_full_mode_pushes_every_byte_and_reloads_every_tensor(fleet) -> No
     box = await add_box()
     for step in (1, 2):
         ws = await publish(m, sender, step)
-        assert await engine_checksums(box.url) == expected(ws)
+        assert await engine_checksums(box.url) == expected_checksums(ws)
         push = pushes_of(await m.status(), step)[box.endpoint]
         assert push["mode"] == "full" and push["bytes"] == sender.layout.total_bytes
         assert push["reloaded"] == len(ws)

@@ -9,8 +9,9 @@ import aiohttp
 import pytest
 import torch
 from support import Box, async_wait_until, free_port
+from weight_fleet import engine_checksums, expected_checksums
 
-from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
+from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.weights.sender_agent import SenderAgent
 
 MODEL = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 4}  # ~9.6 M params
@@ -25,15 +26,6 @@ def trainer_weights(step: int) -> dict[str, torch.Tensor]:
     for i, (name, t) in enumerate(model.state_dict().items()):
         out[name] = t.to((torch.bfloat16, torch.float16, torch.float32)[i % 3])
     return out
-
-
-async def engine_checksums(url: str) -> dict[str, str]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/debug/state_dict_checksum") as r:
-        return (await r.json())["tensors"]
-
-
-def expected_checksums(weights: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: tensor_checksum(t.to(torch.float32)) for n, t in weights.items()}
 
 
 @pytest.fixture
