@@ -26,37 +26,22 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch
+from bench_weight_delta import MODELS, BenchReceiver  # the same model sizes, the same SGLang-less receiver
 
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.weights.layout import WeightLayout
 from rollout_manager.weights.mooncake_engine import mooncake_available
 from rollout_manager.weights.protocol import CommitRequest, PushAnswer, PushRequest, ServeRequest, TransportName
-from rollout_manager.weights.receiver_agent import ReceiverAgent
 from rollout_manager.weights.sender_agent import SenderAgent
 from rollout_manager.weights.tcp_transport import TcpEngine
 
-MODELS: dict[str, dict[str, Any]] = {
-    "100m": dict(vocab_size=8192, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=12, intermediate_size=2048),
-    "small": dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=8, intermediate_size=1536),
-}
 VERSION = 1
-
-
-class BenchReceiver(ReceiverAgent):
-    """A receiver agent without SGLang: a commit verifies and stops there."""
-
-    async def _load(self, version: int, names: set[str] | None = None) -> int:
-        assert self.layout is not None
-        self.reloaded = len(self.layout) if names is None else len(names)
-        return 0
 
 
 _next_host = iter(range(1, 250))
