@@ -36,11 +36,14 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_manager_overhead import stop_all
+from bench_relay import cpu_s
+
 from rollout_manager.osutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------- the fake fleet (helper processes)
@@ -88,11 +91,6 @@ def start_fleet(instances: int, helpers: int, tokens: int, cumulative: bool, log
 
 
 # ---------------------------------------------------------------- /proc readings of the manager
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
-
-
 def status_kb(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -295,12 +293,7 @@ async def run(args: argparse.Namespace) -> None:
             if bad or removed:
                 raise SystemExit(1)
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+        stop_all(procs)
 
 
 def main() -> None:
