@@ -29,6 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (every thread), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
                             start_new_session=True)
@@ -130,6 +139,7 @@ async def main() -> None:
     procs: list[subprocess.Popen] = []
     try:
         manager, backends = spawn_fake_cluster(logs, procs, "scheduler_policy=least_in_flight")
+        manager_pid = procs[-1].pid
         router = None
         if not args.no_router:
             rport = free_port()
@@ -141,23 +151,29 @@ async def main() -> None:
         if router:
             await wait_ok(router + "/health", timeout=120)
 
-        paths = [("direct (client round-robin)", backends, args.stream), ("rollout-manager", [manager], args.stream)]
+        # (name, urls, the proxy's pid whose CPU is charged to each request; None: no proxy)
+        paths: list[tuple[str, list[str], int | None]] = [("direct (client round-robin)", backends, None),
+                                                          ("rollout-manager", [manager], manager_pid)]
         if router:
-            paths.append(("sglang-router 0.3.2 round_robin", [router], args.stream))
-        for _, urls, stream in paths:  # warm-up: connections, caches, rate meters
-            await load(urls, 400, args.concurrency, stream)
+            paths.append(("sglang-router 0.3.2 round_robin", [router], procs[-1].pid))
+        for _, urls, _pid in paths:  # warm-up: connections, caches, rate meters
+            await load(urls, 400, args.concurrency, args.stream)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in paths}
         for _ in range(args.rounds):  # interleaved, so background noise hits every path alike
-            for name, urls, stream in paths:
-                runs[name].append(await load(urls, args.requests, args.concurrency, stream))
+            for name, urls, pid in paths:
+                before = cpu_s(pid) if pid else 0.0
+                r = await load(urls, args.requests, args.concurrency, args.stream)
+                r["cpu_ms"] = 1000 * (cpu_s(pid) - before) / args.requests if pid else 0.0
+                runs[name].append(r)
         results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         print(f"\n{args.requests} {'streaming' if args.stream else 'non-streaming'} requests of 8 tokens, "
               f"{args.concurrency} concurrent, "
               f"2 instant fake backends, {os.cpu_count()} cores, median of {args.rounds} interleaved rounds\n")
-        print("| path | req/s | p50 ms | p99 ms |")
-        print("| --- | ---: | ---: | ---: |")
+        print("| path | req/s | p50 ms | p99 ms | proxy CPU ms/request |")
+        print("| --- | ---: | ---: | ---: | ---: |")
         for name, r in results.items():
-            print(f"| {name} | {r['rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |")
+            cpu = f"{r['cpu_ms']:.3f}" if r["cpu_ms"] else "-"
+            print(f"| {name} | {r['rps']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {cpu} |")
         if router:
             ratio = results["rollout-manager"]["rps"] / results["sglang-router 0.3.2 round_robin"]["rps"]
             print(f"\nmanager / sglang-router throughput ratio: {ratio:.2f}")

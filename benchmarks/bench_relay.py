@@ -35,13 +35,12 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_manager_overhead import register_backends, spawn, stop_all, wait_ok
+from bench_manager_overhead import cpu_s, register_backends, spawn, stop_all, wait_ok
 
 from rollout_manager.osutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 
 # name -> (fake backend flags, whether the manager sends its per-request interval)
 MODES: dict[str, tuple[list[str], bool]] = {
@@ -51,12 +50,6 @@ MODES: dict[str, tuple[list[str], bool]] = {
     "incremental/req": (["--incremental-streaming-output"], True),
     "incremental/server16": (["--incremental-streaming-output", "--stream-interval", "16"], False),
 }
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (every thread), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 async def relay(manager: str, sequences: int, tokens: int) -> float:

@@ -37,8 +37,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_manager_overhead import stop_all
-from bench_relay import cpu_s
+from bench_manager_overhead import cpu_s, stop_all
 
 from rollout_manager.osutil import free_port
 
