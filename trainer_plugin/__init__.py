@@ -12,7 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "ManagerClient": "client", "ManagerClientError": "client", "ManagerHTTPError": "client",
-    "ManagerUnavailable": "client",
+    "ManagerUnavailable": "client", "ManagerLost": "client", "ManagerRestarted": "client",
     "ManagerProcess": "launcher", "ManagerStartError": "launcher", "PortInUseError": "launcher",
     "start_manager": "launcher",
     "StepTimer": "metrics", "as_log_metrics": "metrics", "post_step_metrics": "metrics",

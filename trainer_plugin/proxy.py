@@ -122,8 +122,11 @@ class ManagerProxyServer:
 
     def __init__(self, manager_url: str, *, prompt_length: int, response_length: int,
                  max_model_len: int | None = None, timeout_s: float = 30.0,
-                 batch_window_s: float = 0.005, max_batch: int = 1024):
+                 batch_window_s: float = 0.005, max_batch: int = 1024,
+                 client_options: dict[str, Any] | None = None):
+        """``client_options``: more :class:`ManagerClient` arguments (stall and restart bounds)."""
         self.manager_url = manager_url
+        self.client_options = dict(client_options or {})
         self.prompt_length = prompt_length
         self.response_length = response_length
         self.max_model_len = max_model_len
@@ -137,7 +140,7 @@ class ManagerProxyServer:
     @property
     def client(self) -> ManagerClient:
         if self._client is None:
-            self._client = ManagerClient(self.manager_url, timeout_s=self.timeout_s)
+            self._client = ManagerClient(self.manager_url, **{"timeout_s": self.timeout_s, **self.client_options})
         return self._client
 
     @property

@@ -96,6 +96,17 @@ class ManagerSettings:
     # (0: one /generate per call); at most batch_max_requests per batch
     batch_window_ms: float = 5.0
     batch_max_requests: int = 1024
+    # a generation stream silent this long makes the client probe the manager's /health: a different
+    # run_id means it restarted (resubmit), no answer is reported as a stall (0: never probe)
+    stall_timeout_s: float = 10.0
+    # how long a step waits for a restarted, unreachable or frozen manager before it fails naming the
+    # unfinished requests; 0: fail at once, no resubmission
+    restart_timeout_s: float = 120.0
+
+    def client_options(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`trainer_plugin.client.ManagerClient` from these settings."""
+        return {"timeout_s": self.request_timeout_s, "stall_timeout_s": self.stall_timeout_s,
+                "restart_timeout_s": self.restart_timeout_s}
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,9 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
     if values.get("batch_window_ms", 0.0) < 0 or values.get("batch_max_requests", 1) < 1:
         raise SettingsError(f"{PREFIX}custom.rollout_manager.batch_window_ms must be >= 0 and batch_max_requests "
                             f">= 1, got {values.get('batch_window_ms')}, {values.get('batch_max_requests')}")
+    for key in ("stall_timeout_s", "restart_timeout_s"):
+        if values.get(key, 0.0) < 0:
+            raise SettingsError(f"{PREFIX}custom.rollout_manager.{key} must be >= 0, got {values[key]}")
     msbs = _coerce(f"{PREFIX}custom.min_stream_batch_size", custom.get("min_stream_batch_size", 1), 1)
     if msbs < 1:
         raise SettingsError(f"{PREFIX}custom.min_stream_batch_size must be >= 1, got {msbs}")

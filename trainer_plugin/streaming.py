@@ -35,6 +35,14 @@ step numbers, else None), ``request_id``, ``finish_reason``, ``prompt_index``, `
 ``prompt_len``/``response_len``, ``micro_batch_index``, and each caller-supplied per-prompt key (``raw_prompt``,
 ``data_source``, ``reward_model`` ...) repeated for the group's ``n`` samples.
 
+A manager restart mid-step costs only the tokens in flight: the client
+(:meth:`ManagerClient.batch_generate`) waits for the manager to come back, up to its
+``restart_timeout_s``, and resubmits exactly the requests not answered yet; a frozen manager is
+reported as a stall and waited for, not resubmitted to (see :mod:`trainer_plugin.client`). Every id
+is yielded at most once: a second answer for an id is dropped here too. ``stream.stats`` counts the
+interruptions, resubmitted requests, stalls and time spent waiting; if the manager does not come
+back, the step fails with :class:`~trainer_plugin.client.ManagerLost` naming the unfinished ids.
+
 A request that finally fails (``success: false``) is never dropped silently: by default the step
 fails with :class:`RolloutFailed` naming the request and the manager's error (closing the stream,
 which makes the manager abort the rest); with ``on_failure="drop_group"`` the whole group is left
@@ -53,7 +61,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -119,6 +127,12 @@ class StreamStats:
     first_result_s: float | None = None
     elapsed_s: float = 0.0
     segments_mixed_versions: int = 0
+    # manager outages survived during this step (from the client's counters)
+    interruptions: int = 0
+    resubmitted: int = 0
+    stalls: int = 0
+    duplicates_dropped: int = 0
+    outage_s: float = 0.0
 
 
 def _as_int_version(v: Any) -> int | None:
@@ -333,12 +347,19 @@ class RolloutStream:
         ready_samples = 0
         dropped_since_last: list[int] = []
         index = 0
+        seen: set[str] = set()
+        before = replace(self.client.stats)
         lines = self.client.batch_generate(items)
         try:
             async for line in lines:
                 if self.stats.first_result_s is None:
                     self.stats.first_result_s = time.monotonic() - started
                 g, j = self._parse_id(line.get("id"))
+                if self.request_id(g, j) in seen:  # the client dedupes already; never yield one twice
+                    self.stats.duplicates_dropped += 1
+                    log.warning("ignoring a second answer for %s", line.get("id"))
+                    continue
+                seen.add(self.request_id(g, j))
                 if not line.get("success"):
                     self.stats.failed += 1
                     failure = {"id": line.get("id"), "group": g, "index": j,
@@ -381,6 +402,12 @@ class RolloutStream:
         finally:
             await lines.aclose()
             self.stats.elapsed_s = time.monotonic() - started
+            now = self.client.stats
+            self.stats.interruptions = now.interruptions - before.interruptions
+            self.stats.resubmitted = now.resubmitted - before.resubmitted
+            self.stats.stalls = now.stalls - before.stalls
+            self.stats.duplicates_dropped += now.duplicates_dropped - before.duplicates_dropped
+            self.stats.outage_s = now.outage_s - before.outage_s
         if ready:
             yield self._emit(ready, done, index, dropped_since_last)
             index += 1

@@ -95,7 +95,8 @@ class DisaggregatedReplica(RolloutReplica):
         ).remote(url, prompt_length=self.config.prompt_length, response_length=self.config.response_length,
                  max_model_len=self.config.max_model_len, timeout_s=self.settings.manager.request_timeout_s,
                  batch_window_s=self.settings.manager.batch_window_ms / 1000.0,
-                 max_batch=self.settings.manager.batch_max_requests)
+                 max_batch=self.settings.manager.batch_max_requests,
+                 client_options=self.settings.manager.client_options())
         health = await proxy.health.remote()  # fails fast if the workers cannot reach the manager
         log.info("replica %d -> rollout manager %s (%s)", self.replica_rank, url, health)
         self.servers = [proxy]
