@@ -31,14 +31,23 @@ prefill included, moving to the next fastest if that one is preempted first). Pr
 over seeds ``seed..seed+repeat-1``: makespan, both bounds, makespan / tight bound (mean and worst
 seed), tokens re-prefilled because of migrations as a fraction of tokens generated, and moves.
 Neither bound is reachable on this batch model (a sequence alone runs twice as fast as in a full
-batch, and a full pool is what the fluid bound needs), so a third, *achievable* reference comes
-first in each table: :class:`Clairvoyant`, which knows the lengths (longest first, the fastest
-instance at half a batch, real tail migration); the last column divides by its makespan. It is
-one good clairvoyant schedule, not the optimum (``--no-clairvoyant`` skips it).
+batch, and a full pool is what the fluid bound needs). So each scenario also gets:
+
+- *OPT bound*: a lower bound on the makespan of every schedule of the batch, even one that knows
+  the lengths (:func:`opt_lower_bound`: the value of a linear relaxation of this batch model, with
+  scipy; ``--no-opt-bound`` skips it); makespan / OPT bound is the last column;
+- :class:`Clairvoyant`, an *achievable* reference that knows the lengths (longest first, the fastest
+  instance at half a batch, real tail migration); a column divides by its makespan. It is one good
+  clairvoyant schedule, not the optimum (``--no-clairvoyant`` skips it);
+- optionally (``--express-tokens N``) :class:`ExpressLane`, the clairvoyant's placement without its
+  knowledge: the fastest instance kept at half a batch, sequences promoted to it once they have made
+  N tokens; and ``--order longest-first`` hands every policy the batch in the clairvoyant's order,
+  which shows what knowing the order is worth.
 
     .venv/bin/python benchmarks/bench_scheduling.py --seed 0 --repeat 10 [--preempt slowest]
     .venv/bin/python benchmarks/bench_scheduling.py --scenarios --repeat 10   # fastest, slowest, none
     .venv/bin/python benchmarks/bench_scheduling.py --plan-cost               # plan() CPU time, 1k instances
+    .venv/bin/python benchmarks/bench_scheduling.py --scenarios --express-tokens 800 [--order longest-first]
 """
 
 from __future__ import annotations
@@ -49,15 +58,18 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
+    Move,
     Policy,
     RunningSequence,
     TailMigration,
@@ -226,6 +238,90 @@ def longest_alone_bound(longest: int, args: argparse.Namespace, victim: int | No
     return max(t, t_p) + (longest - made) / speeds[order[1]]
 
 
+def opt_lower_bound(lengths: Sequence[int], args: argparse.Namespace, victim: int | None,
+                    t_p: float | None) -> float | None:
+    """A makespan no schedule of this batch on this pool can beat, even one that knows the lengths;
+    None without scipy (``pip install -e .[bench]``).
+
+    Linear relaxation of the simulator: instance ``i`` spends time ``x[i,n]`` running a batch of
+    ``n <= max_running`` sequences, each decoding at ``rate[i,n] = speed_i / (1 + (n-1)/batch_half)``;
+    sequence ``j`` spends ``y[j,i,n]`` of its time in such a batch. Every schedule with makespan ``T``
+    satisfies:
+
+    - ``sum_n x[i,n] <= T`` (``<= t_p`` for the preempted instance);
+    - ``sum_j y[j,i,n] <= n x[i,n]`` (n slots) and ``y[j,i,n] <= x[i,n]`` (one slot per sequence:
+      a long sequence in a small batch holds the whole instance at that batch for its time);
+    - ``sum y[j,..] <= T - pre`` (none decodes before one prompt prefill at the fastest rate);
+    - ``sum rate * y[j,..] >= L_j``.
+
+    Moves, re-prefills, whole tokens and the order of events only add to a real schedule, so the
+    least such ``T`` (solved by HiGHS) bounds the optimum from below; it combines both terms of the
+    tight bound (a long sequence needs a small batch, a small batch costs throughput). To keep the LP
+    small, sequences whose lengths lie within a factor ``1.1`` are pooled (their constraints summed:
+    a relaxation, so still a bound; pooling within 1.03 gave the same value on the
+    workload checked, seed 0 without preemption).
+    """
+    try:
+        import scipy.sparse as sparse  # type: ignore[import-untyped]
+        from scipy.optimize import linprog  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    speeds = [args.base_rate * s for s in args.speeds]
+    k, nmax = len(speeds), args.max_running
+    rate = np.array([s / (1 + (n - 1) / args.batch_half) for s in speeds for n in range(1, nmax + 1)])
+    batch = np.tile(np.arange(1, nmax + 1, dtype=float), k)
+    modes = k * nmax
+    pools: list[list[int]] = []
+    for length in sorted(lengths):
+        if pools and length <= 1.1 * pools[-1][0]:
+            pools[-1].append(length)
+        else:
+            pools.append([length])
+    g = len(pools)
+    count = np.array([len(q) for q in pools], dtype=float)
+    tokens = np.array([sum(q) for q in pools], dtype=float)
+    pre = args.prompt_tokens / (args.prefill_factor * max(speeds))
+    # Variables: x[m] (m = i * nmax + n - 1), y[q, m] for pool q (at nmax*k + q*modes + m), then T.
+    col_t = modes + g * modes
+    ym = modes + np.arange(g * modes).reshape(g, modes)
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    rhs: list[np.ndarray] = []
+    r0 = 0
+
+    def add(r: np.ndarray, c: np.ndarray, v: np.ndarray, b: np.ndarray) -> None:
+        nonlocal r0
+        rows.append(r + r0)
+        cols.append(c)
+        vals.append(v)
+        rhs.append(b)
+        r0 += len(b)
+
+    inst = np.repeat(np.arange(k), nmax)
+    add(np.concatenate([inst, np.arange(k)]), np.concatenate([np.arange(modes), np.full(k, col_t)]),
+        np.concatenate([np.ones(modes), -np.ones(k)]), np.zeros(k))  # instance time <= T
+    if victim is not None and t_p is not None:
+        add(np.zeros(nmax, dtype=int), victim * nmax + np.arange(nmax), np.ones(nmax), np.array([t_p]))
+    add(np.concatenate([np.tile(np.arange(modes), g), np.arange(modes)]),
+        np.concatenate([ym.ravel(), np.arange(modes)]),
+        np.concatenate([np.ones(g * modes), -batch]), np.zeros(modes))  # n slots
+    add(np.concatenate([np.arange(g * modes)] * 2), np.concatenate([ym.ravel(), np.tile(np.arange(modes), g)]),
+        np.concatenate([np.ones(g * modes), -np.repeat(count, modes)]), np.zeros(g * modes))  # one slot each
+    add(np.concatenate([np.repeat(np.arange(g), modes), np.arange(g)]),
+        np.concatenate([ym.ravel(), np.full(g, col_t)]),
+        np.concatenate([np.ones(g * modes), -count]), -pre * count)  # decode time <= T - pre
+    add(np.repeat(np.arange(g), modes), ym.ravel(), -np.tile(rate, g), -tokens)  # tokens made
+    a_ub = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                             shape=(r0, col_t + 1))
+    cost = np.zeros(col_t + 1)
+    cost[col_t] = 1.0
+    res = linprog(cost, A_ub=a_ub, b_ub=np.concatenate(rhs), bounds=(0, None), method="highs-ipm")
+    if res.status != 0:
+        raise RuntimeError(f"the bound's LP failed: {res.message}")
+    return float(res.fun)
+
+
 class Clairvoyant:
     """A reference schedule, not a policy the manager can run: it knows the true lengths.
 
@@ -249,6 +345,44 @@ class Clairvoyant:
         if not open_:
             return None
         return max(open_, key=lambda c: (self.speed[c.instance_id], -c.in_flight_requests)).instance_id
+
+
+class ExpressLane(Clairvoyant):
+    """The clairvoyant's placement without its knowledge (a reference, not a manager policy).
+
+    New work is placed as :class:`Clairvoyant` places it (the fastest instance kept at half a
+    batch), but in the order it arrives; :class:`ExpressPromotion` then moves sequences to the
+    fastest instance once they have run long (up to 5/8 of ``max_running`` there). Under long-tailed
+    lengths a sequence that has made many tokens is likely to make many more, so this is the online
+    stand-in for "longest first".
+    """
+
+    name = "express_lane"
+
+
+class ExpressPromotion(TailMigration):
+    """While requests wait: move sequences that have made ``promote_tokens`` (oldest first) to the
+    fastest instance, up to ``cap`` sequences there; once nothing waits, plain tail migration."""
+
+    def __init__(self, express: str, cap: int, promote_tokens: int, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.express, self.cap, self.promote_tokens = express, cap, promote_tokens
+
+    def plan(self, instances: Sequence[InstanceLoad], running: Sequence[RunningSequence], waiting: int,
+             now: float, draining: Collection[str] = ()) -> list[Move]:
+        if waiting == 0:
+            return super().plan(instances, running, waiting, now, draining)
+        there = next((c.in_flight_requests for c in instances if c.instance_id == self.express), None)
+        if there is None:
+            return []
+        moves = []
+        for s in sorted(running, key=lambda s: -s.made):
+            if there >= self.cap or s.made < self.promote_tokens:
+                break
+            if s.instance_id != self.express and self.express not in s.visited and s.moves < self.max_moves:
+                moves.append(Move(s.seq_id, s.instance_id, self.express, 0.0))
+                there += 1
+        return moves
 
 
 def simulate(label: str, policy: Policy, lengths: list[int], args: argparse.Namespace,
@@ -427,6 +561,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tm-cooldown", type=float, default=None)
     p.add_argument("--no-clairvoyant", dest="clairvoyant", action="store_false",
                    help="skip the clairvoyant reference row (knows lengths; see Clairvoyant)")
+    p.add_argument("--no-opt-bound", dest="opt_bound", action="store_false",
+                   help="skip the lower bound on any schedule's makespan (see opt_lower_bound)")
+    p.add_argument("--express-tokens", type=int, default=0,
+                   help="also run the express-lane reference, promoting after N tokens (see ExpressLane); 0: skip")
+    p.add_argument("--order", choices=("arrival", "longest-first"), default="arrival",
+                   help="the order the batch is handed to every policy (longest-first: the clairvoyant's)")
     p.add_argument("--plan-cost", action="store_true",
                    help="only time TailMigration.plan on 1,000 instances and 20,000 sequences")
     return p.parse_args(argv)
@@ -475,6 +615,7 @@ class Row:
     p99: float
     plan_ms: float
     vs_clairvoyant: float | None  # mean over seeds of makespan / the clairvoyant reference's
+    vs_opt: float | None  # mean over seeds of makespan / the lower bound on any schedule's
 
 
 def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]:
@@ -492,21 +633,37 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
         fluid = fluid_bound(total, peak_all, peak_after, t_p)
         tight = max(fluid, longest_alone_bound(max(lengths), args, victim, t_p))
         workloads.append((lengths, t_p, fluid, tight))
+    # Both bounds hold for every schedule, so their maximum does too.
+    opt = [max(tight, lp) if args.opt_bound and (lp := opt_lower_bound(lengths, args, victim, t_p)) else None
+           for lengths, t_p, _, tight in workloads]
     info = {"peak": peak_all, "tokens": float(sum(workloads[0][0])),
             "t_p": workloads[0][1] or 0.0, "longest": float(max(workloads[0][0]))}
+    if all(o is not None for o in opt):
+        over = [o / w[3] for o, w in zip(opt, workloads) if o is not None]
+        info |= {"opt": sum(o for o in opt if o is not None) / len(over),
+                 "opt_vs_tight": sum(over) / len(over), "opt_vs_tight_max": max(over)}
     runs: list[tuple[str, str | None, dict[str, object], bool]] = list(policy_runs(args))
+    if args.express_tokens:
+        runs.insert(0, (f"express lane (fastest at half a batch; promoted after {args.express_tokens} tokens)"
+                        " + tail migration", "express", {}, True))
     if args.clairvoyant:  # first, so every other row can be divided by it
         runs.insert(0, ("clairvoyant reference (knows lengths; not a real policy) + tail migration",
                         None, {}, True))
+    fastest = f"i{max(range(len(args.speeds)), key=lambda k: args.speeds[k])}"
     rows: list[Row] = []
     clair: list[float] | None = None
     for label, name, kw, migrate in runs:
         res = []
         for lengths, t_p, fluid, tight in workloads:
             mig = TailMigration(**migration_kwargs(args)) if migrate else None  # type: ignore[arg-type]
+            if args.order == "longest-first" or name is None:
+                lengths = sorted(lengths, reverse=True)
             if name is None:
                 pol: Policy = Clairvoyant(args.speeds, args.max_running)
-                lengths = sorted(lengths, reverse=True)
+            elif name == "express":
+                pol = ExpressLane(args.speeds, args.max_running)
+                mig = ExpressPromotion(fastest, args.max_running // 2 + args.max_running // 8, args.express_tokens,
+                                       **migration_kwargs(args))
             else:
                 pol = make_policy(name, **kw)
             r = simulate(label, pol, lengths, args, t_p, victim, mig)
@@ -523,6 +680,7 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
             sum(r.p50 for r, _, _ in res) / k, sum(r.p99 for r, _, _ in res) / k,
             1000 * max(r.plan_s / max(1, math.ceil(r.makespan / args.migrate_interval)) for r, _, _ in res),
             sum(r.makespan / c for (r, _, _), c in zip(res, clair)) / k if clair else None,
+            sum(r.makespan / o for (r, _, _), o in zip(res, opt) if o) / k if "opt" in info else None,
         ))
     return rows, info
 
@@ -530,14 +688,15 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
 def print_rows(rows: list[Row], scenario: str | None = None) -> None:
     head = "| preempted " if scenario is not None else ""
     print(head + "| policy | makespan s | fluid bound s | tight bound s | makespan/tight mean | worst seed "
-          "| re-prefilled / generated | migrations | p50 s | p99 s | makespan/clairvoyant |")
+          "| re-prefilled / generated | migrations | p50 s | p99 s | makespan/clairvoyant | makespan/OPT bound |")
     print(("| --- " if scenario is not None else "") + "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: |")
+          "| ---: | ---: | ---: | ---: |")
     for r in rows:
         print((f"| {scenario} " if scenario is not None else "") +
               f"| {r.label} | {r.makespan:.1f} | {r.fluid:.1f} | {r.tight:.1f} | {r.ratio_mean:.2f} "
               f"| {r.ratio_worst:.2f} | {100 * r.reprefill_frac:.2f}% | {r.migrations:.0f} | {r.p50:.1f} "
-              f"| {r.p99:.1f} | {'-' if r.vs_clairvoyant is None else f'{r.vs_clairvoyant:.2f}'} |")
+              f"| {r.p99:.1f} | {'-' if r.vs_clairvoyant is None else f'{r.vs_clairvoyant:.2f}'} "
+              f"| {'-' if r.vs_opt is None else f'{r.vs_opt:.2f}'} |")
 
 
 def plan_cost(args: argparse.Namespace) -> None:
@@ -574,7 +733,8 @@ def main(argv: list[str] | None = None) -> None:
           f" {args.move_overhead:g}s per move")
     print(f"batch: {args.requests} requests, {args.dist} lengths (median {args.median_tokens:g},"
           f" budget {args.max_new_tokens}); seeds {args.seed}..{args.seed + args.repeat - 1}"
-          f" (figures: mean over seeds; worst seed of makespan/tight)")
+          f" (figures: mean over seeds; worst seed of makespan/tight)"
+          + ("; handed to the policies longest first" if args.order == "longest-first" else ""))
     if args.migration != "off":
         print(f"tail migration: every {args.migrate_interval:g}s, TailMigration({migration_kwargs(args)})")
     for scenario in scenarios:
@@ -584,6 +744,9 @@ def main(argv: list[str] | None = None) -> None:
         where = (f"preempted: {scenario} at {args.preempt_frac:g} x the fluid bound (t={info['t_p']:.1f}s "
                  f"for seed {args.seed})" if scenario != "none" else "no preemption")
         print(f"{where}; seed {args.seed}: {info['tokens']:.0f} tokens, longest {info['longest']:.0f}")
+        if "opt" in info:
+            print(f"lower bound on any schedule's makespan (OPT bound, lengths known): {info['opt']:.1f} s, "
+                  f"{info['opt_vs_tight']:.3f}x the tight bound (largest over seeds {info['opt_vs_tight_max']:.3f}x)")
         print()
         print_rows(rows)
 

@@ -1,5 +1,6 @@
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -282,3 +283,56 @@ def test_meter_rejects_bad_parameters():
         TokenRateMeter(tau_s=0)
     with pytest.raises(ValueError):
         TokenRateMeter(min_busy_s=-1)
+
+
+# --- the simulator's lower bound on any schedule (benchmarks/bench_scheduling.py) -------------
+
+
+def _bench() -> Any:
+    """benchmarks/bench_scheduling.py as a module (it is a script, not part of the package)."""
+    pytest.importorskip("scipy")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scheduling.py"
+    spec = importlib.util.spec_from_file_location("bench_scheduling", path)
+    assert spec is not None and spec.loader is not None
+    mod = sys.modules.get(spec.name)
+    if mod is None:
+        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def test_opt_bound_is_exact_where_the_optimum_is_known() -> None:
+    bench = _bench()
+    args = bench.parse_args(["--speeds", "4", "--base-rate", "25", "--prompt-tokens", "500"])
+    pre = 500 / (args.prefill_factor * 100)
+    # one sequence: alone at the lone rate, after its prefill
+    assert bench.opt_lower_bound([3000], args, None, None) == pytest.approx(pre + 3000 / 100, rel=1e-6)
+    # two equal sequences: together in a batch of two beats one after the other
+    both = 2 * 3000 / (2 * 100 / (1 + 1 / args.batch_half))
+    assert bench.opt_lower_bound([3000, 3000], args, None, None) == pytest.approx(pre + both, rel=1e-3)
+
+
+def test_opt_bound_lies_between_the_tight_bound_and_every_simulated_schedule() -> None:
+    """The bound must never exceed a makespan some schedule reached (else it proves nothing), and it
+    adds the cost of running long sequences in small batches to the fluid bound."""
+    bench = _bench()
+    for preempt in ("none", "fastest"):
+        args = bench.parse_args(["--requests", "96", "--seed", "3", "--preempt", preempt])
+        lengths = bench.make_lengths(args)
+        insts = bench.make_instances(args)
+        victim = bench.preempt_index(args)
+        peak = sum(i.peak for i in insts)
+        t_p = args.preempt_frac * sum(lengths) / peak if victim is not None else None
+        fluid = bench.fluid_bound(sum(lengths), peak, peak - (insts[victim].peak if victim is not None else 0), t_p)
+        tight = max(fluid, bench.longest_alone_bound(max(lengths), args, victim, t_p))
+        bound = bench.opt_lower_bound(lengths, args, victim, t_p)
+        assert bound >= fluid
+        clair = bench.simulate("c", bench.Clairvoyant(args.speeds, args.max_running), sorted(lengths, reverse=True),
+                               args, t_p, victim, bench.TailMigration(batch_half=args.batch_half))
+        online = bench.simulate("o", make_policy("throughput_aware"), lengths, args, t_p, victim,
+                                bench.TailMigration(batch_half=args.batch_half))
+        assert max(bound, tight) <= min(clair.makespan, online.makespan)
