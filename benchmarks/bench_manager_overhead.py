@@ -1,9 +1,11 @@
 """Manager overhead: the same short requests sent directly, through the manager, and through sglang-router.
 
 Two fake backends answer at once (benchmarks/fake_sglang.py: 8 tokens per request), so what is
-measured is the cost of the layer in front of them. Callers ask non-streaming ``/generate`` (what a
-trainer sends; ``--stream`` for streaming callers). Everything runs on this machine over 127.0.0.1, in one
-run, so the ratios are comparable. Prints requests/s and p50/p99 latency per path, and manager / router.
+measured is the cost of the layer in front of them. ``benchmarks/floor_proxy.py``, a bare aiohttp
+proxy, shows the floor of any layer built on aiohttp; each proxy's CPU per request comes from /proc.
+Callers ask non-streaming ``/generate`` (what a trainer sends; ``--stream`` for streaming callers).
+Everything runs on this machine over 127.0.0.1, in one run, so the ratios are comparable. Prints
+requests/s, p50/p99 latency and proxy CPU per request per path, and manager / router.
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --requests 4000 --concurrency 64
 """
@@ -140,22 +142,29 @@ async def main() -> None:
     try:
         manager, backends = spawn_fake_cluster(logs, procs, "scheduler_policy=least_in_flight")
         manager_pid = procs[-1].pid
-        router = None
+        router, router_pid = None, 0
         if not args.no_router:
             rport = free_port()
             procs.append(spawn([PY, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                "--port", str(rport), "--policy", "round_robin", "--log-level", "warn",
+                                "--port", str(rport), "--prometheus-port", str(free_port()),  # not 29000
+                                "--policy", "round_robin", "--log-level", "warn",
                                 "--worker-urls", *backends], logs / "router.log"))
-            router = f"http://127.0.0.1:{rport}"
+            router, router_pid = f"http://127.0.0.1:{rport}", procs[-1].pid
+        fport = free_port()
+        procs.append(spawn([PY, str(ROOT / "benchmarks/floor_proxy.py"), str(fport), *backends], logs / "floor.log"))
+        floor, floor_pid = f"http://127.0.0.1:{fport}", procs[-1].pid
         await register_backends(manager, backends)
+        await wait_ok(floor + "/health")
         if router:
             await wait_ok(router + "/health", timeout=120)
 
         # (name, urls, the proxy's pid whose CPU is charged to each request; None: no proxy)
         paths: list[tuple[str, list[str], int | None]] = [("direct (client round-robin)", backends, None),
-                                                          ("rollout-manager", [manager], manager_pid)]
+                                                          ("rollout-manager", [manager], manager_pid),
+                                                          ("aiohttp floor (benchmarks/floor_proxy.py)", [floor],
+                                                           floor_pid)]
         if router:
-            paths.append(("sglang-router 0.3.2 round_robin", [router], procs[-1].pid))
+            paths.append(("sglang-router 0.3.2 round_robin", [router], router_pid))
         for _, urls, _pid in paths:  # warm-up: connections, caches, rate meters
             await load(urls, 400, args.concurrency, args.stream)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in paths}
