@@ -7,7 +7,18 @@ import hmac
 TOKEN_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
 
 
-def bearer_matches(authorization: str, token: str) -> bool:
-    """True when an ``Authorization`` header carries ``Bearer <token>`` (compared in constant time)."""
+def bearer_value(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None for another scheme."""
     scheme, _, value = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """True when an ``Authorization`` header carries ``Bearer <token>`` (compared in constant time).
+
+    Header bytes that are not UTF-8 (aiohttp keeps them as surrogate escapes) are compared as the
+    bytes they were, so such a header is a wrong token, not an encoding error.
+    """
+    value = bearer_value(authorization)
+    return value is not None and hmac.compare_digest(value.encode("utf-8", "surrogateescape"),
+                                                     token.encode("utf-8", "surrogateescape"))

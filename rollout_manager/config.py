@@ -107,7 +107,12 @@ class Config(BaseModel):
     scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin"] = "throughput_aware"
     max_attempts_per_request: int = Field(default=8, gt=0)
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
+    max_in_flight_per_instance: int = Field(default=0, ge=0)  # 0: each instance's max_running_requests (else 1024)
+    max_in_flight_total: int = Field(default=0, ge=0)  # 0: what the open-file limit leaves (rollout.dispatch)
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
+    engine_first_byte_timeout_s: float = Field(default=60.0, gt=0)  # first chunk, unless the instance serves others
+    engine_max_frame_mb: float = Field(default=16.0, gt=0)  # one SSE frame (or non-streaming answer) from an engine
+    engine_vocab_size: int = Field(default=0, ge=0)  # token ids must be below it (0: as the instance says, else 2**31)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     engine_stream_interval: int = Field(default=32, ge=0)  # 0: send none, the server's --stream-interval holds
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
@@ -139,6 +144,17 @@ class Config(BaseModel):
     auth_token: str = ""
     registration_allowed_networks: str = "0.0.0.0/0,::/0"
     allow_registration_host_mismatch: bool = False
+    metrics_require_token: bool = False  # /metrics lists every instance endpoint; true: it needs the token too
+    # Callers' connections (api.connections): idle, header and body timeouts, and caps.
+    http_keepalive_timeout_s: float = Field(default=20.0, gt=0)
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=60.0, gt=0)
+    max_client_connections: int = Field(default=0, ge=0)  # 0: half the open-file limit
+    max_idle_connections_per_client: int = Field(default=256, gt=0)
+    # Callers that stop reading a streamed answer: closed after this long; a batch starts no new requests
+    # while this much of its output waits to be sent.
+    response_write_timeout_s: float = Field(default=60.0, gt=0)
+    max_unsent_output_kb: float = Field(default=1024.0, gt=0)
 
     @field_validator("allowed_sender_ips", "registration_allowed_networks", mode="before")
     @classmethod

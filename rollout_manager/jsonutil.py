@@ -10,6 +10,12 @@ try:
 except ImportError:  # pragma: no cover - orjson is a dependency; this keeps the code importable without it
     orjson = None  # type: ignore[assignment]
 
+# Deepest nesting a body may have. orjson decodes up to 1024 levels but encodes only 254, and the
+# manager encodes what callers pass through to engines again: a limit well below both, far above any
+# real request (a JSON schema for constrained decoding nests a few dozen levels at most).
+MAX_DEPTH = 128
+_ORJSON_ENCODE_DEPTH = 254  # orjson.dumps raises "Recursion limit reached" past this many levels
+
 if orjson is not None:
     JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
 
@@ -18,6 +24,18 @@ if orjson is not None:
 
     def loads(data: bytes | str) -> Any:
         return orjson.loads(data)
+
+    def _deeper_than(value: Any, levels: int) -> bool:
+        """Whether ``value`` nests more than ``levels`` levels: encoded inside enough empty lists to
+        reach orjson's own limit exactly when it does (C speed, however large the body)."""
+        wrapped = value
+        for _ in range(_ORJSON_ENCODE_DEPTH - levels):
+            wrapped = [wrapped]
+        try:
+            orjson.dumps(wrapped)
+        except orjson.JSONEncodeError:
+            return True
+        return False
 else:
     JSONDecodeError = json.JSONDecodeError
 
@@ -25,4 +43,49 @@ else:
         return json.dumps(obj, separators=(",", ":")).encode()
 
     def loads(data: bytes | str) -> Any:
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise json.JSONDecodeError("depth limit exceeded", "", 0) from None
+
+    def _deeper_than(value: Any, levels: int) -> bool:
+        stack = [(value, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if isinstance(node, (list, dict)):
+                if depth + 1 > levels:
+                    return True
+                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+        return False
+
+
+def is_depth_error(exc: Exception) -> bool:
+    """A decoding error that is about nesting (orjson stops at 1024 levels), not about syntax."""
+    return "depth limit" in str(exc) or "recursion" in str(exc).lower()
+
+
+def too_deep(data: Any, raw: bytes | None = None) -> str | None:
+    """Where decoded ``data`` nests deeper than :data:`MAX_DEPTH`, or None when it does not.
+
+    The answer names the first field on the way down (``extra``, ``[3][1].sampling_params``), or
+    ``body`` when no field is on the way (nested lists all the way). ``raw``, the bytes it was decoded from, makes the
+    common case free: a body with fewer brackets than the limit cannot nest that deep.
+    """
+    if raw is not None and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return None
+    if not _deeper_than(data, MAX_DEPTH):
+        return None
+    path, node, depth, named = "", data, 0, False
+    # Down through objects, and through lists until the first field (a batch is [[id, body], ...]);
+    # past a field, lists nested deep are the problem itself, and their indices say nothing.
+    while depth < 8 and (isinstance(node, dict) or (isinstance(node, list) and not named)):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if _deeper_than(child, MAX_DEPTH - depth - 1):
+                path += f"[{key}]" if isinstance(key, int) else (f".{key}" if path else str(key))
+                named = named or isinstance(key, str)
+                node, depth = child, depth + 1
+                break
+        else:
+            break
+    return path if named else "body"

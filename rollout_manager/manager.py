@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -24,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from rollout_manager.config import Config
+from rollout_manager.errors import Forbidden
 from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
@@ -66,7 +70,9 @@ class Manager:
         self.health = HealthMonitor(self.registry, self.version, self.sglang.probe, HealthSettings.from_config(cfg),
                                     server_info=self.sglang.server_info)
         # rollout
-        self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy))
+        self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
+                                     max_in_flight_per_instance=cfg.max_in_flight_per_instance,
+                                     max_in_flight_total=cfg.max_in_flight_total)
         if cfg.affinity:
             self.dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,
                                                              max_slowdown=cfg.affinity_max_slowdown))
@@ -77,7 +83,9 @@ class Manager:
             GenerationSettings(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s,
                                cfg.connect_timeout_s, cfg.stream_stall_timeout_s, cfg.engine_stream_interval,
                                _tail_migration(cfg), cfg.tail_migration_interval_s,
-                               None if cfg.max_staleness < 0 else cfg.max_staleness, cfg.staleness_action),
+                               None if cfg.max_staleness < 0 else cfg.max_staleness, cfg.staleness_action,
+                               first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
+                               max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size),
             self.local_budget,
             on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
         )
@@ -115,19 +123,31 @@ class Manager:
         await self.session.close()
 
     # ------------------------------------------------------------ registration
-    async def check_registration_source(self, source: str | None, host: str | None) -> None:
-        await self.admission.check(source, host)
+    async def check_registration_source(self, source: str | None, hosts: Sequence[str]) -> None:
+        """Every host named must be the caller's own (``admission``): remote boxes and local instances alike."""
+        await self.admission.check(source, hosts)
 
     def register_remote(self, host: str, port: int, handshake_port: int | None,
                         receiver_port: int | None = None) -> dict[str, Any]:
         inst = self.registry.add(host, port, Kind.REMOTE, handshake_port, receiver_port)
+        # The box's own credential: with it (and without the shared token) its launcher can remove
+        # this instance and nothing else. Only its digest is kept; it is never shown again.
+        box_token = secrets.token_urlsafe(32)
+        inst.box_token_digest = token_digest(box_token)
         return {
             "id": inst.id,
             "endpoint": inst.endpoint,
             "state": inst.state.value,
             "weight_version": self.version.current,
             "weight_transfer": self.senders.assignment_of(inst),
+            "box_token": box_token,
         }
+
+    def is_box_token(self, token: str) -> bool:
+        """Whether ``token`` is the box token of a registered instance."""
+        digest = token_digest(token)
+        return any(i.box_token_digest is not None and hmac.compare_digest(i.box_token_digest, digest)
+                   for i in self.registry)
 
     def register_local(self, pairs: Sequence[tuple[str, int]]) -> dict[str, Any]:
         added = self.registry.add_many([(h, p, Kind.LOCAL, None) for h, p in pairs])
@@ -156,6 +176,7 @@ class Manager:
                       "last_metrics": self.last_metrics},
             "generation": {**self.generator.stats, "streamed_tokens": self.dispatcher.streamed_tokens},
             "requests_waiting_for_instance": self.dispatcher.waiting,
+            "admission": self.dispatcher.admission_status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
             "recent_weight_pushes": self.weights.pushes[-10:],
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),
@@ -192,12 +213,23 @@ class Manager:
         return out
 
     # ------------------------------------------------------------ removal
-    async def shutdown_instances(self, endpoints: Sequence[str], check_weight_update: bool) -> dict[str, Any]:
+    async def shutdown_instances(self, endpoints: Sequence[str], check_weight_update: bool,
+                                 box_token: str | None = None) -> dict[str, Any]:
         """Drain the named instances (no new work; in-flight work finishes) and remove them.
 
         With ``check_weight_update`` an instance in the middle of a weight push is left alone and
-        reported under ``skipped``, so a transfer is never cut short by an admin call.
+        reported under ``skipped``, so a transfer is never cut short by an admin call. A caller that
+        holds only a ``box_token`` may name only the instance registered with it (403 otherwise,
+        before anything is drained).
         """
+        if box_token is not None:
+            digest = token_digest(box_token)
+            for ep in endpoints:
+                inst = self.registry.by_endpoint(ep)
+                if inst is None or inst.box_token_digest is None \
+                        or not hmac.compare_digest(inst.box_token_digest, digest):
+                    raise Forbidden(f"a box token removes only the instance it was issued for; {ep} is not "
+                                    f"that instance (the shared auth_token removes any)")
         removed, not_found, skipped, targets = [], [], [], []
         for ep in dict.fromkeys(endpoints):
             inst = self.registry.by_endpoint(ep)
@@ -211,15 +243,19 @@ class Manager:
             self.registry.transition(inst, State.DRAINING, "shutdown requested")
         drained = await asyncio.gather(*(self._wait_idle(i, self.config.drain_timeout_s) for i in targets))
         for inst, idle in zip(targets, drained):
-            reason = "removed by request" if idle else (
-                f"removed by request after drain timeout ({inst.in_flight} request(s) still in flight)"
-            )
+            by = "removed by request of its box (box token)" if box_token is not None else "removed by request"
+            reason = by if idle else f"{by} after drain timeout ({inst.in_flight} request(s) still in flight)"
             if self.registry.transition(inst, State.DEAD, reason):
                 removed.append(inst.endpoint)
         return {"removed": removed, "not_found": not_found, "skipped": skipped}
 
     async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
         return await self.dispatcher.changed.wait_for(lambda: inst.in_flight == 0, timeout_s)
+
+
+def token_digest(token: str) -> str:
+    """What the manager keeps of a box token: enough to recognise it, useless to present."""
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def _tail_migration(cfg: Config) -> TailMigration | None:

@@ -93,6 +93,9 @@ class StateCollector(Collector):
         rate = GaugeMetricFamily(PREFIX + "instance_token_rate",
                                  "Tokens/s the instance delivers while busy, measured from its streams "
                                  "(absent until measured).", labels=["endpoint"])
+        bound = GaugeMetricFamily(PREFIX + "instance_max_in_flight",
+                                  "Most sequences the manager keeps in flight on the instance (its own "
+                                  "max_running_requests, or max_in_flight_per_instance).", labels=["endpoint"])
         failures = GaugeMetricFamily(PREFIX + "instance_consecutive_failures",
                                      "Consecutive failed health checks or requests of the instance.",
                                      labels=["endpoint"])
@@ -105,11 +108,12 @@ class StateCollector(Collector):
             version.add_metric(ep, inst.weight_version)
             lag.add_metric(ep, m.version.current - inst.weight_version)
             failures.add_metric(ep, inst.consecutive_failures)
+            bound.add_metric(ep, m.dispatcher.bound_of(inst))
             meter = m.dispatcher.meters.get(inst.id)
             measured = meter.rate(now) if meter is not None else None
             if measured is not None:
                 rate.add_metric(ep, measured)
-        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures)
+        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound)
 
         yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
                                 value=m.version.current)
@@ -127,6 +131,19 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "requests_waiting_for_instance",
                                 "Requests waiting inside the manager because no instance can take them now "
                                 "(none active, or all full).", value=m.dispatcher.waiting)
+        yield GaugeMetricFamily(PREFIX + "requests_held_by_batches",
+                                "Requests of /batch_generate_requests batches not started yet: beyond what the "
+                                "pool can run now, or behind a caller that does not read its results.",
+                                value=m.dispatcher.held)
+        yield GaugeMetricFamily(PREFIX + "requests_waiting",
+                                "Requests accepted and waiting in the manager for room on an instance "
+                                "(requests_waiting_for_instance + requests_held_by_batches).",
+                                value=m.dispatcher.waiting + m.dispatcher.held)
+        yield GaugeMetricFamily(PREFIX + "in_flight_requests", "Sequences in flight on instances, over all of them.",
+                                value=m.dispatcher.in_flight)
+        yield GaugeMetricFamily(PREFIX + "max_in_flight_requests",
+                                "Most sequences in flight at once over all instances (max_in_flight_total).",
+                                value=m.dispatcher.max_in_flight_total)
         yield CounterMetricFamily(PREFIX + "streamed_tokens",
                                   "Tokens relayed from instances as they stream, finished or not; a live "
                                   "tokens/s is rate() of this.", value=m.dispatcher.streamed_tokens)
@@ -186,6 +203,11 @@ class ManagerMetrics:
             PREFIX + "rejected_requests",
             "Requests answered with a 4xx (the caller's mistake), by endpoint and reason.",
             ["endpoint", "reason"], registry=self.prometheus)
+        self.slow_readers = Counter(
+            PREFIX + "slow_reader_disconnects",
+            "Callers' connections closed because they read nothing of a streamed answer for "
+            "response_write_timeout_s (their unfinished requests were aborted), by endpoint.",
+            ["endpoint"], registry=self.prometheus)
         for state in State:
             self.transitions.labels(state.value)
         for outcome in ("ok", "error"):
@@ -221,6 +243,10 @@ class ManagerMetrics:
     def rejected(self, endpoint: str, reason: str) -> None:
         """A request to ``endpoint`` was answered 4xx for ``reason`` (both from fixed sets)."""
         self.rejections.labels(endpoint, reason).inc()
+
+    def slow_reader(self, endpoint: str) -> None:
+        """A caller of ``endpoint`` (a route path) stopped reading its streamed answer and was disconnected."""
+        self.slow_readers.labels(endpoint).inc()
 
     # ------------------------------------------------------------ exposition
     def render(self) -> bytes:

@@ -87,7 +87,9 @@ Timing:
 Environment:
   ROLLOUT_MANAGER_ADDR        the manager's address (as --manager-addr; ROLLOUT_MANAGER_ADDRESS, the
                               older name, is read when it is unset).
-  ROLLOUT_MANAGER_AUTH_TOKEN  when set, sent as "Authorization: Bearer <token>" on every manager call.
+  ROLLOUT_MANAGER_AUTH_TOKEN  when set, sent as "Authorization: Bearer <token>" on every manager call
+                              but deregistration, which uses the box token the registration returned
+                              (it can remove this instance and nothing else).
   ROLLOUT_MANAGER_ENGINE      sglang or cpu (as --engine).
   PYTHON                      the interpreter (as --python).
   MC_*                        Mooncake settings, seen by the agent (e.g. MC_LOG_LEVEL=ERROR).
@@ -309,7 +311,9 @@ deregister() {
   else
     log "deregistering $ENDPOINT: the manager drains it (up to ${DRAIN_TIMEOUT}s; a second Ctrl-C skips this)"
   fi
-  if run_box deregister --manager "$MANAGER" --endpoint "$ENDPOINT" --timeout "$timeout" >/dev/null; then
+  # with the box token the registration returned (in the state file): it removes this instance only
+  if run_box deregister --manager "$MANAGER" --endpoint "$ENDPOINT" --timeout "$timeout" --state-file /dev/fd/9 \
+      >/dev/null; then
     log "deregistered $ENDPOINT"
   fi
   ENDPOINT=""
@@ -340,7 +344,7 @@ start_child "${ENGINE_CMD[@]}"
 ENGINE_PID=$!
 log "started $ENGINE_NAME (pid $ENGINE_PID, $ENGINE_URL) and the receiver agent (pid $AGENT_PID, $AGENT_URL); waiting up to ${READY_TIMEOUT}s for both"
 
-if ! run_box wait-ready --url "$ENGINE_URL/health" --url "$AGENT_URL/info" \
+if ! run_box wait-ready --url "$ENGINE_URL/health" --auth-url "$AGENT_URL/info" \
       --pid "$ENGINE_PID" --pid-name "$ENGINE_NAME" --pid "$AGENT_PID" --pid-name "receiver agent" \
       --timeout "$READY_TIMEOUT"; then
   stop_if_asked

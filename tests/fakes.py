@@ -125,6 +125,15 @@ class FakeSGLang:
     reject_status: int | None = None  # answer every /generate with this status and an SGLang error body
     abort_finish: dict[str, Any] | None = None  # end every /generate at once with this finish_reason
     context_len: int = 300  # where a request with max_new_tokens null stops
+    # Misbehaviour while staying up: ``rewrite(chunk, k)`` replaces the k-th chunk (or answer) before it is
+    # sent (None: drop it); ``error_frame`` answers 200 and this error frame; ``babble`` sends these bytes
+    # every that many seconds after the headers, forever, never a frame boundary; ``silent`` sends
+    # nothing at all, not even the status line, until unstall().
+    rewrite: Callable[[dict[str, Any], int], dict[str, Any] | None] | None = None
+    error_frame: dict[str, Any] | None = None
+    babble: tuple[bytes, float] | None = None
+    silent: bool = False
+    model_info: dict[str, Any] | None = None  # when set: /server_info answers {} and /model_info this
     requests: list[dict[str, Any]] = field(default_factory=list)  # /generate bodies, in order
     aborted: list[str] = field(default_factory=list)  # rids told to /abort_request
     health_probes: int = 0
@@ -146,7 +155,16 @@ class FakeSGLang:
         app.router.add_get(wire.HEALTH_GENERATE, self._health)
         app.router.add_get(wire.HEALTH, self._health)
         app.router.add_post(wire.ABORT_REQUEST, self._abort)
+        if self.model_info is not None:
+            app.router.add_get(wire.SERVER_INFO, self._server_info)
+            app.router.add_get(wire.MODEL_INFO, self._model_info)
         return app
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.model_info)
 
     async def start(self) -> FakeSGLang:
         self.server = TestServer(self.app(), host="127.0.0.1")
@@ -173,6 +191,8 @@ class FakeSGLang:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        if self.silent:
+            await self._unstall.wait()
         if self.reject_status is not None:
             error = wire.error_object(f"fake engine refuses with {self.reject_status}", self.reject_status)
             return web.json_response(error, status=self.reject_status)
@@ -180,15 +200,35 @@ class FakeSGLang:
         limit = (body.get("sampling_params") or {}).get("max_new_tokens", wire.DEFAULT_MAX_NEW_TOKENS)
         budget = self.context_len - len(prompt) if limit is None else int(limit)
         rid = str(body.get("rid") or "fake")
+        if self.babble is not None:  # streaming or not
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            while not self._unstall.is_set():
+                await resp.write(self.babble[0])
+                await asyncio.sleep(self.babble[1])
+            return resp
         if body.get("stream") is not True:
             return await self._answer_once(request, prompt, budget, rid)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.error_frame is not None:
+            await resp.write(wire.sse_frame({"error": self.error_frame}) + wire.DONE_FRAME)
+            await resp.write_eof()
+            return resp
         made: list[int] = []
+        sent = 0
+
+        async def send(chunk: dict[str, Any]) -> None:
+            nonlocal sent
+            out = chunk if self.rewrite is None else self.rewrite(chunk, sent)
+            sent += 1
+            if out is not None:
+                await resp.write(wire.sse_frame(out))
+
         if self.abort_finish is not None:  # as SGLang's scheduler refusing the request
-            await resp.write(wire.sse_frame(wire.output_chunk(
+            await send(wire.output_chunk(
                 rid=rid, output_ids=[], prompt_tokens=len(prompt), completion_tokens=0,
-                finish=self.abort_finish, weight_version=self.weight_version, text="")))
+                finish=self.abort_finish, weight_version=self.weight_version, text=""))
             budget = 0
         for _ in range(budget):
             if self.die_after_tokens is not None and len(made) >= self.die_after_tokens:
@@ -199,10 +239,10 @@ class FakeSGLang:
                 await self._unstall.wait()
             made.append(next_token(prompt + made))
             finish = wire.finish_reason(wire.LENGTH, length=len(made)) if len(made) == budget else None
-            await resp.write(wire.sse_frame(wire.output_chunk(
+            await send(wire.output_chunk(
                 rid=rid, output_ids=list(made), prompt_tokens=len(prompt), completion_tokens=len(made),
                 finish=finish, weight_version=self.weight_version, text="x" * len(made),  # cumulative, as SGLang
-            )))
+            ))
         await resp.write(wire.DONE_FRAME)
         await resp.write_eof()
         return resp
@@ -227,10 +267,11 @@ class FakeSGLang:
             if self.stall_after_tokens is not None and len(made) >= self.stall_after_tokens:
                 await self._unstall.wait()
             made.append(next_token(prompt + made))
-        return web.json_response(wire.output_chunk(
+        answer = wire.output_chunk(
             rid=rid, output_ids=made, prompt_tokens=len(prompt), completion_tokens=len(made),
             finish=finish or wire.finish_reason(wire.LENGTH, length=len(made)),
-            weight_version=self.weight_version, text="x" * len(made)))
+            weight_version=self.weight_version, text="x" * len(made))
+        return web.json_response(answer if self.rewrite is None else self.rewrite(answer, 0))
 
 
 async def start_fakes(n: int) -> list[FakeSGLang]:

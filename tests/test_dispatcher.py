@@ -128,12 +128,13 @@ async def test_acquire_waits_for_an_instance_to_become_active() -> None:
 
 
 async def test_acquire_times_out_with_unavailable() -> None:
+    """No instance it may use: it fails at the deadline (one that is only full is waited for: test_admission_bounds)."""
     registry, d = make(max_in_flight=1)
     (a,) = active(registry, 1)
     assert d.try_acquire(10) is a
     t0 = time.monotonic()
     with pytest.raises(Unavailable, match=r"no rollout instance could take the request within 0.05s \(1 active\)"):
-        await d.acquire(10, timeout_s=0.05)
+        await d.acquire(10, timeout_s=0.05, allow=lambda inst: False)
     assert 0.04 <= time.monotonic() - t0 < 1.0
 
 
@@ -168,7 +169,7 @@ async def test_requests_waiting_for_an_instance_are_counted_while_they_wait() ->
     (a,) = active(registry, 1)
     assert d.try_acquire(10) is a and d.waiting == 0  # placed at once: never waiting
     waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=5)) for _ in range(2)]
-    timing_out = asyncio.ensure_future(d.acquire(10, timeout_s=0.05))
+    timing_out = asyncio.ensure_future(d.acquire(10, timeout_s=0.05, allow=lambda inst: False))
     await run_pending()
     assert d.waiting == 3
     with pytest.raises(Unavailable):

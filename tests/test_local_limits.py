@@ -41,7 +41,8 @@ def _start_limited_manager(tmp_path: Path, soft: int, hard: int) -> tuple[Proc, 
     port = free_port()
     args = ["prlimit", f"--nofile={soft}:{hard}", PY, "-m", "rollout_manager", "serve",
             "--bind", f"127.0.0.1:{port}"]
-    for key, value in FAST.items():
+    # Admission past what the limit allows (its default stays below it), so that the limit itself is hit.
+    for key, value in {**FAST, "max_in_flight_total": "1000"}.items():
         args += ["--set", f"{key}={value}"]
     return Proc(args, tmp_path / "manager.log"), f"http://127.0.0.1:{port}"
 

@@ -6,6 +6,7 @@ Nothing here knows the manager: ``routes.py`` holds the handlers and wires these
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Collection
@@ -15,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from rollout_manager import jsonutil
-from rollout_manager.bearer import bearer_matches
+from rollout_manager.bearer import bearer_matches, bearer_value
 from rollout_manager.errors import InvalidField, InvalidJSON, ManagerError, TooLarge, Unauthorized
 from rollout_manager.validation import describe_validation_error
 
@@ -27,10 +28,21 @@ log = logging.getLogger("rollout_manager.http")
 # Body limits in bytes, set by the app: generation bodies may be large, admin bodies are small.
 MAX_BODY: web.AppKey[int] = web.AppKey("max_body", int)
 MAX_ADMIN_BODY: web.AppKey[int] = web.AppKey("max_admin_body", int)
+# Seconds a request's body may take to arrive (http_body_timeout_s), set by ``connections``; absent: no bound.
+BODY_TIMEOUT: web.AppKey[float] = web.AppKey("body_timeout", float)
+# On a request that passed with a box token instead of the shared one: that token (see bearer_auth).
+BOX_TOKEN = "rollout_manager.box_token"
 # Told of every 4xx answer: (endpoint, reason). The metrics count them; see json_errors.
 ON_REJECT: web.AppKey[Callable[[str, str], None]] = web.AppKey("on_reject")
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BodyTimeout(ManagerError):
+    """The body did not arrive in time: the connection trickles or stalled."""
+
+    status = 408
+    reason = "body_timeout"
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -50,7 +62,11 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
     limit = request.app[MAX_BODY] if large else request.app[MAX_ADMIN_BODY]
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"request body too large ({request.content_length} bytes; limit {limit})")
-    raw = await request.read()
+    timeout = request.app.get(BODY_TIMEOUT)
+    try:
+        raw = await (request.read() if timeout is None else asyncio.wait_for(request.read(), timeout))
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"request body not received within {timeout:g}s (http_body_timeout_s)") from None
     if len(raw) > limit:
         raise TooLarge(f"request body too large ({len(raw)} bytes; limit {limit})")
     if not raw.strip() and optional:
@@ -58,9 +74,18 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
     if not raw:
         raise InvalidJSON("request body is empty; expected JSON")
     try:
-        return jsonutil.loads(raw)
+        data = jsonutil.loads(raw)
     except (UnicodeDecodeError, jsonutil.JSONDecodeError) as exc:
+        if jsonutil.is_depth_error(exc):
+            raise InvalidJSON(f"the body: JSON nested deeper than the limit of {jsonutil.MAX_DEPTH} levels") from None
         raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+    # Passed-through fields go on to an engine as JSON: a body the manager could not encode again
+    # would fail later, as an internal error, so too deep a value is refused here, by name.
+    where = jsonutil.too_deep(data, raw)
+    if where is not None:
+        field = "the body" if where == "body" else f"field '{where}'"
+        raise InvalidField(f"{field}: JSON nested deeper than the limit of {jsonutil.MAX_DEPTH} levels") from None
+    return data
 
 
 def validate(data: Any, model: type[M]) -> M:
@@ -113,15 +138,26 @@ def _refused(request: web.Request, status: int, reason: str, message: str) -> we
     return error_response(status, message)
 
 
-def bearer_auth(token: str, open_paths: Collection[tuple[str, str]]) -> Middleware:
+def bearer_auth(token: str, open_paths: Collection[tuple[str, str]], *,
+                box_paths: Collection[tuple[str, str]] = (),
+                is_box_token: Callable[[str], bool] | None = None) -> Middleware:
     """With ``token`` set, everything but ``open_paths`` (``(method, path)``) needs
-    ``Authorization: Bearer <token>``; ``json_errors`` turns the refusal into a 401."""
+    ``Authorization: Bearer <token>``; ``json_errors`` turns the refusal into a 401.
+
+    On ``box_paths`` a bearer that ``is_box_token`` recognises passes too; the handler finds it in
+    ``request[BOX_TOKEN]`` and limits what it may touch.
+    """
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and (request.method, request.path) not in open_paths:
-            if not bearer_matches(request.headers.get("Authorization", ""), token):
-                raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <auth_token>)")
+        where = (request.method, request.path)
+        if token and where not in open_paths:
+            header = request.headers.get("Authorization", "")
+            if not bearer_matches(header, token):
+                presented = bearer_value(header)
+                if not (presented and where in box_paths and is_box_token is not None and is_box_token(presented)):
+                    raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <auth_token>)")
+                request[BOX_TOKEN] = presented
         return await handler(request)
 
     return middleware

@@ -5,13 +5,17 @@ The handlers and the route table; the generic plumbing they stand on is in ``htt
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
 
-from rollout_manager import __version__, jsonutil
+from rollout_manager import __version__
 from rollout_manager.api import status_page
 from rollout_manager.api.http import (
+    BOX_TOKEN,
     MAX_ADMIN_BODY,
     MAX_BODY,
     ON_REJECT,
@@ -36,13 +40,18 @@ from rollout_manager.api.schemas import (
 from rollout_manager.errors import BadRequest
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
+from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
-from rollout_manager.rollout.generation import run_batch
+from rollout_manager.rollout.generation import run_batch_ndjson
 from rollout_manager.sglang import wire
 
+log = logging.getLogger("rollout_manager.api.routes")
 MANAGER: web.AppKey[Manager] = web.AppKey("manager", Manager)
-# Open without the token: liveness, scraping, the status page shell and the API description.
+# Open without the token: liveness, scraping, the status page shell and the API description. /metrics
+# lists every instance endpoint; metrics_require_token closes it for deployments that must hide them.
 OPEN_PATHS = frozenset({("GET", "/health"), ("GET", "/metrics"), ("GET", "/"), ("GET", "/openapi.json")})
+# Where a box token (issued at registration) stands in for the shared token: its launcher deregisters.
+BOX_TOKEN_PATHS = frozenset({("POST", "/shutdown_instances")})
 
 
 def manager_of(request: web.Request) -> Manager:
@@ -62,7 +71,7 @@ async def health(request: web.Request) -> web.Response:
 @accepts(RegisterRolloutInstance)
 async def register_rollout_instance(request: web.Request, body: RegisterRolloutInstance, _: Any) -> web.Response:
     """Register a rollout box (pending until /health_generate succeeds); 409 if already registered."""
-    await manager_of(request).check_registration_source(request.remote, body.host)
+    await manager_of(request).check_registration_source(request.remote, [body.host])
     result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
                                                  body.weight_receiver_port)
     return json_response(result)
@@ -71,8 +80,9 @@ async def register_rollout_instance(request: web.Request, body: RegisterRolloutI
 @accepts(RegisterLocalRolloutInstances)
 async def register_local_rollout_instances(request: web.Request, body: RegisterLocalRolloutInstances,
                                            _: Any) -> web.Response:
-    """Register trainer-side instances, all or none; the trainer updates their weights itself."""
-    await manager_of(request).check_registration_source(request.remote, None)
+    """Register trainer-side instances, all or none; the trainer updates their weights itself. Like a
+    box, the caller registers only its own instances (its address; see ``instances.admission``)."""
+    await manager_of(request).check_registration_source(request.remote, [host for host, _ in body.root])
     return json_response(manager_of(request).register_local(body.root))
 
 
@@ -83,8 +93,10 @@ async def get_instances_status(request: web.Request) -> web.Response:
 
 @accepts(ShutdownInstances)
 async def shutdown_instances(request: web.Request, body: ShutdownInstances, _: Any) -> web.Response:
-    """Drain and remove instances; answers which were removed, unknown or skipped."""
-    result = await manager_of(request).shutdown_instances(body.endpoints, body.check_weight_update)
+    """Drain and remove instances; answers which were removed, unknown or skipped. With a box token
+    (not the shared one) only the instance it was issued for."""
+    result = await manager_of(request).shutdown_instances(body.endpoints, body.check_weight_update,
+                                                          request.get(BOX_TOKEN))
     return json_response(result)
 
 
@@ -110,12 +122,38 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     chunks = generator.generate_stream(data, key)
     try:
         async for ready in chunks:
-            await resp.write(b"".join(wire.sse_frame(chunk) for chunk in ready))
+            if not await _send(request, resp, b"".join(wire.sse_frame(chunk) for chunk in ready)):
+                return resp  # the caller is gone or stopped reading: what still runs is aborted below
     finally:
         await chunks.aclose()
-    await resp.write(wire.DONE_FRAME)
-    await resp.write_eof()
+    if await _send(request, resp, wire.DONE_FRAME):
+        await _sent(request, resp.write_eof())
     return resp
+
+
+async def _send(request: web.Request, resp: web.StreamResponse, data: bytes) -> bool:
+    """Write to a streamed answer; False if the caller went away or stopped reading (see :func:`_sent`)."""
+    return await _sent(request, resp.write(data))
+
+
+async def _sent(request: web.Request, write: Awaitable[None]) -> bool:
+    """Wait for a write to a streamed answer; False if the caller went away or read nothing for
+    ``response_write_timeout_s`` (then its connection is closed: a caller that stops reading must not
+    keep its results, and the requests behind them, in the manager's memory)."""
+    timeout = manager_of(request).config.response_write_timeout_s
+    try:
+        await bounded(write, timeout)
+    except asyncio.TimeoutError:
+        manager_of(request).metrics.slow_reader(request.path)
+        log.warning("closing the connection of %s: it read nothing of its %s answer for %gs "
+                    "(response_write_timeout_s); its unfinished requests are aborted",
+                    request.remote, request.path, timeout)
+        if request.transport is not None:
+            request.transport.abort()  # drop what is buffered for it; no flush to a peer that does not read
+        return False
+    except ConnectionError:
+        return False
+    return True
 
 
 def _trajectory_header(request: web.Request) -> str | None:
@@ -132,15 +170,19 @@ async def batch_generate_requests(request: web.Request, _: BatchGenerateRequests
     generator = manager_of(request).generator
     assert generator is not None
     items = [(rid, req) for rid, req in data]
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    # the run id lets a client tell a restarted manager (whose batch is gone) from a quiet stream
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+                                       "X-Rollout-Manager-Run-Id": manager_of(request).run_id})
     await resp.prepare(request)
-    lines = run_batch(generator, items)
+    unsent = int(manager_of(request).config.max_unsent_output_kb * 1024)
+    lines = run_batch_ndjson(generator, items, unsent)
     try:
         async for ready in lines:
-            await resp.write(b"".join(jsonutil.dumps(line) + b"\n" for line in ready))
+            if not await _send(request, resp, ready):
+                return resp
     finally:
-        await lines.aclose()  # on a client disconnect this aborts what is still running
-    await resp.write_eof()
+        await lines.aclose()  # on a disconnect (or a caller that stopped reading) this aborts what still runs
+    await _sent(request, resp.write_eof())
     return resp
 
 
@@ -167,7 +209,7 @@ async def update_weight_version(request: web.Request, body: UpdateWeightVersion,
 
 
 async def metrics_text(request: web.Request) -> web.Response:
-    """Prometheus metrics (open, like /health)."""
+    """Prometheus metrics (open, like /health, unless metrics_require_token)."""
     body = manager_of(request).metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
@@ -202,8 +244,10 @@ ROUTES: list[tuple[str, str, Handler]] = [
 
 def create_app(manager: Manager) -> web.Application:
     max_body = int(manager.config.max_request_body_mb * 1024 * 1024)
-    app = web.Application(middlewares=[json_errors, bearer_auth(manager.config.auth_token, OPEN_PATHS)],
-                          client_max_size=max_body)
+    open_paths = OPEN_PATHS - {("GET", "/metrics")} if manager.config.metrics_require_token else OPEN_PATHS
+    auth = bearer_auth(manager.config.auth_token, open_paths, box_paths=BOX_TOKEN_PATHS,
+                       is_box_token=manager.is_box_token)
+    app = web.Application(middlewares=[json_errors, auth], client_max_size=max_body)
     app[MANAGER] = manager
     app[ON_REJECT] = manager.metrics.rejected
     app[MAX_BODY] = max_body

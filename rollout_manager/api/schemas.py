@@ -200,11 +200,14 @@ RequestId = Annotated[
     Annotated[str, Strict(), Field(max_length=512), Tag("a string")] | Annotated[int, Strict(), Tag("an integer")],
     Discriminator(_int_or_str, custom_error_type="request_id_type",
                   custom_error_message="Input should be a string or an integer"),
+    Field(description="the caller's id for the request, echoed in its result line; compared as a JSON value, "
+                      "so 1 and \"1\" are two different ids"),
 ]
 
 
 class BatchGenerateRequests(RootModel[list[tuple[RequestId, GenerateRequest]]]):
-    """``[[id, generate_body], ...]``; ids must be unique within the batch."""
+    """``[[id, generate_body], ...]``; ids must be unique within the batch. Ids are compared as JSON
+    values: the integer 1 and the string "1" are two requests, each answered with its id as sent."""
 
     root: Annotated[list[tuple[RequestId, GenerateRequest]], Field(min_length=1, max_length=100_000)]
 

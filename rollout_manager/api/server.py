@@ -9,6 +9,7 @@ import signal
 
 from aiohttp import web
 
+from rollout_manager.api.connections import ConnectionGuard, ConnectionLimits, start_site
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config, describe
 from rollout_manager.manager import Manager
@@ -39,13 +40,16 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     if before >= 0:  # each sequence in flight holds one connection to its instance
         log.info("open-file limit: soft %d -> %d (hard %s)", before, now, "unlimited" if hard < 0 else hard)
     manager = Manager(config)
+    limits = ConnectionLimits.from_config(config)
+    guard = ConnectionGuard(limits)
+    app = create_app(manager)
+    guard.install(app)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests.
-    runner = web.AppRunner(create_app(manager), handle_signals=False, access_log=None,
-                           handler_cancellation=True)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=limits.keepalive_s, shutdown_timeout=10.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.bind_host, config.bind_port, shutdown_timeout=10.0)
     try:
-        await site.start()
+        await start_site(runner, guard, config.bind_host, config.bind_port)
     except OSError as exc:
         await runner.cleanup()
         await manager.close()
@@ -57,7 +61,11 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
+    guard.start()
     log.info("rollout-manager listening on http://%s", bound)
+    log.info("callers' connections: at most %d open (max_client_connections), %d idle per client address; "
+             "idle closed after %gs, headers within %gs, bodies within %gs", limits.max_total,
+             limits.max_waiting_per_client, limits.keepalive_s, limits.header_s, limits.body_s)
     log.info("effective configuration: %s", describe(config))
     if any(net.prefixlen == 0 for net in config.registration_networks):
         log.warning("registration_allowed_networks admits every address (%s): any host that can reach "
@@ -74,6 +82,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+        await guard.close()
         await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
         await manager.close()  # cancels health checks and other background tasks
         log.info("stopped")

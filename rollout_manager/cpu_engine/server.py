@@ -251,6 +251,28 @@ async def server_info(request: web.Request) -> web.Response:
     return web.json_response(server_info_dict(_engine(request)))
 
 
+def model_info_dict(engine: Engine) -> dict[str, Any]:
+    """SGLang 0.5.23's ``/model_info`` (the parts that apply), with the live ``weight_version``."""
+    return {
+        "model_path": f"cpu-engine/{engine.config.model_size}",
+        "served_model_name": engine.config.served_model_name or f"cpu-engine-{engine.config.model_size}",
+        "tokenizer_path": None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": engine.weight_version,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        # Not SGLang's (its /model_info has no vocabulary size): lets the manager check token ids exactly.
+        "vocab_size": engine.model.config.vocab_size,
+    }
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(model_info_dict(_engine(request)))
+
+
 async def metrics(request: web.Request) -> web.Response:
     engine = _engine(request)
     running, queued = engine.counts()
@@ -520,6 +542,8 @@ def create_app(engine_config: EngineConfig | None = None) -> web.Application:
     r.add_get(wire.HEALTH_GENERATE, health_generate)
     r.add_get(wire.SERVER_INFO, server_info)
     r.add_get(wire.GET_SERVER_INFO, server_info)
+    r.add_get(wire.MODEL_INFO, model_info)
+    r.add_get(wire.GET_MODEL_INFO, model_info)
     r.add_get(wire.METRICS, metrics)
     r.add_post(wire.ABORT_REQUEST, abort_request)
     r.add_post(wire.PAUSE_GENERATION, pause_generation)

@@ -1,11 +1,19 @@
-"""Who may register: only configured networks, and a box registers itself, not someone else."""
+"""Who may register: only configured networks, and a caller registers itself, not someone else.
+
+The same rule holds for a rollout box (``/register_rollout_instance``) and for the trainer's own
+instances (``/register_local_rollout_instances``): every host named must be the caller's address. A
+caller on the manager's own machine may also name that machine's other addresses (a trainer that
+reaches a manager beside it through 127.0.0.1 and registers its SGLang by the node's IP).
+Other callers need ``allow_registration_host_mismatch`` (a trainer driver that registers the
+instances of several nodes, a box behind NAT).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from rollout_manager.errors import BadRequest, Forbidden
 
@@ -27,11 +35,12 @@ class Admission:
         self.networks_text = networks_text  # as configured, for messages
         self.allow_host_mismatch = allow_host_mismatch
 
-    async def check(self, source: str | None, host: str | None) -> None:
+    async def check(self, source: str | None, hosts: Iterable[str] = ()) -> None:
         """Raise Forbidden (or BadRequest for a host that does not resolve) unless ``source`` may register.
 
-        ``source`` is the request's peer address (None for in-process calls). With ``host``, the
-        registered host must resolve to that address unless ``allow_registration_host_mismatch``.
+        ``source`` is the request's peer address (None for in-process calls). Every one of ``hosts``
+        must resolve to that address (or, for a caller on this machine, to this machine) unless
+        ``allow_registration_host_mismatch``.
         """
         if source is None:
             return
@@ -39,13 +48,36 @@ class Admission:
         if not any(addr in net for net in self.networks if net.version == addr.version):
             raise Forbidden(f"registration from {source} refused: not in registration_allowed_networks "
                             f"({self.networks_text})")
-        if host is None or self.allow_host_mismatch:
+        if self.allow_host_mismatch:
             return
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-            resolved = {plain_ip(str(info[4][0])) for info in infos}
-        except (OSError, ValueError):
-            raise BadRequest(f"host {host!r} does not resolve") from None
-        if addr not in resolved:
+        for host in dict.fromkeys(hosts):
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+                resolved = {plain_ip(str(info[4][0])) for info in infos}
+            except (OSError, ValueError):
+                raise BadRequest(f"host {host!r} does not resolve") from None
+            if addr in resolved or (is_this_machine(addr) and all(own_lan_address(a) for a in resolved)):
+                continue
             raise Forbidden(f"registration of host {host} refused: the request came from {source}; a box "
                             f"registers itself (set allow_registration_host_mismatch to allow this)")
+
+
+def own_lan_address(addr: Address) -> bool:
+    """One of this machine's addresses other than loopback: what a caller on this machine may name
+    besides its own source address (loopback addresses stay distinct, as tests use them as hosts)."""
+    if addr.is_loopback or addr.is_unspecified or addr.is_multicast:  # 0.0.0.0 binds, but is nobody's
+        return False
+    return is_this_machine(addr)
+
+
+def is_this_machine(addr: Address) -> bool:
+    """Whether ``addr`` is one of this machine's own addresses: only those can be bound."""
+    if addr.is_loopback:
+        return True
+    family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((str(addr), 0))
+    except OSError:  # EADDRNOTAVAIL: someone else's
+        return False
+    return True

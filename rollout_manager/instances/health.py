@@ -134,7 +134,8 @@ class HealthMonitor:
         """Why a healthy new instance can never serve here (a data-parallel SGLang cannot take weight
         pushes), or None. An unreadable ``/server_info`` is no reason: the instance stays.
 
-        The same read records how the instance streams; a cumulative one is warned about here, once."""
+        The same read records how the instance streams (a cumulative one is warned about here, once),
+        its vocabulary size and the weight version it reports now, which its chunks are checked against."""
         if self.server_info is None:
             return None
         try:
@@ -144,6 +145,8 @@ class HealthMonitor:
                         inst.endpoint, wire.SERVER_INFO, exc)
             return None
         _note_streaming(inst, info)
+        inst.vocab_size, inst.joined_version = info.vocab_size, info.weight_version
+        inst.max_running_requests = info.max_running_requests  # the dispatcher's bound on it
         if info.dp_size > 1:
             return wire.dp_refusal(inst.endpoint, info.dp_size)
         return None

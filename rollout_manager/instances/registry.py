@@ -69,6 +69,17 @@ class Instance:
     # "cumulative" (every chunk repeats the whole output: more manager CPU per token), None (unknown).
     streaming: str | None = None
     server_stream_interval: int | None = None  # its --stream-interval (requests from here set their own)
+    # What SGLang runs at once (/server_info, when it first became ready; None: not reported), and the
+    # most sequences the dispatcher keeps in flight on it (from that and the configured bound).
+    max_running_requests: int | None = None
+    max_in_flight: int | None = None
+    # From /server_info and /model_info when it first became ready: its vocabulary size (None: the server
+    # does not say; SGLang 0.5.23 does not), and the weight version it reported before any push from here
+    # (None: unknown). Chunks are checked against both.
+    vocab_size: int | None = None
+    joined_version: str | None = None
+    last_chunk_at: float = 0.0  # event-loop time of the last chunk it sent any request (0: none yet)
+    box_token_digest: str | None = None  # sha256 of the box token its registration got (never shown)
 
     @property
     def endpoint(self) -> str:
@@ -117,6 +128,8 @@ class Instance:
             "waiting_for": self.waiting_for,
             "streaming": self.streaming,
             "server_stream_interval": self.server_stream_interval,
+            "max_running_requests": self.max_running_requests,
+            "max_in_flight": self.max_in_flight,
         }
 
 

@@ -15,14 +15,15 @@ Commands:
 - ``exec --parent-pid PID -- CMD ...``: run CMD in its own process group (a terminal's Ctrl-C reaches
   only the launcher, which drains first) that gets SIGTERM if the launcher dies (Linux
   ``PR_SET_PDEATHSIG``), so a killed launcher leaves nothing behind.
-- ``wait-ready --url U ... --pid P ... --timeout S``: until every URL answers 200; fails at once when
-  a watched process exits, or at the deadline.
+- ``wait-ready --url U ... [--auth-url U ...] --pid P ... --timeout S``: until every URL answers 200
+  (``--auth-url`` ones asked with the shared token: the receiver agent requires it when one is set);
+  fails at once when a watched process exits, or at the deadline.
 - ``register --manager ADDR --host H --port P --agent-url URL``: reads the receiver agent's
   ``/info`` (``handshake_port``: Mooncake's RPC port, chosen by Mooncake), registers, prints the
   endpoint the manager files the instance under. A stale registration of the same endpoint (a box
   restarted on the same address) is removed first.
-- ``deregister --manager ADDR --endpoint E --timeout S``: ``POST /shutdown_instances`` (the manager
-  drains it: no new work, in-flight requests finish).
+- ``deregister --manager ADDR --endpoint E --timeout S [--state-file F]``: ``POST /shutdown_instances``
+  (the manager drains it: no new work, in-flight requests finish), with the box token from F.
 - ``watch --manager ADDR --state-file F --interval S``: runs beside the children while the box serves.
   Every S seconds it reads the manager's ``GET /health``; when its ``run_id`` differs from the one
   ``register --state-file F`` saw (the manager restarted and lost its registry) it registers again
@@ -32,7 +33,9 @@ Commands:
   away, one when it is back.
 
 ``ROLLOUT_MANAGER_AUTH_TOKEN``, when set, is sent as ``Authorization: Bearer <token>`` on every call
-to the manager.
+to the manager but one: deregistration uses the box token the registration answer carried (kept in
+the state file, renewed by ``watch`` when it registers again), which removes this instance and no
+other. From a manager that issues none (or no longer knows it: 401), the shared token is used.
 """
 
 from __future__ import annotations
@@ -164,14 +167,15 @@ def check_ports(bind: str, ports: Sequence[tuple[str, int]]) -> None:
 
 
 def request(method: str, url: str, body: Any = None, *, timeout: float = 10.0,
-            auth: bool = True) -> tuple[int, Any]:
+            auth: bool = True, token: str | None = None) -> tuple[int, Any]:
     """(status, decoded JSON or text); raises OSError (urllib.error.URLError included) when unreachable,
-    also for an answer that is not HTTP at all."""
+    also for an answer that is not HTTP at all. ``token`` replaces the shared one from the environment."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Accept": "application/json"}
     if data is not None:
         headers["Content-Type"] = "application/json"
-    token = os.environ.get(AUTH_ENV, "")
+    if token is None:
+        token = os.environ.get(AUTH_ENV, "")
     if auth and token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
@@ -205,15 +209,15 @@ def error_of(answer: Any) -> str:
 
 
 def manager_call(manager: str, method: str, path: str, body: Any = None, *,
-                 timeout: float = 10.0) -> tuple[int, Any]:
+                 timeout: float = 10.0, token: str | None = None) -> tuple[int, Any]:
     url = normalize_addr(manager) + path
     try:
-        status, answer = request(method, url, body, timeout=timeout)
+        status, answer = request(method, url, body, timeout=timeout, token=token)
     except OSError as exc:
         why = describe_os_error(exc)
         raise Unreachable(f"rollout manager at {normalize_addr(manager)} is unreachable ({method} {path}: "
                           f"{why}); check ROLLOUT_MANAGER_ADDR / --manager-addr", why == "timed out") from None
-    if status in (401, 403):
+    if status in (401, 403) and token is None:  # a box token's refusal is the caller's to read
         hint = "set ROLLOUT_MANAGER_AUTH_TOKEN to the manager's token" if not os.environ.get(AUTH_ENV) \
             else "ROLLOUT_MANAGER_AUTH_TOKEN does not match the manager's token"
         raise BoxError(f"rollout manager at {normalize_addr(manager)} refused {method} {path} "
@@ -320,7 +324,8 @@ def _alive(pid: int) -> bool:
 def cmd_wait_ready(args: argparse.Namespace) -> None:
     names = dict(zip(args.pid, args.pid_name or [])) if args.pid else {}
     deadline = time.monotonic() + args.timeout
-    pending = list(args.url)
+    with_token = set(args.auth_url or [])
+    pending = list(args.url) + list(args.auth_url or [])
     while pending:
         for pid in args.pid or []:
             if not _alive(pid):
@@ -328,7 +333,7 @@ def cmd_wait_ready(args: argparse.Namespace) -> None:
         still = []
         for url in pending:
             try:
-                status, _ = request("GET", url, timeout=min(5.0, args.interval * 10), auth=False)
+                status, _ = request("GET", url, timeout=min(5.0, args.interval * 10), auth=url in with_token)
             except OSError:
                 status = 0
             if status != 200:
@@ -344,7 +349,8 @@ def cmd_wait_ready(args: argparse.Namespace) -> None:
 
 def agent_info(agent_url: str, timeout: float = 10.0) -> dict[str, Any]:
     try:
-        status, info = request("GET", agent_url.rstrip("/") + "/info", timeout=timeout, auth=False)
+        # the agent requires the shared token, as the manager does, when one is set
+        status, info = request("GET", agent_url.rstrip("/") + "/info", timeout=timeout)
     except OSError as exc:
         raise BoxError(f"receiver agent at {agent_url} does not answer /info: {describe_os_error(exc)}") from None
     if status != 200 or not isinstance(info, dict) or not isinstance(info.get("handshake_port"), int):
@@ -419,18 +425,45 @@ def cmd_register(args: argparse.Namespace) -> None:
             f.write(endpoint)
     if args.state_file:
         with open(args.state_file, "w") as f:
-            json.dump({"body": body, "endpoint": endpoint, "run_id": run_id}, f)
+            json.dump({"body": body, "endpoint": endpoint, "run_id": run_id, "box_token": answer.get("box_token")}, f)
     print(json.dumps({"endpoint": endpoint, "id": answer.get("id"),
                       "state": answer.get("state"), "weight_version": answer.get("weight_version"),
                       "mooncake_handshake_port": info["handshake_port"],
                       "weight_transfer": answer.get("weight_transfer")}, separators=(",", ":")))
 
 
-def cmd_deregister(args: argparse.Namespace) -> None:
+def read_box_token(state_file: str | None) -> str | None:
+    """The box token in a state file written by ``register`` (or renewed by ``watch``); None without one."""
+    if not state_file:
+        return None
     try:
-        status, answer = manager_call(args.manager, "POST", "/shutdown_instances",
-                                      {"endpoints": [args.endpoint], "check_weight_update": False},
-                                      timeout=args.timeout)
+        with open(state_file) as f:
+            token = json.load(f).get("box_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return token if isinstance(token, str) and token else None
+
+
+def save_state(state_file: str, state: dict[str, Any]) -> None:
+    """Write the registration state back in place, in one write: the launcher reads the box token from
+    it when deregistering. Padded to the old length, so a write cut short by a signal never leaves a
+    shorter document with the old one's tail (JSON ignores the trailing blanks)."""
+    data = json.dumps({k: state.get(k) for k in ("body", "endpoint", "run_id", "box_token")}).encode()
+    fd = os.open(state_file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data.ljust(os.fstat(fd).st_size), 0)
+    finally:
+        os.close(fd)
+
+
+def cmd_deregister(args: argparse.Namespace) -> None:
+    body = {"endpoints": [args.endpoint], "check_weight_update": False}
+    box_token = read_box_token(args.state_file)
+    try:
+        status, answer = manager_call(args.manager, "POST", "/shutdown_instances", body,
+                                      timeout=args.timeout, token=box_token)
+        if status == 401 and box_token is not None:  # a manager that does not know it: the shared token
+            status, answer = manager_call(args.manager, "POST", "/shutdown_instances", body, timeout=args.timeout)
     except Unreachable as exc:
         if not exc.timed_out:
             raise
@@ -479,6 +512,9 @@ def watch_once(manager: str, state: dict[str, Any], timeout: float) -> None:
                                f"{error_of(answer)}; retrying in {state['interval']:g}s")
             old = state.get("run_id")
             state.update(run_id=run_id, removed_noted=False, last_error=None)
+            if status == 200 and answer.get("box_token"):
+                state["box_token"] = answer["box_token"]
+                state["changed"] = True
             say(f"manager restarted (run id {old} -> {run_id}): registered again as "
                 f"{answer.get('endpoint', endpoint)}")
         elif run_id is not None and not state.get("removed_noted") and not endpoint_known(manager, endpoint, timeout):
@@ -500,6 +536,12 @@ def cmd_watch(args: argparse.Namespace) -> None:
     while True:
         time.sleep(interval)
         watch_once(args.manager, state, timeout)
+        if state.pop("changed", False):
+            try:
+                save_state(args.state_file, state)
+            except OSError as exc:
+                say(f"warning: cannot update {args.state_file} with the new box token ({exc.strerror}); "
+                    f"deregistration will use the shared token")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -532,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_exec)
 
     s = sub.add_parser("wait-ready")
-    s.add_argument("--url", action="append", required=True)
+    s.add_argument("--url", action="append", default=[])
+    s.add_argument("--auth-url", action="append", help="a URL asked with the shared token (the receiver agent)")
     s.add_argument("--pid", type=int, action="append")
     s.add_argument("--pid-name", action="append", help="names of the --pid processes, in order")
     s.add_argument("--timeout", type=float, required=True)
@@ -560,6 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--manager", required=True)
     s.add_argument("--endpoint", required=True)
     s.add_argument("--timeout", type=float, default=60.0)
+    s.add_argument("--state-file", help="written by register --state-file: its box token authorises the call")
     s.set_defaults(func=cmd_deregister)
     return p
 

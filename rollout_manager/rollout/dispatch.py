@@ -2,26 +2,57 @@
 
 The manager sends every request itself, so it counts in-flight requests and tokens per instance and
 measures token rates from its own streams; the pure policy in ``scheduling.py`` decides from those
-numbers. Requests wait here (bounded) while no instance can take them.
+numbers. Requests wait here while no instance can take them.
+
+Admission is bounded here, whatever the policy says: an instance gets at most its own
+``max_running_requests`` (what SGLang runs at once; more would only queue inside the engine, where a
+failure loses them and its connections pile up) and the whole pool at most ``max_in_flight_total``
+(each sequence in flight holds one of the manager's connections and its buffers). Past either bound
+requests wait here, first come first served. A request waiting because every instance that could take
+it is full waits as long as it takes; only one that no instance could serve at all fails after the
+wait timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.notify import Signal
+from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
 from rollout_manager.rollout.local_budget import LocalWindow
 from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter, lone_rate_weight
 
 _MAX_SKIPPED = 32  # constrained requests one placing pass may step over
 _RATE_REUSE_S = 0.01  # how long a computed rate is reused while its meter does not change
+# In flight on an instance that reports no max_running_requests (an SGLang older than the field, a
+# stand-in engine): SGLang's own default on a mid-sized GPU is of this order.
+DEFAULT_INSTANCE_MAX_IN_FLIGHT = 1024
+# The most sequences in flight at once when no bound is configured, whatever the open-file limit: each
+# costs the manager tens of kB (a connection, its buffers, the sequence), and one event loop relays them.
+MAX_IN_FLIGHT_TOTAL_CEILING = 65536
+
+# When the caller's request entered the manager (monotonic), for a request started later than that
+# (run_batch holds a batch's requests back until there is room): its wait for an instance counts from
+# then. Unset: from the moment it asks.
+accepted_at: contextvars.ContextVar[float | None] = contextvars.ContextVar("accepted_at", default=None)
+
+
+def default_max_in_flight_total(soft_open_files: int | None = None) -> int:
+    """The overall bound when none is configured: what the open-file limit leaves for connections to
+    instances. Half of it is callers' (api.connections); of the other half a reserve stays for health
+    probes, weight agents and logs."""
+    soft = open_file_limit()[0] if soft_open_files is None else soft_open_files
+    if soft <= 0:  # unlimited or unknown
+        return MAX_IN_FLIGHT_TOTAL_CEILING
+    return max(min(soft // 2 - min(soft // 8, 1024), MAX_IN_FLIGHT_TOTAL_CEILING), 16)
 
 
 @dataclass(eq=False)
@@ -33,6 +64,8 @@ class _Waiter:
     prefer: str | None
     allow: Callable[[Instance], bool] | None
     future: asyncio.Future[Instance]
+    since: float  # when its wait for an instance began (see accepted_at)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def constrained(self) -> bool:
@@ -41,10 +74,19 @@ class _Waiter:
 
 
 class Dispatcher:
-    def __init__(self, registry: Registry, policy: Policy, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, registry: Registry, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
+                 max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0):
+        """``max_in_flight_per_instance``: 0 takes each instance's own ``max_running_requests`` (or
+        :data:`DEFAULT_INSTANCE_MAX_IN_FLIGHT` where it reports none); N caps every instance at N too.
+        ``max_in_flight_total``: 0 takes :func:`default_max_in_flight_total`."""
         self.registry = registry
         self.policy = policy
         self.clock = clock
+        self.max_in_flight_per_instance = max_in_flight_per_instance
+        self.max_in_flight_total = max_in_flight_total or default_max_in_flight_total()
+        self.in_flight = 0  # sequences placed on an instance and not yet released, over every instance
+        self.held = 0  # requests a batch accepted and holds back until it has room (run_batch)
+        self._none_since: float | None = clock()  # since when no instance is active (None: one is)
         self.changed = Signal()  # any change in who can take work, or in load
         self.local = LocalWindow(on_change=self._changed)  # while open, local instances serve first
         self.closing = False
@@ -70,6 +112,11 @@ class Dispatcher:
         return self.affinity
 
     def _on_event(self, inst: Instance, event: Event) -> None:
+        inst.max_in_flight = self.bound_of(inst)
+        if event.new == State.ACTIVE:
+            self._none_since = None
+        elif event.old == State.ACTIVE and not self.registry.in_state(State.ACTIVE):
+            self._none_since = self.clock()
         if event.new == State.DEAD:
             self.meters.pop(inst.id, None)
             self._loads.pop(inst.id, None)
@@ -90,6 +137,32 @@ class Dispatcher:
         """Who can take work, or the load, changed: wake the generic waiters, place queued requests."""
         self.changed.notify()
         self._place_waiting()
+
+    def bound_of(self, inst: Instance) -> int:
+        """The most sequences ``inst`` may have in flight from here (see ``__init__``)."""
+        own = inst.max_running_requests
+        cap = self.max_in_flight_per_instance
+        if own is None:
+            return cap or DEFAULT_INSTANCE_MAX_IN_FLIGHT
+        return min(own, cap) if cap else own
+
+    def capacity(self) -> int:
+        """Sequences the active pool can run at once: the instances' bounds, within the overall one."""
+        return min(sum(self.bound_of(i) for i in self.registry.in_state(State.ACTIVE)), self.max_in_flight_total)
+
+    def admission_status(self) -> dict[str, int]:
+        """The bounds and who waits on them (status page, ``/get_instances_status``)."""
+        return {"in_flight": self.in_flight, "max_in_flight_total": self.max_in_flight_total,
+                "capacity": self.capacity(), "waiting_for_instance": self.waiting, "held_by_batches": self.held,
+                "requests_waiting": self.waiting + self.held}
+
+    def _usable(self, avoid: Collection[str], allow: Callable[[Instance], bool] | None) -> list[Instance]:
+        """Active instances that may serve a request (full or not): those it need not avoid and may use,
+        local ones only while the local window is open."""
+        local_ok = self.local.is_open
+        return [i for i in self.registry.in_state(State.ACTIVE)
+                if (i.id not in avoid or i.consecutive_failures == 0) and (allow is None or allow(i))
+                and (local_ok or i.kind == Kind.REMOTE)]
 
     def meter(self, inst: Instance) -> TokenRateMeter:
         meter = self.meters.get(inst.id)  # called per relayed chunk: build a meter only the first time
@@ -135,9 +208,10 @@ class Dispatcher:
         wins while it is clean and not overloaded; ``allow`` restricts the candidates (the staleness
         bound).
         """
-        usable = [i for i in self.registry.in_state(State.ACTIVE)
-                  if (i.id not in avoid or i.consecutive_failures == 0) and (allow is None or allow(i))]
-        local = [i for i in usable if i.kind == Kind.LOCAL] if self.local.is_open else []
+        if self.in_flight >= self.max_in_flight_total:
+            return None
+        usable = [i for i in self._usable(avoid, allow) if i.in_flight < self.bound_of(i)]
+        local = [i for i in usable if i.kind == Kind.LOCAL]
         remote = [i for i in usable if i.kind == Kind.REMOTE]
         now = self.clock()
         for group in (local, remote):
@@ -175,11 +249,17 @@ class Dispatcher:
     def _reserve(self, inst: Instance, tokens: int, now: float) -> None:
         inst.in_flight += 1
         inst.in_flight_tokens += tokens
+        self.in_flight += 1
         self._busy_changed(inst, now)
 
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
                       allow: Callable[[Instance], bool] | None = None) -> Instance:
-        """Wait (bounded) until the policy places this sequence; raises Unavailable at the deadline.
+        """Wait until the policy places this sequence, within the bounds; raises Unavailable when no
+        instance could serve it for ``timeout_s``.
+
+        The wait counts from :data:`accepted_at` (or now), and only while no instance could take the
+        request at all: while some could but are full, it waits for their capacity, however long
+        (see :meth:`_expire`).
 
         Requests that cannot be placed at once queue here and are placed in arrival order whenever
         something changes (:meth:`_place_waiting`), by one pass over the queue rather than by every
@@ -193,10 +273,12 @@ class Dispatcher:
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future())
+        now = self.clock()
+        since = accepted_at.get()
+        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), now if since is None else min(since, now))
         self._queue.append(waiter)
         self.waiting += 1
-        timer = loop.call_later(max(timeout_s, 0.0), self._expire, waiter, timeout_s)
+        self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
         try:
             self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
             return await waiter.future
@@ -205,7 +287,8 @@ class Dispatcher:
                 self.release(waiter.future.result(), tokens)  # placed just as its caller went away
             raise
         finally:
-            timer.cancel()
+            if waiter.timer is not None:
+                waiter.timer.cancel()
             self.waiting -= 1
             if not waiter.future.done():
                 waiter.future.cancel()
@@ -213,11 +296,31 @@ class Dispatcher:
                 self._queue.remove(waiter)  # rare: timed out or cancelled behind others
             self._trim()
 
+    def _arm(self, waiter: _Waiter, delay_s: float, timeout_s: float) -> None:
+        waiter.timer = asyncio.get_running_loop().call_later(max(delay_s, 0.0), self._expire, waiter, timeout_s)
+
     def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
-        if not waiter.future.done():
-            active = len(self.registry.in_state(State.ACTIVE))
-            waiter.future.set_exception(Unavailable(
-                f"no rollout instance could take the request within {timeout_s:g}s ({active} active)"))
+        """The waiter's deadline: it fails only if no instance could serve it for ``timeout_s``.
+
+        Some instance could take it but all are full (their bounds, the overall bound, the policy's
+        limits): it waits for capacity, and the time does not count; a caller who sent 100,000 requests
+        wants them done, not failed. Otherwise the time without any active instance counts from when the
+        pool last had one (or the request arrived, if later).
+        """
+        if waiter.future.done():
+            return
+        now = self.clock()
+        if self._usable(waiter.avoid, waiter.allow):
+            self._arm(waiter, timeout_s, timeout_s)  # waiting for capacity: look again a timeout later
+            return
+        if self._none_since is not None:
+            left = timeout_s - (now - max(waiter.since, self._none_since))
+            if left > 0:  # the pool emptied while it waited: the time without an instance counts from then
+                self._arm(waiter, left, timeout_s)
+                return
+        active = len(self.registry.in_state(State.ACTIVE))
+        waiter.future.set_exception(Unavailable(
+            f"no rollout instance could take the request within {timeout_s:g}s ({active} active)"))
 
     def _trim(self) -> None:
         while self._queue and self._queue[0].future.done():
@@ -272,6 +375,8 @@ class Dispatcher:
 
     def release(self, inst: Instance, tokens_left: int) -> None:
         """A sequence left ``inst`` (finished or failed) with ``tokens_left`` of its budget unused."""
+        if inst.in_flight > 0:
+            self.in_flight = max(self.in_flight - 1, 0)
         inst.in_flight = max(inst.in_flight - 1, 0)
         inst.in_flight_tokens = max(inst.in_flight_tokens - tokens_left, 0)
         self._busy_changed(inst, self.clock())
@@ -290,11 +395,14 @@ class Dispatcher:
 
     def claim(self, inst: Instance, tokens: int) -> bool:
         """Reserve ``inst`` for a sequence tail migration moves there, past the dispatch policy (the
-        migration policy chose it); False if it cannot take work now."""
+        migration policy chose it); False if it cannot take work now, or is at its bound."""
         if self.closing or inst.state != State.ACTIVE or self.registry.get(inst.id) is not inst:
+            return False
+        if inst.in_flight >= self.bound_of(inst) or self.in_flight >= self.max_in_flight_total:
             return False
         inst.in_flight += 1
         inst.in_flight_tokens += tokens
+        self.in_flight += 1
         self._busy_changed(inst, self.clock())
         return True
 

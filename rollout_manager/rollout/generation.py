@@ -11,17 +11,20 @@ version, token range) so a sample mixing weight versions is visible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
+from rollout_manager import jsonutil
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.dispatch import Dispatcher, accepted_at
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.scheduling import TailMigration
@@ -75,6 +78,12 @@ class GenerationSettings:
     # the bound; restart if none is active) or "restart" (from the prompt, on the current version).
     max_staleness: int | None = None
     staleness_action: str = "finish_on_old"
+    # Engines that misbehave while they stay up (sglang.client): how long the first chunk may take (None:
+    # stall_timeout_s), the most bytes one frame may have (None: no bound), and the vocabulary size token
+    # ids are checked against where an instance does not report its own (0: only the int32 range).
+    first_byte_timeout_s: float | None = None
+    max_frame_bytes: int | None = None
+    vocab_size: int = 0
 
 
 class Generator:
@@ -267,6 +276,8 @@ class Generator:
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
             allow = self._staleness_bound(seq)
+            if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
+                allow = _excluding(seq.refused[0], allow)
             inst = self.migrator.take_handoff(seq, allow)
             if inst is None:
                 first = keys is not None and not seq.versions and not seq.discarded
@@ -276,6 +287,9 @@ class Generator:
                                                          avoid={i.id for i in tried}, prefer=prefer, allow=allow)
                 except Unavailable as exc:
                     self.stats["failed"] += 1
+                    if seq.refused is not None:  # nobody could check the refusal: it stands
+                        _, status, error = seq.refused
+                        raise GenerationFailed(status, wire.error_message(error), error) from None
                     raise GenerationFailed(503, str(exc)) from None
                 if table is not None and keys is not None and first:
                     self._count_affinity(prefer, inst)
@@ -312,26 +326,42 @@ class Generator:
                                       keep_caller_interval=on_tokens is not None, stream=not once)
         engine_call = generate_once if once else stream_generate
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
-        progress = wire.SequenceProgress(seq.output_ids, seq.logprobs)
+        # Each chunk is checked first (wire.SequenceProgress), so the lists hold only tokens it vouches for.
+        progress = wire.SequenceProgress(
+            seq.output_ids, seq.logprobs, limit=seq.remaining,
+            vocab_size=inst.vocab_size or self.settings.vocab_size or wire.TOKEN_ID_BOUND,
+            version_ok=_version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
         seq.segments.append(segment)
         reserved = seq.reserve
+        loop = asyncio.get_running_loop()
+        settings = self.settings
 
         async def consume() -> None:
-            async for chunk in engine_call(
+            async with contextlib.aclosing(engine_call(
                 self.client.session, inst.url, body,
-                connect_timeout_s=self.settings.connect_timeout_s,
-                stall_timeout_s=self.settings.stall_timeout_s,
+                connect_timeout_s=settings.connect_timeout_s,
+                stall_timeout_s=settings.stall_timeout_s,
+                first_byte_timeout_s=settings.first_byte_timeout_s,
+                max_frame_bytes=settings.max_frame_bytes,
+                activity=lambda: inst.last_chunk_at,
                 limits=self.client.limits,
-            ):
-                new = progress.apply(chunk)
-                if new:
-                    self.dispatcher.progress(inst, new)
-                segment.end = len(seq.output_ids)
-                segment.weight_version = progress.weight_version
-                seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
-                if new and on_tokens is not None and progress.finish_reason is None:
-                    on_tokens(seq)
+            )) as chunks:
+                async for chunk in chunks:
+                    try:
+                        new = progress.apply(chunk)
+                    except wire.BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
+                        raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
+                    inst.last_chunk_at = loop.time()
+                    if new:
+                        self.dispatcher.progress(inst, new)
+                        if seq.refused is not None:
+                            self._refusal_overruled(seq, inst)
+                    segment.end = len(seq.output_ids)
+                    segment.weight_version = progress.weight_version
+                    seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
+                    if new and on_tokens is not None and progress.finish_reason is None:
+                        on_tokens(seq)
 
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
@@ -377,9 +407,13 @@ class Generator:
             else:
                 self.on_instance_failure(inst, f"stream cut after the final chunk: {cut}")
         except EngineRejected as exc:
-            segment.outcome = "rejected"
             seq.live_text = None
-            raise GenerationFailed(exc.status, wire.error_message(exc.error), exc.error) from None
+            if not self._ask_another(seq, inst, exc):
+                segment.outcome = "rejected"
+                raise GenerationFailed(exc.status, wire.error_message(exc.error), exc.error) from None
+            segment.outcome = (f"rejected: HTTP {exc.status}: {wire.error_message(exc.error)[:200]}; "
+                               f"asking another instance")
+            seq.texts.append("" if progress.made == 0 else None)
         except Preempted:
             segment.outcome = "preempted: local window closed"
             seq.texts.append(None)
@@ -408,6 +442,39 @@ class Generator:
                 if segment.outcome == "running":  # cancelled: the caller went away
                     segment.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
+
+    # ------------------------------------------------------------ refusals
+    def _ask_another(self, seq: SequenceState, inst: Instance, exc: EngineRejected) -> bool:
+        """Whether to ask one other instance about a request ``inst`` refused (recorded on ``seq``).
+
+        SGLang refuses with 400 what its contract forbids, and the manager checked the body against that
+        contract already; so a refusal may be a broken engine's, which would otherwise swallow requests
+        without ever being counted against. One other instance settles it: if it accepts, ``inst`` is at
+        fault (:meth:`_refusal_overruled`); if it refuses too, the caller gets the refusal. Never more
+        than one extra try per sequence, and none when no other instance could take it.
+        """
+        if seq.refused is not None or seq.second_opinion:
+            seq.refused = None  # a second refusal: the caller's error after all
+            return False
+        bound = self._staleness_bound(seq, restart=False)
+        others = [i for i in self.dispatcher.registry.in_state(State.ACTIVE)
+                  if i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))]
+        if not others:
+            return False
+        seq.refused, seq.second_opinion = (inst, exc.status, exc.error), True
+        log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request is at fault",
+                 seq.rid, inst.endpoint, exc.status, wire.error_message(exc.error)[:200])
+        return True
+
+    def _refusal_overruled(self, seq: SequenceState, accepted_by: Instance) -> None:
+        """Another instance made tokens for a request the refuser called malformed: the refuser is at fault."""
+        assert seq.refused is not None
+        refuser, status, error = seq.refused
+        seq.refused = None
+        reason = (f"refused a request (HTTP {status}: {wire.error_message(error)[:200]}) that "
+                  f"{accepted_by.endpoint} accepted")
+        log.warning("instance %s %s %s", refuser.id, refuser.endpoint, reason)
+        self.on_instance_failure(refuser, reason)
 
     # ------------------------------------------------------------ tail migration
     def _migrated(self, seq: SequenceState, segment: Segment) -> None:
@@ -486,37 +553,169 @@ class Generator:
         return out
 
 
-async def run_batch(
-    generator: Generator, items: list[tuple[Any, dict[str, Any]]]
-) -> AsyncGenerator[list[dict[str, Any]], None]:
-    """Run many requests at once; yield NDJSON-ready dicts in completion order, in lists of what is ready.
+def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
+    return lambda i: i is not inst and (allow is None or allow(i))
 
-    Every id appears exactly once. Closing the iterator early (the client went away) cancels the
-    outstanding requests, which aborts them on their instances.
+
+def _version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | None:
+    """Why a weight version that a chunk from ``inst`` reports is wrong (None: it is right), for a segment
+    that began at the registry's version ``start``; None when versions are not checked.
+
+    The manager vouches for what it pushed: a remote instance reports the version it joined with until a
+    push, then the pushed version. While a push is under way (``syncing``) a newer one may show up before
+    the registry records it, and chunks read after the registry moved may still carry the older one;
+    both are right. A local instance's weights are the trainer's to name, and an instance whose version
+    before any push is unknown (its ``/model_info`` unreadable) is not checked until a push.
     """
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    if inst.kind == Kind.LOCAL or (start == 0 and inst.joined_version is None):
+        return None
+    joined = inst.joined_version
 
-    async def one(rid: Any, body: dict[str, Any]) -> None:
+    def why(version: Any) -> str | None:
+        text = version if isinstance(version, str) else str(version)
+        if start == 0 and text == joined:
+            return None
+        if text.isascii() and text.isdigit():
+            n = int(text)
+            if max(start, 1) <= n and (inst.state == State.SYNCING or n <= inst.weight_version):
+                return None
+        pushed = f"was pushed version {inst.weight_version}" if inst.weight_version else \
+            f"reported {joined!r} when it joined, and no version was pushed to it since"
+        return f"weight_version {version!r}, but the instance {pushed}"
+
+    return why
+
+
+# Requests a batch starts beyond what the pool can run now, so that a slot freed on an instance is taken
+# at once (from the dispatcher's queue) rather than after the batch's next turn.
+BATCH_LOOKAHEAD = 64
+# NDJSON handed to the caller's connection at a time: aiohttp waits for the socket to drain at this much.
+NDJSON_PIECE_BYTES = 64 * 1024
+L = TypeVar("L")
+
+
+class _BatchRun(Generic[L]):
+    """One batch of requests, started only as they can run and as the caller reads the results.
+
+    The requests are not all started at once: the batch holds back those beyond what the pool can run
+    now (``Dispatcher.capacity``, plus :data:`BATCH_LOOKAHEAD`), counted in ``Dispatcher.held``, so a
+    batch of 100,000 costs the manager its body and a window of running requests, not 100,000 waiting
+    sequences. New requests start only when the caller asks for more results, and not while the results
+    not yet handed to it exceed ``max_unsent`` bytes: a caller that stops reading stops its batch (the
+    requests already running finish, and their results wait), and one that reads slowly sets its pace.
+    """
+
+    def __init__(self, generator: Generator, items: list[tuple[Any, dict[str, Any]]],
+                 encode: Callable[[dict[str, Any]], L], size: Callable[[L], int] | None = None,
+                 max_unsent: int | None = None, piece: int | None = None) -> None:
+        self.generator = generator
+        self.dispatcher = generator.dispatcher
+        self.pending = deque(items)
+        self.encode, self.size, self.max_unsent, self.piece = encode, size, max_unsent, piece
+        self.ready: deque[tuple[L, int]] = deque()  # finished, not yet handed over: (line, its size)
+        self.unsent = 0  # bytes in ``ready``
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.wake = asyncio.Event()
+        self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
+
+    async def _one(self, rid: Any, body: dict[str, Any]) -> None:
+        accepted_at.set(self.accepted)  # this task's context only
         try:
-            line = {"id": rid, "success": True, "data": await generator.generate(body)}
+            line = {"id": rid, "success": True, "data": await self.generator.generate(body)}
         except ManagerError as exc:
             line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
         except Exception as exc:  # never lose an id, whatever happened
             log.exception("request %r failed unexpectedly", rid)
             line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
-        queue.put_nowait(line)
+        try:
+            out = self.encode(line)
+        except Exception as exc:  # an answer that cannot be encoded still answers its id
+            log.exception("result of request %r could not be encoded", rid)
+            out = self.encode({"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"})
+        size = self.size(out) if self.size is not None else 0
+        self.ready.append((out, size))
+        self.unsent += size
+        self.wake.set()
 
-    generator.begin_rollout()
-    tasks = [asyncio.ensure_future(one(rid, body)) for rid, body in items]
+    def _start(self) -> None:
+        if not self.pending or (self.max_unsent is not None and self.unsent > self.max_unsent):
+            return
+        room = self.dispatcher.capacity() + BATCH_LOOKAHEAD - len(self.tasks)
+        while self.pending and room > 0:
+            rid, body = self.pending.popleft()
+            self.dispatcher.held -= 1
+            task = asyncio.ensure_future(self._one(rid, body))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            room -= 1
+
+    def _take(self) -> list[L]:
+        """The next results to hand over: all that are ready, or about ``piece`` bytes of them."""
+        out: list[L] = []
+        taken = 0
+        while self.ready and (not out or self.piece is None or taken + self.ready[0][1] <= self.piece):
+            line, size = self.ready.popleft()
+            out.append(line)
+            taken += size
+        self.unsent -= taken
+        return out
+
+    async def results(self) -> AsyncGenerator[list[L], None]:
+        total = len(self.pending)
+        self.dispatcher.held += total
+        self.generator.begin_rollout()
+        try:
+            done = 0
+            while done < total:
+                self._start()
+                while not self.ready:
+                    self.wake.clear()
+                    await self.wake.wait()
+                    self._start()  # a request finished: its slot may go to the next one
+                lines = self._take()
+                done += len(lines)
+                yield lines
+        finally:
+            self.dispatcher.held -= len(self.pending)
+            self.pending.clear()
+            tasks = list(self.tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_batch(
+    generator: Generator, items: list[tuple[Any, dict[str, Any]]]
+) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """Run many requests; yield NDJSON-ready dicts in completion order, in lists of what is ready.
+
+    Every id appears exactly once. Requests start as the pool has room (see :class:`_BatchRun`).
+    Closing the iterator early (the client went away) cancels the outstanding requests, which aborts
+    them on their instances.
+    """
+    results = _BatchRun(generator, items, _same).results()
     try:
-        done = 0
-        while done < len(tasks):
-            lines = [await queue.get()]
-            while not queue.empty():
-                lines.append(queue.get_nowait())
-            done += len(lines)
+        async for lines in results:
             yield lines
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await results.aclose()
+
+
+async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, dict[str, Any]]],
+                           max_unsent_bytes: int) -> AsyncGenerator[bytes, None]:
+    """:func:`run_batch` as NDJSON bytes, for a caller's connection: at most about 64 KiB at a time, and no
+    new request started while more than ``max_unsent_bytes`` of results wait for the caller to read them."""
+    results = _BatchRun(generator, items, _ndjson_line, len, max_unsent_bytes, NDJSON_PIECE_BYTES).results()
+    try:
+        async for lines in results:
+            yield b"".join(lines)
+    finally:
+        await results.aclose()
+
+
+def _same(line: dict[str, Any]) -> dict[str, Any]:
+    return line
+
+
+def _ndjson_line(line: dict[str, Any]) -> bytes:
+    return jsonutil.dumps(line) + b"\n"

@@ -50,6 +50,10 @@ class SequenceState:
     move_reason: str = ""  # why the running segment is being taken off ("": tail migration)
     versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
     discarded: list[Segment] = field(default_factory=list)  # segments a staleness restart threw away
+    # A refusal (HTTP 400 or an error frame) waiting for another instance's verdict: (the instance, the
+    # status, the error); and whether that one extra try was used.
+    refused: tuple[Instance, int, Any] | None = None
+    second_opinion: bool = False
 
     @property
     def budget(self) -> int | None:

@@ -13,7 +13,9 @@ A batch request's chunks carry ``index``. An error inside the stream is a frame
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from array import array
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,8 @@ HEALTH = "/health"
 HEALTH_GENERATE = "/health_generate"
 SERVER_INFO = "/server_info"
 GET_SERVER_INFO = "/get_server_info"  # deprecated alias of SERVER_INFO
+MODEL_INFO = "/model_info"  # the live weight_version (SERVER_INFO's is the start-up value)
+GET_MODEL_INFO = "/get_model_info"  # deprecated alias of MODEL_INFO
 ABORT_REQUEST = "/abort_request"
 PAUSE_GENERATION = "/pause_generation"
 CONTINUE_GENERATION = "/continue_generation"
@@ -305,6 +309,10 @@ def read_output(obj: dict[str, Any]) -> GenerateOutput:
     )
 
 
+class FrameTooLarge(ValueError):
+    """One stream frame (or the bytes without a frame boundary so far) is over the decoder's bound."""
+
+
 class StreamError(Exception):
     """The engine reported an error inside the stream (a ``data: {"error": ...}`` frame)."""
 
@@ -391,20 +399,31 @@ class SSEDecoder:
     parsed without the ids and log-probs already seen; :class:`SequenceProgress` reads the
     ``SKIPPED_*`` counts it leaves. A chunk that does not fit (an incremental stream, a format
     surprise) is parsed whole, and skipping stops for that stream.
+
+    ``max_frame`` bounds one frame's bytes (None: no bound): an engine that sends bytes without a frame
+    boundary would otherwise grow the buffer for as long as it sends. ``pending`` is the bytes of the
+    unfinished frame held now.
     """
 
-    def __init__(self, *, skip_seen: bool = False) -> None:
+    def __init__(self, *, skip_seen: bool = False, max_frame: int | None = None) -> None:
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for a frame end
         self.done = False
+        self.max_frame = max_frame
         self._seen: tuple[_SeenPrefix, _SeenPrefix] | None = (
             (_SeenPrefix(b'"output_ids":[', b"]"), _SeenPrefix(b'"output_token_logprobs":[', b"]]"))
             if skip_seen else None)
 
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[dict[str, Any]]:
+        limit = self.max_frame
         if not self._buf:  # the usual read: exactly one whole one-line frame
             end = _frame_end(data, 0)
-            if end == len(data) - 2 and data.startswith(_DATA_PREFIX) and data.find(b"\n", 0, end) < 0:
+            if end == len(data) - 2 and data.startswith(_DATA_PREFIX) and data.find(b"\n", 0, end) < 0 \
+                    and (limit is None or end <= limit):
                 obj = self._payload(data[len(_DATA_PREFIX):end])
                 return [] if obj is None else [obj]
         buf = self._buf
@@ -415,6 +434,9 @@ class SSEDecoder:
             cut = _frame_end(buf, max(begin, self._scanned - 1))
             if cut < 0:
                 break
+            if limit is not None and cut - begin > limit:
+                raise FrameTooLarge(f"a stream frame of {cut - begin} bytes, over the bound of {limit} "
+                                    f"(engine_max_frame_mb)")
             start, begin = begin, cut + 2
             if buf.startswith(_DATA_PREFIX, start) and buf.find(b"\n", start, cut) < 0:  # one data line
                 payloads = [bytes(buf[start + len(_DATA_PREFIX):cut])]
@@ -428,6 +450,9 @@ class SSEDecoder:
         if begin:
             del buf[:begin]
         self._scanned = len(buf)
+        if limit is not None and len(buf) > limit:
+            raise FrameTooLarge(f"{len(buf)} bytes without a frame boundary, over the bound of {limit} for "
+                                f"one frame (engine_max_frame_mb)")
         return out
 
     def _payload(self, payload: bytes) -> Any:
@@ -482,9 +507,46 @@ class SSEDecoder:
         return obj
 
 
+# Token ids at or above this are no model's (every vocabulary fits 32 bits): the bound when an instance's
+# vocabulary size is not known.
+TOKEN_ID_BOUND = 2**32
+_UINT = "I" if array("I").itemsize == 4 else "L"  # a C array type holding exactly [0, TOKEN_ID_BOUND)
+
+
+class BadChunk(ValueError):
+    """A chunk the manager cannot vouch for: the engine broke its contract (not the caller's error)."""
+
+
+def bad_token_ids(ids: list[Any], vocab_size: int) -> str | None:
+    """Why ``ids`` are not token ids of a ``vocab_size`` vocabulary (ints, not bools), or None.
+
+    Built for the relay: the common case costs a C conversion to an unsigned 32-bit array (which refuses
+    floats, strings, nulls, negatives and ids past 32 bits), a scan for bools and, when the vocabulary is
+    known, a ``max``; the offending id is looked for only when something is wrong.
+    """
+    if len(ids) == 1:
+        t = ids[0]
+        if type(t) is int and 0 <= t < vocab_size:
+            return None
+    elif ids:
+        try:
+            array(_UINT, ids)
+        except (TypeError, OverflowError, ValueError):
+            pass
+        else:
+            if bool not in map(type, ids) and (vocab_size >= TOKEN_ID_BOUND or max(ids) < vocab_size):
+                return None
+    for t in ids:
+        if type(t) is not int:
+            return f"token id {t!r} is not an integer"
+        if not 0 <= t < vocab_size:
+            return f"token id {t} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 @dataclass
 class SequenceProgress:
-    """What one sequence has produced so far on one engine, whatever the chunk mode.
+    """What one sequence has produced so far on one engine, whatever the chunk mode, checked.
 
     Chunks are classified by ``meta_info.completion_tokens`` (always cumulative): if ``output_ids``
     is as long as that count the chunk is cumulative, otherwise it is a delta.
@@ -492,6 +554,13 @@ class SequenceProgress:
     ``output_ids`` and ``logprobs`` may be handed in already holding what earlier segments made (the
     sequence's own lists): the engine's tokens are appended to them in place, so folding a chunk costs
     what the chunk brings, never the length of the sequence. ``made`` is this engine's share.
+
+    Every chunk is checked before anything of it is kept, so the lists only ever hold tokens the manager
+    can vouch for; :meth:`apply` raises :class:`BadChunk` (and changes nothing) for a chunk whose
+    ``completion_tokens`` is missing, goes back or does not match its ids, whose cumulative ids rewrite
+    what was sent, whose new ids are not in ``[0, vocab_size)``, that goes past ``limit`` tokens (the
+    request's ``max_new_tokens``; None: no limit), that brings tokens after the final chunk, or whose
+    ``weight_version`` ``version_ok`` refuses (None: any).
     """
 
     output_ids: list[int] = field(default_factory=list)
@@ -500,6 +569,10 @@ class SequenceProgress:
     meta_info: dict[str, Any] = field(default_factory=dict)
     text: str | None = None
     weight_version: str | None = None  # the latest a chunk reported (chunks may leave it out)
+    limit: int | None = None
+    vocab_size: int = TOKEN_ID_BOUND
+    version_ok: Callable[[Any], str | None] | None = None  # why a reported version is wrong, or None
+    chunks: int = 0  # chunks folded in
     _ids_start: int = field(init=False, repr=False)
     _lps_start: int = field(init=False, repr=False)
 
@@ -512,19 +585,51 @@ class SequenceProgress:
         return len(self.output_ids) - self._ids_start
 
     def apply(self, chunk: dict[str, Any]) -> int:
-        """Fold one chunk in; return how many new tokens it brought."""
-        meta = chunk.get("meta_info") or {}
-        ids = chunk.get("output_ids") or []
+        """Fold one chunk in; return how many new tokens it brought. Raises :class:`BadChunk`."""
+        meta = chunk.get("meta_info")
+        ids = chunk.get("output_ids")
+        if ids is None:
+            ids = []
+        if not isinstance(meta, dict) or not isinstance(ids, list):
+            raise BadChunk(f"a chunk without the meta_info object or the output_ids list: {str(chunk)[:200]}")
         skipped = chunk.pop(SKIPPED_IDS, 0)  # ids the decoder left unparsed: they were seen already
         skipped_lps = chunk.pop(SKIPPED_LOGPROBS, 0)
         total = meta.get("completion_tokens")
         before = self.made
-        cumulative = total is not None and len(ids) + skipped == total and total >= before
+        if type(total) is not int:
+            raise BadChunk(f"completion_tokens is {total!r}, not a count (after {before} token(s))")
+        if total < before:
+            raise BadChunk(f"completion_tokens went back from {before} to {total}")
         if skipped > before or skipped_lps > len(self.logprobs) - self._lps_start:
-            raise ValueError("a chunk skipped tokens this sequence never saw")
+            raise BadChunk("a chunk skipped tokens this sequence never saw")
+        cumulative = len(ids) + skipped == total
+        if cumulative:  # it repeats what was seen: only its tail is new, and the rest must be what was seen
+            seen = before - skipped
+            if seen and ids[:seen] != self.output_ids[self._ids_start + skipped:self._ids_start + before]:
+                raise BadChunk(f"a cumulative chunk of {total} token(s) changed some of the {before} already sent")
+            new = ids[seen:] if seen else ids
+        elif before + len(ids) == total:
+            new = ids
+        else:
+            raise BadChunk(f"completion_tokens {total} fits neither a cumulative nor a delta chunk of "
+                           f"{len(ids)} id(s) after {before} token(s)")
+        if new:
+            if self.finish_reason is not None:
+                raise BadChunk(f"{len(new)} token(s) after the final chunk")
+            if self.limit is not None and total > self.limit:
+                raise BadChunk(f"{total} tokens for a request of max_new_tokens={self.limit}")
+            why = bad_token_ids(new, self.vocab_size)
+            if why is not None:
+                raise BadChunk(why)
+        version = meta.get("weight_version")
+        if version is not None and version != self.weight_version and self.version_ok is not None:
+            why = self.version_ok(version)  # asked when it changes: chunks repeat the version they run on
+            if why is not None:
+                raise BadChunk(why)
         lps = meta.get("output_token_logprobs")
-        # A cumulative chunk repeats what was seen: only its tail is new.
-        self.output_ids.extend(ids[before - skipped:] if cumulative else ids)
+        if lps is not None and not isinstance(lps, list):
+            raise BadChunk(f"output_token_logprobs is {type(lps).__name__}, not a list")
+        self.output_ids.extend(new)
         if lps is not None:
             seen_lps = len(self.logprobs) - self._lps_start - skipped_lps
             self.logprobs.extend(lps[seen_lps:] if cumulative else lps)
@@ -532,9 +637,10 @@ class SequenceProgress:
             self.text = chunk["text"] if cumulative else (self.text or "") + chunk["text"]
         self.meta_info = meta
         self.finish_reason = meta.get("finish_reason")
-        if "weight_version" in meta:
-            self.weight_version = meta["weight_version"]
-        return self.made - before
+        if version is not None:
+            self.weight_version = version
+        self.chunks += 1
+        return len(new)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -719,6 +825,23 @@ class ServerInfo:
     # a streamed /generate costs the manager per token (cumulative chunks repeat the whole output).
     incremental_streaming_output: bool | None = None
     stream_interval: int | None = None
+    # From ``/model_info`` (see :meth:`with_model_info`): the weight version the engine reports now, and
+    # its vocabulary size where the server says (SGLang 0.5.23 does not; the CPU engine does).
+    weight_version: str | None = None
+    vocab_size: int | None = None
+    # Requests the server runs at once (None: not reported): 0.5.23's scheduler reports the value it
+    # settled on as internal_states[0].effective_max_running_requests_per_dp; the top-level
+    # max_running_requests is the launch flag (None unless given).
+    max_running_requests: int | None = None
+
+    def with_model_info(self, model: Any) -> ServerInfo:
+        """This, plus what ``GET /model_info`` adds (``weight_version``; ``vocab_size`` where present)."""
+        model = model if isinstance(model, dict) else {}
+        version, vocab = model.get("weight_version"), model.get("vocab_size")
+        return dataclasses.replace(
+            self, weight_version=str(version) if isinstance(version, (str, int)) else self.weight_version,
+            vocab_size=vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
+            else self.vocab_size)
 
     @classmethod
     def from_json(cls, info: Any) -> ServerInfo:
@@ -731,11 +854,17 @@ class ServerInfo:
         version = info.get("version")
         incremental = info.get("incremental_streaming_output")
         interval = number("stream_interval", 0)
+        states = info.get("internal_states")
+        state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+        running = state.get("effective_max_running_requests_per_dp")
+        if not (isinstance(running, int) and not isinstance(running, bool) and running > 0):
+            running = number("max_running_requests", 0)
         return cls(version=str(version) if version is not None else None, tp_size=max(number("tp_size", 1), 1),
                    dp_size=max(number("dp_size", 1), 1), base_gpu_id=number("base_gpu_id", 0),
                    gpu_id_step=max(number("gpu_id_step", 1), 1),
                    incremental_streaming_output=incremental if isinstance(incremental, bool) else None,
-                   stream_interval=interval if interval > 0 else None)
+                   stream_interval=interval if interval > 0 else None,
+                   max_running_requests=running if running > 0 else None)
 
     def gpu_of_rank(self, tp_rank: int) -> int:
         """The GPU (in SGLang's own numbering) that TP rank ``tp_rank`` runs on."""
