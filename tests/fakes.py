@@ -291,6 +291,25 @@ def register_active(registry: Registry, fakes: Iterable[FakeSGLang], kind: Kind 
 # ---------------------------------------------------------------- health probes
 
 
+@dataclass
+class HealthRecorder:
+    """Stands in for the health monitor's failure/success hooks: records what the Generator reports.
+    With ``marks`` off, a failure is recorded without counting against the instance."""
+
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    successes: list[str] = field(default_factory=list)
+    marks: bool = True
+
+    def failure(self, inst: Instance, reason: str) -> None:
+        if self.marks:
+            inst.consecutive_failures += 1
+        self.failures.append((inst.id, reason))
+
+    def success(self, inst: Instance) -> None:
+        inst.consecutive_failures = 0
+        self.successes.append(inst.id)
+
+
 class FakeProbe:
     """A :data:`ProbeFn` whose answer the test sets (``status``: an HTTP status, or None for no answer).
 

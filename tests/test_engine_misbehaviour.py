@@ -8,7 +8,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from fakes import FakeClock, FakeProbe, FakeSGLang, reference, register_active, start_fakes, yield_until
+from fakes import HealthRecorder as Health
 from support import Proc, async_wait_until, wait_http_ok
 
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
@@ -143,20 +144,6 @@ def test_a_chunk_reports_the_version_the_manager_gave_the_instance() -> None:
 
 
 # ---------------------------------------------------------------- through the Generator, in process
-
-
-@dataclass
-class Health:
-    failures: list[tuple[str, str]] = field(default_factory=list)
-    successes: list[str] = field(default_factory=list)
-
-    def failure(self, inst: Instance, reason: str) -> None:
-        inst.consecutive_failures += 1
-        self.failures.append((inst.id, reason))
-
-    def success(self, inst: Instance) -> None:
-        inst.consecutive_failures = 0
-        self.successes.append(inst.id)
 
 
 @dataclass

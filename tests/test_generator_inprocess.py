@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
 from fakes import FakeSGLang, reference, register_active, start_fakes
+from fakes import HealthRecorder as Health
 
-from rollout_manager.instances.registry import Instance, Registry
+from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
@@ -22,28 +23,6 @@ PROMPT = [5, 17, 42]
 # get one answer from the engine instead (see the tests at the end, which use the default interval).
 SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3,
                               engine_stream_interval=1)
-
-
-@dataclass
-class Health:
-    """Stands in for HealthMonitor's report_failure / report_success: counts, never removes.
-
-    With ``marks`` off a failure is recorded but the instance stays clean (as after a passing health
-    check), so a sequence may go back to it.
-    """
-
-    failures: list[tuple[str, str]] = field(default_factory=list)
-    successes: list[str] = field(default_factory=list)
-    marks: bool = True
-
-    def failure(self, inst: Instance, reason: str) -> None:
-        if self.marks:
-            inst.consecutive_failures += 1
-        self.failures.append((inst.id, reason))
-
-    def success(self, inst: Instance) -> None:
-        inst.consecutive_failures = 0
-        self.successes.append(inst.id)
 
 
 @dataclass
