@@ -1,11 +1,12 @@
 """A fake SGLang backend that answers at once: it isolates the cost of whatever sits in front of it.
 
 ``/generate`` streams up to ``--chunks`` tokens (token ``k`` is the integer ``k``) in SGLang's format and
-ends with ``[DONE]``; non-streaming requests get the final object. As SGLang 0.5.23 does, it sends a
-chunk for the first token, then every ``stream_interval`` tokens (``sampling_params.stream_interval``,
-else ``--stream-interval``) and at the end; chunks are cumulative (the whole output so far, SGLang's default) or, with
-``--incremental-streaming-output``, deltas. ``/server_info`` reports both settings. Frames are built
-from pre-encoded bytes, so that even long cumulative streams cost the fake far less than their reader.
+ends with ``[DONE]``; non-streaming requests get the final object (a list of them for a batch). As
+SGLang 0.5.23 does, it sends a chunk for the first token, then every ``stream_interval`` tokens
+(``sampling_params.stream_interval``, else ``--stream-interval``) and at the end; chunks are cumulative
+(the whole output so far, SGLang's default) or, with ``--incremental-streaming-output``, deltas.
+``/server_info`` reports both settings. Frames are built from pre-encoded bytes, so that even long
+cumulative streams cost the fake far less than their reader.
 """
 
 from __future__ import annotations
@@ -20,8 +21,19 @@ from rollout_manager.sglang import wire
 
 
 def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1) -> web.Application:
+    def answer(prompt: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
+        n = min(chunks, params.get("max_new_tokens") or chunks)
+        return wire.output_chunk(rid=rid, output_ids=list(range(1, n + 1)), prompt_tokens=len(prompt),
+                                 completion_tokens=n, finish=wire.finish_reason(wire.LENGTH, length=n),
+                                 weight_version="0")
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if wire.is_batched(body):  # SGLang answers a non-streaming batch with one list, in order
+            if body.get("stream"):
+                return web.json_response({"error": "the fake streams single sequences only"}, status=400)
+            return web.json_response([answer(sub["input_ids"], sub.get("sampling_params") or {}, sub["rid"])
+                                      for sub in wire.split_batch(body)])
         prompt = body.get("input_ids") or [0]
         params = body.get("sampling_params") or {}
         budget = params.get("max_new_tokens") or chunks
@@ -35,9 +47,7 @@ def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1
                                    "weight_version": "0", "completion_tokens": k, "cached_tokens": 0})
 
         if not body.get("stream"):
-            return web.json_response(wire.output_chunk(
-                rid=rid, output_ids=list(range(1, n + 1)), prompt_tokens=len(prompt), completion_tokens=n,
-                finish=wire.finish_reason(wire.LENGTH, length=n), weight_version="0"))
+            return web.json_response(answer(prompt, params, rid))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         ids = bytearray()  # the comma-separated ids of the chunk being built (all so far when cumulative)

@@ -151,6 +151,14 @@ class StateCollector(Collector):
                                   "Connection attempts that hit the manager's own limits (EMFILE, ENFILE, "
                                   "ENOBUFS, ENOMEM).", value=m.limits.events)
 
+        joined = m.generator.coalescer.stats
+        yield CounterMetricFamily(PREFIX + "engine_once_calls",
+                                  "Non-streaming /generate calls made to instances (short sequences; several "
+                                  "that start together on one instance share a call, engine_batch_max).",
+                                  value=joined.engine_calls)
+        yield CounterMetricFamily(PREFIX + "engine_once_sequences",
+                                  "Sequences those calls carried; divided by engine_once_calls, the mean batch.",
+                                  value=joined.sequences)
         for key, (name, help_text) in GENERATION_COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, help_text, value=m.generator.stats.get(key, 0))
         reasons = CounterMetricFamily(PREFIX + "affinity_fallbacks_by_reason",

@@ -106,6 +106,78 @@ async def test_continuation_for_batched_input_tracks_each_sequence(start_manager
         assert first["end"] == second["start"] and second["end"] == 16  # none regenerated
 
 
+async def _once_counters(m) -> tuple[float, float]:
+    """(engine calls, sequences they carried) of short non-streaming sequences, from /metrics."""
+    async with m.session.get(m.url + "/metrics") as r:
+        text = await r.text()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("rollout_manager_engine_once"))
+    return (float(values["rollout_manager_engine_once_calls_total"]),
+            float(values["rollout_manager_engine_once_sequences_total"]))
+
+
+async def test_short_requests_that_start_together_share_engine_calls_and_each_get_their_own_answer(
+        start_manager, start_engines, model):
+    m = await start_manager()
+    (engine,) = await start_engines(["--token-delay-s", "0.002"])
+    await register(m, engine)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 6))] for _ in range(24)]
+    # Half ask for log-probs: a different body shape, so they share calls only among themselves.
+    bodies = [{"input_ids": p, "sampling_params": greedy(4 + i % 5), "return_logprob": i % 2 == 0}
+              for i, p in enumerate(prompts)]
+    answers = await asyncio.gather(*(m.post("/generate", b) for b in bodies))
+    for b, (status, out) in zip(bodies, answers):
+        assert status == 200, out
+        n = b["sampling_params"]["max_new_tokens"]
+        assert out["output_ids"] == reference_generate(model, b["input_ids"], n)[0]
+        assert ("output_token_logprobs" in out["meta_info"]) is b["return_logprob"]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+        assert out["meta_info"]["prompt_tokens"] == len(b["input_ids"])
+    calls, sequences = await _once_counters(m)
+    assert sequences == 24 and 2 <= calls < 24, (calls, sequences)
+
+
+async def test_a_shared_call_refused_whole_gives_each_sequence_its_own_verdict(start_manager, start_engines, model):
+    m = await start_manager()
+    (engine,) = await start_engines([])
+    await register(m, engine)
+    too_long = [i % 200 for i in range(1020)]  # past what the scheduler admits: SGLang refuses the whole batch
+    bodies = [{"input_ids": too_long if i == 3 else [i + 1, 2], "sampling_params": greedy(4 if i == 3 else 6)}
+              for i in range(8)]
+    answers = await asyncio.gather(*(m.post("/generate", b) for b in bodies))
+    for i, (b, (status, out)) in enumerate(zip(bodies, answers)):
+        if i == 3:
+            assert status == 400 and "exceeds the maximum allowed length" in out["error"], out
+        else:
+            assert status == 200 and out["output_ids"] == reference_generate(model, b["input_ids"], 6)[0], out
+    inst = (await m.status())["instances"][0]
+    assert inst["state"] == "active" and inst["consecutive_failures"] == 0 and inst["in_flight"] == 0
+    calls, sequences = await _once_counters(m)
+    assert sequences > 8 and calls > 1  # the refused call, then one per sequence
+
+
+async def test_short_sequences_whose_shared_call_dies_are_made_exactly_elsewhere(start_manager, start_engines, model):
+    m = await start_manager()
+    dying, healthy = await start_engines(["--token-delay-s", "0.05"], [])
+    await register(m, dying)
+    prompts = [[i, i + 1] for i in range(1, 9)]
+    reqs = [asyncio.ensure_future(m.post("/generate", {"input_ids": p, "sampling_params": greedy(16)}))
+            for p in prompts]
+    await async_wait_until(lambda: _in_flight(m, 8), message="all eight on the dying engine")
+    dying.proc.signal(signal.SIGKILL)
+    await register(m, healthy)
+    for p, (status, out) in zip(prompts, await asyncio.gather(*reqs)):
+        assert status == 200, out
+        assert out["output_ids"] == reference_generate(model, p, 16)[0]
+        first, second = out["meta_info"]["segments"]
+        assert first["endpoint"] == dying.endpoint and first["outcome"].startswith("failed")
+        assert (first["start"], first["end"], second["start"], second["end"]) == (0, 0, 0, 16)
+
+
+async def _in_flight(m, n: int) -> bool:
+    return (await m.status())["admission"]["in_flight"] == n
+
+
 async def test_ndjson_batch_of_200_survives_sigkill_of_one_of_three_engines(start_manager, start_engines, model):
     m = await start_manager()
     engines = await start_engines(*[["--token-delay-s", "0.002"]] * 3)

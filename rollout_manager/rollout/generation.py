@@ -34,9 +34,9 @@ from rollout_manager.sglang.client import (
     EngineFailed,
     EngineRejected,
     SGLangClient,
-    generate_once,
     stream_generate,
 )
+from rollout_manager.sglang.coalesce import Coalescer
 
 log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
@@ -84,6 +84,9 @@ class GenerationSettings:
     first_byte_timeout_s: float | None = None
     max_frame_bytes: int | None = None
     vocab_size: int = 0
+    # Short non-streaming calls that start together on one instance go as one SGLang batch of at most
+    # this many (sglang.coalesce; 1: one call each).
+    batch_max: int = 64
 
 
 class Generator:
@@ -100,6 +103,7 @@ class Generator:
         self.on_instance_failure = on_instance_failure
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
+        self.coalescer = Coalescer(settings.batch_max)
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
                       "migrated": 0, "evicted": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
                       "stale_restarts": 0}
@@ -324,7 +328,7 @@ class Generator:
                 and inst.kind == Kind.REMOTE)
         body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                                       keep_caller_interval=on_tokens is not None, stream=not once)
-        engine_call = generate_once if once else stream_generate
+        engine_call = self.coalescer.generate_once if once else stream_generate
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (wire.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = wire.SequenceProgress(

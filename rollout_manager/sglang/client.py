@@ -426,11 +426,54 @@ async def generate_once(
     The answer is due as a stream's first chunk is (see :func:`stream_generate`), and may not be
     larger than ``max_frame_bytes``.
     """
+    raw = await _answer(session, base_url, body, connect_timeout_s=connect_timeout_s,
+                        stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
+                        max_bytes=max_frame_bytes, activity=activity, limits=limits)
+    answer = _decode(raw)
+    if not _is_output(answer):
+        raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
+    yield answer
+
+
+async def generate_batch_once(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    bodies: list[dict[str, Any]],
+    *,
+    connect_timeout_s: float,
+    stall_timeout_s: float,
+    first_byte_timeout_s: float | None = None,
+    max_frame_bytes: int | None = None,
+    activity: Callable[[], float] | None = None,
+    limits: LocalLimits | None = None,
+) -> list[dict[str, Any]]:
+    """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`wire.join_batch`);
+    returns each body's answer, in order, as :func:`generate_once` would.
+
+    SGLang answers a batch with one list once every item is done, and refuses the whole batch when one
+    item is refused, so an :class:`EngineRejected` here names no item. An answer that is not one
+    output per body, each for its own ``rid``, is the instance's failure.
+    """
+    raw = await _answer(session, base_url, wire.join_batch(bodies), connect_timeout_s=connect_timeout_s,
+                        stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
+                        max_bytes=None if max_frame_bytes is None else max_frame_bytes * len(bodies),
+                        activity=activity, limits=limits)
+    answers = _decode(raw)
+    if not (isinstance(answers, list) and len(answers) == len(bodies)
+            and all(_is_output(a) and a["meta_info"].get("id") == b["rid"] for a, b in zip(answers, bodies))):
+        raise EngineFailed(f"unexpected answer to a batch of {len(bodies)}: {raw[:200]!r}")
+    return answers
+
+
+async def _answer(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], *, connect_timeout_s: float,
+                  stall_timeout_s: float, first_byte_timeout_s: float | None, max_bytes: int | None,
+                  activity: Callable[[], float] | None, limits: LocalLimits | None) -> bytes:
+    """The whole body of a non-streaming ``/generate`` answer, at most ``max_bytes``."""
     async with _generate_call(session, base_url, body, connect_timeout_s=connect_timeout_s,
                               stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
                               activity=activity, limits=limits) as (resp, deadline):
-        if max_frame_bytes is not None and (resp.content_length or 0) > max_frame_bytes:
-            raise EngineFailed(f"an answer of {resp.content_length} bytes, over the bound of {max_frame_bytes} "
+        if max_bytes is not None and (resp.content_length or 0) > max_bytes:
+            raise EngineFailed(f"an answer of {resp.content_length} bytes, over the bound of {max_bytes} "
                                f"(engine_max_frame_mb)")
         parts: list[bytes] = []
         size = 0
@@ -438,14 +481,18 @@ async def generate_once(
         async for data in resp.content.iter_any():
             size += len(data)
             deadline.taken = size
-            if max_frame_bytes is not None and size > max_frame_bytes:
-                raise EngineFailed(f"an answer of over {max_frame_bytes} bytes, the bound (engine_max_frame_mb)")
+            if max_bytes is not None and size > max_bytes:
+                raise EngineFailed(f"an answer of over {max_bytes} bytes, the bound (engine_max_frame_mb)")
             parts.append(data)
-        raw = b"".join(parts)
+        return b"".join(parts)
+
+
+def _decode(raw: bytes) -> Any:
     try:
-        answer = jsonutil.loads(raw)
+        return jsonutil.loads(raw)
     except ValueError as exc:
         raise EngineFailed(f"undecodable answer: {exc}") from None
-    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
-        raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
-    yield answer
+
+
+def _is_output(answer: Any) -> bool:
+    return isinstance(answer, dict) and isinstance(answer.get("meta_info"), dict)

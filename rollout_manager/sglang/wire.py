@@ -698,6 +698,33 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# The keys in which single-sequence bodies may differ and still go to an engine as one batch: SGLang
+# takes each as a list with one value per item.
+JOIN_ITEM_KEYS = frozenset({"input_ids", "sampling_params", "rid"})
+
+
+def joinable(body: dict[str, Any]) -> bool:
+    """Whether a single-sequence, non-streaming body may join a batch (:func:`join_batch`): SGLang
+    expands ``n`` > 1 (parallel sampling) per batch, not per item, so such a body goes alone."""
+    params = body.get("sampling_params") or {}
+    return body.get("stream") is False and params.get("n", 1) == 1 and isinstance(body.get("rid"), str)
+
+
+def join_key(body: dict[str, Any]) -> dict[str, Any]:
+    """What bodies must share to join one batch: everything but :data:`JOIN_ITEM_KEYS`."""
+    return {k: v for k, v in body.items() if k not in JOIN_ITEM_KEYS}
+
+
+def join_batch(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One batched ``/generate`` body for single-sequence bodies with the same :func:`join_key`:
+    ``input_ids``, ``sampling_params`` and ``rid`` become per-item lists (the inverse of :func:`split_batch`)."""
+    out = join_key(bodies[0])
+    out["input_ids"] = [b["input_ids"] for b in bodies]
+    out["sampling_params"] = [b.get("sampling_params") or {} for b in bodies]
+    out["rid"] = [b["rid"] for b in bodies]
+    return out
+
+
 
 def continuation_body(
     body: dict[str, Any], made: list[int], *, rid: str, stream_interval: int | None = None,

@@ -1,0 +1,176 @@
+"""Short non-streaming ``/generate`` calls to one instance, sent together as one SGLang batch.
+
+Every HTTP request costs the manager's client and the engine's HTTP server and tokenizer manager the
+same, whatever it carries; for a sequence of a few tokens that per-request cost is most of the work.
+Calls for the same instance that start in the same turn of the event loop (and may share a batch:
+:func:`wire.joinable`) leave as one batched request at the start of the next turn. No call waits for
+company: a lone call goes alone, at once. Each call still gets its own answer or error, so the
+generation path above sees no difference, and continuation loses nothing a lone call would not: a
+non-streaming answer comes whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from rollout_manager.sglang import wire
+from rollout_manager.sglang.client import EngineFailed, EngineRejected, generate_batch_once, generate_once
+from rollout_manager.sglang.local_limits import LocalLimits
+
+
+@dataclass
+class _Call:
+    body: dict[str, Any]
+    answer: asyncio.Future[dict[str, Any]]
+
+
+@dataclass
+class _Batch:
+    """The calls that share an instance, a turn of the loop and a :func:`wire.join_key`."""
+
+    key: dict[str, Any]
+    calls: list[_Call] = field(default_factory=list)
+
+
+@dataclass
+class CoalesceStats:
+    engine_calls: int = 0  # HTTP requests made
+    sequences: int = 0  # sequences they carried
+    split_after_refusal: int = 0  # batches refused whole, then sent one call per sequence
+
+
+class Coalescer:
+    """Joins concurrent short calls per instance into SGLang batches of at most ``max_items``
+    (1: never join). One per manager; the calls' settings (timeouts, bounds) are the same for all."""
+
+    def __init__(self, max_items: int = 64) -> None:
+        self.max_items = max(1, max_items)
+        self.stats = CoalesceStats()
+        self._open: dict[str, list[_Batch]] = {}  # base_url -> batches filling this turn
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def generate_once(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        body: dict[str, Any],
+        *,
+        connect_timeout_s: float,
+        stall_timeout_s: float,
+        first_byte_timeout_s: float | None = None,
+        max_frame_bytes: int | None = None,
+        activity: Callable[[], float] | None = None,
+        limits: LocalLimits | None = None,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """:func:`client.generate_once`, through a batch when others start for ``base_url`` now."""
+        call_kw: dict[str, Any] = dict(connect_timeout_s=connect_timeout_s, stall_timeout_s=stall_timeout_s,
+                                       first_byte_timeout_s=first_byte_timeout_s, max_frame_bytes=max_frame_bytes,
+                                       activity=activity, limits=limits)
+        if self.max_items == 1 or not wire.joinable(body):
+            self.stats.engine_calls += 1
+            self.stats.sequences += 1
+            async for answer in generate_once(session, base_url, body, **call_kw):
+                yield answer
+            return
+        waiting: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._join(session, base_url, _Call(body, waiting), call_kw)
+        try:
+            yield await waiting
+        finally:
+            waiting.cancel()  # the caller went away: its batch need not wait for it (see _send)
+
+    def _join(self, session: aiohttp.ClientSession, base_url: str, call: _Call, call_kw: dict[str, Any]) -> None:
+        batches = self._open.get(base_url)
+        if batches is None:
+            batches = self._open[base_url] = []
+            asyncio.get_running_loop().call_soon(self._flush, session, base_url, call_kw)
+        key = wire.join_key(call.body)
+        batch = next((b for b in batches if b.key == key), None)
+        if batch is None:
+            batch = _Batch(key)
+            batches.append(batch)
+        batch.calls.append(call)
+        if len(batch.calls) >= self.max_items:
+            batches.remove(batch)
+            self._start(session, base_url, batch.calls, call_kw)
+
+    def _flush(self, session: aiohttp.ClientSession, base_url: str, call_kw: dict[str, Any]) -> None:
+        for batch in self._open.pop(base_url, []):
+            self._start(session, base_url, batch.calls, call_kw)
+
+    def _start(self, session: aiohttp.ClientSession, base_url: str, calls: list[_Call],
+               call_kw: dict[str, Any]) -> None:
+        task = asyncio.ensure_future(self._send(session, base_url, calls, call_kw))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, session: aiohttp.ClientSession, base_url: str, calls: list[_Call],
+                    call_kw: dict[str, Any]) -> None:
+        """Make the call and settle every caller's answer; a call whose callers all went away is
+        cancelled (its sequences are aborted on the engine by their callers, by ``rid``)."""
+        me = asyncio.current_task()
+        assert me is not None
+
+        def all_gone(_: asyncio.Future[dict[str, Any]]) -> None:
+            if all(c.answer.cancelled() for c in calls):
+                me.cancel()
+
+        for c in calls:
+            c.answer.add_done_callback(all_gone)
+        try:
+            if len(calls) == 1:
+                await self._send_one(session, base_url, calls[0], call_kw)
+                return
+            self.stats.engine_calls += 1
+            self.stats.sequences += len(calls)
+            try:
+                answers = await generate_batch_once(session, base_url, [c.body for c in calls], **call_kw)
+            except EngineRejected:
+                # Refused whole: which item, SGLang does not say. Each alone gets its own verdict.
+                self.stats.split_after_refusal += 1
+                await asyncio.gather(*(self._send_one(session, base_url, c, call_kw) for c in calls))
+                return
+            except EngineFailed as exc:
+                for c in calls:
+                    _settle(c.answer, exc=EngineFailed(str(exc)))
+                return
+            for c, answer in zip(calls, answers):
+                _settle(c.answer, answer)
+        except asyncio.CancelledError:
+            for c in calls:
+                c.answer.cancel()
+            raise
+        except Exception as exc:  # a bug here must fail the calls, never leave them waiting
+            for c in calls:
+                _settle(c.answer, exc=EngineFailed(f"{type(exc).__name__}: {exc}"))
+        finally:
+            for c in calls:
+                c.answer.remove_done_callback(all_gone)
+
+    async def _send_one(self, session: aiohttp.ClientSession, base_url: str, call: _Call,
+                        call_kw: dict[str, Any]) -> None:
+        if call.answer.done():
+            return
+        self.stats.engine_calls += 1
+        self.stats.sequences += 1
+        try:
+            async for answer in generate_once(session, base_url, call.body, **call_kw):
+                _settle(call.answer, answer)
+        except (EngineFailed, EngineRejected) as exc:
+            _settle(call.answer, exc=exc)
+
+
+def _settle(answer: asyncio.Future[dict[str, Any]], result: dict[str, Any] | None = None, *,
+            exc: BaseException | None = None) -> None:
+    if answer.done():
+        return
+    if exc is not None:
+        answer.set_exception(exc)
+    else:
+        assert result is not None
+        answer.set_result(result)
