@@ -24,17 +24,27 @@ from rollout_manager.sglang.local_limits import LocalLimits
 
 
 @dataclass
-class _Call:
-    body: dict[str, Any]
-    answer: asyncio.Future[dict[str, Any]]
-
-
-@dataclass
 class _Batch:
     """The calls that share an instance, a turn of the loop and a :func:`wire.join_key`."""
 
     key: dict[str, Any]
     calls: list[_Call] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None  # the request, once sent
+    left: int = 0  # callers that went away before their answer
+
+    def leave(self) -> None:
+        """A caller went away: once all have, the request is cut (their sequences are aborted on the
+        engine by their callers, by ``rid``)."""
+        self.left += 1
+        if self.left == len(self.calls) and self.task is not None:
+            self.task.cancel()
+
+
+@dataclass
+class _Call:
+    body: dict[str, Any]
+    answer: asyncio.Future[dict[str, Any]]
+    batch: _Batch | None = None
 
 
 @dataclass
@@ -77,12 +87,15 @@ class Coalescer:
             async for answer in generate_once(session, base_url, body, **call_kw):
                 yield answer
             return
-        waiting: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._join(session, base_url, _Call(body, waiting), call_kw)
+        call = _Call(body, asyncio.get_running_loop().create_future())
+        self._join(session, base_url, call, call_kw)
         try:
-            yield await waiting
+            yield await call.answer
         finally:
-            waiting.cancel()  # the caller went away: its batch need not wait for it (see _send)
+            if not call.answer.done():  # the caller went away: its batch need not wait for it
+                call.answer.cancel()
+                assert call.batch is not None
+                call.batch.leave()
 
     def _join(self, session: aiohttp.ClientSession, base_url: str, call: _Call, call_kw: dict[str, Any]) -> None:
         batches = self._open.get(base_url)
@@ -95,33 +108,26 @@ class Coalescer:
             batch = _Batch(key)
             batches.append(batch)
         batch.calls.append(call)
+        call.batch = batch
         if len(batch.calls) >= self.max_items:
             batches.remove(batch)
-            self._start(session, base_url, batch.calls, call_kw)
+            self._start(session, base_url, batch, call_kw)
 
     def _flush(self, session: aiohttp.ClientSession, base_url: str, call_kw: dict[str, Any]) -> None:
         for batch in self._open.pop(base_url, []):
-            self._start(session, base_url, batch.calls, call_kw)
+            self._start(session, base_url, batch, call_kw)
 
-    def _start(self, session: aiohttp.ClientSession, base_url: str, calls: list[_Call],
+    def _start(self, session: aiohttp.ClientSession, base_url: str, batch: _Batch,
                call_kw: dict[str, Any]) -> None:
-        task = asyncio.ensure_future(self._send(session, base_url, calls, call_kw))
+        task = batch.task = asyncio.ensure_future(self._send(session, base_url, batch.calls, call_kw))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
+        if batch.left == len(batch.calls):  # all left in this very turn
+            task.cancel()
 
     async def _send(self, session: aiohttp.ClientSession, base_url: str, calls: list[_Call],
                     call_kw: dict[str, Any]) -> None:
-        """Make the call and settle every caller's answer; a call whose callers all went away is
-        cancelled (its sequences are aborted on the engine by their callers, by ``rid``)."""
-        me = asyncio.current_task()
-        assert me is not None
-
-        def all_gone(_: asyncio.Future[dict[str, Any]]) -> None:
-            if all(c.answer.cancelled() for c in calls):
-                me.cancel()
-
-        for c in calls:
-            c.answer.add_done_callback(all_gone)
+        """Make the call and settle every caller's answer."""
         try:
             if len(calls) == 1:
                 await self._send_one(session, base_url, calls[0], call_kw)
@@ -148,9 +154,6 @@ class Coalescer:
         except Exception as exc:  # a bug here must fail the calls, never leave them waiting
             for c in calls:
                 _settle(c.answer, exc=EngineFailed(f"{type(exc).__name__}: {exc}"))
-        finally:
-            for c in calls:
-                c.answer.remove_done_callback(all_gone)
 
     async def _send_one(self, session: aiohttp.ClientSession, base_url: str, call: _Call,
                         call_kw: dict[str, Any]) -> None:
