@@ -73,6 +73,11 @@ class TokenRateMeter:
     request's last chunk before lowering the count, so its tokens land in busy time.
     """
 
+    # Chunks observed within this many seconds of the last fold are summed and folded in together (by
+    # the next observe past it, set_in_flight, or read by rate()): the fold spreads tokens over the
+    # interval anyway, and relaying thousands of chunks a second, one fold each was measurable.
+    FOLD_S = 0.01
+
     def __init__(self, tau_s: float = 5.0, min_busy_s: float = 1.0) -> None:
         if tau_s <= 0 or min_busy_s < 0:
             raise ValueError("tau_s must be > 0 and min_busy_s >= 0")
@@ -82,6 +87,7 @@ class TokenRateMeter:
         self._busy_s = 0.0
         self._busy = False
         self._last: float | None = None
+        self._pending = 0.0  # tokens observed since the last fold, while busy
 
     @property
     def busy(self) -> bool:
@@ -93,12 +99,19 @@ class TokenRateMeter:
         return max(0.0, now - self._last)
 
     def _advance(self, now: float) -> None:
+        if self._pending:
+            self._fold(0.0, now)
+            return
         dt = self._elapsed_busy(now)
         if dt > 0:
             self._decayed_tokens *= math.exp(-dt / self.tau_s)
             self._busy_s += dt
         if self._last is None or now > self._last:
             self._last = now
+
+    def _spread(self, tokens: float, dt: float) -> float:
+        """What ``tokens`` made evenly over the last ``dt`` busy seconds count for now."""
+        return tokens * -math.expm1(-dt / self.tau_s) * self.tau_s / dt if dt > 0 else tokens
 
     def set_in_flight(self, count: int, now: float) -> None:
         """Start or stop the busy clock: the instance is busy while ``count > 0``."""
@@ -111,18 +124,30 @@ class TokenRateMeter:
         They were made across the busy interval since then, not at ``now``, so they get that
         interval's mean decay; counting them as fresh would bias the rate up by ~dt/(2*tau).
         """
-        # Runs for every relayed chunk: one transcendental call, the same arithmetic as _advance.
+        # Runs for every relayed chunk: mostly a sum (see FOLD_S), else one transcendental call.
         last = self._last
         if self._busy and last is not None and now > last:
-            dt = now - last
-            shrink = math.expm1(-dt / self.tau_s)  # exp(-dt/tau) - 1
-            self._decayed_tokens += self._decayed_tokens * shrink - max(0, tokens) * shrink * self.tau_s / dt
-            self._busy_s += dt
-            self._last = now
+            if now - last < self.FOLD_S:
+                self._pending += max(0, tokens)
+                return
+            self._fold(tokens, now)
             return
         if last is None or now > last:
             self._last = now
         self._decayed_tokens += max(0, tokens)
+
+    def _fold(self, tokens: float, now: float) -> None:
+        """Fold the pending tokens and ``tokens`` in, spread over the busy time since the last fold."""
+        tokens = max(0, tokens) + self._pending
+        self._pending = 0.0
+        dt = self._elapsed_busy(now)
+        if dt > 0:
+            self._decayed_tokens = self._decayed_tokens * math.exp(-dt / self.tau_s) + self._spread(tokens, dt)
+            self._busy_s += dt
+        else:
+            self._decayed_tokens += tokens
+        if self._last is None or now > self._last:
+            self._last = now
 
     def rate(self, now: float) -> float | None:
         """Tokens/s while busy, or None before ``min_busy_s`` of busy time. Does not mutate."""
@@ -130,7 +155,7 @@ class TokenRateMeter:
         busy_s = self._busy_s + dt
         if busy_s <= 0 or busy_s < self.min_busy_s - 1e-9:  # tolerate float clock sums
             return None
-        tokens = self._decayed_tokens * math.exp(-dt / self.tau_s)
+        tokens = self._decayed_tokens * math.exp(-dt / self.tau_s) + self._spread(self._pending, dt)
         return tokens / (self.tau_s * -math.expm1(-busy_s / self.tau_s))
 
 
