@@ -218,8 +218,7 @@ class ManagerMetrics:
             ["endpoint"], registry=self.prometheus)
         for state in State:
             self.transitions.labels(state.value)
-        for outcome in ("ok", "error"):
-            self.latency.labels(outcome)
+        self._latency_by_ok = {ok: self.latency.labels("ok" if ok else "error") for ok in (True, False)}  # per sequence
         for outcome in ("ok", "fallback"):
             self.peer_bootstraps.labels(outcome)
         self.prometheus.register(StateCollector(self))
@@ -229,7 +228,7 @@ class ManagerMetrics:
 
     # ------------------------------------------------------------ hooks
     def _on_finished(self, latency_s: float, tokens: int, ok: bool) -> None:
-        self.latency.labels("ok" if ok else "error").observe(latency_s)
+        self._latency_by_ok[ok].observe(latency_s)
         if ok:
             self.completion_tokens.observe(tokens)
 

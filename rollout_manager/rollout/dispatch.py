@@ -210,9 +210,11 @@ class Dispatcher:
         """
         if self.in_flight >= self.max_in_flight_total:
             return None
-        usable = [i for i in self._usable(avoid, allow) if i.in_flight < self.bound_of(i)]
-        local = [i for i in usable if i.kind == Kind.LOCAL]
-        remote = [i for i in usable if i.kind == Kind.REMOTE]
+        local: list[Instance] = []
+        remote: list[Instance] = []
+        for i in self._usable(avoid, allow):  # one pass: this runs for every sequence, over the whole pool
+            if i.in_flight < self.bound_of(i):
+                (remote if i.kind == Kind.REMOTE else local).append(i)
         now = self.clock()
         for group in (local, remote):
             clean = [i for i in group if i.consecutive_failures == 0]

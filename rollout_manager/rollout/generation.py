@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -104,6 +105,9 @@ class Generator:
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
         self.coalescer = Coalescer(settings.batch_max)
+        # The manager's own request ids: unique per run (random prefix) and cheap (no urandom per request).
+        self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
+        self._rid_counter = itertools.count()
         self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
                       "migrated": 0, "evicted": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
                       "stale_restarts": 0}
@@ -244,10 +248,11 @@ class Generator:
             for listener in self.finished_listeners:
                 listener(time.monotonic() - started, 0, False)
             raise
-        done = wire.read_output(out)
-        latency = done.e2e_latency if done.e2e_latency is not None else time.monotonic() - started
+        latency = out["meta_info"].get("e2e_latency")
+        if latency is None:
+            latency = time.monotonic() - started
         for listener in self.finished_listeners:
-            listener(latency, len(done.output_ids), True)
+            listener(latency, len(out["output_ids"]), True)
         return out
 
     async def _run_sequence(self, body: dict[str, Any], index: int | None,
@@ -257,7 +262,7 @@ class Generator:
         table = self.dispatcher.affinity
         keys = table.keys(body["input_ids"], trajectory_key) if table is not None else None
         caller_rid = body.get("rid")
-        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{uuid.uuid4().hex[:12]}"))
+        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}"))
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
