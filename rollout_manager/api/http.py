@@ -63,6 +63,8 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"request body too large ({request.content_length} bytes; limit {limit})")
     timeout = request.app.get(BODY_TIMEOUT)
+    if request.content.is_eof():  # the whole body came with the headers: no wait, so no timer or task
+        timeout = None
     try:
         raw = await (request.read() if timeout is None else asyncio.wait_for(request.read(), timeout))
     except asyncio.TimeoutError:

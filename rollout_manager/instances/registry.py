@@ -187,7 +187,9 @@ class Registry:
         return self._instances.get(iid) if iid else None
 
     def in_state(self, *states: State, kind: Kind | None = None) -> list[Instance]:
-        return [i for i in self if i.state in states and (kind is None or i.kind == kind)]
+        # Straight over the dict (no copy as in __iter__): the comprehension runs to its end before anything
+        # else can change the registry.
+        return [i for i in self._instances.values() if i.state in states and (kind is None or i.kind == kind)]
 
     # ------------------------------------------------------------ changes
     def add_many(self, specs: list[tuple[str, int, Kind, int | None]],

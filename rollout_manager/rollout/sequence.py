@@ -55,10 +55,12 @@ class SequenceState:
     refused: tuple[Instance, int, Any] | None = None
     second_opinion: bool = False
 
-    @property
-    def budget(self) -> int | None:
-        """``max_new_tokens``; None when the caller set no limit (the engine stops at its context)."""
-        return wire.token_budget(self.body)
+    # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
+    # the body once: it never changes, and what is left is asked several times per attempt.
+    budget: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget = wire.token_budget(self.body)
 
     @property
     def remaining(self) -> int | None:
