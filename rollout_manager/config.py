@@ -114,7 +114,7 @@ class Config(BaseModel):
     engine_max_frame_mb: float = Field(default=16.0, gt=0)  # one SSE frame (or non-streaming answer) from an engine
     engine_vocab_size: int = Field(default=0, ge=0)  # token ids must be below it (0: as the instance says, else 2**31)
     connect_timeout_s: float = Field(default=10.0, gt=0)
-    engine_stream_interval: int = Field(default=32, ge=0)  # 0: send none, the server's --stream-interval holds
+    engine_stream_interval: int = Field(default=64, ge=0)  # 0: send none, the server's --stream-interval holds
     engine_batch_max: int = Field(default=64, ge=1)  # short calls joined into one engine batch at most (1: never)
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True

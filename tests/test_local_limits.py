@@ -80,9 +80,9 @@ async def test_out_of_descriptors_sequences_wait_in_the_manager_and_no_instance_
                                         json={"host": "127.0.0.1", "port": e.port}) as resp:
                     assert resp.status == 200, await resp.text()
             prompts = [[1 + i % 50, 2, 3 + i % 7] for i in range(120)]
-            # Past the manager's chunk interval (32): each sequence streams on its own connection (shorter
+            # Past the manager's chunk interval (64): each sequence streams on its own connection (shorter
             # ones that start together share one call per instance, and would need far fewer).
-            params = {"max_new_tokens": 40, "temperature": 0.0}
+            params = {"max_new_tokens": 72, "temperature": 0.0}
             # What each prompt gives on an engine directly (greedy: the same on every instance).
             expected = {}
             for i in range(0, 120, 24):

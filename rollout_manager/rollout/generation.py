@@ -70,7 +70,7 @@ class GenerationSettings:
     # sampling_params.stream_interval sent with every sequence (a streaming caller's own value wins):
     # the engine sends a chunk per that many tokens, so the relay parses that many times fewer frames.
     # 0: none is sent (the server's --stream-interval holds).
-    engine_stream_interval: int = 32
+    engine_stream_interval: int = 64
     # Tail migration (None: off): the policy, and how often it is asked which sequences to move.
     migration: TailMigration | None = None
     migration_interval_s: float = 1.0
