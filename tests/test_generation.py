@@ -115,9 +115,16 @@ async def _once_counters(m) -> tuple[float, float]:
             float(values["rollout_manager_engine_once_sequences_total"]))
 
 
+async def _ndjson(m, items: list) -> dict:
+    """POST /batch_generate_requests (its sequences start in one turn of the manager's loop) -> lines by id."""
+    async with m.session.post(m.url + "/batch_generate_requests", json=items) as resp:
+        assert resp.status == 200
+        return {line["id"]: line for line in map(json.loads, [raw async for raw in resp.content])}
+
+
 async def test_short_requests_that_start_together_share_engine_calls_and_each_get_their_own_answer(
         start_manager, start_engines, model):
-    m = await start_manager()
+    m = await start_manager(scheduler_policy="least_in_flight")  # places all at once (no holding back)
     (engine,) = await start_engines(["--token-delay-s", "0.002"])
     await register(m, engine)
     rng = random.Random(3)
@@ -125,35 +132,40 @@ async def test_short_requests_that_start_together_share_engine_calls_and_each_ge
     # Half ask for log-probs: a different body shape, so they share calls only among themselves.
     bodies = [{"input_ids": p, "sampling_params": greedy(4 + i % 5), "return_logprob": i % 2 == 0}
               for i, p in enumerate(prompts)]
-    answers = await asyncio.gather(*(m.post("/generate", b) for b in bodies))
-    for b, (status, out) in zip(bodies, answers):
-        assert status == 200, out
-        n = b["sampling_params"]["max_new_tokens"]
+    lines = await _ndjson(m, [[i, b] for i, b in enumerate(bodies)])
+    for i, b in enumerate(bodies):
+        assert lines[i]["success"], lines[i]
+        out, n = lines[i]["data"], b["sampling_params"]["max_new_tokens"]
         assert out["output_ids"] == reference_generate(model, b["input_ids"], n)[0]
         assert ("output_token_logprobs" in out["meta_info"]) is b["return_logprob"]
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
         assert out["meta_info"]["prompt_tokens"] == len(b["input_ids"])
-    calls, sequences = await _once_counters(m)
-    assert sequences == 24 and 2 <= calls < 24, (calls, sequences)
+    assert await _once_counters(m) == (2, 24)  # one call per body shape
+    # Requests that arrive together over separate connections share calls too (how many: timing).
+    answers = await asyncio.gather(*(m.post("/generate", b) for b in bodies))
+    for b, (status, out) in zip(bodies, answers):
+        assert status == 200 and out["output_ids"] == \
+            reference_generate(model, b["input_ids"], b["sampling_params"]["max_new_tokens"])[0]
 
 
 async def test_a_shared_call_refused_whole_gives_each_sequence_its_own_verdict(start_manager, start_engines, model):
-    m = await start_manager()
+    m = await start_manager(scheduler_policy="least_in_flight")
     (engine,) = await start_engines([])
     await register(m, engine)
     too_long = [i % 200 for i in range(1020)]  # past what the scheduler admits: SGLang refuses the whole batch
     bodies = [{"input_ids": too_long if i == 3 else [i + 1, 2], "sampling_params": greedy(4 if i == 3 else 6)}
               for i in range(8)]
-    answers = await asyncio.gather(*(m.post("/generate", b) for b in bodies))
-    for i, (b, (status, out)) in enumerate(zip(bodies, answers)):
+    lines = await _ndjson(m, [[i, b] for i, b in enumerate(bodies)])
+    for i, b in enumerate(bodies):
         if i == 3:
-            assert status == 400 and "exceeds the maximum allowed length" in out["error"], out
+            assert not lines[i]["success"] and lines[i]["status_code"] == 400, lines[i]
+            assert "exceeds the maximum allowed length" in lines[i]["error"]
         else:
-            assert status == 200 and out["output_ids"] == reference_generate(model, b["input_ids"], 6)[0], out
+            assert lines[i]["success"], lines[i]
+            assert lines[i]["data"]["output_ids"] == reference_generate(model, b["input_ids"], 6)[0]
     inst = (await m.status())["instances"][0]
     assert inst["state"] == "active" and inst["consecutive_failures"] == 0 and inst["in_flight"] == 0
-    calls, sequences = await _once_counters(m)
-    assert sequences > 8 and calls > 1  # the refused call, then one per sequence
+    assert await _once_counters(m) == (1 + 8, 8 + 8)  # the refused call, then one per sequence
 
 
 async def test_short_sequences_whose_shared_call_dies_are_made_exactly_elsewhere(start_manager, start_engines, model):

@@ -341,7 +341,9 @@ def stream_samples():
 
 
 async def test_failed_requests_fail_the_step_or_drop_their_group(start_manager, start_engines):
-    m = await start_manager(max_attempts_per_request=1)
+    # One engine call per sequence (engine_batch_max=1): the engine's injected failures are per call, and a
+    # shared call would fail or pass its sequences together.
+    m = await start_manager(max_attempts_per_request=1, engine_batch_max=1)
     # a 400 from the engine is final (not the instance's fault, never retried)
     (engine,) = await start_engines(["--fail-rate", "0.3", "--fail-status", "400", "--fault-seed", "3"])
     await m.register(engine)
