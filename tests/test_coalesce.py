@@ -119,3 +119,15 @@ async def test_a_shared_request_that_fails_fails_every_caller_and_a_refusal_is_a
     assert [len(b["rid"]) if isinstance(b["rid"], list) else 1 for b in engine.bodies] == [2, 2, 1, 1]
     assert co.stats.split_after_refusal == 1
     assert all(isinstance(r, EngineRejected) and r.status == 400 for r in results), results
+
+
+async def test_a_fault_of_the_managers_own_fails_the_callers_without_blaming_the_engine(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("rollout_manager.sglang.coalesce.generate_batch_once", broken)
+    co = Coalescer()
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(one(co, s, engine.url, body(n)) for n in (1, 2)), return_exceptions=True)
+    assert all(type(r) is RuntimeError and "internal error" in str(r) for r in results), results

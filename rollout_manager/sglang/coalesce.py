@@ -12,6 +12,7 @@ non-streaming answer comes whole or not at all.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ import aiohttp
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import EngineFailed, EngineRejected, generate_batch_once, generate_once
 from rollout_manager.sglang.local_limits import LocalLimits
+
+log = logging.getLogger("rollout_manager.sglang.coalesce")
 
 
 @dataclass
@@ -151,9 +154,10 @@ class Coalescer:
             for c in calls:
                 c.answer.cancel()
             raise
-        except Exception as exc:  # a bug here must fail the calls, never leave them waiting
+        except Exception as exc:  # a bug here must fail the calls (500), never leave them waiting or blame the engine
+            log.exception("shared call of %d sequence(s) to %s failed inside the manager", len(calls), base_url)
             for c in calls:
-                _settle(c.answer, exc=EngineFailed(f"{type(exc).__name__}: {exc}"))
+                _settle(c.answer, exc=RuntimeError(f"internal error in a shared engine call: {exc!r}"))
 
     async def _send_one(self, session: aiohttp.ClientSession, base_url: str, call: _Call,
                         call_kw: dict[str, Any]) -> None:
