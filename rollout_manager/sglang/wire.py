@@ -725,7 +725,6 @@ def join_batch(bodies: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-
 def continuation_body(
     body: dict[str, Any], made: list[int], *, rid: str, stream_interval: int | None = None,
     keep_caller_interval: bool = False, stream: bool = True,
