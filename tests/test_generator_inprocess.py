@@ -20,7 +20,7 @@ from rollout_manager.sglang.client import SGLangClient
 
 PROMPT = [5, 17, 42]
 # A chunk per token: the tests below see exactly where a stream was cut. Short non-streaming sequences
-# get one answer from the engine instead (see the tests at the end, which use the default interval).
+# get one answer from the engine instead (see the tests at the end, which use an interval of 16).
 SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3,
                               engine_stream_interval=1)
 
@@ -262,7 +262,7 @@ async def test_a_streaming_callers_own_stream_interval_is_respected(rig: Rig) ->
 
 
 def short_rig(rig: Rig) -> Generator:
-    """The rig's generator with the default chunk interval (16): budgets up to 16 are asked in one answer."""
+    """The rig's generator with a chunk interval of 16: budgets up to 16 are asked in one answer."""
     settings = GenerationSettings(**{**SETTINGS.__dict__, "engine_stream_interval": 16})
     return Generator(rig.dispatcher, rig.generator.client, settings, rig.generator.budget,
                      on_instance_failure=rig.health.failure, on_instance_success=rig.health.success)
