@@ -14,10 +14,10 @@ from support import async_wait_until
 
 from rollout_manager.osutil import free_port
 from rollout_manager.sglang import wire
-from rollout_manager.sglang.client import EngineFailed, EngineRejected
+from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineRejected
 from rollout_manager.sglang.coalesce import Coalescer
 
-TIMEOUTS: dict[str, Any] = {"connect_timeout_s": 2.0, "stall_timeout_s": 5.0}
+BOUNDS = CallBounds(connect_timeout_s=2.0, stall_timeout_s=5.0)
 
 
 @dataclass
@@ -65,7 +65,7 @@ def body(n: int, **extra: Any) -> dict[str, Any]:
 
 
 async def one(co: Coalescer, session: aiohttp.ClientSession, url: str, b: dict[str, Any]) -> dict[str, Any]:
-    async for answer in co.generate_once(session, url, b, **TIMEOUTS):
+    async for answer in co.generate_once(session, url, b, BOUNDS):
         return answer
     raise AssertionError("no answer")
 

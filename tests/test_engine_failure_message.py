@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from rollout_manager.sglang.client import EngineFailed, stream_generate
+from rollout_manager.sglang.client import CallBounds, EngineFailed, stream_generate
 
 
 async def test_a_stream_cut_mid_answer_says_the_instance_broke_off():
@@ -27,7 +27,7 @@ async def test_a_stream_cut_mid_answer_says_the_instance_broke_off():
         async with aiohttp.ClientSession() as session:
             with pytest.raises(EngineFailed) as failed:
                 async for _ in stream_generate(session, f"http://127.0.0.1:{port}", {"input_ids": [1]},
-                                               connect_timeout_s=5, stall_timeout_s=5):
+                                               CallBounds(connect_timeout_s=5, stall_timeout_s=5)):
                     pass
     finally:
         server.close()

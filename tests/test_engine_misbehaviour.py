@@ -371,7 +371,7 @@ async def test_trickled_bytes_after_good_chunks_are_no_progress() -> None:
         async with aiohttp.ClientSession() as session:
             with pytest.raises(sgl.EngineFailed) as err:
                 async for c in sgl.stream_generate(session, str(server.make_url("")), body(4),
-                                                   connect_timeout_s=2, stall_timeout_s=0.3):
+                                                   sgl.CallBounds(connect_timeout_s=2, stall_timeout_s=0.3)):
                     got.append(c["output_ids"])
         assert got == [[1], [2]]  # the second, cumulative, parsed without the id already seen
         assert re.match(r"no complete chunk for 0\.[3-9]\d*s after 2 chunk\(s\) \(stream_stall_timeout_s=0.3\); "

@@ -32,6 +32,7 @@ from rollout_manager.rollout.scheduling import TailMigration
 from rollout_manager.rollout.sequence import Segment, SequenceState, within_version
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
+    CallBounds,
     EngineFailed,
     EngineRejected,
     SGLangClient,
@@ -344,18 +345,12 @@ class Generator:
         seq.segments.append(segment)
         reserved = seq.reserve
         loop = asyncio.get_running_loop()
-        settings = self.settings
+        s = self.settings
+        bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
+                            activity=lambda: inst.last_chunk_at, limits=self.client.limits)
 
         async def consume() -> None:
-            async with contextlib.aclosing(engine_call(
-                self.client.session, inst.url, body,
-                connect_timeout_s=settings.connect_timeout_s,
-                stall_timeout_s=settings.stall_timeout_s,
-                first_byte_timeout_s=settings.first_byte_timeout_s,
-                max_frame_bytes=settings.max_frame_bytes,
-                activity=lambda: inst.last_chunk_at,
-                limits=self.client.limits,
-            )) as chunks:
+            async with contextlib.aclosing(engine_call(self.client.session, inst.url, body, bounds)) as chunks:
                 async for chunk in chunks:
                     try:
                         new = progress.apply(chunk)

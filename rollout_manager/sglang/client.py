@@ -320,23 +320,37 @@ class _Deadline:
             self._handle.cancel()
 
 
+@dataclass(frozen=True)
+class CallBounds:
+    """What one ``/generate`` call to an instance may take: the connect and stall timeouts, the first
+    chunk's (None: ``stall_timeout_s``), the largest frame or answer (None: no bound), when the instance
+    last sent any request a chunk (``activity``, loop time; see :class:`_Deadline`), and the manager's
+    own limits (see :func:`_post_generate`)."""
+
+    connect_timeout_s: float
+    stall_timeout_s: float
+    first_byte_timeout_s: float | None = None
+    max_frame_bytes: int | None = None
+    activity: Callable[[], float] | None = None
+    limits: LocalLimits | None = None
+
+
 @contextlib.asynccontextmanager
-async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], *,
-                         connect_timeout_s: float, stall_timeout_s: float, first_byte_timeout_s: float | None,
-                         activity: Callable[[], float] | None,
-                         limits: LocalLimits | None) -> AsyncIterator[tuple[aiohttp.ClientResponse, _Deadline]]:
+async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any],
+                         bounds: CallBounds) -> AsyncIterator[tuple[aiohttp.ClientResponse, _Deadline]]:
     """POST ``/generate`` and hand over the answer with its :class:`_Deadline`, already watching the
     body; whatever goes wrong, then or while the caller reads it, comes out as :class:`EngineRejected`
     or :class:`EngineFailed` saying what happened."""
+    connect_timeout_s, stall_timeout_s = bounds.connect_timeout_s, bounds.stall_timeout_s
     # aiohttp's own read timeout stays as a backstop (it only sees silence, not progress).
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=stall_timeout_s)
-    deadline = _Deadline(stall_timeout_s if first_byte_timeout_s is None else first_byte_timeout_s,
-                         stall_timeout_s, activity)
+    first_s = stall_timeout_s if bounds.first_byte_timeout_s is None else bounds.first_byte_timeout_s
+    deadline = _Deadline(first_s, stall_timeout_s, bounds.activity)
     try:
         deadline.start()
         try:
             resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
-                                        limits or LocalLimits(), deadline.restart)
+                                        bounds.limits or LocalLimits(), deadline.restart)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not deadline.expired or (task is not None and hasattr(task, "uncancel") and task.uncancel() > 0):
@@ -363,17 +377,11 @@ async def stream_generate(
     session: aiohttp.ClientSession,
     base_url: str,
     body: dict[str, Any],
-    *,
-    connect_timeout_s: float,
-    stall_timeout_s: float,
-    first_byte_timeout_s: float | None = None,
-    max_frame_bytes: int | None = None,
-    activity: Callable[[], float] | None = None,
-    limits: LocalLimits | None = None,
+    bounds: CallBounds,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
 
-    The instance owes the first chunk within ``first_byte_timeout_s`` (None: ``stall_timeout_s``), longer
+    Under :class:`CallBounds`: the instance owes the first chunk within ``first_byte_timeout_s``, longer
     while ``activity`` (when it last sent any request a chunk) shows it serving others, and each next
     chunk within ``stall_timeout_s`` of the last: bytes that complete no frame are no progress, and one
     frame may not exceed ``max_frame_bytes`` (see :class:`_Deadline`). Long generations are fine while
@@ -382,10 +390,8 @@ async def stream_generate(
     the instance is not blamed.
     """
     # One sequence per stream: cumulative chunks parse their news only.
-    decoder = wire.SSEDecoder(skip_seen=True, max_frame=max_frame_bytes)
-    async with _generate_call(session, base_url, body, connect_timeout_s=connect_timeout_s,
-                              stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
-                              activity=activity, limits=limits) as (resp, deadline):
+    decoder = wire.SSEDecoder(skip_seen=True, max_frame=bounds.max_frame_bytes)
+    async with _generate_call(session, base_url, body, bounds) as (resp, deadline):
         deadline.pending = lambda: decoder.pending
         async for data in resp.content.iter_any():
             deadline.taken += len(data)
@@ -409,13 +415,7 @@ async def generate_once(
     session: aiohttp.ClientSession,
     base_url: str,
     body: dict[str, Any],
-    *,
-    connect_timeout_s: float,
-    stall_timeout_s: float,
-    first_byte_timeout_s: float | None = None,
-    max_frame_bytes: int | None = None,
-    activity: Callable[[], float] | None = None,
-    limits: LocalLimits | None = None,
+    bounds: CallBounds,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """POST a non-streaming ``/generate`` and yield its one answer, like a stream of one final chunk.
 
@@ -426,9 +426,7 @@ async def generate_once(
     The answer is due as a stream's first chunk is (see :func:`stream_generate`), and may not be
     larger than ``max_frame_bytes``.
     """
-    raw = await _answer(session, base_url, body, connect_timeout_s=connect_timeout_s,
-                        stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
-                        max_bytes=max_frame_bytes, activity=activity, limits=limits)
+    raw = await _answer(session, base_url, body, bounds, bounds.max_frame_bytes)
     answer = _decode(raw)
     if not _is_output(answer):
         raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
@@ -439,13 +437,7 @@ async def generate_batch_once(
     session: aiohttp.ClientSession,
     base_url: str,
     bodies: list[dict[str, Any]],
-    *,
-    connect_timeout_s: float,
-    stall_timeout_s: float,
-    first_byte_timeout_s: float | None = None,
-    max_frame_bytes: int | None = None,
-    activity: Callable[[], float] | None = None,
-    limits: LocalLimits | None = None,
+    bounds: CallBounds,
 ) -> list[dict[str, Any]]:
     """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`wire.join_batch`);
     returns each body's answer, in order, as :func:`generate_once` would.
@@ -454,10 +446,9 @@ async def generate_batch_once(
     item is refused, so an :class:`EngineRejected` here names no item. An answer that is not one
     output per body, each for its own ``rid``, is the instance's failure.
     """
-    raw = await _answer(session, base_url, wire.join_batch(bodies), connect_timeout_s=connect_timeout_s,
-                        stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
-                        max_bytes=None if max_frame_bytes is None else max_frame_bytes * len(bodies),
-                        activity=activity, limits=limits)
+    frame = bounds.max_frame_bytes
+    raw = await _answer(session, base_url, wire.join_batch(bodies), bounds,
+                        None if frame is None else frame * len(bodies))
     answers = _decode(raw)
     if not (isinstance(answers, list) and len(answers) == len(bodies)
             and all(_is_output(a) and a["meta_info"].get("id") == b["rid"] for a, b in zip(answers, bodies))):
@@ -465,13 +456,10 @@ async def generate_batch_once(
     return answers
 
 
-async def _answer(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], *, connect_timeout_s: float,
-                  stall_timeout_s: float, first_byte_timeout_s: float | None, max_bytes: int | None,
-                  activity: Callable[[], float] | None, limits: LocalLimits | None) -> bytes:
+async def _answer(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], bounds: CallBounds,
+                  max_bytes: int | None) -> bytes:
     """The whole body of a non-streaming ``/generate`` answer, at most ``max_bytes``."""
-    async with _generate_call(session, base_url, body, connect_timeout_s=connect_timeout_s,
-                              stall_timeout_s=stall_timeout_s, first_byte_timeout_s=first_byte_timeout_s,
-                              activity=activity, limits=limits) as (resp, deadline):
+    async with _generate_call(session, base_url, body, bounds) as (resp, deadline):
         if max_bytes is not None and (resp.content_length or 0) > max_bytes:
             raise EngineFailed(f"an answer of {resp.content_length} bytes, over the bound of {max_bytes} "
                                f"(engine_max_frame_mb)")

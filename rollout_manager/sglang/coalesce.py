@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from rollout_manager.sglang import wire
-from rollout_manager.sglang.client import EngineFailed, EngineRejected, generate_batch_once, generate_once
-from rollout_manager.sglang.local_limits import LocalLimits
+from rollout_manager.sglang.client import (
+    CallBounds,
+    EngineFailed,
+    EngineRejected,
+    generate_batch_once,
+    generate_once,
+)
 
 log = logging.getLogger("rollout_manager.sglang.coalesce")
 
@@ -59,7 +64,7 @@ class CoalesceStats:
 
 class Coalescer:
     """Joins concurrent short calls per instance into SGLang batches of at most ``max_items``
-    (1: never join). One per manager; the calls' settings (timeouts, bounds) are the same for all."""
+    (1: never join). One per manager; the calls' :class:`CallBounds` are the same for all."""
 
     def __init__(self, max_items: int = 64) -> None:
         self.max_items = max(1, max_items)
@@ -67,31 +72,17 @@ class Coalescer:
         self._open: dict[str, list[_Batch]] = {}  # base_url -> batches filling this turn
         self._sending: set[asyncio.Task[None]] = set()
 
-    async def generate_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        body: dict[str, Any],
-        *,
-        connect_timeout_s: float,
-        stall_timeout_s: float,
-        first_byte_timeout_s: float | None = None,
-        max_frame_bytes: int | None = None,
-        activity: Callable[[], float] | None = None,
-        limits: LocalLimits | None = None,
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate_once(self, session: aiohttp.ClientSession, base_url: str, body: dict[str, Any],
+                            bounds: CallBounds) -> AsyncGenerator[dict[str, Any], None]:
         """:func:`client.generate_once`, through a batch when others start for ``base_url`` now."""
-        call_kw: dict[str, Any] = dict(connect_timeout_s=connect_timeout_s, stall_timeout_s=stall_timeout_s,
-                                       first_byte_timeout_s=first_byte_timeout_s, max_frame_bytes=max_frame_bytes,
-                                       activity=activity, limits=limits)
         if self.max_items == 1 or not wire.joinable(body):
             self.stats.engine_calls += 1
             self.stats.sequences += 1
-            async for answer in generate_once(session, base_url, body, **call_kw):
+            async for answer in generate_once(session, base_url, body, bounds):
                 yield answer
             return
         call = _Call(body, asyncio.get_running_loop().create_future())
-        self._join(session, base_url, call, call_kw)
+        self._join(session, base_url, call, bounds)
         try:
             yield await call.answer
         finally:
@@ -100,11 +91,11 @@ class Coalescer:
                 assert call.batch is not None
                 call.batch.leave()
 
-    def _join(self, session: aiohttp.ClientSession, base_url: str, call: _Call, call_kw: dict[str, Any]) -> None:
+    def _join(self, session: aiohttp.ClientSession, base_url: str, call: _Call, bounds: CallBounds) -> None:
         batches = self._open.get(base_url)
         if batches is None:
             batches = self._open[base_url] = []
-            asyncio.get_running_loop().call_soon(self._flush, session, base_url, call_kw)
+            asyncio.get_running_loop().call_soon(self._flush, session, base_url, bounds)
         key = wire.join_key(call.body)
         batch = next((b for b in batches if b.key == key), None)
         if batch is None:
@@ -114,35 +105,35 @@ class Coalescer:
         call.batch = batch
         if len(batch.calls) >= self.max_items:
             batches.remove(batch)
-            self._start(session, base_url, batch, call_kw)
+            self._start(session, base_url, batch, bounds)
 
-    def _flush(self, session: aiohttp.ClientSession, base_url: str, call_kw: dict[str, Any]) -> None:
+    def _flush(self, session: aiohttp.ClientSession, base_url: str, bounds: CallBounds) -> None:
         for batch in self._open.pop(base_url, []):
-            self._start(session, base_url, batch, call_kw)
+            self._start(session, base_url, batch, bounds)
 
     def _start(self, session: aiohttp.ClientSession, base_url: str, batch: _Batch,
-               call_kw: dict[str, Any]) -> None:
-        task = batch.task = asyncio.ensure_future(self._send(session, base_url, batch.calls, call_kw))
+               bounds: CallBounds) -> None:
+        task = batch.task = asyncio.ensure_future(self._send(session, base_url, batch.calls, bounds))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
         if batch.left == len(batch.calls):  # all left in this very turn
             task.cancel()
 
     async def _send(self, session: aiohttp.ClientSession, base_url: str, calls: list[_Call],
-                    call_kw: dict[str, Any]) -> None:
+                    bounds: CallBounds) -> None:
         """Make the call and settle every caller's answer."""
         try:
             if len(calls) == 1:
-                await self._send_one(session, base_url, calls[0], call_kw)
+                await self._send_one(session, base_url, calls[0], bounds)
                 return
             self.stats.engine_calls += 1
             self.stats.sequences += len(calls)
             try:
-                answers = await generate_batch_once(session, base_url, [c.body for c in calls], **call_kw)
+                answers = await generate_batch_once(session, base_url, [c.body for c in calls], bounds)
             except EngineRejected:
                 # Refused whole: which item, SGLang does not say. Each alone gets its own verdict.
                 self.stats.split_after_refusal += 1
-                await asyncio.gather(*(self._send_one(session, base_url, c, call_kw) for c in calls))
+                await asyncio.gather(*(self._send_one(session, base_url, c, bounds) for c in calls))
                 return
             except EngineFailed as exc:
                 for c in calls:
@@ -160,13 +151,13 @@ class Coalescer:
                 _settle(c.answer, exc=RuntimeError(f"internal error in a shared engine call: {exc!r}"))
 
     async def _send_one(self, session: aiohttp.ClientSession, base_url: str, call: _Call,
-                        call_kw: dict[str, Any]) -> None:
+                        bounds: CallBounds) -> None:
         if call.answer.done():
             return
         self.stats.engine_calls += 1
         self.stats.sequences += 1
         try:
-            async for answer in generate_once(session, base_url, call.body, **call_kw):
+            async for answer in generate_once(session, base_url, call.body, bounds):
                 _settle(call.answer, answer)
         except (EngineFailed, EngineRejected) as exc:
             _settle(call.answer, exc=exc)
