@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from rollout_manager.config import ConfigError, load_config, parse_set_option
 def _serve(args: argparse.Namespace) -> int:
     from rollout_manager.api.server import StartupError, serve
     from rollout_manager.logs import setup_logging
+    from rollout_manager.osutil import tune_gc
 
     overrides: dict[str, str] = {}
     try:
@@ -30,6 +32,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rollout-manager: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    # Here, not in serve(): the collector is the process's, and serve() also runs inside other programs.
+    logging.getLogger("rollout_manager.api.server").info(tune_gc(config.gc_young_threshold))
     try:
         run_async(serve(config))
     except StartupError as exc:

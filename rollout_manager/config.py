@@ -77,6 +77,7 @@ class Config(BaseModel):
     bind: str = f"0.0.0.0:{DEFAULT_PORT}"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
+    gc_young_threshold: int = Field(default=10000, ge=0)  # see osutil.tune_gc; 0: Python's own collector settings
 
     # Weight transfer (names as users of the seed project already write them).
     mooncake_transfer_device_name: str = ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,8 +63,21 @@ async def test_the_daemon_raises_its_soft_open_file_limit_to_the_hard_one(tmp_pa
             limit = (await _status(session, url))["manager"]["open_file_limit"]
         assert limit == {"soft": 4096, "hard": 4096}
         assert "open-file limit: soft 256 -> 4096 (hard 4096)" in proc.log()
+        # The collector is set up for serving too (osutil.tune_gc): start-up objects frozen.
+        assert re.search(r"garbage collector: [1-9]\d* objects frozen at start, thresholds \(10000, ", proc.log())
     finally:
         proc.stop()
+
+
+def test_tune_gc_freezes_and_raises_the_young_threshold_and_0_leaves_python_alone() -> None:
+    """In a child: the collector's settings are the process's, not this test's to change."""
+    code = ("import gc; from rollout_manager.osutil import tune_gc; before = gc.get_threshold(); "
+            "print(tune_gc(0)); assert gc.get_threshold() == before and gc.get_freeze_count() == 0; "
+            "print(tune_gc(5000)); assert gc.get_threshold() == (5000, *before[1:]) and gc.get_freeze_count() > 1000; "
+            "gc.collect(); assert gc.get_freeze_count() > 1000")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Python's defaults" in out.stdout and "objects frozen at start" in out.stdout
 
 
 async def test_out_of_descriptors_sequences_wait_in_the_manager_and_no_instance_is_blamed(
