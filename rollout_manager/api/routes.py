@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -44,6 +44,9 @@ from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.generation import run_batch_ndjson
 from rollout_manager.sglang import wire
+
+if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
+    from aiohttp.typedefs import Middleware
 
 log = logging.getLogger("rollout_manager.api.routes")
 MANAGER: web.AppKey[Manager] = web.AppKey("manager", Manager)
@@ -245,9 +248,11 @@ ROUTES: list[tuple[str, str, Handler]] = [
 def create_app(manager: Manager) -> web.Application:
     max_body = int(manager.config.max_request_body_mb * 1024 * 1024)
     open_paths = OPEN_PATHS - {("GET", "/metrics")} if manager.config.metrics_require_token else OPEN_PATHS
-    auth = bearer_auth(manager.config.auth_token, open_paths, box_paths=BOX_TOKEN_PATHS,
-                       is_box_token=manager.is_box_token)
-    app = web.Application(middlewares=[json_errors, auth], client_max_size=max_body)
+    middlewares: list[Middleware] = [json_errors]
+    if manager.config.auth_token:  # without a token everything is open: no check to run per request
+        middlewares.append(bearer_auth(manager.config.auth_token, open_paths, box_paths=BOX_TOKEN_PATHS,
+                                       is_box_token=manager.is_box_token))
+    app = web.Application(middlewares=middlewares, client_max_size=max_body)
     app[MANAGER] = manager
     app[ON_REJECT] = manager.metrics.rejected
     app[MAX_BODY] = max_body

@@ -8,6 +8,7 @@ scheduler and the version orchestrator never poll.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import time
@@ -81,11 +82,12 @@ class Instance:
     last_chunk_at: float = 0.0  # event-loop time of the last chunk it sent any request (0: none yet)
     box_token_digest: str | None = None  # sha256 of the box token its registration got (never shown)
 
-    @property
+    # Computed once: host and port never change, and every sequence placed here reads both.
+    @functools.cached_property
     def endpoint(self) -> str:
         return format_endpoint(self.host, self.port)
 
-    @property
+    @functools.cached_property
     def url(self) -> str:
         return f"http://{self.endpoint}"
 

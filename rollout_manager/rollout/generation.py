@@ -155,7 +155,11 @@ class Generator:
     async def generate(self, body: dict[str, Any],
                        trajectory_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """An SGLang ``/generate`` body -> SGLang's final answer (a list for batched input)."""
-        return await self.guarded(self._generate(body, trajectory_key))
+        self.begin_rollout()
+        if not wire.is_batched(body):  # the common case, straight to its one sequence
+            body, (key,) = aff.take_keys(body, 1, trajectory_key)
+            return await self.guarded(self.run_sequence(body, trajectory_key=key))
+        return await self.guarded(self._generate_batch(body, trajectory_key))
 
     @staticmethod
     def _split(body: dict[str, Any], trajectory_key: str | None) -> list[tuple[dict[str, Any], str | None]]:
@@ -164,14 +168,9 @@ class Generator:
         body, keys = aff.take_keys(body, n, trajectory_key)
         return list(zip(wire.split_batch(body), keys))
 
-    async def _generate(self, body: dict[str, Any],
-                        trajectory_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
-        self.begin_rollout()
-        subs = self._split(body, trajectory_key)
-        if not wire.is_batched(body):
-            return await self.run_sequence(subs[0][0], trajectory_key=subs[0][1])
+    async def _generate_batch(self, body: dict[str, Any], trajectory_key: str | None) -> list[dict[str, Any]]:
         tasks = [asyncio.ensure_future(self.run_sequence(sub, index=i, trajectory_key=key))
-                 for i, (sub, key) in enumerate(subs)]
+                 for i, (sub, key) in enumerate(self._split(body, trajectory_key))]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -313,7 +312,7 @@ class Generator:
             await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
         self.stats["tokens"] += len(seq.output_ids)
         if table is not None and keys is not None and seq.segments:
-            table.finished(keys, [*body["input_ids"], *seq.output_ids], seq.segments[-1].instance)
+            table.finished(keys, seq.output_ids, seq.segments[-1].instance)
         return self._result(seq, index, time.monotonic() - started)
 
     def _current_version(self) -> str:
@@ -334,7 +333,6 @@ class Generator:
                 and inst.kind == Kind.REMOTE)
         body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                                       keep_caller_interval=on_tokens is not None, stream=not once)
-        engine_call = self.coalescer.generate_once if once else stream_generate
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (wire.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = wire.SequenceProgress(
@@ -349,23 +347,29 @@ class Generator:
         bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
                             activity=lambda: inst.last_chunk_at, limits=self.client.limits)
 
+        def take(chunk: dict[str, Any]) -> None:
+            try:
+                new = progress.apply(chunk)
+            except wire.BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
+                raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
+            inst.last_chunk_at = loop.time()
+            if new:
+                self.dispatcher.progress(inst, new)
+                if seq.refused is not None:
+                    self._refusal_overruled(seq, inst)
+            segment.end = len(seq.output_ids)
+            segment.weight_version = progress.weight_version
+            seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
+            if new and on_tokens is not None and progress.finish_reason is None:
+                on_tokens(seq)
+
         async def consume() -> None:
-            async with contextlib.aclosing(engine_call(self.client.session, inst.url, body, bounds)) as chunks:
+            if once:  # one answer, awaited directly: no stream machinery for the commonest short call
+                take(await self.coalescer.generate_once(self.client.session, inst.url, body, bounds))
+                return
+            async with contextlib.aclosing(stream_generate(self.client.session, inst.url, body, bounds)) as chunks:
                 async for chunk in chunks:
-                    try:
-                        new = progress.apply(chunk)
-                    except wire.BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
-                        raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
-                    inst.last_chunk_at = loop.time()
-                    if new:
-                        self.dispatcher.progress(inst, new)
-                        if seq.refused is not None:
-                            self._refusal_overruled(seq, inst)
-                    segment.end = len(seq.output_ids)
-                    segment.weight_version = progress.weight_version
-                    seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
-                    if new and on_tokens is not None and progress.finish_reason is None:
-                        on_tokens(seq)
+                    take(chunk)
 
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None

@@ -12,7 +12,7 @@ from rollout_manager.instances.registry import Instance
 from rollout_manager.sglang import wire
 
 
-@dataclass
+@dataclass(slots=True)
 class Segment:
     instance: str
     endpoint: str
@@ -26,7 +26,7 @@ class Segment:
                 "start": self.start, "end": self.end, "outcome": self.outcome}
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence, read and written all along its run
 class SequenceState:
     """Everything known about one sequence across the instances it has been on."""
 

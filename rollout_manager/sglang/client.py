@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
@@ -416,8 +416,8 @@ async def generate_once(
     base_url: str,
     body: dict[str, Any],
     bounds: CallBounds,
-) -> AsyncGenerator[dict[str, Any], None]:
-    """POST a non-streaming ``/generate`` and yield its one answer, like a stream of one final chunk.
+) -> dict[str, Any]:
+    """POST a non-streaming ``/generate`` and return its one answer (what a stream's final chunk holds).
 
     For short sequences: one answer costs both ends far less than a stream, and what a failure loses
     (every token of the request) is no more than a stream at the manager's chunk interval loses.
@@ -430,7 +430,7 @@ async def generate_once(
     answer = _decode(raw)
     if not _is_output(answer):
         raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
-    yield answer
+    return cast(dict[str, Any], answer)
 
 
 async def generate_batch_once(

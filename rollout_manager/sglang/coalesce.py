@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,24 +66,23 @@ class Coalescer:
     (1: never join). One per manager; the calls' :class:`CallBounds` are the same for all."""
 
     def __init__(self, max_items: int = 64) -> None:
+        self.loop = asyncio.get_running_loop()  # built in the loop it serves; asked once, not per call
         self.max_items = max(1, max_items)
         self.stats = CoalesceStats()
         self._open: dict[str, list[_Batch]] = {}  # base_url -> batches filling this turn
         self._sending: set[asyncio.Task[None]] = set()
 
     async def generate_once(self, session: aiohttp.ClientSession, base_url: str, body: dict[str, Any],
-                            bounds: CallBounds) -> AsyncGenerator[dict[str, Any], None]:
+                            bounds: CallBounds) -> dict[str, Any]:
         """:func:`client.generate_once`, through a batch when others start for ``base_url`` now."""
         if self.max_items == 1 or not wire.joinable(body):
             self.stats.engine_calls += 1
             self.stats.sequences += 1
-            async for answer in generate_once(session, base_url, body, bounds):
-                yield answer
-            return
-        call = _Call(body, asyncio.get_running_loop().create_future())
+            return await generate_once(session, base_url, body, bounds)
+        call = _Call(body, self.loop.create_future())
         self._join(session, base_url, call, bounds)
         try:
-            yield await call.answer
+            return await call.answer
         finally:
             if not call.answer.done():  # the caller went away: its batch need not wait for it
                 call.answer.cancel()
@@ -95,7 +93,7 @@ class Coalescer:
         batches = self._open.get(base_url)
         if batches is None:
             batches = self._open[base_url] = []
-            asyncio.get_running_loop().call_soon(self._flush, session, base_url, bounds)
+            self.loop.call_soon(self._flush, session, base_url, bounds)
         key = wire.join_key(call.body)
         batch = next((b for b in batches if b.key == key), None)
         if batch is None:
@@ -157,8 +155,7 @@ class Coalescer:
         self.stats.engine_calls += 1
         self.stats.sequences += 1
         try:
-            async for answer in generate_once(session, base_url, call.body, bounds):
-                _settle(call.answer, answer)
+            _settle(call.answer, await generate_once(session, base_url, call.body, bounds))
         except (EngineFailed, EngineRejected) as exc:
             _settle(call.answer, exc=exc)
 

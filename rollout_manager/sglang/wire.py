@@ -544,7 +544,7 @@ def bad_token_ids(ids: list[Any], vocab_size: int) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceProgress:
     """What one sequence has produced so far on one engine, whatever the chunk mode, checked.
 
