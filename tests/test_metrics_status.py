@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from support import Box, free_port
 
 from rollout_manager.api import status_page
 from rollout_manager.cpu_engine.model import build_model
+from rollout_manager.metrics import LATENCY_BUCKETS, EventHistogram
 from rollout_manager.weights.sender_agent import SenderAgent
 
 CHROMIUM = "/usr/bin/chromium"
@@ -377,3 +380,21 @@ async def test_a_refusal_is_logged_at_debug_only(caplog):
             assert r.status == 400 and "new_version" in (await r.json())["error"]
     assert seen == [("/v", "invalid_field")]
     assert [rec.levelname for rec in caplog.records if rec.name == "rollout_manager.http"] == ["DEBUG"]
+
+
+def test_event_histogram_counts_as_prometheus_histogram_does_values_on_a_bound_included() -> None:
+    """The per-sequence histograms are the manager's own (no lock per observation); what a scrape shows
+    must be what prometheus_client's Histogram shows for the same values."""
+    values = [0.0, 0.05, 0.051, 1, 2.5, 7, 600, 1200, 1e6]
+    ours = EventHistogram(LATENCY_BUCKETS)
+    theirs_registry = CollectorRegistry()
+    theirs = Histogram("h", "h", buckets=LATENCY_BUCKETS, registry=theirs_registry)
+    for v in values:
+        ours.observe(v)
+        theirs.observe(v)
+    family = HistogramMetricFamily("h", "h")
+    ours.add_to(family, [])
+    expected = {(s.name, s.labels.get("le")): s.value for m in theirs_registry.collect() for s in m.samples
+                if not s.name.endswith("_created")}
+    assert {(s.name, s.labels.get("le")): s.value for s in family.samples} == expected
+    assert expected[("h_bucket", "0.05")] == 2 and expected[("h_bucket", "+Inf")] == len(values)
