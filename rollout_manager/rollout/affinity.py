@@ -57,13 +57,15 @@ class AffinitySettings:
             raise ValueError("max_slowdown must be >= 1")
 
 
-def _chain(ids: Sequence[int], block: int) -> list[tuple[int, int]]:
-    """``(length, hash)`` of every block-aligned prefix, shortest first; chained, so O(len(ids))."""
+def _chain(ids: Sequence[int], block: int, start: int = 0, h: int = 0) -> list[tuple[int, int]]:
+    """``(length, hash)`` of every block-aligned prefix, shortest first; chained, so O(len(ids)).
+
+    ``ids`` may be the tail of a longer input that begins after the prefix of ``start`` tokens (a
+    multiple of ``block``) whose hash is ``h``: the prefix is not hashed again."""
     out = []
-    h = 0
     for end in range(block, len(ids) + 1, block):
         h = hash((h, tuple(ids[end - block:end])))
-        out.append((end, h))
+        out.append((start + end, h))
     return out
 
 
@@ -75,13 +77,14 @@ class AffinityKeys:
     length: int
     prompt: int  # hash of the whole input
     blocks: tuple[tuple[int, int], ...]  # block-aligned prefixes of the input, shortest first
+    tail: tuple[int, ...] = ()  # the input after its last whole block
 
     @classmethod
     def of(cls, input_ids: Sequence[int], trajectory: str | None, block: int) -> AffinityKeys:
         blocks = _chain(input_ids, block)
         head = blocks[-1][1] if blocks else 0
         tail = tuple(input_ids[len(blocks) * block:])
-        return cls(trajectory, len(input_ids), hash((len(input_ids), head, tail)), tuple(blocks))
+        return cls(trajectory, len(input_ids), hash((len(input_ids), head, tail)), tuple(blocks), tail)
 
 
 class AffinityTable:
@@ -133,14 +136,17 @@ class AffinityTable:
             self._set(("t", keys.trajectory), instance_id)
         self._set(("p", keys.prompt), instance_id)
 
-    def finished(self, keys: AffinityKeys, context: Sequence[int], instance_id: str) -> None:
-        """The request's last segment ran on ``instance_id``, which now caches ``context`` (input +
-        output): a next turn extending it finds it by its longest block-aligned prefix."""
+    def finished(self, keys: AffinityKeys, output_ids: Sequence[int], instance_id: str) -> None:
+        """The request's last segment ran on ``instance_id``, which now caches its input and
+        ``output_ids``: a next turn extending them finds it by their longest block-aligned prefix.
+        The input's own blocks are hashed already (``keys``); only what follows them is."""
         if keys.trajectory is not None:
             self._set(("t", keys.trajectory), instance_id)
-        blocks = _chain(context, self.settings.block_tokens)
-        if blocks:
-            self._set(("b", blocks[-1][1]), instance_id)
+        start, h = keys.blocks[-1] if keys.blocks else (0, 0)
+        blocks = _chain([*keys.tail, *output_ids], self.settings.block_tokens, start, h)
+        last = blocks[-1][1] if blocks else (h if keys.blocks else None)
+        if last is not None:
+            self._set(("b", last), instance_id)
 
     def forget_instance(self, instance_id: str) -> int:
         """Drop every entry that points at ``instance_id`` (it is gone); returns how many."""
