@@ -22,6 +22,8 @@ class Signal:
         self._waiters: set[asyncio.Future[None]] = set()
 
     def notify(self) -> None:
+        if not self._waiters:  # the common case: told on every change, waited on rarely
+            return
         waiters, self._waiters = self._waiters, set()
         for fut in waiters:
             if not fut.done():

@@ -175,6 +175,9 @@ class SamplingParams(BaseModel):
     temperature: Annotated[float, Field(ge=0)] | None = None
 
 
+_PER_ITEM_FIELDS = (*wire.PER_ITEM_KEYS, "trajectory_key")
+
+
 class GenerateRequest(BaseModel):
     """An SGLang ``/generate`` body. ``input_ids`` is required: continuation works on tokens, so the
     trainer tokenizes (verl always does). Other SGLang fields pass through unchanged."""
@@ -205,8 +208,8 @@ class GenerateRequest(BaseModel):
     def _per_item_lists_match_batch(self) -> GenerateRequest:
         batched = isinstance(self.input_ids[0], list)
         n = len(self.input_ids)
-        for name in (*wire.PER_ITEM_KEYS, "trajectory_key"):
-            value = getattr(self, name, None)
+        for name in _PER_ITEM_FIELDS:
+            value = getattr(self, name)
             if isinstance(value, list):
                 if not batched:
                     raise ValueError(f"'{name}' is a list but input_ids is a single sequence")
