@@ -204,7 +204,9 @@ class ConnectionGuard:
     def _enter(self, proto: GuardedProtocol, phase: str) -> None:
         proto.phase, proto.since = phase, self.clock()
         (self.idle if phase == IDLE else self.partial)[proto] = None
-        mine = self.waiting_by_client.setdefault(proto.client, OrderedDict())
+        mine = self.waiting_by_client.get(proto.client)
+        if mine is None:  # not setdefault: that would build a dict per call, twice per request
+            mine = self.waiting_by_client[proto.client] = OrderedDict()
         mine[proto] = None
         if len(mine) > self.limits.max_waiting_per_client:
             self.crowded.add(proto.client)

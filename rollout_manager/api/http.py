@@ -71,7 +71,7 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
         raise BodyTimeout(f"request body not received within {timeout:g}s (http_body_timeout_s)") from None
     if len(raw) > limit:
         raise TooLarge(f"request body too large ({len(raw)} bytes; limit {limit})")
-    if not raw.strip() and optional:
+    if optional and not raw.strip():  # in this order: strip() copies the body
         raw = b"{}"
     if not raw:
         raise InvalidJSON("request body is empty; expected JSON")
