@@ -109,7 +109,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--interval", type=int, default=32, help="the manager's engine_stream_interval")
+    parser.add_argument("--interval", type=int, default=64, help="the manager's engine_stream_interval (default 64)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--repeat", type=int, default=3, help="runs per length; the median is printed")
     args = parser.parse_args()
