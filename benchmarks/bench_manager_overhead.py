@@ -201,6 +201,11 @@ async def main() -> None:
         if router:
             ratio = results["rollout-manager"]["rps"] / results["sglang-router 0.3.2 round_robin"]["rps"]
             print(f"\nmanager / sglang-router throughput ratio: {ratio:.2f}")
+            # Each round measures both back to back, so its ratio sees the same machine: steadier than the
+            # ratio of medians when the machine's speed drifts during the run.
+            paired = [m["rps"] / r["rps"] for m, r in zip(runs["rollout-manager"],
+                                                          runs["sglang-router 0.3.2 round_robin"])]
+            print(f"per round: {', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f}")
     finally:
         stop_all(procs)
 
