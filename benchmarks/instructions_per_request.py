@@ -11,6 +11,8 @@ body and answers (``--bare``) is the floor; the manager's own cost is the differ
     .venv/bin/python benchmarks/instructions_per_request.py --prompt-tokens 4096
     .venv/bin/python benchmarks/instructions_per_request.py --root /path/to/other/checkout   # A/B two trees
 
+(``--root``: a tree from commit 76170e3 on, where the engine calls it answers are coroutines.)
+
 Needs valgrind (``apt-get install valgrind``); without it, CPU µs per request only (noisy). Each count
 is the whole process (server and client) over the measured requests only (callgrind's collection is
 switched on after the warm-up).
