@@ -410,10 +410,6 @@ class Dispatcher:
 
     # ------------------------------------------------------------ idle time, for the local budget
     def _busy_changed(self, inst: Instance, now: float) -> None:
-        """``inst``'s in-flight count moved by one. Its busy time starts or ends only between 0 and 1;
-        above that its meters and idle time have nothing to learn."""
-        if inst.in_flight > 1:
-            return
         self._rates.pop(inst.id, None)
         self.meter(inst).set_in_flight(inst.in_flight, now)
         self.lone_meter(inst).set_in_flight(inst.in_flight, now)
