@@ -24,7 +24,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.scheduling import InstanceLoad, Policy, ThroughputAware
@@ -69,9 +69,8 @@ def _chain(ids: Sequence[int], block: int, start: int = 0, h: int = 0) -> list[t
     return out
 
 
-@dataclass(frozen=True)
-class AffinityKeys:
-    """What one request can be recognised by."""
+class AffinityKeys(NamedTuple):
+    """What one request can be recognised by (a named tuple: one is built per sequence)."""
 
     trajectory: str | None
     length: int

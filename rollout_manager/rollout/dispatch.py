@@ -212,11 +212,20 @@ class Dispatcher:
             return None
         local: list[Instance] = []
         remote: list[Instance] = []
-        for i in self._usable(avoid, allow):  # one pass: this runs for every sequence, over the whole pool
-            if i.in_flight < self.bound_of(i):
-                (remote if i.kind == Kind.REMOTE else local).append(i)
+        local_ok = self.local.is_open
+        bound_of = self.bound_of
+        remote_kind = Kind.REMOTE
+        # One pass over the pool (this runs for every sequence): what _usable admits, less the full ones.
+        for i in self.registry.in_state(State.ACTIVE):
+            if (i.id in avoid and i.consecutive_failures != 0) or (allow is not None and not allow(i)):
+                continue
+            if i.kind is remote_kind:
+                if i.in_flight < bound_of(i):
+                    remote.append(i)
+            elif local_ok and i.in_flight < bound_of(i):
+                local.append(i)
         now = self.clock()
-        for group in (local, remote):
+        for group in (local, remote) if local else (remote,):
             clean = [i for i in group if i.consecutive_failures == 0]
             candidates = clean or group
             loads = [self.load_of(i, now) for i in candidates]  # once per group, for both decisions
@@ -336,7 +345,7 @@ class Dispatcher:
         constraints (instances to avoid, a staleness bound): up to ``_MAX_SKIPPED`` such requests
         are stepped over, so one of them cannot hold up the rest.
         """
-        if self._placing:
+        if self._placing or not self._queue:
             return
         self._placing = True
         skipped: list[_Waiter] = []
@@ -368,12 +377,14 @@ class Dispatcher:
 
     def progress(self, inst: Instance, tokens: int) -> None:
         """``tokens`` new tokens streamed from ``inst``."""
+        iid = inst.id
         self.streamed_tokens += tokens
         inst.in_flight_tokens = max(inst.in_flight_tokens - tokens, 0)
         now = self.clock()
-        self._rates.pop(inst.id, None)
-        self.meter(inst).observe(tokens, now)
-        self.lone_meter(inst).observe(tokens * lone_rate_weight(inst.in_flight, self.batch_half), now)
+        self._rates.pop(iid, None)
+        (self.meters.get(iid) or self.meter(inst)).observe(tokens, now)
+        (self.lone_meters.get(iid) or self.lone_meter(inst)).observe(
+            tokens * lone_rate_weight(inst.in_flight, self.batch_half), now)
 
     def release(self, inst: Instance, tokens_left: int) -> None:
         """A sequence left ``inst`` (finished or failed) with ``tokens_left`` of its budget unused."""
@@ -410,15 +421,18 @@ class Dispatcher:
 
     # ------------------------------------------------------------ idle time, for the local budget
     def _busy_changed(self, inst: Instance, now: float) -> None:
-        self._rates.pop(inst.id, None)
-        self.meter(inst).set_in_flight(inst.in_flight, now)
-        self.lone_meter(inst).set_in_flight(inst.in_flight, now)
-        since = self._idle_since.get(inst.id)
-        if inst.in_flight > 0 and since is not None:
-            self._idle_s[inst.id] = self._idle_s.get(inst.id, 0.0) + now - since
-            del self._idle_since[inst.id]
-        elif inst.in_flight == 0 and since is None:
-            self._idle_since[inst.id] = now
+        iid, n = inst.id, inst.in_flight
+        self._rates.pop(iid, None)
+        meter = self.meters.get(iid) or self.meter(inst)
+        meter.set_in_flight(n, now)
+        (self.lone_meters.get(iid) or self.lone_meter(inst)).set_in_flight(n, now)
+        idle_since = self._idle_since
+        since = idle_since.get(iid)
+        if n > 0 and since is not None:
+            self._idle_s[iid] = self._idle_s.get(iid, 0.0) + now - since
+            del idle_since[iid]
+        elif n == 0 and since is None:
+            idle_since[iid] = now
 
     def take_idle_seconds(self, kind: Kind) -> float:
         """Mean idle seconds of active ``kind`` instances since the last call (then restart counting)."""
