@@ -46,6 +46,21 @@ async def test_acquire_and_release_account_requests_and_tokens() -> None:
     assert (b.in_flight, b.in_flight_tokens) == (0, 0)
 
 
+def test_registry_counts_follow_every_transition() -> None:
+    """``Registry.count`` (read per request) agrees with a scan of the pool through joins, moves and removals."""
+    registry = Registry()
+    remote = active(registry, 3)
+    local = active(registry, 2, Kind.LOCAL, first_port=31000)
+    registry.add("127.0.0.1", 32000, Kind.REMOTE)  # pending
+    registry.transition(remote[0], State.DRAINING, "test")
+    registry.transition(remote[0], State.DEAD, "test")
+    registry.transition(local[1], State.SYNCING, "test")
+    for state in State:
+        for kind in Kind:
+            assert registry.count(state, kind) == len(registry.in_state(state, kind=kind)), (state, kind)
+    assert (registry.count(State.ACTIVE, Kind.REMOTE), registry.count(State.ACTIVE, Kind.LOCAL)) == (2, 1)
+
+
 async def test_only_active_instances_take_work() -> None:
     registry, d = make()
     pending = registry.add("127.0.0.1", 29999, Kind.REMOTE)

@@ -12,7 +12,7 @@ import functools
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +168,8 @@ class Registry:
     _ids: Iterable[int] = field(default_factory=lambda: itertools.count(1))
     events: deque[Event] = field(default_factory=deque)
     listeners: list[Listener] = field(default_factory=list)
+    # How many instances are in each (state, kind), kept by _record: a check per request, O(1) at any pool size.
+    _counts: Counter[tuple[State, Kind]] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.events = deque(maxlen=self.history)
@@ -192,6 +194,10 @@ class Registry:
         # Straight over the dict (no copy as in __iter__): the comprehension runs to its end before anything
         # else can change the registry.
         return [i for i in self._instances.values() if i.state in states and (kind is None or i.kind == kind)]
+
+    def count(self, state: State, kind: Kind) -> int:
+        """Instances in ``state`` of ``kind`` (what ``len(in_state(state, kind=kind))`` says, without the scan)."""
+        return self._counts[state, kind]
 
     # ------------------------------------------------------------ changes
     def add_many(self, specs: list[tuple[str, int, Kind, int | None]],
@@ -240,6 +246,10 @@ class Registry:
 
     def _record(self, inst: Instance, old: State | None, new: State, reason: str) -> None:
         event = Event(self.wall(), inst.id, inst.endpoint, old, new, reason)
+        if old is not None:
+            self._counts[old, inst.kind] -= 1
+        if new != State.DEAD:
+            self._counts[new, inst.kind] += 1
         self.events.append(event)
         level = logging.WARNING if new == State.DEAD and "removed by request" not in reason else logging.INFO
         log.log(level, "instance %s %s %s -> %s: %s", inst.id, inst.endpoint,

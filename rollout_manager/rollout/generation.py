@@ -123,7 +123,7 @@ class Generator:
     # ------------------------------------------------------------ public
     def begin_rollout(self) -> None:
         """A request arrived: open the local window if a step just began and local instances serve."""
-        if self.local.armed and self.dispatcher.registry.in_state(State.ACTIVE, kind=Kind.LOCAL):
+        if self.local.armed and self.dispatcher.registry.count(State.ACTIVE, Kind.LOCAL):
             self.local.open(self.budget.budget_s)
 
     async def guarded(self, work: Awaitable[T]) -> T:
