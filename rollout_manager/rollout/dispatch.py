@@ -421,7 +421,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------ idle time, for the local budget
     def _busy_changed(self, inst: Instance, now: float) -> None:
+        """``inst``'s in-flight count moved by one. Its busy time starts or ends only between 0 and 1;
+        above that its meters and idle time have nothing to learn."""
         iid, n = inst.id, inst.in_flight
+        if n > 1:
+            return
         self._rates.pop(iid, None)
         meter = self.meters.get(iid) or self.meter(inst)
         meter.set_in_flight(n, now)

@@ -114,9 +114,12 @@ class TokenRateMeter:
         return tokens * -math.expm1(-dt / self.tau_s) * self.tau_s / dt if dt > 0 else tokens
 
     def set_in_flight(self, count: int, now: float) -> None:
-        """Start or stop the busy clock: the instance is busy while ``count > 0``."""
-        self._advance(now)
-        self._busy = count > 0
+        """Start or stop the busy clock: the instance is busy while ``count > 0``. A count that leaves
+        it busy (or idle) changes nothing: the clock is read from the last fold whenever needed."""
+        busy = count > 0
+        if busy != self._busy:
+            self._advance(now)
+            self._busy = busy
 
     def observe(self, tokens: float, now: float) -> None:
         """Record ``tokens`` generated (over all its sequences) since the previous call.
