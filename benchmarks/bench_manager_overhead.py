@@ -167,8 +167,13 @@ async def main() -> None:
         fport = free_port()
         procs.append(spawn([PY, str(ROOT / "benchmarks/floor_proxy.py"), str(fport), *backends], logs / "floor.log"))
         floor, floor_pid = f"http://127.0.0.1:{fport}", procs[-1].pid
+        pport = free_port()
+        procs.append(spawn([PY, str(ROOT / "benchmarks/floor_proxy.py"), "--plain", str(pport), *backends],
+                           logs / "plain_floor.log"))
+        plain, plain_pid = f"http://127.0.0.1:{pport}", procs[-1].pid
         await register_backends(manager, backends)
         await wait_ok(floor + "/health")
+        await wait_ok(plain + "/health")
         if router:
             await wait_ok(router + "/health", timeout=120)
 
@@ -176,7 +181,9 @@ async def main() -> None:
         paths: list[tuple[str, list[str], int | None]] = [("direct (client round-robin)", backends, None),
                                                           ("rollout-manager", [manager], manager_pid),
                                                           ("aiohttp floor (benchmarks/floor_proxy.py)", [floor],
-                                                           floor_pid)]
+                                                           floor_pid),
+                                                          ("plain-protocol floor (floor_proxy.py --plain)", [plain],
+                                                           plain_pid)]
         if router:
             paths.append(("sglang-router 0.3.2 round_robin", [router], router_pid))
         for _, urls, _pid in paths:  # warm-up: connections, caches, rate meters

@@ -153,6 +153,7 @@ class Config(BaseModel):
     http_body_timeout_s: float = Field(default=60.0, gt=0)
     max_client_connections: int = Field(default=0, ge=0)  # 0: half the open-file limit
     max_idle_connections_per_client: int = Field(default=256, gt=0)
+    http_fast_generate: bool = True  # plain non-streaming POST /generate skips aiohttp's web layer (api.fast_lane)
     # Callers that stop reading a streamed answer: closed after this long; a batch starts no new requests
     # while this much of its output waits to be sent.
     response_write_timeout_s: float = Field(default=60.0, gt=0)

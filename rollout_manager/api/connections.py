@@ -34,6 +34,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from rollout_manager import jsonutil
+from rollout_manager.api.fast_lane import FastLane
 from rollout_manager.api.http import BODY_TIMEOUT, Handler
 from rollout_manager.config import Config
 from rollout_manager.osutil import open_file_limit
@@ -66,20 +67,26 @@ class ConnectionLimits:
 
 
 class GuardedProtocol(asyncio.Protocol):
-    """Sits between the transport and aiohttp's request handler and reports the phase to the guard.
+    """Sits between the transport and the HTTP handler and reports the phase to the guard.
 
-    Only the ``asyncio.Protocol`` interface is used, so nothing depends on aiohttp's internals.
+    The handler is the fast lane (``fast_lane``) when one is given, until it hands the connection over,
+    else aiohttp's. Only the ``asyncio.Protocol`` interface is used, so nothing depends on aiohttp's
+    internals.
     """
 
-    def __init__(self, guard: ConnectionGuard, make_inner: Callable[[], asyncio.Protocol]) -> None:
+    def __init__(self, guard: ConnectionGuard, make_inner: Callable[[], asyncio.Protocol],
+                 make_lane: Callable[[GuardedProtocol], FastLane] | None = None) -> None:
         self.guard = guard
         self.make_inner = make_inner
+        self.make_lane = make_lane
         self.inner: asyncio.Protocol | None = None
+        self.lane: FastLane | None = None
         self.transport: asyncio.Transport | None = None
         self.client = ""
         self.phase = IDLE
         self.since = 0.0
         self.closing = False
+        self.admitted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
@@ -87,30 +94,57 @@ class GuardedProtocol(asyncio.Protocol):
         self.client = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
         if not self.guard.admit(self):
             return
+        self.admitted = True
+        if self.make_lane is not None:
+            self.lane = self.make_lane(self)
+        else:
+            self.hand_over(b"")
+
+    def hand_over(self, pending: bytes) -> None:
+        """aiohttp's handler takes the connection for good, starting with ``pending`` (bytes the lane
+        received and did not answer)."""
+        self.lane = None
         self.inner = self.make_inner()
-        self.inner.connection_made(transport)
+        self.inner.connection_made(cast(asyncio.Transport, self.transport))
+        if pending:
+            self.inner.data_received(pending)
+
+    def lane_busy(self) -> None:
+        self.guard.busy(self)
+
+    def lane_idle(self) -> None:
+        self.guard.idle_again(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.inner is None:
+        if not self.admitted:
             return
         if self.phase == IDLE:
             self.guard.started_sending(self)
-        self.inner.data_received(data)
+        if self.lane is not None:
+            self.lane.data_received(data)
+        elif self.inner is not None:
+            self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.inner is not None else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.lost(self)
+        if self.lane is not None:
+            self.lane.connection_lost()
         if self.inner is not None:
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        if self.inner is not None:
+        if self.lane is not None:
+            self.lane.pause_writing()
+        elif self.inner is not None:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.inner is not None:
+        if self.lane is not None:
+            self.lane.resume_writing()
+        elif self.inner is not None:
             self.inner.resume_writing()
 
 
@@ -132,8 +166,10 @@ class ConnectionGuard:
         self._sweeper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ wiring
-    def protocol_factory(self, make_inner: Callable[[], asyncio.Protocol]) -> Callable[[], GuardedProtocol]:
-        return lambda: GuardedProtocol(self, make_inner)
+    def protocol_factory(self, make_inner: Callable[[], asyncio.Protocol],
+                         make_lane: Callable[[GuardedProtocol], FastLane] | None = None
+                         ) -> Callable[[], GuardedProtocol]:
+        return lambda: GuardedProtocol(self, make_inner, make_lane)
 
     def install(self, app: web.Application) -> None:
         """Add the middleware that marks connections busy (first, so it wraps every other) and the
@@ -156,15 +192,23 @@ class ConnectionGuard:
         proto = request.transport.get_protocol() if request.transport is not None else None
         if not isinstance(proto, GuardedProtocol):  # an in-process test server: nothing to track
             return await handler(request)
-        self._leave_waiting(proto)
-        proto.phase = BUSY
+        self.busy(proto)
         try:
             return await handler(request)
         finally:
-            if not proto.closing and proto.transport is not None and not proto.transport.is_closing():
-                self._enter(proto, IDLE)
+            self.idle_again(proto)
 
     # ------------------------------------------------------------ events
+    def busy(self, proto: GuardedProtocol) -> None:
+        """A request's handler starts: the connection is out of every waiting list until it ends."""
+        self._leave_waiting(proto)
+        proto.phase = BUSY
+
+    def idle_again(self, proto: GuardedProtocol) -> None:
+        """A request was answered: the connection waits for the next one (the keep-alive clock runs)."""
+        if not proto.closing and proto.transport is not None and not proto.transport.is_closing():
+            self._enter(proto, IDLE)
+
     def admit(self, proto: GuardedProtocol) -> bool:
         """A new connection: make room for it, or refuse it (503) when every connection is busy."""
         if self.open >= self.limits.max_total:
@@ -193,7 +237,7 @@ class ConnectionGuard:
             self._enter(proto, PARTIAL)
 
     def lost(self, proto: GuardedProtocol) -> None:
-        if proto.inner is None:  # refused: never counted
+        if not proto.admitted:  # refused: never counted
             return
         self._leave_waiting(proto)
         if not proto.closing:
@@ -285,9 +329,11 @@ class ConnectionGuard:
                 "max_total": self.limits.max_total, **self.counts}
 
 
-async def start_site(runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int) -> web.BaseSite:
-    """Listen on ``host:port`` with every connection going through ``guard``."""
-    site = GuardedSite(runner, guard, host, port)
+async def start_site(runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int,
+                     make_lane: Callable[[GuardedProtocol], FastLane] | None = None) -> web.BaseSite:
+    """Listen on ``host:port`` with every connection going through ``guard`` (and through a fast lane
+    from ``make_lane`` first, when given)."""
+    site = GuardedSite(runner, guard, host, port, make_lane=make_lane)
     await site.start()
     return site
 
@@ -297,9 +343,10 @@ class GuardedSite(web.BaseSite):
     hands the runner's server straight to ``create_server``)."""
 
     def __init__(self, runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int,
-                 backlog: int = 1024) -> None:
+                 backlog: int = 1024, make_lane: Callable[[GuardedProtocol], FastLane] | None = None) -> None:
         super().__init__(runner, backlog=backlog)
         self.guard = guard
+        self.make_lane = make_lane
         self.host, self.port = host, port
 
     @property
@@ -311,4 +358,4 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            self.guard.protocol_factory(server), self.host or None, self.port, backlog=self._backlog)
+            self.guard.protocol_factory(server, self.make_lane), self.host or None, self.port, backlog=self._backlog)

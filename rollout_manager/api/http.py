@@ -69,6 +69,12 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
         raw = await (request.read() if timeout is None else asyncio.wait_for(request.read(), timeout))
     except asyncio.TimeoutError:
         raise BodyTimeout(f"request body not received within {timeout:g}s (http_body_timeout_s)") from None
+    return decode_json(raw, limit, optional=optional)
+
+
+def decode_json(raw: bytes, limit: int, *, optional: bool = False) -> Any:
+    """A body as read -> its JSON; raises ManagerError (400, 413) when it is too large, empty or not
+    JSON, or nested too deep to pass on."""
     if len(raw) > limit:
         raise TooLarge(f"request body too large ({len(raw)} bytes; limit {limit})")
     if optional and not raw.strip():  # in this order: strip() copies the body

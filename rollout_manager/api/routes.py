@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from rollout_manager import __version__
+from rollout_manager import __version__, jsonutil
 from rollout_manager.api import status_page
+from rollout_manager.api.fast_lane import FastLane, LaneOwner
 from rollout_manager.api.http import (
     BOX_TOKEN,
     MAX_ADMIN_BODY,
@@ -22,8 +23,10 @@ from rollout_manager.api.http import (
     Handler,
     accepts,
     bearer_auth,
+    decode_json,
     json_errors,
     json_response,
+    validate,
 )
 from rollout_manager.api.openapi import build_openapi
 from rollout_manager.api.schemas import (
@@ -37,7 +40,8 @@ from rollout_manager.api.schemas import (
     UpdateWeightSenders,
     UpdateWeightVersion,
 )
-from rollout_manager.errors import BadRequest
+from rollout_manager.bearer import bearer_matches
+from rollout_manager.errors import BadRequest, ManagerError
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
@@ -167,6 +171,53 @@ def _trajectory_header(request: web.Request) -> str | None:
     return key
 
 
+class GenerateLane:
+    """``POST /generate`` on the fast lane (``fast_lane``): the checks of :func:`generate` and the same
+    call. What they would refuse, and streaming requests, go to aiohttp's path, which answers them."""
+
+    def __init__(self, manager: Manager, max_body: int) -> None:
+        self.manager = manager
+        self.max_body = max_body
+        self.token = manager.config.auth_token
+        self.key_header = KEY_HEADER.lower()
+
+    def check(self, headers: dict[str, str], body: bytes) -> tuple[Any, str | None] | None:
+        if self.token and not bearer_matches(headers.get("authorization", ""), self.token):
+            return None
+        key = headers.get(self.key_header)
+        if key is not None and not 1 <= len(key) <= KEY_MAX_LEN:
+            return None
+        try:
+            data = decode_json(body, self.max_body)
+            if validate(data, GenerateRequest).stream:
+                return None
+        except ManagerError:
+            return None
+        return data, key
+
+    async def run(self, prepared: tuple[Any, str | None]) -> tuple[int, bytes]:
+        generator = self.manager.generator
+        assert generator is not None
+        try:
+            return 200, jsonutil.dumps(await generator.generate(*prepared))
+        except ManagerError as exc:
+            if 400 <= exc.status < 500:
+                self.manager.metrics.rejected("/generate", exc.reason)
+            return exc.status, jsonutil.dumps({"error": str(exc)})
+        except Exception:  # as json_errors: the daemon answers 500 and keeps running
+            log.exception("unhandled error in POST /generate")
+            return 500, jsonutil.dumps({"error": "internal error; see the manager's log"})
+
+    def body_timeout(self, timeout_s: float) -> bytes:
+        self.manager.metrics.rejected("/generate", "body_timeout")
+        return jsonutil.dumps({"error": f"request body not received within {timeout_s:g}s (http_body_timeout_s)"})
+
+    def lane_factory(self, body_timeout_s: float) -> Callable[[LaneOwner], FastLane]:
+        """Per connection, a lane that serves this route."""
+        return lambda owner: FastLane(owner, self, self.max_body, body_timeout_s,
+                                      lambda: self.body_timeout(body_timeout_s))
+
+
 @accepts(BatchGenerateRequests, large=True)
 async def batch_generate_requests(request: web.Request, _: BatchGenerateRequests, data: Any) -> web.StreamResponse:
     """Many /generate bodies at once; NDJSON results in completion order, every id exactly once."""
@@ -245,8 +296,12 @@ ROUTES: list[tuple[str, str, Handler]] = [
 ]
 
 
+def max_body_of(manager: Manager) -> int:
+    return int(manager.config.max_request_body_mb * 1024 * 1024)
+
+
 def create_app(manager: Manager) -> web.Application:
-    max_body = int(manager.config.max_request_body_mb * 1024 * 1024)
+    max_body = max_body_of(manager)
     open_paths = OPEN_PATHS - {("GET", "/metrics")} if manager.config.metrics_require_token else OPEN_PATHS
     middlewares: list[Middleware] = [json_errors]
     if manager.config.auth_token:  # without a token everything is open: no check to run per request

@@ -10,7 +10,7 @@ import signal
 from aiohttp import web
 
 from rollout_manager.api.connections import ConnectionGuard, ConnectionLimits, start_site
-from rollout_manager.api.routes import create_app
+from rollout_manager.api.routes import GenerateLane, create_app, max_body_of
 from rollout_manager.config import Config, describe
 from rollout_manager.manager import Manager
 from rollout_manager.osutil import format_endpoint, raise_open_file_limit
@@ -48,8 +48,11 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
                            keepalive_timeout=limits.keepalive_s, shutdown_timeout=10.0)
     await runner.setup()
+    lane = None  # plain non-streaming /generate skips aiohttp's web layer (api.fast_lane)
+    if config.http_fast_generate:
+        lane = GenerateLane(manager, max_body_of(manager)).lane_factory(limits.body_s)
     try:
-        await start_site(runner, guard, config.bind_host, config.bind_port)
+        await start_site(runner, guard, config.bind_host, config.bind_port, lane)
     except OSError as exc:
         await runner.cleanup()
         await manager.close()
