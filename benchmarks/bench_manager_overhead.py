@@ -1,8 +1,9 @@
 """Manager overhead: the same short requests sent directly, through the manager, and through sglang-router.
 
 Two fake backends answer at once (benchmarks/fake_sglang.py: 8 tokens per request), so what is
-measured is the cost of the layer in front of them. ``benchmarks/floor_proxy.py``, a bare aiohttp
-proxy, shows the floor of any layer built on aiohttp; each proxy's CPU per request comes from /proc.
+measured is the cost of the layer in front of them. ``benchmarks/floor_proxy.py``, a bare proxy, runs
+twice: on aiohttp's server (the floor of any layer built on it) and ``--plain`` on an asyncio protocol
+(the floor of the manager's fast lane); each proxy's CPU per request comes from /proc.
 Callers ask non-streaming ``/generate`` (what a trainer sends; ``--stream`` for streaming callers).
 Everything runs on this machine over 127.0.0.1, in one run, so the ratios are comparable. Prints
 requests/s, p50/p99 latency and proxy CPU per request per path, and manager / router.
