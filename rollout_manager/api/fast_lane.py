@@ -31,14 +31,15 @@ from rollout_manager import jsonutil
 
 log = logging.getLogger("rollout_manager.api.fast_lane")
 
-REQUEST_LINE = b"POST /generate HTTP/1.1"
 MAX_HEAD = 8190  # longer heads go to aiohttp, which answers them (its own line and field limits)
-# Header names that must appear at most once for the lane to take the request: the ones it reads.
-SINGLE = frozenset({"content-length", "authorization", "x-trajectory-key", "connection", "content-type"})
-# Any of these sends the request to aiohttp: the lane does not implement what they ask for.
+# The whole head of a lane request: its request line, then fields whose names are RFC 9110 tokens and
+# whose values hold no control byte but tab (so no bare CR or LF, no folded lines).
+HEAD = re.compile(rb"POST /generate HTTP/1\.1(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*)*")
+# The fields the lane and the route read, and those whose presence sends the request to aiohttp (the
+# lane does not implement what they ask for). Each may appear once; one regex finds them all.
+FIELD = re.compile(rb"\r\n(content-length|connection|authorization|x-trajectory-key|transfer-encoding|expect|upgrade)"
+                   rb":[ \t]*([^\r]*)", re.IGNORECASE)
 DECLINED = frozenset({"transfer-encoding", "expect", "upgrade"})
-TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token: a header name
-BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control bytes (tab allowed) in a field value
 PIPELINE_BUFFER = 1 << 20  # bytes of later requests buffered while one runs; then reading pauses
 
 
@@ -65,20 +66,17 @@ class LaneOwner(Protocol):
 
 
 def parse_head(head: bytes, max_body: int) -> tuple[dict[str, str], int] | None:
-    """The header fields (names lower-cased) and body length of a lane request, or None when aiohttp
-    must take it. ``head`` is everything before the blank line."""
-    lines = head.split(b"\r\n")
-    if lines[0] != REQUEST_LINE:
+    """The fields the lane reads (names lower-cased) and the body length of a lane request, or None when
+    aiohttp must take it. ``head`` is everything before the blank line. A few regex passes in C: the
+    head is parsed for every request, and a loop over its lines in Python cost 7 µs of it."""
+    if HEAD.fullmatch(head) is None:
         return None
     fields: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or TOKEN.fullmatch(name) is None or BAD_VALUE.search(value) is not None:
-            return None  # also folded lines (a leading space) and bare CR or LF
+    for name, value in FIELD.findall(head):
         key = name.decode("ascii").lower()
-        if key in DECLINED or (key in fields and key in SINGLE):
+        if key in fields or key in DECLINED:
             return None
-        fields[key] = value.strip(b" \t").decode("utf-8", "surrogateescape")  # as aiohttp decodes them
+        fields[key] = value.rstrip(b" \t").decode("utf-8", "surrogateescape")  # as aiohttp decodes them
     length = fields.get("content-length", "")
     if not (length.isdigit() and length.isascii()) or int(length) > max_body:
         return None
