@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from typing import Any
 
 import pytest
@@ -196,3 +197,39 @@ async def test_a_caller_that_leaves_has_its_sequence_aborted_on_the_instance(sta
 
 async def _equals(value: Any, expected: int) -> bool:
     return await value == expected
+
+
+async def test_an_idle_lane_connection_is_closed_after_the_keepalive_timeout(start_manager, start_engines, model):
+    m = await start_manager(http_keepalive_timeout_s="1")
+    engines = await start_engines([])
+    await m.register(*engines)
+    reader, writer = await open_raw(m)
+    try:
+        writer.write(request(generate_body([2, 7], 3), token=""))
+        status, headers, body = await read_answer(reader)
+        assert status == 200 and "server" not in headers  # the lane's answer
+        assert json.loads(body)["output_ids"] == reference_generate(model, [2, 7], 3)[0]
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # then closed by the guard, idle
+    finally:
+        writer.close()
+
+
+async def test_sigterm_answers_a_lane_request_that_outlives_the_grace_with_503(start_manager, start_engines):
+    m = await start_manager(shutdown_grace_s="1")
+    (engine,) = await start_engines(["--token-delay-s", "0.05"])
+    await m.register(engine)
+
+    async def running() -> int:
+        async with m.session.get(engine.url + "/server_info") as r:
+            return (await r.json())["cpu_engine"]["running"]
+
+    reader, writer = await open_raw(m)
+    try:
+        writer.write(request(generate_body([1], 400), token=""))  # ~20 s: outlives the grace
+        await async_wait_until(lambda: _equals(running(), 1), message="the sequence running on the engine")
+        m.proc.signal(signal.SIGTERM)
+        status, _, body = await read_answer(reader)
+    finally:
+        writer.close()
+    assert status == 503 and "shutting down" in json.loads(body)["error"]
+    assert m.proc.wait(20) == 0
