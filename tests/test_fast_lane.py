@@ -102,6 +102,21 @@ async def test_pipelined_requests_keep_their_order_and_the_first_other_route_goe
     assert json.loads(answers[3][2])["output_ids"] == reference_generate(model, [9, 9], 4)[0]
     # the lane answered the first two; aiohttp (which names itself) the rest of the connection
     assert [("server" in headers) for _, headers, _ in answers] == [False, False, True, True]
+    samples = await scrape(m)
+    assert samples[("rollout_manager_fast_lane_requests_total", ())] == 2
+    assert samples[("rollout_manager_fast_lane_handovers_total", ())] >= 1  # this one, and the admin calls'
+    assert samples[("rollout_manager_client_connections", (("phase", "busy"),))] >= 1  # the scrape itself
+    assert samples[("rollout_manager_client_connections_closed_total", (("reason", "refused"),))] == 0
+
+
+async def scrape(m: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with m.session.get(m.url + "/metrics", headers=m.headers) as r:
+        text = await r.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 CASES: list[tuple[str, bytes]] = [

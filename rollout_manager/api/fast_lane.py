@@ -43,6 +43,16 @@ DECLINED = frozenset({"transfer-encoding", "expect", "upgrade"})
 PIPELINE_BUFFER = 1 << 20  # bytes of later requests buffered while one runs; then reading pauses
 
 
+class LaneStats:
+    """Counters shared by every connection's lane (exported by ``connection_metrics``)."""
+
+    __slots__ = ("answered", "handed_over")
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.handed_over = 0
+
+
 class LaneRoute(Protocol):
     """The route's side: ``check`` runs at once on the complete request and returns what ``run`` needs, or
     None when aiohttp's path must answer it (a refusal, a streaming request); ``run`` answers it (status
@@ -111,9 +121,10 @@ class FastLane:
     """One connection's lane: frames requests, runs one at a time in order, hands over when it must."""
 
     def __init__(self, owner: LaneOwner, route: LaneRoute, max_body: int, body_timeout_s: float,
-                 on_body_timeout: Callable[[], bytes]) -> None:
+                 on_body_timeout: Callable[[], bytes], stats: LaneStats) -> None:
         self.owner = owner
         self.route = route
+        self.stats = stats
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
         self.on_body_timeout = on_body_timeout  # the 408 answer's JSON body (and the refusal counted)
@@ -194,6 +205,7 @@ class FastLane:
         if self.done or transport is None or transport.is_closing():
             return
         transport.write(answer_bytes(status, body, close))
+        self.stats.answered += 1
         del self.buf[:size]
         self.head, self.task = None, None
         if close:
@@ -218,6 +230,7 @@ class FastLane:
 
     def _hand_over(self) -> None:
         self.done = True
+        self.stats.handed_over += 1
         self._cancel_timer()
         pending, self.buf = bytes(self.buf), bytearray()
         if self.read_paused:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from rollout_manager import __version__, jsonutil
 from rollout_manager.api import status_page
-from rollout_manager.api.fast_lane import FastLane, LaneOwner
+from rollout_manager.api.fast_lane import FastLane, LaneOwner, LaneStats
 from rollout_manager.api.http import (
     BOX_TOKEN,
     MAX_ADMIN_BODY,
@@ -180,6 +180,7 @@ class GenerateLane:
         self.max_body = max_body
         self.token = manager.config.auth_token
         self.key_header = KEY_HEADER.lower()
+        self.stats = LaneStats()
 
     def check(self, headers: dict[str, str], body: bytes) -> tuple[Any, str | None] | None:
         if self.token and not bearer_matches(headers.get("authorization", ""), self.token):
@@ -215,7 +216,7 @@ class GenerateLane:
     def lane_factory(self, body_timeout_s: float) -> Callable[[LaneOwner], FastLane]:
         """Per connection, a lane that serves this route."""
         return lambda owner: FastLane(owner, self, self.max_body, body_timeout_s,
-                                      lambda: self.body_timeout(body_timeout_s))
+                                      lambda: self.body_timeout(body_timeout_s), self.stats)
 
 
 @accepts(BatchGenerateRequests, large=True)

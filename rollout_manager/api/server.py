@@ -9,6 +9,7 @@ import signal
 
 from aiohttp import web
 
+from rollout_manager.api.connection_metrics import ConnectionMetrics
 from rollout_manager.api.connections import ConnectionGuard, ConnectionLimits, start_site
 from rollout_manager.api.routes import GenerateLane, create_app, max_body_of
 from rollout_manager.config import Config, describe
@@ -49,8 +50,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
                            keepalive_timeout=limits.keepalive_s, shutdown_timeout=10.0)
     await runner.setup()
     lane = None  # plain non-streaming /generate skips aiohttp's web layer (api.fast_lane)
-    if config.http_fast_generate:
-        lane = GenerateLane(manager, max_body_of(manager)).lane_factory(limits.body_s)
+    route = GenerateLane(manager, max_body_of(manager)) if config.http_fast_generate else None
+    if route is not None:
+        lane = route.lane_factory(limits.body_s)
+    manager.metrics.prometheus.register(ConnectionMetrics(guard, route.stats if route is not None else None))
     try:
         await start_site(runner, guard, config.bind_host, config.bind_port, lane)
     except OSError as exc:
