@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+INTERNAL_ERROR = "internal error; see the manager's log"  # the 500 answer's message on every path
+
 
 class ManagerError(Exception):
     """Base: a request the manager refuses, with a message for the caller.

@@ -197,21 +197,19 @@ async def test_a_caller_that_leaves_has_its_sequence_aborted_on_the_instance(sta
     (engine,) = await start_engines(["--token-delay-s", "0.05"])
     await m.register(engine)
 
-    async def running() -> int:
-        async with m.session.get(engine.url + "/server_info") as r:
-            return (await r.json())["cpu_engine"]["running"]
-
     reader, writer = await open_raw(m)
     writer.write(request(generate_body([3], 400), token=""))
-    await async_wait_until(lambda: _equals(running(), 1), message="the sequence running on the engine")
+    await async_wait_until(lambda: running_on(m, engine, 1), message="the sequence running on the engine")
     writer.close()
-    await async_wait_until(lambda: _equals(running(), 0), message="the engine aborted it")
+    await async_wait_until(lambda: running_on(m, engine, 0), message="the engine aborted it")
     inst = (await m.status())["instances"][0]
     assert inst["in_flight"] == 0
 
 
-async def _equals(value: Any, expected: int) -> bool:
-    return await value == expected
+async def running_on(m: Any, engine: Any, n: int) -> bool:
+    """Whether ``engine`` runs exactly ``n`` sequences now (its /server_info)."""
+    async with m.session.get(engine.url + "/server_info") as r:
+        return (await r.json())["cpu_engine"]["running"] == n
 
 
 async def test_an_idle_lane_connection_is_closed_after_the_keepalive_timeout(start_manager, start_engines, model):
@@ -234,14 +232,10 @@ async def test_sigterm_answers_a_lane_request_that_outlives_the_grace_with_503(s
     (engine,) = await start_engines(["--token-delay-s", "0.05"])
     await m.register(engine)
 
-    async def running() -> int:
-        async with m.session.get(engine.url + "/server_info") as r:
-            return (await r.json())["cpu_engine"]["running"]
-
     reader, writer = await open_raw(m)
     try:
         writer.write(request(generate_body([1], 400), token=""))  # ~20 s: outlives the grace
-        await async_wait_until(lambda: _equals(running(), 1), message="the sequence running on the engine")
+        await async_wait_until(lambda: running_on(m, engine, 1), message="the sequence running on the engine")
         m.proc.signal(signal.SIGTERM)
         status, _, body = await read_answer(reader)
     finally:

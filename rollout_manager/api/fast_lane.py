@@ -28,6 +28,7 @@ from email.utils import formatdate
 from typing import Any, Protocol
 
 from rollout_manager import jsonutil
+from rollout_manager.errors import INTERNAL_ERROR
 
 log = logging.getLogger("rollout_manager.api.fast_lane")
 
@@ -200,7 +201,7 @@ class FastLane:
             status, body = await self.route.run(prepared)
         except Exception:  # run answers its own errors; this is the last resort, never a dead connection
             log.exception("unhandled error in POST /generate")
-            status, body = 500, jsonutil.dumps({"error": "internal error; see the manager's log"})
+            status, body = 500, jsonutil.dumps({"error": INTERNAL_ERROR})
         transport = self.owner.transport
         if self.done or transport is None or transport.is_closing():
             return

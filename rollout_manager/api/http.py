@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollout_manager import jsonutil
 from rollout_manager.bearer import bearer_matches, bearer_value
-from rollout_manager.errors import InvalidField, InvalidJSON, ManagerError, TooLarge, Unauthorized
+from rollout_manager.errors import INTERNAL_ERROR, InvalidField, InvalidJSON, ManagerError, TooLarge, Unauthorized
 from rollout_manager.validation import describe_validation_error
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
@@ -44,6 +44,10 @@ class BodyTimeout(ManagerError):
     status = 408
     reason = "body_timeout"
 
+    @classmethod
+    def after(cls, timeout_s: float) -> BodyTimeout:
+        return cls(f"request body not received within {timeout_s:g}s (http_body_timeout_s)")
+
 
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=jsonutil.dumps(data), status=status, content_type="application/json")
@@ -68,7 +72,9 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
     try:
         raw = await (request.read() if timeout is None else asyncio.wait_for(request.read(), timeout))
     except asyncio.TimeoutError:
-        raise BodyTimeout(f"request body not received within {timeout:g}s (http_body_timeout_s)") from None
+        if timeout is None:  # not the body's bound: someone else's timeout
+            raise
+        raise BodyTimeout.after(timeout) from None
     return decode_json(raw, limit, optional=optional)
 
 
@@ -132,7 +138,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return _refused(request, exc.status, "http_error", exc.reason)
     except Exception:  # the daemon answers 500 and keeps running
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal error; see the manager's log")
+        return error_response(500, INTERNAL_ERROR)
 
 
 def _refused(request: web.Request, status: int, reason: str, message: str) -> web.Response:

@@ -20,6 +20,7 @@ from rollout_manager.api.http import (
     MAX_ADMIN_BODY,
     MAX_BODY,
     ON_REJECT,
+    BodyTimeout,
     Handler,
     accepts,
     bearer_auth,
@@ -41,7 +42,7 @@ from rollout_manager.api.schemas import (
     UpdateWeightVersion,
 )
 from rollout_manager.bearer import bearer_matches
-from rollout_manager.errors import BadRequest, ManagerError
+from rollout_manager.errors import INTERNAL_ERROR, BadRequest, ManagerError
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
@@ -207,11 +208,11 @@ class GenerateLane:
             return exc.status, jsonutil.dumps({"error": str(exc)})
         except Exception:  # as json_errors: the daemon answers 500 and keeps running
             log.exception("unhandled error in POST /generate")
-            return 500, jsonutil.dumps({"error": "internal error; see the manager's log"})
+            return 500, jsonutil.dumps({"error": INTERNAL_ERROR})
 
     def body_timeout(self, timeout_s: float) -> bytes:
         self.manager.metrics.rejected("/generate", "body_timeout")
-        return jsonutil.dumps({"error": f"request body not received within {timeout_s:g}s (http_body_timeout_s)"})
+        return jsonutil.dumps({"error": str(BodyTimeout.after(timeout_s))})
 
     def lane_factory(self, body_timeout_s: float) -> Callable[[LaneOwner], FastLane]:
         """Per connection, a lane that serves this route."""
