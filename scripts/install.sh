@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-cpu,test,lint}
+EXTRAS=${EXTRAS:-cpu,agent,cpu-engine,demo,verl,test,lint}
 
 # Mooncake's transfer engine links libibverbs even in its TCP-only CPU build.
 if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
