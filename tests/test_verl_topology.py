@@ -4,8 +4,9 @@ One Ray cluster for the module (Ray's ``cluster_utils.Cluster``): node A at 127.
 node B at 127.0.0.3 with 2. verl's ``RayWorkerGroup`` places the training ranks (verl's ``Worker``
 class, see ``verl_topology_workers.py``) on them as it does on GPU nodes, with ``LOCAL_RANK=0`` in
 every rank; each rank pushes through the plugin's adapter exactly as ``engine_workers.py`` calls it.
-Boxes are CPU engines with weight receivers (as in the other weight tests); bit-exact means the
-engine's per-tensor checksums equal those of the weights the ranks sharded.
+Boxes are CPU engines with weight receivers (``Box``, as in the other weight tests; in the two-node
+test started by ``scripts/launch_sglang.sh --engine cpu`` against the published manager address);
+bit-exact means the engine's per-tensor checksums equal those of the weights the ranks sharded.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import FAST, ManagerHandle
-from support import ROOT, Box, async_wait_until, free_port
+from support import PY, ROOT, Box, Proc, async_wait_until, free_port
 from weight_fleet import engine_checksums, expected_checksums
 
 from rollout_manager.cpu_engine.model import build_model
@@ -105,11 +106,35 @@ def rollout(port: int, **manager: Any) -> dict[str, Any]:
         "port": port, "weight_push_timeout_s": 60, **manager}}}
 
 
+class ScriptBox:
+    """A box started the way operators start one: ``scripts/launch_sglang.sh --engine cpu``, which
+    registers it with the manager at ``manager`` by itself."""
+
+    def __init__(self, manager: str, tmp_path: Any):
+        self.port, agent_port = free_port(), free_port()
+        self.proc = Proc(["bash", str(ROOT / "scripts" / "launch_sglang.sh"), "--engine", "cpu", "--manager-addr",
+                          manager, "--host", "127.0.0.1", "--port", str(self.port), "--transfer-agent-handshake-port",
+                          str(agent_port), "--python", PY, "--ready-timeout-s", "90", "--stop-timeout-s", "5", "--",
+                          "--seed", "0"], tmp_path / f"box-{self.port}.log",
+                         env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
 async def senders(m: ManagerHandle) -> list[list[str]]:
     return sorted(s["ips"] for s in (await m.status())["weight_senders"]["senders"])
 
 
-async def serve_exactly(boxes: list[Box], seed: int) -> None:
+async def serve_exactly(boxes: list[Any], seed: int) -> None:
     want = expected_checksums(build_model(seed).state_dict())
     for box in boxes:
         assert await engine_checksums(box.url) == want, f"box {box.endpoint} does not hold build_model({seed})"
@@ -157,16 +182,19 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
     blocker = placement_group([{"GPU": 2, "node_a": 1}])  # node A keeps 2 GPUs free: the group spans both nodes
     await asyncio.to_thread(ray.get, blocker.ready(), timeout=60)
     runner = TaskRunner.options(resources={"node_b": 1}).remote()
-    boxes = [Box(tmp_path), Box(tmp_path)]
+    boxes: list[ScriptBox] = []
     group = Group([2, 2], config)
     session = aiohttp.ClientSession()
     try:
         launched = await asyncio.to_thread(ray.get, runner.launch.remote(config), timeout=120)
         assert launched["node_ip"] == NODE_B
         m = ManagerHandle(None, f"http://{NODE_B}:{port}", session)  # type: ignore[arg-type]
-        for box in boxes:
-            await box.ready()
-        await m.register(*boxes)
+        boxes = [ScriptBox(f"{NODE_B}:{port}", tmp_path) for _ in range(2)]
+
+        async def both_active() -> bool:
+            return [i["state"] for i in (await m.status())["instances"]] == ["active", "active"]
+
+        await async_wait_until(both_active, timeout_s=120, message="both boxes registered and active")
         ranks = await group.call("init_model")
         assert [r["node_ip"] for r in ranks] == [NODE_A, NODE_A, NODE_B, NODE_B]  # rank 0 away from the TaskRunner
 
