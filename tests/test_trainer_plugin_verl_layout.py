@@ -38,12 +38,12 @@ def test_trajectory_keys_follow_a_conversation_and_keep_siblings_apart():
     prompt = [1, 2, 3]
     a, b = keys.key_for(prompt, "a1"), keys.key_for(prompt, "b1")  # two samples of one prompt
     assert (a, b) == ("a1", "b1")
-    keys.finished(a, prompt, [7, 7])
+    keys.finished(a, prompt, [7, 7, 0])
     keys.finished(b, prompt, [8])
     assert keys.key_for([*prompt, 8, 50, 51], "b2") == "b1"  # b's next turn: its context plus a tool answer
-    assert keys.key_for([*prompt, 7, 7, 60], "a2") == "a1"
+    assert keys.key_for([*prompt, 7, 7, 60], "a2") == "a1"  # the stop token 0 dropped at the junction
     assert keys.key_for([*prompt, 9], "c1") == "c1"  # extends no finished context: a new trajectory
-    assert keys.key_for([*prompt, 8, 50, 51], "b3") == "b3"  # the entry moved on with b's turn
+    assert keys.key_for([*prompt, 5], "d1") == "d1"  # shares only the prompt: a sibling's turn is not it
     assert (keys.continued, keys.started) == (2, 4)
     for i in range(20):  # bounded
         keys.finished(f"k{i}", [i], [i])

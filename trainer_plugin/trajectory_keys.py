@@ -11,7 +11,9 @@ the tools and the chat template add (``tool_agent_loop.py``, ``ct_merge_assistan
 So :class:`TrajectoryKeys` remembers, for each finished turn, ``prompt + output`` (as a chained hash
 and its length) under that turn's key; a new prompt that begins with a remembered context takes over
 its key (the longest one wins, and the entry moves on with the trajectory), and a prompt that extends
-none starts a trajectory keyed by its own request id. Siblings of one GRPO prompt diverge in their
+none starts a trajectory keyed by its own request id. Some of verl's token builders drop the stop
+token at the junction (``GLMContinuousTokenBuilder`` in ``utils/tokenizer/continuous_token.py``),
+so the context is also remembered without its last ``trim`` output tokens. Siblings of one GRPO prompt diverge in their
 first output, so each keeps its own key. Bounded (least recently used dropped first); the cost is
 one hash step per prompt token, and only up to the longest remembered context.
 """
@@ -23,10 +25,11 @@ from collections.abc import Sequence
 
 
 class TrajectoryKeys:
-    def __init__(self, capacity: int = 65536):
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
+    def __init__(self, capacity: int = 65536, trim: int = 1):
+        if capacity < 1 or trim < 0:
+            raise ValueError("capacity must be >= 1 and trim >= 0")
         self.capacity = capacity
+        self.trim = trim
         self._keys: OrderedDict[tuple[int, int], str] = OrderedDict()  # (length, hash) -> key
         self._lengths: Counter[int] = Counter()
         self.continued = 0  # requests that took over a remembered trajectory's key
@@ -54,18 +57,21 @@ class TrajectoryKeys:
     def finished(self, key: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """The turn keyed ``key`` produced ``output_ids``: its next turn will extend this context."""
         context = [*prompt_ids, *output_ids]
-        if not context:
-            return
+        # the whole context, and (past the prompt, which a turn's siblings share) up to `trim` tokens less
+        shortest = max(len(context) - self.trim, len(prompt_ids) + 1, 1)
         h = 0
-        for token in context:
+        for n, token in enumerate(context, start=1):
             h = hash((h, int(token)))
-        entry = (len(context), h)
+            if n >= shortest:
+                self._remember((n, h), key)
+        while len(self._keys) > self.capacity:
+            self._drop(next(iter(self._keys)))
+
+    def _remember(self, entry: tuple[int, int], key: str) -> None:
         if entry in self._keys:
             self._drop(entry)
         self._keys[entry] = key
         self._lengths[entry[0]] += 1
-        while len(self._keys) > self.capacity:
-            self._drop(next(iter(self._keys)))
 
     def _drop(self, entry: tuple[int, int]) -> str:
         key = self._keys.pop(entry)
