@@ -14,14 +14,27 @@ its key (the longest one wins, and the entry moves on with the trajectory), and 
 none starts a trajectory keyed by its own request id. Some of verl's token builders drop the stop
 token at the junction (``GLMContinuousTokenBuilder`` in ``utils/tokenizer/continuous_token.py``),
 so the context is also remembered without its last ``trim`` output tokens. Siblings of one GRPO prompt diverge in their
-first output, so each keeps its own key. Bounded (least recently used dropped first); the cost is
-one hash step per prompt token, and only up to the longest remembered context.
+first output, so each keeps its own key. Bounded (least recently used dropped first). Contexts are
+hashed in blocks of :data:`BLOCK` tokens (a chained hash of each block-aligned prefix) plus the tail
+after the last whole block, so a look-up costs one hash per block of the prompt, up to the longest
+remembered context.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
+
+BLOCK = 16
+Entry = tuple[int, int, tuple[int, ...]]  # (block-aligned length, hash of that prefix, the tokens after it)
+
+
+def _prefix_hashes(ids: Sequence[int], upto: int) -> list[int]:
+    """Hash of ``ids[:b]`` for every block boundary ``b <= upto`` (index ``b // BLOCK``), chained."""
+    out = [0]
+    for b in range(BLOCK, min(upto, len(ids)) + 1, BLOCK):
+        out.append(hash((out[-1], tuple(ids[b - BLOCK:b]))))
+    return out
 
 
 class TrajectoryKeys:
@@ -30,24 +43,27 @@ class TrajectoryKeys:
             raise ValueError("capacity must be >= 1 and trim >= 0")
         self.capacity = capacity
         self.trim = trim
-        self._keys: OrderedDict[tuple[int, int], str] = OrderedDict()  # (length, hash) -> key
-        self._lengths: Counter[int] = Counter()
+        self._order: OrderedDict[Entry, str] = OrderedDict()  # entry -> key, least recently used first
+        self._index: dict[tuple[int, int], set[tuple[int, ...]]] = {}  # (length, hash) -> tails stored there
+        self._longest = 0
         self.continued = 0  # requests that took over a remembered trajectory's key
         self.started = 0  # requests that started a trajectory
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._order)
 
     def key_for(self, prompt_ids: Sequence[int], request_id: str) -> str:
         """The key of the trajectory ``prompt_ids`` continues, else ``request_id`` (a new trajectory)."""
-        found: tuple[int, int] | None = None
-        if self._lengths:
-            longest = max(self._lengths)
-            h = 0
-            for n, token in enumerate(prompt_ids[:longest], start=1):
-                h = hash((h, int(token)))
-                if n in self._lengths and (n, h) in self._keys:
-                    found = (n, h)
+        found: Entry | None = None
+        if self._order:
+            n = len(prompt_ids)
+            for i, h in enumerate(_prefix_hashes(prompt_ids, min(n, self._longest))):
+                b = i * BLOCK
+                for tail in self._index.get((b, h), ()):
+                    end = b + len(tail)
+                    if end <= n and (found is None or end > found[0] + len(found[2])) and \
+                            tuple(prompt_ids[b:end]) == tail:
+                        found = (b, h, tail)
         if found is None:
             self.started += 1
             return request_id
@@ -57,25 +73,23 @@ class TrajectoryKeys:
     def finished(self, key: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """The turn keyed ``key`` produced ``output_ids``: its next turn will extend this context."""
         context = [*prompt_ids, *output_ids]
+        hashes = _prefix_hashes(context, len(context))
         # the whole context, and (past the prompt, which a turn's siblings share) up to `trim` tokens less
-        shortest = max(len(context) - self.trim, len(prompt_ids) + 1, 1)
-        h = 0
-        for n, token in enumerate(context, start=1):
-            h = hash((h, int(token)))
-            if n >= shortest:
-                self._remember((n, h), key)
-        while len(self._keys) > self.capacity:
-            self._drop(next(iter(self._keys)))
+        for n in range(max(len(context) - self.trim, len(prompt_ids) + 1, 1), len(context) + 1):
+            b = n // BLOCK * BLOCK
+            entry = (b, hashes[b // BLOCK], tuple(context[b:n]))
+            if entry in self._order:
+                self._drop(entry)
+            self._order[entry] = key
+            self._index.setdefault(entry[:2], set()).add(entry[2])
+            self._longest = max(self._longest, n)
+        while len(self._order) > self.capacity:
+            self._drop(next(iter(self._order)))
 
-    def _remember(self, entry: tuple[int, int], key: str) -> None:
-        if entry in self._keys:
-            self._drop(entry)
-        self._keys[entry] = key
-        self._lengths[entry[0]] += 1
-
-    def _drop(self, entry: tuple[int, int]) -> str:
-        key = self._keys.pop(entry)
-        self._lengths[entry[0]] -= 1
-        if self._lengths[entry[0]] <= 0:
-            del self._lengths[entry[0]]
+    def _drop(self, entry: Entry) -> str:
+        key = self._order.pop(entry)
+        tails = self._index[entry[:2]]
+        tails.discard(entry[2])
+        if not tails:
+            del self._index[entry[:2]]
         return key
