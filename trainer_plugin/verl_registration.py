@@ -102,7 +102,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+TRAINER_MODULE = "trainer_plugin.verl_trainer"
+
+
 def _register_trainer() -> None:
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is not None and not hasattr(module, "register"):
+        return  # verl's V1 package is being loaded by that module's own import: it registers at its end
     from .verl_trainer import register as register_trainer
 
     register_trainer()
