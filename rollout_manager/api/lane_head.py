@@ -46,15 +46,13 @@ class LaneHead:
         self.fields, self.size, self.length, self.keep_alive = fields, size, length, keep_alive
 
 
-class HeadReader:
-    """One request's head, fed as it arrives; llhttp calls back here (``on_header``)."""
+class _Fields:
+    """What llhttp reports of a head (its ``on_header`` callbacks). Apart from :class:`HeadReader` so
+    that the parser, which holds it, is not in a reference cycle that only the collector would free."""
 
-    __slots__ = ("parser", "max_body", "fed", "fields", "seen", "count", "complete", "declined")
+    __slots__ = ("fields", "seen", "count", "complete", "declined")
 
-    def __init__(self, max_body: int) -> None:
-        self.parser = httptools.HttpRequestParser(self)
-        self.max_body = max_body
-        self.fed = 0  # bytes of the buffer already given to the parser
+    def __init__(self) -> None:
         self.fields: dict[str, str] = {}
         self.seen: set[bytes] = set()
         self.count = 0
@@ -76,6 +74,18 @@ class HeadReader:
     def on_headers_complete(self) -> None:
         self.complete = True
 
+
+class HeadReader:
+    """One request's head, fed as it arrives."""
+
+    __slots__ = ("parser", "got", "max_body", "fed")
+
+    def __init__(self, max_body: int) -> None:
+        self.got = _Fields()
+        self.parser = httptools.HttpRequestParser(self.got)
+        self.max_body = max_body
+        self.fed = 0  # bytes of the buffer already given to the parser
+
     def feed(self, buf: bytearray) -> LaneHead | Literal[False] | None:
         """``buf`` holds this request from its first byte (and whatever follows). The head when it is
         complete and the lane takes it, ``HAND_OVER`` as soon as the bytes show it is not one the lane
@@ -93,17 +103,18 @@ class HeadReader:
             except httptools.HttpParserError:
                 return HAND_OVER
             self.fed = stop
+        got = self.got
         if end < 0:
-            return HAND_OVER if len(buf) > MAX_HEAD or self.count > MAX_FIELDS or self.declined else None
-        if not self.complete or self.declined or self.count > MAX_FIELDS or b"host" not in self.seen:
+            return HAND_OVER if len(buf) > MAX_HEAD or got.count > MAX_FIELDS or got.declined else None
+        if not got.complete or got.declined or got.count > MAX_FIELDS or b"host" not in got.seen:
             return HAND_OVER
-        text = self.fields.get("content-length", "")  # llhttp let through only digits (and no overflow)
+        text = got.fields.get("content-length", "")  # llhttp let through only digits (and no overflow)
         if not (0 < len(text) <= MAX_LENGTH_DIGITS and text.isascii() and text.isdigit()):
             return HAND_OVER
         length = int(text)
         if length > self.max_body:
             return HAND_OVER
-        return LaneHead(self.fields, stop, length, self.parser.should_keep_alive())
+        return LaneHead(got.fields, stop, length, self.parser.should_keep_alive())
 
 
 def parse_head(data: bytes, max_body: int) -> LaneHead | None:
