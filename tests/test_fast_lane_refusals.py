@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 import pytest
+import uvloop
 from support import async_wait_until
 
 from rollout_manager.api.connections import ConnectionGuard, ConnectionLimits
@@ -151,10 +152,15 @@ class _Route:
         return 200, b"{}"
 
 
-async def test_a_lane_and_its_buffer_are_freed_when_the_caller_leaves_without_the_garbage_collector():
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # uvloop: the daemon's
+def test_a_lane_and_its_buffer_are_freed_when_the_caller_leaves_without_the_garbage_collector(loop):
     """Callers that upload most of a large body and close: the lane and its buffer must go with the
     connection (they and the connection pointed at each other, so only a full collection freed them,
     480 MB for sixty 8 MiB uploads on a quiet manager)."""
+    (uvloop.run if loop == "uvloop" else asyncio.run)(uploads_then_leave())
+
+
+async def uploads_then_leave() -> None:
     limits = ConnectionLimits(keepalive_s=60, header_s=60, body_s=60, max_total=100, max_waiting_per_client=100)
     guard = ConnectionGuard(limits)
     lanes: list[weakref.ref[FastLane]] = []
