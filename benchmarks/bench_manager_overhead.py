@@ -6,7 +6,9 @@ twice: on aiohttp's server (the floor of any layer built on it) and ``--plain`` 
 (the floor of the manager's fast lane); each proxy's CPU per request comes from /proc.
 Callers ask non-streaming ``/generate`` (what a trainer sends; ``--stream`` for streaming callers).
 Everything runs on this machine over 127.0.0.1, in one run, so the ratios are comparable. Prints
-requests/s, p50/p99 latency and proxy CPU per request per path, and manager / router.
+requests/s, p50/p99 latency and proxy CPU per request per path, and manager / router. A second
+manager with the fast lane off (``http_fast_generate = false``: every request on aiohttp's web layer)
+runs in the same rounds (``--no-lane-off`` skips it), so the lane's worth is a ratio of the same run.
 
     .venv/bin/python benchmarks/bench_manager_overhead.py --requests 4000 --concurrency 64
 """
@@ -80,11 +82,16 @@ def spawn_fake_cluster(logs: Path, procs: list[subprocess.Popen], *manager_sets:
         procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port)],
                            logs / f"backend{k}.log"))
         backends.append(f"http://127.0.0.1:{port}")
+    return spawn_manager(logs / "manager.log", procs, *manager_sets), backends
+
+
+def spawn_manager(log: Path, procs: list[subprocess.Popen], *manager_sets: str) -> str:
+    """Start a manager (``--set`` each of ``manager_sets``); returns its URL at once."""
     mport = free_port()
     sets = [arg for kv in ("pending_poll_interval_s=0.1", *manager_sets) for arg in ("--set", kv)]
     procs.append(spawn([PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{mport}",
-                        "--log-level", "warning", *sets], logs / "manager.log"))
-    return f"http://127.0.0.1:{mport}", backends
+                        "--log-level", "warning", *sets], log))
+    return f"http://127.0.0.1:{mport}"
 
 
 async def register_backends(manager: str, backends: list[str]) -> None:
@@ -105,6 +112,7 @@ async def register_backends(manager: str, backends: list[str]) -> None:
     raise RuntimeError("the manager did not take the backends into service")
 
 
+LANE_OFF = "rollout-manager, fast lane off"
 PROMPTS = 64  # distinct prompts, cycled: a GRPO-like mix, and affinity cannot pin everything to one instance
 
 
@@ -148,6 +156,8 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
     parser.add_argument("--no-router", action="store_true", help="skip sglang-router (not installed)")
     parser.add_argument("--stream", action="store_true", help="streaming callers (default: non-streaming)")
+    parser.add_argument("--no-lane-off", action="store_true",
+                        help="skip the second manager with the fast lane off (http_fast_generate=false)")
     parser.add_argument("--prompt-tokens", type=int, default=4,
                         help="prompt length in tokens (RL prompts are hundreds to thousands)")
     args = parser.parse_args()
@@ -157,6 +167,11 @@ async def main() -> None:
     try:
         manager, backends = spawn_fake_cluster(logs, procs, "scheduler_policy=least_in_flight")
         manager_pid = procs[-1].pid
+        lane_off, lane_off_pid = None, 0
+        if not args.no_lane_off:
+            lane_off = spawn_manager(logs / "manager_lane_off.log", procs, "scheduler_policy=least_in_flight",
+                                     "http_fast_generate=false")
+            lane_off_pid = procs[-1].pid
         router, router_pid = None, 0
         if not args.no_router:
             rport = free_port()
@@ -173,6 +188,8 @@ async def main() -> None:
                            logs / "plain_floor.log"))
         plain, plain_pid = f"http://127.0.0.1:{pport}", procs[-1].pid
         await register_backends(manager, backends)
+        if lane_off:
+            await register_backends(lane_off, backends)
         await wait_ok(floor + "/health")
         await wait_ok(plain + "/health")
         if router:
@@ -185,6 +202,8 @@ async def main() -> None:
                                                            floor_pid),
                                                           ("plain-protocol floor (floor_proxy.py --plain)", [plain],
                                                            plain_pid)]
+        if lane_off:
+            paths.insert(2, (LANE_OFF, [lane_off], lane_off_pid))
         if router:
             paths.append(("sglang-router 0.3.2 round_robin", [router], router_pid))
         for _, urls, _pid in paths:  # warm-up: connections, caches, rate meters
@@ -214,6 +233,14 @@ async def main() -> None:
             paired = [m["rps"] / r["rps"] for m, r in zip(runs["rollout-manager"],
                                                           runs["sglang-router 0.3.2 round_robin"])]
             print(f"per round: {', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f}")
+        if lane_off:
+            for other in ("rollout-manager", *(["sglang-router 0.3.2 round_robin"] if router else [])):
+                paired = [m["rps"] / r["rps"] for m, r in zip(runs[LANE_OFF], runs[other])]
+                print(f"fast lane off / {other} throughput, per round: {', '.join(f'{x:.2f}' for x in paired)}; "
+                      f"median {statistics.median(paired):.2f}")
+            cpu = [m["cpu_ms"] / r["cpu_ms"] for m, r in zip(runs[LANE_OFF], runs["rollout-manager"])]
+            print(f"fast lane off / on CPU per request, per round: {', '.join(f'{x:.2f}' for x in cpu)}; "
+                  f"median {statistics.median(cpu):.2f}")
     finally:
         stop_all(procs)
 

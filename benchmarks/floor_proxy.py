@@ -3,7 +3,7 @@ with aiohttp's client, return its bytes. No validation, no dispatch state, no co
 
 bench_manager_overhead.py runs it beside the manager and sglang-router, twice: on aiohttp's server (the
 floor of any design built on aiohttp's server and client) and with ``--plain``, on a plain asyncio
-protocol framed as the manager's fast lane frames (``api.fast_lane.parse_head``): the difference is
+protocol framed as the manager's fast lane frames (``api.lane_head``): the difference is
 what aiohttp's web layer costs per request.
 
     python benchmarks/floor_proxy.py [--plain] PORT BACKEND_URL [BACKEND_URL ...]
@@ -67,7 +67,8 @@ class PlainProxy(asyncio.Protocol):
             self.next()
 
     def next(self) -> None:
-        from rollout_manager.api.fast_lane import answer_bytes, parse_head
+        from rollout_manager.api.fast_lane import answer_bytes
+        from rollout_manager.api.lane_head import parse_head
 
         end = self.buf.find(b"\r\n\r\n")
         if end < 0:
@@ -77,9 +78,9 @@ class PlainProxy(asyncio.Protocol):
             assert self.transport is not None
             self.transport.write(answer_bytes(200, b'{"status":"healthy"}', False))
             return self.next()
-        parsed = parse_head(bytes(self.buf[:end]), 1 << 26)
+        parsed = parse_head(bytes(self.buf[:end + 4]), 1 << 26)
         assert parsed is not None, bytes(self.buf[:200])
-        size = end + 4 + parsed[1]
+        size = parsed.size + parsed.length
         if len(self.buf) < size:
             return
         body = bytes(self.buf[end + 4:size])

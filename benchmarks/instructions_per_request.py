@@ -5,7 +5,8 @@ request path; instruction counts repeat to 0.1%. This runs the daemon's real app
 the connection guard, middlewares, validation, generation, coalescing) in one process, with the engine
 calls answered in process (no engine, no client library), driven by a minimal HTTP/1.1 client over
 64 keep-alive connections on 127.0.0.1. The same load against a bare aiohttp handler that decodes the
-body and answers (``--bare``) is the floor; the manager's own cost is the difference.
+body and answers (``--bare``) is the floor; the manager's own cost is the difference. The manager runs
+twice, with the fast lane on and off (``http_fast_generate``; ``--no-lane-off`` skips the second).
 
     .venv/bin/python benchmarks/instructions_per_request.py                    # manager and bare, 4-token prompts
     .venv/bin/python benchmarks/instructions_per_request.py --prompt-tokens 4096
@@ -34,6 +35,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 CONNECTIONS = 64
+LANE_OFF = "rollout-manager, fast lane off"
 
 
 def body(prompt_tokens: int) -> bytes:
@@ -61,7 +63,7 @@ async def client(port: int, request: bytes, n: int) -> None:
     writer.close()
 
 
-async def start_manager(port: int) -> None:
+async def start_manager(port: int, lane: bool) -> None:
     """The daemon's app, two instances marked active, engine calls answered in process."""
     from rollout_manager.api import server
     from rollout_manager.config import Config
@@ -87,7 +89,7 @@ async def start_manager(port: int) -> None:
 
     Manager.__init__ = keep  # type: ignore[method-assign]
     config = Config(bind=f"127.0.0.1:{port}", scheduler_policy="least_in_flight", log_level="warning",
-                    health_check_interval_s=3600, pending_poll_interval_s=3600)
+                    health_check_interval_s=3600, pending_poll_interval_s=3600, http_fast_generate=lane)
     ready = asyncio.Event()
     asyncio.ensure_future(server.serve(config, ready=ready))
     await ready.wait()
@@ -119,12 +121,12 @@ def callgrind(on: bool) -> None:
                        capture_output=True)
 
 
-async def child(bare: bool, prompt_tokens: int, requests: int) -> None:
+async def child(bare: bool, prompt_tokens: int, requests: int, lane: bool) -> None:
     from rollout_manager.osutil import free_port, tune_gc
 
     tune_gc(10_000)  # as the daemon's CLI does
     port = free_port()
-    await (start_bare(port) if bare else start_manager(port))
+    await (start_bare(port) if bare else start_manager(port, lane))
     b = body(prompt_tokens)
     request = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b)
@@ -139,9 +141,9 @@ async def child(bare: bool, prompt_tokens: int, requests: int) -> None:
     os._exit(0)  # the daemon's tasks are not shut down: the figure is taken
 
 
-def measure(root: Path, bare: bool, prompt_tokens: int, requests: int) -> dict[str, float]:
+def measure(root: Path, bare: bool, prompt_tokens: int, requests: int, lane: bool = True) -> dict[str, float]:
     args = [sys.executable, str(HERE), "--child", "--root", str(root), "--prompt-tokens", str(prompt_tokens),
-            "--requests", str(requests)] + (["--bare"] if bare else [])
+            "--requests", str(requests)] + (["--bare"] if bare else []) + ([] if lane else ["--lane-off"])
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         if shutil.which("valgrind") and shutil.which("callgrind_control"):
@@ -165,30 +167,41 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4)
     parser.add_argument("--requests", type=int, default=1280, help="measured requests (after 640 of warm-up)")
     parser.add_argument("--bare", action="store_true", help="only the bare aiohttp handler")
+    parser.add_argument("--no-lane-off", action="store_true", help="skip the manager with the fast lane off")
+    parser.add_argument("--lane-off", action="store_true", help=argparse.SUPPRESS)  # a child's setting
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         sys.path.insert(0, str(args.root))
         import uvloop
 
-        uvloop.run(child(args.bare, args.prompt_tokens, args.requests))
+        uvloop.run(child(args.bare, args.prompt_tokens, args.requests, lane=not args.lane_off))
         return
-    rows = [("bare aiohttp handler (decode, answer)", True)] + ([] if args.bare else [("rollout-manager", False)])
+    rows = [("bare aiohttp handler (decode, answer)", True, True)]
+    if not args.bare:
+        rows.append(("rollout-manager", False, True))
+        if not args.no_lane_off:
+            rows.append((LANE_OFF, False, False))
     print(f"{args.requests} non-streaming requests, {args.prompt_tokens}-token prompts, {CONNECTIONS} connections, "
           f"one process ({args.root})\n")
     print("| server | instructions per request | CPU µs per request (without valgrind only; noisy) |")
     print("| --- | ---: | ---: |")
     figures = {}
-    for name, bare in rows:
-        r = figures[name] = measure(args.root, bare, args.prompt_tokens, args.requests)
+    for name, bare, lane in rows:
+        r = figures[name] = measure(args.root, bare, args.prompt_tokens, args.requests, lane)
         if "instructions" in r:
             print(f"| {name} | {r['instructions'] / 1000:,.0f}k | - |", flush=True)
         else:
             print(f"| {name} | - | {r['cpu_us']:.0f} |", flush=True)
-    if len(figures) == 2 and all("instructions" in r for r in figures.values()):
-        bare_i, mgr_i = (r["instructions"] for r in figures.values())
+    counts = {name: r["instructions"] for name, r in figures.items() if "instructions" in r}
+    if len(counts) >= 2 and len(counts) == len(figures):
+        bare_i, mgr_i = counts[rows[0][0]], counts["rollout-manager"]
         print(f"\nmanager / bare: {mgr_i / bare_i:.2f}x; the manager's own work: {(mgr_i - bare_i) / 1000:,.0f}k "
               f"instructions per request")
+        if LANE_OFF in counts:
+            off = counts[LANE_OFF]
+            print(f"fast lane off / on: {off / mgr_i:.2f}x ({(off - mgr_i) / 1000:,.0f}k instructions per request "
+                  f"more with the lane off); off / bare: {off / bare_i:.2f}x")
 
 
 if __name__ == "__main__":

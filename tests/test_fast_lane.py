@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from support import async_wait_until
 
-from rollout_manager.api.fast_lane import parse_head
+from rollout_manager.api.lane_head import HeadReader, parse_head
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
 TOKEN = "lane-t0ken"
@@ -34,25 +34,55 @@ def model():
     (PLAIN + b"\r\nTransfer-Encoding: chunked", False),
     (PLAIN + b"\r\nExpect: 100-continue", False),
     (PLAIN + b"\r\nupgrade: h2c", False),
+    (PLAIN + b"\r\nContent-Encoding: gzip", False),  # aiohttp would decode the body
     (PLAIN + b"\r\nX-Trajectory-Key: a\r\nx-trajectory-key: b", False),  # which one? aiohttp decides
     (PLAIN + b"\r\nContent-Length: 12", False),  # duplicated framing
+    (PLAIN + b"\r\nHost: y", False),  # two Hosts: aiohttp answers 400
+    (PLAIN.replace(b"Host: x\r\n", b""), False),  # no Host: aiohttp answers 400
+    (PLAIN + b"".join(b"\r\nX-%d: v" % i for i in range(126)), False),  # 129 fields: aiohttp's limit is 128
+    (PLAIN + b"".join(b"\r\nX-%d: v" % i for i in range(125)), True),  # 128
     (PLAIN + b"\r\n folded: value", False),  # obsolete line folding
     (PLAIN + b"\r\nBad Name: v", False),
     (PLAIN + b"\r\nX: a\x01b", False),  # a control byte
     (PLAIN + b"\r\nX: a\nY: b", False),  # a bare LF
     (PLAIN.replace(b"Content-Length: 12", b"Content-Length: +12"), False),
+    (PLAIN.replace(b"Content-Length: 12", b"Content-Length: " + b"1" * 4301), False),
     (PLAIN.replace(b"Content-Length: 12", b"Content-Length: 99999"), False),  # over the body limit
     (PLAIN.replace(b"\r\nContent-Length: 12", b""), False),
 ])
 def test_the_lane_takes_only_the_plain_request(head, taken):
-    parsed = parse_head(head, max_body=1000)
+    parsed = parse_head(head + b"\r\n\r\n", max_body=1000)
     assert (parsed is not None) == taken
-    if taken:
-        fields, length = parsed
-        assert length == 12 and fields["content-length"] == "12" and "host" not in fields
+    if parsed is not None:
+        assert parsed.length == 12 and parsed.fields["content-length"] == "12"
+        assert parsed.size == len(head) + 4
         if b"Bearer" in head:
-            assert fields == {"content-length": "12", "connection": "close", "x-trajectory-key": "t1",
-                              "authorization": "Bearer x"}
+            assert parsed.fields == {"host": "x", "content-length": "12", "connection": "close",
+                                     "x-trajectory-key": "t1", "authorization": "Bearer x"}
+            assert not parsed.keep_alive
+
+
+@pytest.mark.parametrize("start, verdict", [
+    (b"G", False),  # another route: aiohttp's from the first byte
+    (b"POST /generate HTTP/1.1\nHost: x\n\n", False),  # bare LF: aiohttp's at once, not at the header timeout
+    (b"POST /generate HTTP/1.1\r\nHost: x\r\nX: a\n", False),
+    (b"POST /gen", None),  # may still be a lane request: wait
+    (b"POST /generate HTTP/1.1\r\nHost: x\r\nX-A: b", None),
+])
+def test_a_head_is_handed_over_as_soon_as_its_bytes_show_it_is_not_the_lanes(start, verdict):
+    assert HeadReader(1000).feed(bytearray(start)) is verdict
+
+
+def test_a_head_fed_a_byte_at_a_time_is_read_as_one_fed_at_once():
+    reader = HeadReader(1000)
+    data = PLAIN + b"\r\nAuthorization: Bearer x\r\n\r\n{}"
+    buf = bytearray()
+    got = None
+    while got is None:
+        buf.append(data[len(buf)])
+        got = reader.feed(buf)
+    assert got is not False and got.size == len(buf) == len(PLAIN) + 29
+    assert got.fields == parse_head(data, 1000).fields
 
 
 async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:

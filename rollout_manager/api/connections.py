@@ -130,8 +130,9 @@ class GuardedProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.lost(self)
-        if self.lane is not None:
+        if self.lane is not None:  # the lane points back here: drop it now, not at the next full collection
             self.lane.connection_lost()
+            self.lane = None
         if self.inner is not None:
             self.inner.connection_lost(exc)
 

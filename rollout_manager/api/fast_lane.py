@@ -3,17 +3,20 @@
 aiohttp's web layer (request and response objects, the middleware chain, the handler task, the payload
 writer) cost 0.03-0.07 ms of CPU per request in benchmark 1 (the same bare proxy on aiohttp's server and
 on a plain asyncio protocol), a third to a half of sglang-router's whole path, and kept the manager
-below the router's requests/s. The lane frames requests itself and takes only the plain case: the request
-line ``POST /generate HTTP/1.1``, well-formed headers, one ``Content-Length`` within the body limit, no
-``Transfer-Encoding``, ``Expect`` or ``Upgrade``, and a body the route accepts as is (see
-:class:`LaneRoute`). Anything else (another route, HTTP/1.0, a chunked body, a head it would have to
-interpret, a body the route refuses or a streaming request) is handed, with every byte received since
-that request began, to aiohttp's handler, which keeps the connection from then on. So errors and every
+below the router's requests/s. The lane frames requests itself and takes only the plain case: a head aiohttp's parser
+would take the same way (``lane_head``: llhttp, strict) with the request line ``POST /generate HTTP/1.1``,
+one ``Content-Length`` within the body limit and nothing the lane would have to interpret, a head the
+route admits (its bearer token, checked before any body is awaited), and a body the route accepts as is
+(see :class:`LaneRoute`). Anything else (another route, HTTP/1.0, a chunked or encoded body, a missing
+token, a body the route refuses or a streaming request) is handed, with every byte received since that
+request began, to aiohttp's handler, which keeps the connection from then on. So errors and every
 other route have one implementation, aiohttp's, and the lane is only ever a shortcut for a request that
 would succeed there too.
 
-Connections stay under the :mod:`connections` guard: the lane reports its phases (busy from a complete
-head to the answer, idle after) exactly as aiohttp's path does.
+Connections stay under the :mod:`connections` guard: the lane reports its phases (busy from an admitted
+head to the answer, idle after) exactly as aiohttp's path does. A caller without the token is aiohttp's
+at once (401), so it never holds a connection busy while it withholds its body. When the connection is
+lost the lane lets go of its buffers and of the connection, so nothing waits for the garbage collector.
 """
 
 from __future__ import annotations
@@ -21,26 +24,17 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from typing import Any, Protocol
 
 from rollout_manager import jsonutil
+from rollout_manager.api.lane_head import HeadReader, LaneHead
 from rollout_manager.errors import INTERNAL_ERROR
 
 log = logging.getLogger("rollout_manager.api.fast_lane")
 
-MAX_HEAD = 8190  # longer heads go to aiohttp, which answers them (its own line and field limits)
-# The whole head of a lane request: its request line, then fields whose names are RFC 9110 tokens and
-# whose values hold no control byte but tab (so no bare CR or LF, no folded lines).
-HEAD = re.compile(rb"POST /generate HTTP/1\.1(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*)*")
-# The fields the lane and the route read, and those whose presence sends the request to aiohttp (the
-# lane does not implement what they ask for). Each may appear once; one regex finds them all.
-FIELD = re.compile(rb"\r\n(content-length|connection|authorization|x-trajectory-key|transfer-encoding|expect|upgrade)"
-                   rb":[ \t]*([^\r]*)", re.IGNORECASE)
-DECLINED = frozenset({"transfer-encoding", "expect", "upgrade"})
 PIPELINE_BUFFER = 1 << 20  # bytes of later requests buffered while one runs; then reading pauses
 
 
@@ -55,9 +49,13 @@ class LaneStats:
 
 
 class LaneRoute(Protocol):
-    """The route's side: ``check`` runs at once on the complete request and returns what ``run`` needs, or
-    None when aiohttp's path must answer it (a refusal, a streaming request); ``run`` answers it (status
-    and JSON body) and never raises: its errors are answers too."""
+    """The route's side: ``admit`` runs on the head, before any body is awaited, and is False for a head
+    aiohttp's path must answer (no token, a field the route refuses); ``check`` runs at once on the
+    complete request and returns what ``run`` needs, or None when aiohttp's path must answer it (a
+    refusal, a streaming request); ``run`` answers it (status and JSON body) and never raises: its errors
+    are answers too."""
+
+    def admit(self, headers: dict[str, str]) -> bool: ...
 
     def check(self, headers: dict[str, str], body: bytes) -> Any | None: ...
 
@@ -74,24 +72,6 @@ class LaneOwner(Protocol):
     def lane_busy(self) -> None: ...
 
     def lane_idle(self) -> None: ...
-
-
-def parse_head(head: bytes, max_body: int) -> tuple[dict[str, str], int] | None:
-    """The fields the lane reads (names lower-cased) and the body length of a lane request, or None when
-    aiohttp must take it. ``head`` is everything before the blank line. A few regex passes in C: the
-    head is parsed for every request, and a loop over its lines in Python cost 7 µs of it."""
-    if HEAD.fullmatch(head) is None:
-        return None
-    fields: dict[str, str] = {}
-    for name, value in FIELD.findall(head):
-        key = name.decode("ascii").lower()
-        if key in fields or key in DECLINED:
-            return None
-        fields[key] = value.rstrip(b" \t").decode("utf-8", "surrogateescape")  # as aiohttp decodes them
-    length = fields.get("content-length", "")
-    if not (length.isdigit() and length.isascii()) or int(length) > max_body:
-        return None
-    return fields, int(length)
 
 
 class _Clock:
@@ -130,7 +110,8 @@ class FastLane:
         self.body_timeout_s = body_timeout_s
         self.on_body_timeout = on_body_timeout  # the 408 answer's JSON body (and the refusal counted)
         self.buf = bytearray()
-        self.head: tuple[dict[str, str], int, int] | None = None  # fields, body start, body length
+        self.reader: HeadReader | None = None  # the head being received
+        self.head: LaneHead | None = None  # the head of the request whose body is awaited or that runs
         self.task: asyncio.Task[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.write_paused = False
@@ -152,6 +133,7 @@ class FastLane:
         self._cancel_timer()
         if self.task is not None:
             self.task.cancel()
+        self.buf, self.reader, self.head = bytearray(), None, None  # up to max_body each: not left to gc
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -167,33 +149,34 @@ class FastLane:
         does not take."""
         if self.done:
             return
-        if self.head is None:
-            end = self.buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
-            if end < 0:
-                if len(self.buf) > MAX_HEAD:
-                    self._hand_over()
+        head = self.head
+        if head is None:
+            if self.reader is None:
+                self.reader = HeadReader(self.max_body)
+            got = self.reader.feed(self.buf)
+            if got is None:
                 return
-            parsed = parse_head(bytes(self.buf[:end]), self.max_body)
-            if parsed is None:
+            if not isinstance(got, LaneHead) or not self.route.admit(got.fields):  # HAND_OVER, or a refusal
                 self._hand_over()
                 return
-            self.head = (parsed[0], end + 4, parsed[1])
+            head = self.head = got
+            self.reader = None
             self.owner.lane_busy()
-        fields, start, length = self.head
+        start, length = head.size, head.length
         if len(self.buf) < start + length:
             if self.timer is None:
                 self.timer = asyncio.get_running_loop().call_later(self.body_timeout_s, self._body_late)
             return
         self._cancel_timer()
         try:
-            prepared = self.route.check(fields, bytes(self.buf[start:start + length]))
+            prepared = self.route.check(head.fields, bytes(self.buf[start:start + length]))
         except Exception:  # a bug in a check: aiohttp's path runs the same checks and answers 500 for it
             log.exception("checking POST /generate on the fast lane")
             prepared = None
         if prepared is None:
             self._hand_over()
             return
-        close = "close" in fields.get("connection", "").lower()
+        close = not head.keep_alive
         self.task = asyncio.get_running_loop().create_task(self._answer(prepared, start + length, close))
 
     async def _answer(self, prepared: Any, size: int, close: bool) -> None:

@@ -17,7 +17,15 @@ from pydantic import BaseModel, ValidationError
 
 from rollout_manager import jsonutil
 from rollout_manager.bearer import bearer_matches, bearer_value
-from rollout_manager.errors import INTERNAL_ERROR, InvalidField, InvalidJSON, ManagerError, TooLarge, Unauthorized
+from rollout_manager.errors import (
+    INTERNAL_ERROR,
+    BadRequest,
+    InvalidField,
+    InvalidJSON,
+    ManagerError,
+    TooLarge,
+    Unauthorized,
+)
 from rollout_manager.validation import describe_validation_error
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
@@ -75,6 +83,9 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
         if timeout is None:  # not the body's bound: someone else's timeout
             raise
         raise BodyTimeout.after(timeout) from None
+    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding the body is not in: the caller's mistake
+        detail = str(exc).split("message:", 1)[-1].strip()
+        raise BadRequest(f"request body could not be read: {detail}") from None
     return decode_json(raw, limit, optional=optional)
 
 

@@ -183,19 +183,24 @@ class GenerateLane:
         self.key_header = KEY_HEADER.lower()
         self.stats = LaneStats()
 
-    def check(self, headers: dict[str, str], body: bytes) -> tuple[Any, str | None] | None:
+    def admit(self, headers: dict[str, str]) -> bool:
+        """What the head decides, before any body is awaited: without the token (or with a trajectory
+        key :func:`generate` refuses) aiohttp's path answers at once, and the caller never holds the
+        connection busy while it withholds its body."""
         if self.token and not bearer_matches(headers.get("authorization", ""), self.token):
-            return None
+            return False
         key = headers.get(self.key_header)
-        if key is not None and not 1 <= len(key) <= KEY_MAX_LEN:
-            return None
+        return key is None or 1 <= len(key) <= KEY_MAX_LEN
+
+    def check(self, headers: dict[str, str], body: bytes) -> tuple[Any, str | None] | None:
+        """An admitted head's body: what :func:`generate` would run, or None for aiohttp to answer."""
         try:
             data = decode_json(body, self.max_body)
             if validate(data, GenerateRequest).stream:
                 return None
         except ManagerError:
             return None
-        return data, key
+        return data, headers.get(self.key_header)
 
     async def run(self, prepared: tuple[Any, str | None]) -> tuple[int, bytes]:
         generator = self.manager.generator
