@@ -266,6 +266,9 @@ class Generator:
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
+        # Since when the sequence fails without making progress (None: it is not failing): its retries
+        # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
+        failing_since: float | None = None
         if seq.budget == 0:
             # Answered here: SGLang would run a prefill and report a log-prob for a token it never
             # returns. Nothing to generate, so no instance is needed.
@@ -293,13 +296,14 @@ class Generator:
                 prefer = table.lookup(keys) if table is not None and keys is not None and first else None
                 try:
                     inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
-                                                         avoid={i.id for i in tried}, prefer=prefer, allow=allow)
+                                                         avoid={i.id for i in tried}, prefer=prefer, allow=allow,
+                                                         since=failing_since)
                 except Unavailable as exc:
                     self.stats["failed"] += 1
                     if seq.refused is not None:  # nobody could check the refusal: it stands
                         _, status, error = seq.refused
                         raise GenerationFailed(status, wire.error_message(error), error) from None
-                    raise GenerationFailed(503, str(exc)) from None
+                    raise GenerationFailed(503, _with_failures(str(exc), seq)) from None
                 if table is not None and keys is not None and first:
                     self._count_affinity(prefer, inst)
                     table.placed(keys, inst.id)
@@ -309,7 +313,12 @@ class Generator:
                 self.stats["continuations"] += 1
                 log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
                          len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
+            failures = len(seq.failures)
             await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
+            if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
+                failing_since = None  # it made progress: a failure from here starts a new wait
+            if len(seq.failures) > failures and failing_since is None:
+                failing_since = self.dispatcher.clock()
         self.stats["tokens"] += len(seq.output_ids)
         if table is not None and keys is not None and seq.segments:
             table.finished(keys, seq.output_ids, seq.segments[-1].instance)
@@ -559,6 +568,15 @@ class Generator:
         if seq.discarded:  # a staleness restart: what was thrown away stays visible
             out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
         return out
+
+
+def _with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
+    """``message``, and what the sequence's attempts failed with (the last ``shown`` of them)."""
+    if not seq.failures:
+        return message
+    last = "; ".join(seq.failures[-shown:])
+    more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
+    return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
