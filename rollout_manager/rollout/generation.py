@@ -30,6 +30,7 @@ from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.scheduling import TailMigration
 from rollout_manager.rollout.sequence import Segment, SequenceState, within_version
+from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
     CallBounds,
@@ -162,21 +163,30 @@ class Generator:
         return await self.guarded(self._generate_batch(body, trajectory_key))
 
     @staticmethod
-    def _split(body: dict[str, Any], trajectory_key: str | None) -> list[tuple[dict[str, Any], str | None]]:
-        """One body per sequence, each with its trajectory key (stripped: engines refuse unknown keys)."""
-        n = len(body["input_ids"]) if wire.is_batched(body) else 1
-        body, keys = aff.take_keys(body, n, trajectory_key)
-        return list(zip(wire.split_batch(body), keys))
+    def _items(body: dict[str, Any], trajectory_key: str | None) -> tuple[dict[str, Any], list[str | None]]:
+        """The body without trajectory keys, and each sequence's key; :func:`wire.batch_item` gives
+        sequence ``i``'s own body when it starts (see :mod:`.window`)."""
+        return aff.take_keys(body, len(body["input_ids"]) if wire.is_batched(body) else 1, trajectory_key)
 
     async def _generate_batch(self, body: dict[str, Any], trajectory_key: str | None) -> list[dict[str, Any]]:
-        tasks = [asyncio.ensure_future(self.run_sequence(sub, index=i, trajectory_key=key))
-                 for i, (sub, key) in enumerate(self._split(body, trajectory_key))]
+        body, keys = self._items(body, trajectory_key)
+        results: list[dict[str, Any]] = []
+
+        async def one(i: int) -> None:
+            results[i] = await self.run_sequence(wire.batch_item(body, i), index=i, trajectory_key=keys[i])
+
+        results.extend({} for _ in keys)
+        window = StartWindow(self.dispatcher, len(keys), one)
         try:
-            return list(await asyncio.gather(*tasks))
+            window.fill()
+            while window.done < len(keys) and window.error is None:
+                window.wake.clear()
+                await window.wake.wait()
+            if window.error is not None:
+                raise window.error
+            return results
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await window.close()
 
     async def generate_stream(self, body: dict[str, Any],
                               trajectory_key: str | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
@@ -190,20 +200,23 @@ class Generator:
         batched = wire.is_batched(body)
         queue: asyncio.Queue[tuple[int, SequenceState | dict[str, Any] | GenerationFailed]] = asyncio.Queue()
 
-        async def one(i: int, sub: dict[str, Any], key: str | None) -> None:
+        body, keys = self._items(body, trajectory_key)
+
+        async def one(i: int) -> None:
             try:
-                final = await self.run_sequence(sub, i if batched else None,
-                                                on_tokens=lambda seq: queue.put_nowait((i, seq)), trajectory_key=key)
+                final = await self.run_sequence(wire.batch_item(body, i) if batched else body, i if batched else None,
+                                                on_tokens=lambda seq: queue.put_nowait((i, seq)),
+                                                trajectory_key=keys[i])
                 queue.put_nowait((i, final))
             except GenerationFailed as exc:
                 queue.put_nowait((i, exc))
 
-        tasks = [asyncio.ensure_future(one(i, sub, key))
-                 for i, (sub, key) in enumerate(self._split(body, trajectory_key))]
-        tasks.append(asyncio.ensure_future(self._fail_on_stop(queue)))
+        window = StartWindow(self.dispatcher, len(keys), one)
+        stop = asyncio.ensure_future(self._fail_on_stop(queue))
         finished = 0
         try:
-            while finished < len(tasks) - 1:
+            window.fill()
+            while finished < len(keys):
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
@@ -222,9 +235,9 @@ class Generator:
                 out.extend(self._partial(seq, i if batched else None) for i, seq in partial.items())
                 yield out
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            stop.cancel()
+            await window.close()
+            await asyncio.gather(stop, return_exceptions=True)
 
     async def _fail_on_stop(self, queue: asyncio.Queue[Any]) -> None:
         await self.stopping.wait()
