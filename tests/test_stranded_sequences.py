@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fakes import FakeProbe, FakeSGLang, register_active, start_fakes
+from aiohttp import web
+from fakes import FakeProbe, FakeSGLang, register_active
 from support import async_wait_until
 
 from rollout_manager.errors import Unavailable
@@ -48,8 +49,12 @@ class Rig:
 
 
 @pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    (fake,) = await start_fakes(1)
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    """One fake instance (``NotJson`` when the test is parametrized with that name), probed as the
+    manager probes: every probe passes."""
+    callspec = getattr(request.node, "callspec", None)
+    not_json = callspec is not None and callspec.params.get("name") == NOT_JSON
+    fake = await (NotJson() if not_json else FakeSGLang()).start()
     session = aiohttp.ClientSession()
     registry = Registry()
     health = HealthMonitor(registry, WeightVersion(), FakeProbe(200), HEALTH)
@@ -110,20 +115,36 @@ def body(n: int = 6) -> dict[str, Any]:
     return {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": n}}
 
 
-@pytest.mark.parametrize("name", list(BROKEN))
+NOT_JSON = "a frame that is not JSON"
+
+
+class NotJson(FakeSGLang):
+    """Every /generate answers 200 with an event stream whose frame is not JSON."""
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: <html>not JSON</html>\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@pytest.mark.parametrize("name", [*BROKEN, NOT_JSON])
 async def test_a_sequence_failing_on_the_only_instance_ends_with_a_503_naming_the_failures(rig: Rig,
                                                                                          name: str) -> None:
     rig.inst.vocab_size = 1000  # as health records it from /model_info
-    rig.fake.rewrite = BROKEN[name]
+    if name in BROKEN:
+        rig.fake.rewrite = BROKEN[name]
     t0 = time.monotonic()
     with pytest.raises(GenerationFailed) as info:
         await asyncio.wait_for(rig.generator.generate(body()), 10 * WAIT_S)  # a hang fails here
     took = time.monotonic() - t0
     assert info.value.status == 503
     message = str(info.value)
-    assert rig.inst.endpoint in message and "bad chunk" in message, message
-    assert took < 3 * WAIT_S, took
-    assert rig.failures and all("bad chunk" in f for f in rig.failures)
+    assert rig.inst.endpoint in message and "failed on" in message, message
+    assert took < WAIT_S + 2, took  # the wait, and a little for the attempts
+    assert rig.failures and all(f in message for f in rig.failures[-1:])
     assert rig.inst.failures_total == len(rig.failures)  # each counted, though every probe passed since
     assert rig.inst.in_flight == 0 and rig.generator.dispatcher.waiting == 0
 
@@ -148,7 +169,7 @@ async def test_the_same_inside_a_batch(rig: Rig) -> None:
         return [line async for lines in run_batch(rig.generator, items) for line in lines]
 
     lines = await asyncio.wait_for(collect(), 10 * WAIT_S)
-    assert time.monotonic() - t0 < 4 * WAIT_S
+    assert time.monotonic() - t0 < WAIT_S + 3
     assert sorted(line["id"] for line in lines) == ["r0", "r1", "r2", "r3"]
     for line in lines:
         assert line["success"] is False and line["status_code"] == 503, line
@@ -172,7 +193,7 @@ async def test_the_daemon_answers_503_on_generate_and_in_an_ndjson_batch(start_m
         t0 = time.monotonic()
         status, answer = await asyncio.wait_for(m.post("/generate", body()), 10)
         assert status == 503 and endpoint in answer["error"] and "completion_tokens 99" in answer["error"], answer
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 5  # 1 s of wait, the attempts, a loaded machine
         items = [[f"r{k}", body()] for k in range(3)]
         lines: list[dict[str, Any]] = []
         async with m.session.post(m.url + "/batch_generate_requests", json=items) as r:
@@ -182,7 +203,7 @@ async def test_the_daemon_answers_503_on_generate_and_in_an_ndjson_batch(start_m
         assert sorted(line["id"] for line in lines) == ["r0", "r1", "r2"]
         assert all(not line["success"] and line["status_code"] == 503 and endpoint in line["error"]
                    for line in lines), lines
-        assert time.monotonic() - t0 < 6
+        assert time.monotonic() - t0 < 12
         (inst,) = (await m.status())["instances"]
         assert inst["state"] == "active" and inst["failures_total"] >= 4 and inst["in_flight"] == 0
     finally:
