@@ -12,6 +12,7 @@ from typing import Any
 
 from rollout_manager import __version__, ops
 from rollout_manager.config import ConfigError, load_config, parse_set_option
+from rollout_manager.extras import missing_extra_message
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -83,13 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     serve.set_defaults(func=_serve)
 
-    sub.add_parser("demo", help="the whole system on this machine: manager, CPU boxes, a training loop",
-                   add_help=False)
-    sub.add_parser("receiver-agent", help="the weight receiver that runs beside SGLang on a rollout box",
-                   add_help=False)
+    sub.add_parser("demo", help="the whole system on this machine: manager, CPU boxes, a training loop "
+                   "(extra: demo)", add_help=False)
+    sub.add_parser("receiver-agent", help="the weight receiver that runs beside SGLang on a rollout box "
+                   "(extra: cuda or cpu)", add_help=False)
     sub.add_parser(
         "cpu-engine",
-        help="run the SGLang-compatible CPU engine (tests, demo)",
+        help="run the SGLang-compatible CPU engine (tests, demo; extra: cpu-engine)",
         add_help=False,
     )
     ops.add_subcommands(sub)  # status, drain, push-status, watch: talk to a running manager
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and (missing := missing_extra_message(argv[0])) is not None:
+        print(missing, file=sys.stderr)
+        return 1
     if argv and argv[0] == "cpu-engine":
         return _cpu_engine(argv[1:])
     if argv and argv[0] == "demo":

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install rollout-manager into ./.venv on a fresh machine (CPU build of Mooncake; tests included).
-# Idempotent: a second run only checks. Env: PYTHON (default python3), EXTRAS (default cpu,test,lint),
+# Idempotent: a second run only checks. Env: PYTHON (default python3), EXTRAS (default: every extra but cuda, sglang and bench),
 # WITH_VERL (default 1: verl 0.9.1 for the trainer plugin and its tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-cpu,test,lint}
+EXTRAS=${EXTRAS:-cpu,agent,cpu-engine,demo,verl,test,lint}
 
 # Mooncake's transfer engine links libibverbs even in its TCP-only CPU build.
 if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then

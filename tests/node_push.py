@@ -1,6 +1,6 @@
 """One training rank of a simulated multi-node job, for tests/test_trainer_plugin_weights.py.
 
-Each process stands for one node's local rank zero: it joins a gloo group with the others, then
+Each process stands for one node (its node id is its sender IP): it joins a gloo group with the others, then
 hands a model's full weights to the plugin's default weight-push hook for each requested version
 (seed ``S`` -> ``build_model(S)``), with its own node IP. Prints one JSON line per push.
 """
@@ -22,7 +22,7 @@ async def main(args: argparse.Namespace) -> None:
     try:
         for version, seed in enumerate(args.seeds, start=1):
             ctx = weight_push.WeightPushContext(rank=args.rank, world_size=args.world, manager_url=args.manager,
-                                                rollout_config=config, local_rank=0)
+                                                rollout_config=config, node_id=args.sender_ip)
             weights = iter(build_model(seed).state_dict().items())
             result = await weight_push.push_to_rollout_manager(weights, version, ctx)
             print(json.dumps({"rank": args.rank, "version": version, **result}), flush=True)

@@ -3,7 +3,7 @@
 The daemon runs under a lowered open-file limit (soft and hard, since it raises its soft limit to the
 hard one at start) with one CPU engine registered. While the slow connections trickle, ``/health`` is
 asked every quarter second on a fresh connection. Used by ``test_hostile_callers.py`` at a small scale
-and, run as a script, for the README figures::
+and, run as a script, for the figures in docs/reliability.md::
 
     .venv/bin/python tests/slowloris.py --connections 1010 --nofile 1024 --duration 40
 """

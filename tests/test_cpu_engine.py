@@ -19,7 +19,7 @@ import torch
 from support import PY, Proc, async_wait_until, wait_http_ok_sync, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, state_dict_checksums, tensor_checksum
-from rollout_manager.sglang import wire
+from rollout_manager.sglang import tensor_payload, wire
 
 PROMPT = [11, 22, 33, 44, 55]
 GREEDY = {"temperature": 0.0}
@@ -620,12 +620,13 @@ async def test_update_weights_from_tensor_then_sigterm(engines, session):
 
     # Rejected pushes change nothing: unknown name, wrong shape, garbage payload.
     bad_name = wire.update_weights_from_tensor_body(
-        [wire.serialize_named_tensors(named[:3] + [("model.layers.9.mlp.up_proj.weight", torch.zeros(2))])],
+        [tensor_payload.serialize_named_tensors(named[:3] + [("model.layers.9.mlp.up_proj.weight", torch.zeros(2))])],
         flush_cache=True, weight_version="bad")
     status, out = await post(session, e.url + wire.UPDATE_WEIGHTS_FROM_TENSOR, bad_name)
     assert status == 400 and out["success"] is False and "unknown parameter" in out["message"]
     bad_shape = wire.update_weights_from_tensor_body(
-        [wire.serialize_named_tensors([("lm_head.weight", torch.zeros(4, 4))])], flush_cache=True, weight_version=None)
+        [tensor_payload.serialize_named_tensors([("lm_head.weight", torch.zeros(4, 4))])], flush_cache=True,
+        weight_version=None)
     status, out = await post(session, e.url + wire.UPDATE_WEIGHTS_FROM_TENSOR, bad_shape)
     assert status == 400 and "shape" in out["message"]
     for payload in ("%%%not base64", base64.b64encode(pickle.dumps([("x", print)])).decode()):
@@ -636,14 +637,14 @@ async def test_update_weights_from_tensor_then_sigterm(engines, session):
 
     # A push in two buckets (flush on the last), the second through shared memory like SGLang's serializer.
     half = len(named) // 2
-    body1 = wire.update_weights_from_tensor_body([wire.serialize_named_tensors(named[:half])], flush_cache=False,
-                                                 weight_version=None)
+    body1 = wire.update_weights_from_tensor_body([tensor_payload.serialize_named_tensors(named[:half])],
+                                                 flush_cache=False, weight_version=None)
     status, out = await post(session, e.url + wire.UPDATE_WEIGHTS_FROM_TENSOR, body1)
     assert status == 200 and out["success"] is True, out
     strategy = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
-        payload = wire.serialize_named_tensors(named[half:], share_memory=True)
+        payload = tensor_payload.serialize_named_tensors(named[half:], share_memory=True)
         body2 = wire.update_weights_from_tensor_body([payload, payload], flush_cache=True, weight_version="7")
         status, out = await post(session, e.url + wire.UPDATE_WEIGHTS_FROM_TENSOR, body2)
     finally:

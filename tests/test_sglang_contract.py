@@ -22,7 +22,7 @@ from rollout_manager.cpu_engine.contract import abort_contract_error, api_types_
 from rollout_manager.cpu_engine.engine import EngineConfig
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.cpu_engine.server import create_app
-from rollout_manager.sglang import wire
+from rollout_manager.sglang import tensor_payload, wire
 from trainer_plugin.proxy import build_generate_body
 from trainer_plugin.streaming import RolloutStream
 
@@ -125,7 +125,7 @@ def weight_bodies() -> list[tuple[str, str, dict[str, Any]]]:
     return [
         (wire.BEGIN_WEIGHT_UPDATE, "BeginWeightUpdateReqInput", wire.begin_weight_update_body()),
         (wire.UPDATE_WEIGHTS_FROM_TENSOR, "UpdateWeightsFromTensorReqInput",
-         wire.update_weights_from_tensor_body([wire.serialize_named_tensors(tensors)], flush_cache=True,
+         wire.update_weights_from_tensor_body([tensor_payload.serialize_named_tensors(tensors)], flush_cache=True,
                                               weight_version="1")),
         (wire.END_WEIGHT_UPDATE, "EndWeightUpdateReqInput", wire.end_weight_update_body()),
         (wire.UPDATE_WEIGHT_VERSION, "UpdateWeightVersionReqInput", wire.update_weight_version_body(1)),

@@ -24,7 +24,7 @@ from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.launch import box
-from rollout_manager.sglang import wire
+from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage
 from rollout_manager.weights.mooncake_engine import MooncakeEngine, TransferError
 from rollout_manager.weights.receiver_agent import CommitRefused, ReceiverAgent
@@ -84,7 +84,7 @@ def named_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def body(named: list[tuple[str, torch.Tensor]], ranks: int = 1, **kw: Any) -> dict[str, Any]:
-    payload = wire.serialize_named_tensors(named)
+    payload = tensor_payload.serialize_named_tensors(named)
     return wire.update_weights_from_tensor_body([payload] * ranks, flush_cache=kw.get("flush", True),
                                                 weight_version=kw.get("version"))
 
@@ -128,7 +128,7 @@ async def test_a_tp_2_engine_wants_one_payload_per_rank(start_engine: StartEngin
     assert status == 400 and "tp_size=2" in out["message"] and "one per rank" in out["message"]
     other = [(n, t + 1) for n, t in new]  # rank 1 handed other values than rank 0
     mixed = wire.update_weights_from_tensor_body(
-        [wire.serialize_named_tensors(new), wire.serialize_named_tensors(other)], flush_cache=True,
+        [tensor_payload.serialize_named_tensors(new), tensor_payload.serialize_named_tensors(other)], flush_cache=True,
         weight_version=None)
     status, out = await e.post(wire.UPDATE_WEIGHTS_FROM_TENSOR, mixed)
     assert status == 400 and "TP rank 1's payload differs" in out["message"]

@@ -24,6 +24,7 @@ from rollout_manager.sglang import wire
 
 from .client import ManagerClient
 from .request_batcher import RequestBatcher
+from .trajectory_keys import TrajectoryKeys
 
 log = logging.getLogger("trainer_plugin.proxy")
 
@@ -36,13 +37,15 @@ _RENAMED = {"seed": "sampling_seed"}
 
 
 def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None, *,
-                        prompt_length: int, response_length: int, max_model_len: int | None = None) -> dict[str, Any]:
+                        prompt_length: int, response_length: int, max_model_len: int | None = None,
+                        trajectory_key: str | None = None) -> dict[str, Any]:
     """verl's sampling dict -> a manager ``/generate`` body, as verl's own SGLang server does it.
 
     ``max_new_tokens``: the caller's ``max_new_tokens``/``max_tokens``, else
     ``min(response_length, prompt_length + response_length - len(prompt))``; clamped to what the
-    model context leaves. ``logprobs`` -> ``return_logprob``. ``request_id`` is both the engine's
-    ``rid`` and the manager's ``trajectory_key`` (affinity; the manager strips it before the engine).
+    model context leaves. ``logprobs`` -> ``return_logprob``. ``request_id`` is the engine's ``rid``;
+    ``trajectory_key`` (default: ``request_id``) the manager's affinity key, which it strips before the
+    engine (see :mod:`trainer_plugin.trajectory_keys` for the key verl's agent loops get).
     """
     params = dict(sampling_params)
     if params.get("max_new_tokens") is not None:
@@ -71,9 +74,9 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
         body["return_logprob"] = True
     if request_id:
         body["rid"] = str(request_id)
-        # verl's agent loops pass one request_id per trajectory, the same for every turn: the manager
-        # sends each next turn to the instance whose prefix cache holds the conversation so far.
-        body["trajectory_key"] = str(request_id)
+    key = trajectory_key or request_id
+    if key:
+        body["trajectory_key"] = str(key)
     return body
 
 
@@ -136,6 +139,8 @@ class ManagerProxyServer:
         self.max_batch = max_batch
         self._client: ManagerClient | None = None
         self._batcher: RequestBatcher | None = None
+        # verl sends a fresh request id per turn: the trajectory is recognised by its token context
+        self.trajectories = TrajectoryKeys()
 
     @property
     def client(self) -> ManagerClient:
@@ -163,12 +168,15 @@ class ManagerProxyServer:
                                       "sequences token by token and does not forward multi-modal data")
         if hasattr(prompt_ids, "tolist"):
             prompt_ids = prompt_ids.tolist()
-        body = build_generate_body(list(prompt_ids), sampling_params, request_id,
+        prompt_ids = list(prompt_ids)
+        key = self.trajectories.key_for(prompt_ids, str(request_id))
+        body = build_generate_body(prompt_ids, sampling_params, request_id,
                                    prompt_length=self.prompt_length, response_length=self.response_length,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, trajectory_key=key)
         batcher = self.batcher
         result = await (batcher.generate(body) if batcher is not None else self.client.generate(body))
         fields = token_output_fields(result, bool(body.get("return_logprob")), self.global_steps)
+        self.trajectories.finished(key, prompt_ids, fields["token_ids"])
         extra = fields["extra_fields"]
         if extra["global_steps"] is not None:  # the newest integer version seen stands in for unknown ones
             self.global_steps = max(self.global_steps or 0, extra["global_steps"])

@@ -73,9 +73,11 @@ class ManagerSettings:
     config_path: str | None = None
     # Where the manager listens. 0.0.0.0: rollout boxes on other hosts register with it.
     host: str = "0.0.0.0"
-    # How the trainer's processes reach it; empty: this node's IP (or 127.0.0.1 when host is loopback).
+    # The host every trainer process reaches it at; empty: in Ray, the URL the replica launch published
+    # (trainer_plugin.manager_address); outside Ray, host (127.0.0.1 for a wildcard host)
     address: str = ""
-    # start it on rank zero (or attach to one already listening); false: use one started elsewhere
+    # start it where verl launches the replicas, its TaskRunner (or attach to one already listening);
+    # false: use one started elsewhere
     launch: bool = True
     attach_existing: bool = True
     startup_timeout_s: float = 60.0
@@ -86,7 +88,7 @@ class ManagerSettings:
     weight_push: str = "trainer_plugin.weight_push:push_to_rollout_manager"
     # each trainer node's interfaces for weight traffic (then filtered by the manager's
     # allowed_sender_ips): IPs as given, or CIDRs that pick each node's own addresses inside them;
-    # empty: the address of the node's route to the manager
+    # empty: the address Ray knows the node by (outside Ray: the node's route to the manager)
     sender_ips: tuple[str, ...] = ()
     # after a push: wait until "all" remote instances serve the new version, a number of them, or "none"
     weight_push_wait: str = "all"

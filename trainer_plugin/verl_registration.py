@@ -9,7 +9,8 @@ verl 0.9.1 loads every ``verl.plugins`` entry point at the end of ``verl/__init_
 driver and in every Ray worker that imports verl) and logs a failure only at debug level, so
 :data:`REGISTERED` and :func:`check_registered` exist to make a broken install loud.
 
-Two registrations make a rollout name usable (DESIGN.md section 9):
+Two registrations make a rollout name usable in verl 0.9.1 (``verl/workers/rollout/replica.py`` and
+``verl/workers/rollout/base.py``):
 
 - ``RolloutReplicaRegistry.register(name, loader)``: server side, resolved by ``LLMServerManager``;
   the loader imports :mod:`trainer_plugin.verl_rollout` only when the backend is used;
@@ -101,7 +102,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+TRAINER_MODULE = "trainer_plugin.verl_trainer"
+
+
 def _register_trainer() -> None:
+    module = sys.modules.get(TRAINER_MODULE)
+    if module is not None and not hasattr(module, "register"):
+        return  # verl's V1 package is being loaded by that module's own import: it registers at its end
     from .verl_trainer import register as register_trainer
 
     register_trainer()

@@ -11,7 +11,15 @@ A rollout backend in verl 0.9.1 is two registrations under one name (see
   the manager, which does the real balancing over the remote instances.
 - :class:`ManagerServerAdapter` (``_ROLLOUT_REGISTRY[(name, "async")]``): what each training rank
   builds. ``resume``/``release`` are no-ops (no colocated engine); ``update_weights`` hands the
-  weights to the weight-push hook (:mod:`trainer_plugin.weight_push`).
+  weights to the weight-push hook (:mod:`trainer_plugin.weight_push`) with this rank's node (from
+  Ray, see :mod:`trainer_plugin.node_layout`) and the manager URL the replica published
+  (:mod:`trainer_plugin.manager_address`).
+
+LoRA: only merged adapters (``actor_rollout_ref.model.lora.merge=True``) are supported; verl then
+hands over full HF-named weights once per step. Unmerged LoRA is refused at start-up
+(:func:`refuse_unmerged_lora`): verl would call ``update_weights`` twice with one ``global_steps``
+(base weights, then adapter-only tensors SGLang must load through its LoRA endpoints), and the
+weight push carries full state dicts into ``load_weights`` only.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ from verl.workers.rollout.replica import RolloutReplica
 
 from rollout_manager.osutil import format_endpoint
 
+from . import manager_address
 from .launcher import ManagerProcess
+from .node_layout import this_node_id, this_node_ip
 from .proxy import ManagerProxyServer
-from .settings import PluginSettings, from_rollout_config
+from .settings import ROLLOUT_NAME, PluginSettings, from_rollout_config
 from .weight_push import WeightPush, WeightPushContext, call_weight_push, load_weight_push
 
 log = logging.getLogger("trainer_plugin.verl")
@@ -63,11 +73,32 @@ def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
         return proc
 
 
+LORA_MERGE_KEY = "actor_rollout_ref.model.lora.merge"
+
+
+def refuse_unmerged_lora(model_config: Any) -> None:
+    """Fail at start-up on LoRA served as an adapter (``lora.merge`` False, verl's default).
+
+    verl then syncs weights as base tensors and adapter tensors under one ``global_steps``; the push
+    would publish two different payloads as one version and load adapter tensors as if they were the
+    model's. Merged LoRA arrives as full weights and is pushed as any other step."""
+    if model_config is None:
+        return
+    lora = getattr(model_config, "lora", None) or {}
+    rank = max(int(getattr(model_config, "lora_rank", 0) or 0), int(lora.get("rank", 0) or 0))
+    if rank > 0 and not lora.get("merge", False):
+        raise NotImplementedError(
+            f"rollout.name={ROLLOUT_NAME} with LoRA (rank {rank}) needs {LORA_MERGE_KEY}=true: unmerged "
+            "adapters (verl's default) are not pushed to the remote SGLang instances, which get full merged "
+            f"weights each step; set +{LORA_MERGE_KEY}=true")
+
+
 class DisaggregatedReplica(RolloutReplica):
     """A replica whose "server" is a proxy for the rollout manager."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        refuse_unmerged_lora(self.model_config)
         self.settings: PluginSettings = from_rollout_config(self.config)
         self.manager: ManagerProcess | None = None
 
@@ -89,7 +120,9 @@ class DisaggregatedReplica(RolloutReplica):
         # The blocking start-up (probe, spawn, wait for /health) runs off the event loop; the launcher
         # forks from its own long-lived thread so PR_SET_PDEATHSIG stays tied to this process.
         self.manager = await asyncio.to_thread(ensure_manager, self.settings)
-        url = self.settings.manager_url
+        # published once, here (verl runs this in its TaskRunner, wherever Ray placed it): the training
+        # ranks on every node read it instead of guessing it from their own node
+        url = await asyncio.to_thread(manager_address.publish, manager_address.launch_url(self.settings))
         proxy = ray.remote(ManagerProxyServer).options(
             name=PROXY_ACTOR_NAME, get_if_exists=True, num_cpus=0, max_concurrency=self.max_concurrency,
         ).remote(url, prompt_length=self.config.prompt_length, response_length=self.config.response_length,
@@ -110,9 +143,12 @@ class ManagerServerAdapter(BaseRollout):
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, **kwargs: Any):
         super().__init__(config, model_config, device_mesh)
+        refuse_unmerged_lora(model_config)  # in every training rank's init_model, before any step
         self.settings = from_rollout_config(self.config)
         self.replica_rank = replica_rank
         self._push: WeightPush | None = None
+        self._manager_url: str | None = None
+        self._last_steps: int | None = None
 
     async def resume(self, tags: list[str]) -> None:
         return None
@@ -123,14 +159,27 @@ class ManagerServerAdapter(BaseRollout):
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
                              global_steps: int | None = None, wire_format: str = "named_tensors",
                              **kwargs: Any) -> Any:
+        if kwargs.get("peft_config") is not None:
+            raise NotImplementedError(f"LoRA adapter tensors (peft_config given) cannot be pushed: set "
+                                      f"{LORA_MERGE_KEY}=true")
+        if global_steps is not None:
+            if self._last_steps is not None and int(global_steps) == self._last_steps:
+                raise RuntimeError(f"update_weights called twice with global_steps={global_steps}: a second payload "
+                                   "may not be published under a version the instances already have")
         if self._push is None:
             self._push = load_weight_push(self.settings.manager.weight_push)
+        if self._manager_url is None:
+            self._manager_url = await asyncio.to_thread(manager_address.resolve, self.settings)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
         world = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
                  else int(os.environ.get("WORLD_SIZE", 1)))
-        context = WeightPushContext(rank=rank, world_size=world, manager_url=self.settings.manager_url,
-                                    rollout_config=self.config, wire_format=wire_format, kwargs=kwargs)
-        return await call_weight_push(self._push, weights, global_steps, context)
+        context = WeightPushContext(rank=rank, world_size=world, manager_url=self._manager_url,
+                                    rollout_config=self.config, wire_format=wire_format, kwargs=kwargs,
+                                    node_id=this_node_id(), node_ip=this_node_ip())
+        result = await call_weight_push(self._push, weights, global_steps, context)
+        if global_steps is not None:
+            self._last_steps = int(global_steps)
+        return result
 
 
 def rollout_config_of(config: Any) -> Any:

@@ -13,7 +13,9 @@ verl's ``PPOTrainerSync``. A manager that cannot be reached costs a warning, nev
 
 Importing this module imports verl's V1 trainer (TransferQueue included, seconds), so the plugin
 registers it only when verl itself imports ``verl.trainer.ppo.v1`` (see
-:func:`trainer_plugin.verl_registration.register_trainer_when_loaded`).
+:func:`trainer_plugin.verl_registration.register_trainer_when_loaded`). Importing this module first
+registers the mode too (at its end): then verl's V1 package is loaded from here, before
+:func:`register` exists, and the post-import hook leaves the registration to this module.
 """
 
 from __future__ import annotations
@@ -121,3 +123,6 @@ class PPOTrainerSyncWithManager(ManagerMetricsMixin, PPOTrainerSync):
 def register() -> type:
     """Register ``rollout_manager_sync`` (idempotent)."""
     return TRAINER_REGISTRY.get(TRAINER_MODE) or register_trainer(TRAINER_MODE)(PPOTrainerSyncWithManager)
+
+
+register()  # whichever of verl and this module is imported first

@@ -18,7 +18,7 @@ function named by ``actor_rollout_ref.rollout.custom.rollout_manager.weight_push
     a :class:`WeightPushContext`: rank, world size, manager URL, the rollout config.
 
 It may be a coroutine function. The default, :func:`push_to_rollout_manager`, runs one sender agent
-per trainer node (on its local rank zero, which stages the full weights into it), so every node's
+per trainer node (on the node's lowest rank, which stages the full weights into it), so every node's
 NICs carry weight traffic; rank zero reports all nodes' senders to the manager and publishes each
 version once every node has staged it. :func:`discard_weights` pushes nothing.
 """
@@ -30,7 +30,6 @@ import importlib
 import inspect
 import ipaddress
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -77,21 +76,21 @@ class WeightPushContext:
     rollout_config: Any
     wire_format: str = "named_tensors"
     kwargs: dict[str, Any] | None = None
-    # rank within this node (``LOCAL_RANK``); local rank zero runs the node's sender. None: from the env
-    local_rank: int | None = None
+    # the node this rank runs on (ranks that name the same node share its sender; the lowest leads it)
+    # and the node's address; None: from Ray (see trainer_plugin.node_layout), never from LOCAL_RANK
+    node_id: str | None = None
+    node_ip: str | None = None
     comm: NodeComm | None = None
 
-    @property
-    def node_leader(self) -> bool:
-        local = self.local_rank if self.local_rank is not None else int(os.environ.get("LOCAL_RANK", self.rank))
-        return local == 0
 
-
-def resolve_sender_ips(entries: Sequence[str], manager_url: str) -> list[str]:
+def resolve_sender_ips(entries: Sequence[str], manager_url: str, node_ip: str | None = None) -> list[str]:
     """This node's weight-traffic IPs: plain IPs as given; a CIDR picks this node's addresses inside it
-    (so one config line serves every node); nothing given: the address of the route to the manager."""
+    (so one config line serves every node); nothing given: ``node_ip`` (the address Ray knows the node
+    by), else the address of the route to the manager."""
     from rollout_manager.osutil import source_address_toward
 
+    if not entries and node_ip:
+        return [str(ipaddress.ip_address(node_ip))]
     if not entries:
         try:
             return [source_address_toward(manager_url)]
@@ -251,7 +250,7 @@ _PUSHER: tuple[WeightPusher | None, Any] | None = None
 
 async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | None,
                                   context: WeightPushContext) -> dict[str, Any]:
-    """Default hook: every node's local rank zero stages the full weights into its node's sender, one
+    """Default hook: every node's lowest rank stages the full weights into its node's sender, one
     tensor at a time as they are gathered; rank zero publishes them as weight version ``global_steps``
     once all nodes have staged.
 
@@ -272,11 +271,11 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
         if global_steps is not None and context.rank == 0:
             await _check_model_path_version(context.manager_url)
         return {"pushed": False}
-    leader = context.node_leader
     comm = context.comm or TorchDistComm()
-    pusher, client = await _pusher(context, comm, leader)
+    pusher, client = await _pusher(context, comm)
+    leader = pusher is not None and pusher.sender is not None  # the lowest rank of each node
     if leader:
-        assert pusher is not None  # every node leader starts a sender
+        assert pusher is not None
         # Each tensor goes into the sender's buffer as the iterator yields it (in this thread: the
         # iterator's gathers are collectives bound to this thread's device), never a whole second copy.
         pusher.stage_stream(weights, int(global_steps))
@@ -308,14 +307,16 @@ async def _check_model_path_version(manager_url: str) -> None:
             f"manager and its instances, or resume this run from step {current} or later")
 
 
-async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> tuple[WeightPusher | None, Any]:
-    """Set up once per process (collective on the first call): node leaders start their senders,
-    rank zero learns every node's IPs and reports them."""
+async def _pusher(context: WeightPushContext, comm: NodeComm) -> tuple[WeightPusher | None, Any]:
+    """Set up once per process (collective on the first call): the ranks learn which of them share a
+    node, each node's lowest rank starts its sender, rank zero learns every node's IPs and reports them."""
     global _PUSHER
     if _PUSHER is None:
         from .client import ManagerClient
+        from .node_layout import gather_layout
         from .settings import from_rollout_config
 
+        leader = gather_layout(comm, context.rank, context.node_id).is_leader
         settings = from_rollout_config(context.rollout_config).manager
         client = ManagerClient(context.manager_url)
         pusher = None
@@ -327,7 +328,8 @@ async def _pusher(context: WeightPushContext, comm: NodeComm, leader: bool) -> t
                 raw_wait = settings.weight_push_wait
                 wait: int | str | None = (None if raw_wait == "none" else
                                           int(raw_wait) if str(raw_wait).isdigit() else raw_wait)
-                ips = resolve_sender_ips(settings.sender_ips, context.manager_url) if leader else None
+                ips = (resolve_sender_ips(settings.sender_ips, context.manager_url, context.node_ip)
+                       if leader else None)
                 pusher = WeightPusher(context.manager_url, ips or [], senders["weight_sender_base_port"],
                                       protocol=senders["mooncake_transfer_protocol"],
                                       device_name=senders["mooncake_transfer_device_name"],

@@ -1,7 +1,8 @@
 """An SGLang stand-in on CPU: SGLang's HTTP contract over a tiny random torch causal LM.
 
 It serves the manager's tests, demo and benchmarks where no GPU is available, computes every step
-batch-invariantly (exact continuation, DESIGN.md section 8) and can inject faults.
+batch-invariantly (so a sequence continued elsewhere equals the uninterrupted one; see
+docs/architecture.md, "Exactness") and can inject faults.
 
     python -m rollout_manager.cpu_engine --port 30000 --seed 0 [--incremental-streaming-output] [faults]
 """

@@ -3,7 +3,10 @@
 Every decoding step is a full forward over the one sequence's whole token list (no KV cache, no
 batching across sequences), on a fixed number of intra-op threads. The logits at a step are therefore
 a pure function of (weights, tokens so far): a prefix gives the same next token whether it arrived as a
-prompt or was generated here, and whatever else the engine is running (DESIGN.md section 8).
+prompt or was generated here, and whatever else the engine is running. That is what exact continuation
+needs: a KV-cached decode step and a prefill over the same tokens give slightly different floats, as
+does batching with other neighbours, and on a tiny random model a near-tie then flips the argmax
+(docs/architecture.md, "Exactness").
 
 Parameter names follow Hugging Face Llama/Qwen (``model.layers.0.self_attn.q_proj.weight``, ...) so
 that weight pushes address tensors by the same names as for a real model.

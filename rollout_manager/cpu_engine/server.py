@@ -20,7 +20,7 @@ from aiohttp import web
 from rollout_manager.cpu_engine.contract import generate_contract_error
 from rollout_manager.cpu_engine.engine import BadRequest, Engine, EngineConfig, GenerateRequest, Group, SequenceSpec
 from rollout_manager.cpu_engine.model import SamplingParams
-from rollout_manager.sglang import wire
+from rollout_manager.sglang import tensor_payload, wire
 
 log = logging.getLogger("rollout_manager.cpu_engine")
 
@@ -424,7 +424,7 @@ def _own_rank_payloads(payloads: list[str]) -> list[tuple[str, Any]]:
     got the same tensors, each on its own device, and return rank 0's. Raises ValueError."""
     import torch
 
-    ranks = [wire.deserialize_named_tensors(p) for p in payloads]
+    ranks = [tensor_payload.deserialize_named_tensors(p) for p in payloads]
     first = ranks[0]
     for rank, named in enumerate(ranks):
         for _, tensor in named:

@@ -47,7 +47,7 @@ import aiohttp
 import torch
 from aiohttp import web
 
-from rollout_manager.sglang import wire
+from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.weights import delta
 from rollout_manager.weights.agent_auth import token_middleware
 from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
@@ -359,7 +359,7 @@ class ReceiverAgent:
         this agent must see the GPUs as SGLang does (launch_sglang.sh starts both with one environment).
         """
         if not cuda:  # views share the whole buffer's storage, which pickling would copy once per tensor
-            payload = wire.serialize_named_tensors([(n, t.clone()) for n, t in bucket])
+            payload = tensor_payload.serialize_named_tensors([(n, t.clone()) for n, t in bucket])
             return [payload] * info.tp_size, []
         payloads: list[str] = []
         keep: list[torch.Tensor] = []
@@ -371,7 +371,7 @@ class ReceiverAgent:
                                          f"CUDA_VISIBLE_DEVICES")
             on_gpu = [(n, t.to(f"cuda:{gpu}", non_blocking=True)) for n, t in bucket]
             torch.cuda.synchronize(gpu)
-            payloads.append(wire.serialize_named_tensors(on_gpu, share_memory=True))
+            payloads.append(tensor_payload.serialize_named_tensors(on_gpu, share_memory=True))
             keep.extend(t for _, t in on_gpu)
         return payloads, keep
 

@@ -237,7 +237,7 @@ class SenderAgent:
         """The group's engine, bound to ``ip``; created (and given the buffer) on first use.
 
         One engine per group, every shard of a push in flight through it at once: on TCP that
-        measured faster and cheaper in CPU than one engine per shard (README, weight transfer).
+        measured faster and cheaper in CPU than one engine per shard (docs/benchmarks.md, "Weight transfer").
         """
         engine = self._engines.get((ip, transport))
         if engine is None:

@@ -1,7 +1,8 @@
 """Plain multi-stream TCP transport with the same shape as :class:`MooncakeEngine`.
 
-The baseline of DESIGN section 6 and a fallback transport: ``TcpEngine(hostname).start()`` listens on
-``hostname:port`` (``session_id``); ``register(addr, length)`` exposes a memory range; a peer's
+The baseline the Mooncake transport is measured against (docs/benchmarks.md, "Weight transfer") and
+a fallback transport: ``TcpEngine(hostname).start()`` listens on ``hostname:port`` (``session_id``);
+``register(addr, length)`` exposes a memory range; a peer's
 ``write``/``write_many`` lands payloads straight in it with ``recv_into`` on a memoryview (no
 intermediate copy in Python). A sender keeps up to ``streams`` persistent connections per target and
 spreads the bytes of one ``write_many`` over all of them, so one large shard still uses every stream.
