@@ -2,7 +2,7 @@
 
 Started all at once, every sequence of a batch waits in the manager as a task, its state and its own
 body: about 3.8 kB each (docs/bounds.md has the measurement), so one 64 MB body of one-token prompts
-would hold tens of GB while it waits. As ``/batch_generate_requests`` does (``generation._BatchRun``),
+would hold tens of GB while it waits. As ``/batch_generate_requests`` does (``batch._BatchRun``),
 a batch starts what the dispatcher's capacity allows plus a lookahead, so a slot freed on an instance
 is taken at once; the rest stay indices into the caller's body, counted in ``Dispatcher.held`` until
 they start.
@@ -16,7 +16,8 @@ from typing import Any
 
 from rollout_manager.rollout.dispatch import Dispatcher
 
-# Sequences a batch starts beyond what the pool can run now (see the module docstring).
+# Sequences (or requests) a batch starts beyond what the pool can run now, so that a slot freed on an
+# instance is taken at once, from the dispatcher's queue, rather than after the batch's next turn.
 LOOKAHEAD = 64
 
 
