@@ -326,10 +326,12 @@ class Dispatcher:
     def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
         """The waiter's deadline: it fails only if no instance could serve it for ``timeout_s``.
 
-        Some instance could take it but all are full (their bounds, the overall bound, the policy's
-        limits): it waits for capacity, and the time does not count; a caller who sent 100,000 requests
-        wants them done, not failed. Otherwise the time without any active instance counts from when the
-        pool last had one (or the request arrived, if later).
+        Some instance it did not fail on could take it but all are full (their bounds, the overall
+        bound, the policy's limits): it waits for capacity, and the time does not count; a caller who
+        sent 100,000 requests wants them done, not failed. Otherwise the time without any active instance
+        counts from when the pool last had one (or the wait began, if later), and instances it failed on
+        do not stop the clock even once they recovered: a sequence an engine fails every time it is
+        tried there would otherwise wait for ever.
         """
         if waiter.future.done():
             return
