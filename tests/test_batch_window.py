@@ -12,6 +12,7 @@ import pytest
 from fakes import reference, register_active, start_fakes
 
 from rollout_manager.instances.registry import Registry
+from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
@@ -55,7 +56,7 @@ async def test_a_huge_batch_waits_as_a_body_not_as_a_task_per_prompt(stream: boo
     assert d.waiting == LOOKAHEAD and d.held == n - LOOKAHEAD
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert d.waiting == 0 and d.held == 0  # the caller went away: nothing of it is left
+    assert d.waiting == 0 and d.held == 0 and d.windowed == 0  # the caller went away: nothing is left
 
 
 @pytest.fixture
@@ -99,4 +100,23 @@ async def test_a_batch_beyond_the_pool_runs_within_the_window_and_answers_every_
         outs = result
     assert [o["output_ids"] for o in outs] == [reference(p, 3) for p in body["input_ids"]]
     assert 0 < peak <= d.capacity() + LOOKAHEAD, peak
-    assert d.held == 0 and d.in_flight == 0 and d.waiting == 0
+    assert d.held == 0 and d.in_flight == 0 and d.waiting == 0 and d.windowed == 0
+
+
+async def test_batched_requests_inside_a_batch_share_one_window() -> None:
+    """/batch_generate_requests of 200 requests, each a batch of 100 prompts, and no instance: the
+    requests' windows together keep about one window waiting, not 64 requests times 64 prompts."""
+    d = Dispatcher(Registry(), LeastInFlight())
+    g = generator(d)
+    items = [(f"r{k}", batch(100)) for k in range(200)]
+
+    async def consume() -> None:
+        async for _ in run_batch(g, items):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await settle(200)
+    assert 0 < d.waiting <= 2 * LOOKAHEAD, d.waiting  # one window, plus one each for the requests started
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert d.waiting == 0 and d.held == 0 and d.windowed == 0

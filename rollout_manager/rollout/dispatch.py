@@ -88,6 +88,7 @@ class Dispatcher:
         self.max_in_flight_total = max_in_flight_total or default_max_in_flight_total()
         self.in_flight = 0  # sequences placed on an instance and not yet released, over every instance
         self.held = 0  # requests a batch accepted and holds back until it has room (run_batch)
+        self.windowed = 0  # sequences of batched /generate requests started and not yet ended (rollout.window)
         self._none_since: float | None = clock()  # since when no instance is active (None: one is)
         self.changed = Signal()  # any change in who can take work, or in load
         self.local = LocalWindow(on_change=self._changed)  # while open, local instances serve first

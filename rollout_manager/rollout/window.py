@@ -38,18 +38,26 @@ class StartWindow:
         dispatcher.held += count
 
     def fill(self) -> None:
-        """Start what the pool has room for now."""
-        room = self.dispatcher.capacity() + LOOKAHEAD - len(self.running)
+        """Start what the pool has room for now: its capacity plus :data:`LOOKAHEAD`, less what every
+        batch started and is still running (``Dispatcher.windowed``: this one's and the others', so that
+        batched requests inside a ``/batch_generate_requests`` share one window rather than multiply
+        it), and at least one of its own, so that every batch moves."""
+        d = self.dispatcher
+        room = d.capacity() + LOOKAHEAD - d.windowed
+        if not self.running:
+            room = max(room, 1)
         while not self.closed and self.next < self.count and room > 0:
             task = asyncio.ensure_future(self.start(self.next))
             self.next += 1
-            self.dispatcher.held -= 1
+            d.held -= 1
+            d.windowed += 1
             room -= 1
             self.running.add(task)
             task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Future[Any]) -> None:
         self.running.discard(task)
+        self.dispatcher.windowed -= 1
         self.done += 1
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
