@@ -149,7 +149,7 @@ async def test_a_stalled_stream_continues_elsewhere(rig: Rig) -> None:
     a, b = register_active(rig.registry, rig.fakes)
     out = await generate_one(rig.generator, body(5))
     assert out["output_ids"] == reference(PROMPT, 5)
-    assert "stalled" in out["meta_info"]["segments"][0]["outcome"]
+    assert "stream_stall_timeout_s" in out["meta_info"]["segments"][0]["outcome"]  # either stall message names it
     assert healthy.requests[0]["input_ids"] == PROMPT + reference(PROMPT, 2)
 
 
