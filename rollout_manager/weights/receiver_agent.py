@@ -319,16 +319,20 @@ class ReceiverAgent:
         return SGLangWeights(self.session, self.sglang_url, self.auth, LoadSettings(
             self.bucket_bytes, self.load_timeout_s, self.flush_wait_s, self.readback_tensors, self.readback_rows))
 
-    async def check_layout(self, layout: WeightLayout) -> None:
+    async def check_layout(self, layout: WeightLayout, *, strict: bool = True) -> None:
         """Refuse (409) a layout SGLang would load silently partially (a name its model does not know) or
         die on (a shape other than its own), judged by the served checkpoint's headers; a server whose
-        checkpoint is not readable on this box is not judged (the read-back after the load still is)."""
+        checkpoint is not readable on this box is not judged (the read-back after the load still is).
+        An SGLang that does not answer is a refusal when ``strict`` (a load needs it), else not judged."""
         try:
             weights = self._weights()
             facts = await weights.server_facts()
             if facts.model_path != self._served_path:
                 self._served, self._served_path = await weights.served_model(facts), facts.model_path
         except LoadRefused as exc:
+            if not strict:
+                log.info("layout not checked before the transfer: %s", exc)
+                return
             raise CommitRefused(exc.status, str(exc)) from None
         if self._served is None:
             return
@@ -407,7 +411,7 @@ async def handle_prepare(request: web.Request) -> web.Response:
     except (KeyError, TypeError, ValueError) as exc:
         return bad_body("prepare", f"field 'layout': {exc}")
     try:
-        await agent.check_layout(layout)
+        await agent.check_layout(layout, strict=False)  # checked again, strictly, before the load
     except CommitRefused as exc:
         log.warning("prepare of version %d refused: %s", req.version, exc)
         return web.json_response({"error": str(exc)}, status=exc.status)
