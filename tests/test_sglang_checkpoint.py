@@ -33,3 +33,11 @@ def test_a_model_path_not_on_this_box_is_not_judged(tmp_path: Path) -> None:
     assert served_model(str(tmp_path)) is None  # a directory without safetensors
     (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
     assert served_model(str(tmp_path)) is None
+
+
+def test_the_read_back_compares_in_the_dtype_sglang_serves() -> None:
+    from rollout_manager.sglang.weight_loader import _served_dtype
+
+    assert _served_dtype("auto", "bfloat16", torch.float32) is torch.bfloat16  # --dtype auto: the checkpoint's
+    assert _served_dtype("float32", "bfloat16", torch.bfloat16) is torch.float32  # an explicit --dtype wins
+    assert _served_dtype(None, None, torch.float16) is torch.float16  # nothing known: as sent

@@ -116,9 +116,11 @@ class SGLangWeights:
         return await asyncio.to_thread(served_model, facts.model_path)
 
     # ------------------------------------------------------------ loading
-    async def load(self, named: NamedTensors, version: int | str, *, sample: NamedTensors | None = None) -> LoadReport:
+    async def load(self, named: NamedTensors, version: int | str, *, sample: NamedTensors | None = None,
+                   served: ServedModel | None = None) -> LoadReport:
         """Steps 1-5 of the module's docstring; ``sample``: the tensors to read back (name, what SGLang
-        must now hold). Raises :class:`LoadRefused`; the weight-update session is closed whatever happens."""
+        must now hold); ``served``: the checkpoint, whose dtypes SGLang keeps under ``--dtype auto``.
+        Raises :class:`LoadRefused`; the weight-update session is closed whatever happens."""
         facts = await self.server_facts()
         info = facts.info
         if info.dp_size > 1:
@@ -141,7 +143,7 @@ class SGLangWeights:
         if opened:
             await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
         await self.flush_when_idle()
-        readback = await self.read_back(sample, facts) if sample else 0
+        readback = await self.read_back(sample, facts, served) if sample else 0
         await self.set_version(version)
         return LoadReport(len(buckets), readback)
 
@@ -177,7 +179,7 @@ class SGLangWeights:
                                    f"within {wait:g}s (requests still running or queued there): HTTP {status} "
                                    f"{text.strip()}{_key_hint(status)}")
 
-    async def read_back(self, sample: NamedTensors, facts: ServerFacts) -> int:
+    async def read_back(self, sample: NamedTensors, facts: ServerFacts, served: ServedModel | None = None) -> int:
         """Compare the leading rows SGLang serves for each sampled tensor with what it must hold. Returns
         how many were compared (0 where SGLang offers no read-back: a model without
         ``get_weights_by_name``, such as Qwen2, or TP > 1, where rank 0 holds a slice)."""
@@ -190,8 +192,8 @@ class SGLangWeights:
                                          json={"name": name, "truncate_size": rows},
                                          timeout=aiohttp.ClientTimeout(total=60)) as r:
                 status, text = r.status, await r.text()
-            served = _parse_json(text) if status == 200 else None
-            if served is None:
+            answer = _parse_json(text) if status == 200 else None
+            if answer is None:
                 if status in (401, 403):
                     raise LoadRefused(502, f"SGLang refused {GET_WEIGHTS_BY_NAME}: HTTP {status}{_key_hint(status)}")
                 if checked == 0:
@@ -199,9 +201,11 @@ class SGLangWeights:
                              self.url, name, status)
                     return 0
                 raise LoadRefused(502, f"SGLang could not read back {name!r} after the load: HTTP {status}")
-            expected = tensor[:rows].to(_served_dtype(facts.dtype, tensor.dtype)).to(torch.float32)
+            known = served.tensors.get(name) if served is not None else None
+            dtype = _served_dtype(facts.dtype, known.dtype if known is not None else None, tensor.dtype)
+            expected = tensor[:rows].to(dtype).to(torch.float32)
             try:
-                got = torch.tensor(served, dtype=torch.float32)
+                got = torch.tensor(answer, dtype=torch.float32)
             except (TypeError, ValueError):
                 raise LoadRefused(502, f"SGLang read back {name!r} as something not a tensor") from None
             if got.shape != expected.shape or not torch.equal(got, expected):
@@ -270,10 +274,14 @@ def _payloads(bucket: NamedTensors, info: wire.ServerInfo, cuda: bool) -> tuple[
     return payloads, keep
 
 
-def _served_dtype(launched: str | None, sent: torch.dtype) -> torch.dtype:
-    """The dtype SGLang holds a tensor in: its ``--dtype`` unless "auto" (then the tensor's own)."""
-    value = getattr(torch, launched or "", None) if launched not in (None, "auto") else None
-    return value if isinstance(value, torch.dtype) else sent
+def _served_dtype(launched: str | None, checkpoint: str | None, sent: torch.dtype) -> torch.dtype:
+    """The dtype SGLang holds a tensor in: its ``--dtype``; under "auto" the checkpoint's (where known),
+    else the dtype it was sent in."""
+    for name in (launched if launched != "auto" else None, checkpoint):
+        value = getattr(torch, name or "", None)
+        if isinstance(value, torch.dtype):
+            return value
+    return sent
 
 
 def _parse_json(text: str) -> Any:

@@ -368,7 +368,8 @@ class ReceiverAgent:
             loading = named
         self.reloaded = len(loading)
         try:
-            report = await weights.load(loading, version, sample=_sample(named, self.readback_tensors, version))
+            report = await weights.load(loading, version, sample=_sample(named, self.readback_tensors, version),
+                                        served=self._served)
         except LoadRefused as exc:
             raise CommitRefused(exc.status, str(exc)) from None
         self.readback = report.readback
