@@ -27,7 +27,7 @@ ENV_PREFIX = "ROLLOUT_MANAGER_"
 # Variables with our prefix that belong to the rollout-box side (launch_sglang.sh), not to the daemon.
 ENV_NOT_CONFIG = frozenset({"ROLLOUT_MANAGER_ADDR", "ROLLOUT_MANAGER_ADDRESS", "ROLLOUT_MANAGER_ENGINE",
                             "ROLLOUT_MANAGER_VERL_ARGV_ALIASES"})
-SECRET_KEYS = frozenset({"auth_token"})  # never logged
+SECRET_KEYS = frozenset({"auth_token", "sglang_api_key", "sglang_admin_api_key"})  # never logged
 DEFAULT_PORT = 5000
 
 Port = Field(ge=1, le=65535)
@@ -148,6 +148,8 @@ class Config(BaseModel):
     registration_allowed_networks: str = "0.0.0.0/0,::/0"
     allow_registration_host_mismatch: bool = False
     metrics_require_token: bool = False  # /metrics lists every instance endpoint; true: it needs the token too
+    sglang_api_key: str = ""  # SGLang's --api-key, sent on /generate and /server_info (rollout_manager/sglang/auth.py)
+    sglang_admin_api_key: str = ""  # SGLang's --admin-api-key, sent on /abort_request
     # Callers' connections (api.connections): idle, header and body timeouts, and caps.
     http_keepalive_timeout_s: float = Field(default=20.0, gt=0)
     http_header_timeout_s: float = Field(default=10.0, gt=0)

@@ -39,6 +39,7 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.scheduling import TailMigration, make_policy
+from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.weights.agent_client import AgentClient
 from rollout_manager.weights.groups import SenderPlan
@@ -61,7 +62,7 @@ class Manager:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, connect=cfg.health_check_timeout_s),
         )
-        self.sglang = SGLangClient(self.session)
+        self.sglang = SGLangClient(self.session, auth=SGLangAuth(cfg.sglang_api_key, cfg.sglang_admin_api_key))
         # instances
         self.registry = Registry()
         self.version = WeightVersion()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install rollout-manager into ./.venv on a fresh machine (CPU build of Mooncake; tests included).
 # Idempotent: a second run only checks. Env: PYTHON (default python3), EXTRAS (default: every extra but cuda, sglang and bench),
-# WITH_VERL (default 1: verl 0.9.1 for the trainer plugin and its tests).
+# WITH_VERL (default 1: verl 0.9.1 for the trainer plugin and its tests), WITH_SGLANG (default 1: real SGLang
+# 0.5.23 for CPU in its own ./.venv-sglang, for the tests marked real_sglang; scripts/sglang_cpu/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -42,5 +43,8 @@ if [ "${WITH_VERL:-1}" = 1 ]; then
   .venv/bin/python -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'
 m.version('TransferQueue'); m.version('cachetools'); m.version('uvicorn')" 2>/dev/null \
     || "${PIP[@]}" -c tests/verl_constraints.txt "verl==0.9.1" "TransferQueue==0.1.11" "cachetools==8.0.1" "fastapi==0.165.0" "uvicorn==0.54.0"
+fi
+if [ "${WITH_SGLANG:-1}" = 1 ]; then
+  PYTHON="$PYTHON" bash scripts/sglang_cpu/install.sh
 fi
 echo "install.sh: ready: $(.venv/bin/rollout-manager --version)"

@@ -57,6 +57,13 @@ Engine:
                           sequence on another instance (the manager continues sequences whose box
                           dies) at some throughput cost. Without it a continued greedy sequence
                           can differ from an uninterrupted one after the switch.
+  --api-key KEY           SGLang's --api-key (env ROLLOUT_SGLANG_API_KEY); also read when given after --.
+  --admin-api-key KEY     SGLang's --admin-api-key (env ROLLOUT_SGLANG_ADMIN_API_KEY); also read after --.
+                          SGLang then needs the API key on /generate, /server_info and /model_info, and
+                          the admin key (else the API key) on its weight, flush and abort endpoints. The
+                          launcher passes both to SGLang, hands them to the receiver agent in its
+                          environment, and uses the API key for its own /server_info check. Give the
+                          manager the same keys: sglang_api_key / sglang_admin_api_key (config.toml).
   --no-metrics            do not add --enable-metrics (the manager reads /metrics when it is there).
   --no-incremental-streaming
                           do not add --incremental-streaming-output (SGLang's default: every stream
@@ -92,6 +99,9 @@ Environment:
                               (it can remove this instance and nothing else).
   ROLLOUT_MANAGER_ENGINE      sglang or cpu (as --engine).
   PYTHON                      the interpreter (as --python).
+  ROLLOUT_SGLANG_API_KEY, ROLLOUT_SGLANG_ADMIN_API_KEY
+                              SGLang's keys (as --api-key, --admin-api-key), without them on this
+                              launcher's command line.
   MC_*                        Mooncake settings, seen by the agent (e.g. MC_LOG_LEVEL=ERROR).
 
 Network: the manager must reach --port and --transfer-agent-handshake-port on --host; the trainer's
@@ -126,6 +136,7 @@ MODEL_PATH="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
 PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 INCREMENTAL=1 DRY_RUN=0
 READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5 WAIT_MANAGER=0
 RECEIVER_ARGS=() EXTRA=()
+API_KEY=${ROLLOUT_SGLANG_API_KEY:-} ADMIN_API_KEY=${ROLLOUT_SGLANG_ADMIN_API_KEY:-}
 
 need_value() { [[ $# -ge 2 ]] || usage_error "$1 needs a value"; }
 while [[ $# -gt 0 ]]; do
@@ -134,7 +145,7 @@ while [[ $# -gt 0 ]]; do
     case ${arg%%=*} in
       --manager-addr|--model-path|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
       --engine|--python|--mooncake-protocol|--mooncake-device-name|--receiver-arg|--ready-timeout-s|\
-      --drain-timeout-s|--stop-timeout-s|--reregister-check-s|--wait-for-manager)
+      --drain-timeout-s|--stop-timeout-s|--reregister-check-s|--wait-for-manager|--api-key|--admin-api-key)
         shift; set -- "${arg%%=*}" "${arg#*=}" "$@"; continue ;;
     esac
   fi
@@ -151,6 +162,8 @@ while [[ $# -gt 0 ]]; do
     --mooncake-protocol) need_value "$@"; PROTOCOL=$2; shift 2 ;;
     --mooncake-device-name) need_value "$@"; DEVICE_NAME=$2; shift 2 ;;
     --receiver-arg) need_value "$@"; RECEIVER_ARGS+=("$2"); shift 2 ;;
+    --api-key) need_value "$@"; API_KEY=$2; shift 2 ;;
+    --admin-api-key) need_value "$@"; ADMIN_API_KEY=$2; shift 2 ;;
     --deterministic) DETERMINISTIC=1; shift ;;
     --no-metrics) METRICS=0; shift ;;
     --no-incremental-streaming) INCREMENTAL=0; shift ;;
@@ -164,6 +177,25 @@ while [[ $# -gt 0 ]]; do
     *) EXTRA+=("$arg"); shift ;;  # SGLang's own flags, passed through in order
   esac
 done
+
+# SGLang's own --api-key/--admin-api-key given after --: taken out, and handled as the options above.
+if (( ${#EXTRA[@]} )); then
+  rest=() i=0
+  while (( i < ${#EXTRA[@]} )); do
+    case ${EXTRA[i]} in
+      --api-key|--admin-api-key)
+        (( i + 1 < ${#EXTRA[@]} )) || usage_error "${EXTRA[i]} needs a value"
+        if [[ ${EXTRA[i]} == --api-key ]]; then API_KEY=${EXTRA[i+1]}; else ADMIN_API_KEY=${EXTRA[i+1]}; fi
+        i=$((i + 2)) ;;
+      --api-key=*) API_KEY=${EXTRA[i]#*=}; i=$((i + 1)) ;;
+      --admin-api-key=*) ADMIN_API_KEY=${EXTRA[i]#*=}; i=$((i + 1)) ;;
+      *) rest+=("${EXTRA[i]}"); i=$((i + 1)) ;;
+    esac
+  done
+  EXTRA=(${rest[@]+"${rest[@]}"})
+fi
+# The agent and the helpers read them from the environment (never from their command lines).
+export ROLLOUT_SGLANG_API_KEY=$API_KEY ROLLOUT_SGLANG_ADMIN_API_KEY=$ADMIN_API_KEY
 
 is_port() { [[ $1 =~ ^[1-9][0-9]{0,4}$ ]] && (( $1 <= 65535 )); }
 is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
@@ -201,9 +233,12 @@ if [[ $ENGINE == sglang ]]; then
               --weight-version 0)
   (( METRICS )) && ENGINE_CMD+=(--enable-metrics)
   (( DETERMINISTIC )) && ENGINE_CMD+=(--enable-deterministic-inference)
+  [[ -n $API_KEY ]] && ENGINE_CMD+=(--api-key "$API_KEY")
+  [[ -n $ADMIN_API_KEY ]] && ENGINE_CMD+=(--admin-api-key "$ADMIN_API_KEY")
   MODULES=sglang,aiohttp,torch,mooncake
 else
   ENGINE_NAME="CPU engine"
+  [[ -z $API_KEY$ADMIN_API_KEY ]] || usage_error "--api-key/--admin-api-key are SGLang's: the CPU engine has no keys"
   ENGINE_CMD=("$PY" -m rollout_manager.cpu_engine --host "$BIND" --port "$PORT")
   MODULES=aiohttp,torch,mooncake
 fi
@@ -215,7 +250,9 @@ AGENT_CMD=("$PY" -m rollout_manager.weights.receiver_agent --host "$HOST" --bind
 AGENT_CMD+=(${RECEIVER_ARGS[@]+"${RECEIVER_ARGS[@]}"})
 
 if (( DRY_RUN )); then
-  printf 'manager: %s\nhost: %s\nengine:' "$MANAGER" "$HOST"; printf ' %q' "${ENGINE_CMD[@]}"; echo
+  shown=()  # keys are not printed
+  for a in "${ENGINE_CMD[@]}"; do if [[ -n $a && ( $a == "$API_KEY" || $a == "$ADMIN_API_KEY" ) ]]; then shown+=("<key>"); else shown+=("$a"); fi; done
+  printf 'manager: %s\nhost: %s\nengine:' "$MANAGER" "$HOST"; printf ' %q' "${shown[@]}"; echo
   printf 'agent:'; printf ' %q' "${AGENT_CMD[@]}"; echo
   exit 0
 fi

@@ -6,6 +6,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from real_sglang import real_sglang, real_sglang_model  # noqa: F401  (fixtures for the real_sglang tests)
 from support import PY, OnLoopback, Proc, async_wait_until, free_port, wait_http_ok, wait_http_ok_sync
 
 # Fast health settings for tests; production defaults are minutes.

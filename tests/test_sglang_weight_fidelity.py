@@ -393,7 +393,8 @@ async def test_the_receiver_waits_for_the_engine_to_go_idle_before_it_flushes(st
     await load(e, dict(named_weights(1)), 11)
     status, out = await gen
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"  # not aborted: waited
-    assert (wire.UPDATE_WEIGHTS_FROM_TENSOR, 400) in e.calls and e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)
+    # The update calls never flush (that fails them while requests run): the flush comes after, once idle.
+    assert (wire.UPDATE_WEIGHTS_FROM_TENSOR, 400) not in e.calls and e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)
     assert (await e.get("/debug/state_dict_checksum"))["weight_version"] == "11"
 
 

@@ -127,12 +127,28 @@ class Rig:
     receiver_url: str
     client: AgentClient
     loads: list[dict[str, Any]]  # bodies SGLang got on /update_weights_from_tensor
+    versions: list[str]  # what /update_weight_version set, in order
+
+    @property
+    def sglang_version(self) -> str | None:
+        return self.versions[-1] if self.versions else None
 
 
-async def fake_sglang(loads: list[dict[str, Any]]) -> web.Application:
+async def fake_sglang(loads: list[dict[str, Any]], versions: list[str]) -> web.Application:
+    """What a load needs of SGLang: the tensors, a flush, the version set and reported."""
     async def update(request: web.Request) -> web.Response:
         loads.append(await request.json())
         return web.json_response({"success": True, "message": "ok"})
+
+    async def flush(request: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.")
+
+    async def set_version(request: web.Request) -> web.Response:
+        versions.append((await request.json())["new_version"])
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": versions[-1] if versions else "0"})
 
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1})
@@ -140,6 +156,9 @@ async def fake_sglang(loads: list[dict[str, Any]]) -> web.Application:
     app = web.Application(client_max_size=256 << 20)
     app.router.add_post(wire.UPDATE_WEIGHTS_FROM_TENSOR, update)
     app.router.add_get(wire.SERVER_INFO, server_info)
+    app.router.add_post(wire.FLUSH_CACHE, flush)
+    app.router.add_post(wire.UPDATE_WEIGHT_VERSION, set_version)
+    app.router.add_get(wire.MODEL_INFO, model_info)
     return app
 
 
@@ -147,7 +166,8 @@ async def fake_sglang(loads: list[dict[str, Any]]) -> web.Application:
 async def rig(monkeypatch) -> AsyncIterator[Rig]:
     monkeypatch.delenv("ROLLOUT_MANAGER_AUTH_TOKEN", raising=False)
     loads: list[dict[str, Any]] = []
-    sglang = TestServer(await fake_sglang(loads), host="127.0.0.1")
+    versions: list[str] = []
+    sglang = TestServer(await fake_sglang(loads, versions), host="127.0.0.1")
     await sglang.start_server()
     receiver = ReceiverAgent("127.0.0.1", str(sglang.make_url("")))
     await receiver.start()
@@ -159,7 +179,7 @@ async def rig(monkeypatch) -> AsyncIterator[Rig]:
     session = aiohttp.ClientSession()
     try:
         yield Rig(sender, f"http://127.0.0.1:{port}", receiver, receiver_client,
-                  str(receiver_client.make_url("")).rstrip("/"), AgentClient(session, None, 60.0), loads)
+                  str(receiver_client.make_url("")).rstrip("/"), AgentClient(session, None, 60.0), loads, versions)
     finally:
         await session.close()
         sender.stop()
@@ -195,7 +215,7 @@ async def test_a_push_through_the_typed_client_lands_and_loads(rig: Rig):
     assert push.bytes == layout.total_bytes and push.fingerprint == layout.fingerprint()
     assert len(push.shards) == len(push.checksums) == 2
     assert commit.ok and commit.version == 1 and commit.buckets == len(rig.loads) == 1
-    assert rig.loads[-1]["weight_version"] == "1" and rig.receiver.version == 1
+    assert rig.sglang_version == "1" and rig.receiver.version == 1
 
 
 async def test_the_receiver_refuses_bad_bodies_naming_the_field_and_changes_nothing(rig: Rig):
@@ -222,7 +242,7 @@ async def test_the_receiver_refuses_bad_bodies_naming_the_field_and_changes_noth
 
     rig.sender.stage(weights(2), version=2)  # the next good round still works
     _, commit = await push_once(rig, 2)
-    assert commit.version == rig.receiver.version == 2 and rig.loads[-1]["weight_version"] == "2"
+    assert commit.version == rig.receiver.version == 2 and rig.sglang_version == "2"
 
 
 async def test_the_sender_refuses_bad_bodies_naming_the_field(rig: Rig):

@@ -56,6 +56,7 @@ from typing import Any, NoReturn
 
 from rollout_manager.osutil import die_with_parent, format_endpoint, host_port, source_address_toward
 from rollout_manager.sglang import wire  # standard library only at import time
+from rollout_manager.sglang.auth import SGLangAuth  # standard library only
 
 PREFIX = "launch_sglang: error: "
 AUTH_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
@@ -362,7 +363,9 @@ def check_parallelism(sglang_url: str, endpoint: str, timeout: float = 10.0) -> 
     """Refuse a data-parallel SGLang before registering it: it could never take a weight push. An
     unreadable ``/server_info`` is left to the manager (it checks again when the instance is ready)."""
     try:
-        status, answer = request("GET", sglang_url.rstrip("/") + wire.SERVER_INFO, timeout=timeout, auth=False)
+        key = SGLangAuth.from_env().api_key  # SGLang's --api-key, when it runs with one (launch_sglang.sh)
+        status, answer = request("GET", sglang_url.rstrip("/") + wire.SERVER_INFO, timeout=timeout, auth=bool(key),
+                                 token=key or None)
     except OSError:
         return
     info = wire.ServerInfo.from_json(answer if status == 200 else None)

@@ -356,7 +356,7 @@ class Generator:
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (wire.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = wire.SequenceProgress(
-            seq.output_ids, seq.logprobs, limit=seq.remaining,
+            seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
             vocab_size=inst.vocab_size or self.settings.vocab_size or wire.TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
@@ -365,7 +365,8 @@ class Generator:
         loop = asyncio.get_running_loop()
         s = self.settings
         bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
-                            activity=lambda: inst.last_chunk_at, limits=self.client.limits)
+                            activity=lambda: inst.last_chunk_at, limits=self.client.limits,
+                            headers=self.client.generate_headers)
 
         def take(chunk: dict[str, Any]) -> None:
             try:
@@ -562,6 +563,7 @@ class Generator:
         seq.versions.clear()
         seq.output_ids.clear()
         seq.logprobs.clear()
+        seq.per_token.clear()
         seq.texts.clear()
         seq.live_text = None
         self.stats["stale_restarts"] += 1
@@ -574,7 +576,7 @@ class Generator:
         out = wire.final_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
             engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
-            e2e_latency=latency, index=index,
+            e2e_latency=latency, index=index, per_token=seq.per_token,
         )
         if seq.discarded:  # a staleness restart: what was thrown away stays visible
             out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]

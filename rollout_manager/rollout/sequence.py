@@ -5,6 +5,7 @@ Shared by generation (which runs sequences) and tail migration (which moves them
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ class SequenceState:
     rid: str
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[list[Any]] = field(default_factory=list)
+    # The other per-token meta_info lists (wire.PER_TOKEN_META_KEYS: top log-probs, ...), gathered over chunks.
+    per_token: dict[str, list[Any]] = field(default_factory=dict)
     texts: list[str | None] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
@@ -62,6 +65,7 @@ class SequenceState:
 
     def __post_init__(self) -> None:
         self.budget = wire.token_budget(self.body)
+        self.body = with_sampling_seed(self.body)
 
     @property
     def remaining(self) -> int | None:
@@ -112,3 +116,21 @@ def version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | N
         return f"weight_version {version!r}, but the instance {pushed}"
 
     return why
+# SGLang accepts any int64 seed; 31 bits stay exact in every JSON reader.
+SEED_BITS = 31
+
+
+def with_sampling_seed(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with a ``sampling_params.sampling_seed`` of its own when the caller gave none.
+
+    Under ``--enable-deterministic-inference`` SGLang samples a request without a seed with seed 42
+    (``sampling_batch_info.py``): the samples of one prompt all come out the same, and a GRPO group's
+    advantage is zero. Its seeded sampler keys each draw on (seed, position), so the same seed sent with
+    a continuation (the body is reused as it is) draws what the uninterrupted request would have drawn.
+    """
+    params = body.get("sampling_params")
+    if params is not None and not isinstance(params, dict):
+        return body  # not ours to judge: the engine refuses it
+    if params is not None and params.get("sampling_seed") is not None:
+        return body
+    return {**body, "sampling_params": {**(params or {}), "sampling_seed": secrets.randbits(SEED_BITS)}}

@@ -12,6 +12,7 @@ import aiohttp
 
 from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -40,18 +41,22 @@ class Probe:
 
 
 class SGLangClient:
-    """One shared aiohttp session; every call has its own timeout."""
+    """One shared aiohttp session; every call has its own timeout, and carries SGLang's key for its level
+    (``auth``: the keys the servers run with; none by default)."""
 
-    def __init__(self, session: aiohttp.ClientSession, limits: LocalLimits | None = None):
+    def __init__(self, session: aiohttp.ClientSession, limits: LocalLimits | None = None,
+                 auth: SGLangAuth | None = None):
         self.session = session
         self.limits = limits or LocalLimits()
+        self.auth = auth or SGLangAuth()
+        self.generate_headers = {**JSON_HEADERS, **self.auth.headers()}  # for CallBounds.headers
 
     async def probe(self, base_url: str, path: str, timeout_s: float) -> Probe:
         self.limits.loop.ensure_started()
         started = asyncio.get_running_loop().time()
         try:
             async with self.session.get(
-                base_url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                base_url + path, headers=self.auth.headers(), timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 await resp.read()
                 return Probe(resp.status)
@@ -74,7 +79,7 @@ class SGLangClient:
         ``/server_info`` cannot be read. A missing or unreadable ``/model_info`` only leaves those unknown."""
         try:
             async with self.session.get(
-                base_url + wire.SERVER_INFO, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                base_url + wire.SERVER_INFO, headers=self.auth.headers(), timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 if resp.status != 200:
                     raise ServerInfoError(f"{wire.SERVER_INFO}: HTTP {resp.status}")
@@ -85,7 +90,7 @@ class SGLangClient:
             raise ServerInfoError(f"{wire.SERVER_INFO}: {type(exc).__name__}: {exc}") from None
         try:
             async with self.session.get(
-                base_url + wire.MODEL_INFO, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                base_url + wire.MODEL_INFO, headers=self.auth.headers(), timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 if resp.status == 200:
                     return info.with_model_info(await resp.json(content_type=None))
@@ -94,8 +99,10 @@ class SGLangClient:
         return info
 
     async def post_json(self, base_url: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
+        """POST to one of SGLang's admin-optional endpoints (abort, pause, ...), with its admin key."""
         async with self.session.post(
-            base_url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            base_url + path, json=body, headers=self.auth.admin_headers(),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             try:
                 data = await resp.json(content_type=None)
@@ -149,7 +156,8 @@ def transport_failure(exc: BaseException) -> str:
 
 
 async def _post_generate(session: aiohttp.ClientSession, url: str, data: bytes, timeout: aiohttp.ClientTimeout,
-                         limits: LocalLimits, retrying: Callable[[], None] | None = None) -> aiohttp.ClientResponse:
+                         limits: LocalLimits, retrying: Callable[[], None] | None = None,
+                         headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
     """POST ``/generate``. When the manager itself cannot connect (its own descriptor or memory
     limits), nothing was sent: wait and try again (telling ``retrying``), without blaming the instance."""
     attempt = 0
@@ -158,7 +166,7 @@ async def _post_generate(session: aiohttp.ClientSession, url: str, data: bytes, 
     while True:
         started = loop.time()
         try:
-            return await session.post(url, data=data, timeout=timeout, headers=JSON_HEADERS)
+            return await session.post(url, data=data, timeout=timeout, headers=headers or JSON_HEADERS)
         except (aiohttp.ClientError, OSError) as exc:
             local: OSError | str | None = local_resource_error(exc)
             if (local is None and isinstance(exc, aiohttp.ConnectionTimeoutError) and timeout.connect
@@ -333,6 +341,7 @@ class CallBounds:
     max_frame_bytes: int | None = None
     activity: Callable[[], float] | None = None
     limits: LocalLimits | None = None
+    headers: dict[str, str] | None = None  # of the POST (None: JSON only); SGLangClient.generate_headers adds its key
 
 
 @contextlib.asynccontextmanager
@@ -350,7 +359,7 @@ async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: di
         deadline.start()
         try:
             resp = await _post_generate(session, base_url + wire.GENERATE, jsonutil.dumps(body), timeout,
-                                        bounds.limits or LocalLimits(), deadline.restart)
+                                        bounds.limits or LocalLimits(), deadline.restart, bounds.headers)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not deadline.expired or (task is not None and hasattr(task, "uncancel") and task.uncancel() > 0):

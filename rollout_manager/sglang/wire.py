@@ -153,6 +153,7 @@ def final_output(
     text: str | None,
     e2e_latency: float,
     index: int | None,
+    per_token: dict[str, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """The manager's final ``/generate`` answer for one sequence that may span several engines.
 
@@ -176,6 +177,10 @@ def final_output(
         meta["output_token_logprobs"] = logprobs
     else:
         meta.pop("output_token_logprobs", None)
+    meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
+    seed = (body.get("sampling_params") or {}).get("sampling_seed")
+    if seed is not None:
+        meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
     out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
     if index is not None:
         out["index"] = index
@@ -330,6 +335,12 @@ def _frame_end(buf: bytes | bytearray, start: int) -> int:
         at = buf.find(b"\n", at + 1)
     return at
 
+
+# The meta_info lists with one entry per output token besides ``output_token_logprobs``: with
+# ``--incremental-streaming-output`` SGLang sends each chunk's own entries (tokenizer_manager.py,
+# _INCREMENTAL_STREAMING_META_INFO_KEYS), so they are gathered chunk by chunk like the tokens.
+PER_TOKEN_META_KEYS = ("output_top_logprobs", "output_token_ids_logprobs", "output_token_sampling_mask",
+                       "output_token_sampling_logprobs")
 
 # Set by SSEDecoder(skip_seen=True) on a cumulative chunk whose already-seen ids it left unparsed:
 # that chunk's ``output_ids`` (and ``output_token_logprobs``) start after that many tokens.
@@ -572,12 +583,15 @@ class SequenceProgress:
     limit: int | None = None
     vocab_size: int = TOKEN_ID_BOUND
     version_ok: Callable[[Any], str | None] | None = None  # why a reported version is wrong, or None
+    per_token: dict[str, list[Any]] = field(default_factory=dict)  # PER_TOKEN_META_KEYS' lists, gathered
     chunks: int = 0  # chunks folded in
     _ids_start: int = field(init=False, repr=False)
     _lps_start: int = field(init=False, repr=False)
+    _per_token_start: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._ids_start, self._lps_start = len(self.output_ids), len(self.logprobs)
+        self._per_token_start = {k: len(v) for k, v in self.per_token.items()}
 
     @property
     def made(self) -> int:
@@ -633,6 +647,12 @@ class SequenceProgress:
         if lps is not None:
             seen_lps = len(self.logprobs) - self._lps_start - skipped_lps
             self.logprobs.extend(lps[seen_lps:] if cumulative else lps)
+        for key in PER_TOKEN_META_KEYS:
+            entries = meta.get(key)
+            if isinstance(entries, list):
+                gathered = self.per_token.setdefault(key, [])
+                seen = len(gathered) - self._per_token_start.setdefault(key, 0)
+                gathered.extend(entries[seen:] if cumulative else entries)
         if chunk.get("text") is not None:
             self.text = chunk["text"] if cumulative else (self.text or "") + chunk["text"]
         self.meta_info = meta

@@ -216,6 +216,7 @@ class CommitAnswer(_Answer):
     buckets: NonNegInt
     reloaded: NonNegInt | None = None  # tensors loaded into SGLang (only the changed ones after a delta)
     apply_s: NonNegFloat | None = None  # decoding and applying a delta
+    readback: NonNegInt | None = None  # tensors read back from SGLang after the load and found equal
 
 
 class ServeRequest(_Request):

@@ -6,11 +6,12 @@ The manager drives it over HTTP (it is one brain; this agent only moves and chec
   exists (allocated once, reused every step while the layout stays the same) and answer where the
   sender should write: Mooncake session ids and the buffer address.
 - ``POST /commit {version, fingerprint, shards, checksums}``: after the sender wrote, verify every
-  shard's checksum; only then load the tensors into SGLang with ``/update_weights_from_tensor`` in
-  buckets (``flush_cache`` and ``weight_version`` on the last one), one payload per TP rank, inside a
-  weight-update session (``/begin_weight_update`` ... ``/end_weight_update``) on SGLang 0.5.21 and later,
-  without one on older servers (the version comes from ``/server_info``). A corrupt or partial transfer
-  is refused with 422 and never loaded; a data-parallel server (``dp_size > 1``) with 409.
+  shard's checksum; only then load the tensors into SGLang as rollout_manager/sglang/weight_loader.py
+  does (buckets without a flush, one payload per TP rank, inside a weight-update session from 0.5.21 on;
+  then a flush once SGLang is idle, a read-back of a sample, and the version set explicitly and confirmed
+  by ``/model_info``). A corrupt or partial transfer is refused with 422 and never loaded; a
+  data-parallel server (``dp_size > 1``) with 409, and so is a layout whose names or shapes the served
+  model's checkpoint does not have (also at ``/prepare``, before any byte moves).
 - ``GET /health``, ``GET /info``.
 
 Peers: the buffer keeps the last verified version with the trainer's checksums of it, so the agent can
@@ -24,7 +25,8 @@ Deltas: the buffer keeps the last verified version. When ``/prepare`` offers a d
 version (same layout), the agent answers a registered landing area (``delta_addr``) and keeps the
 buffer; ``/commit`` then applies the delta there, verifies the result against the checksums of the
 full new bytes (a mismatch: 422 naming the bad shards, which the manager rewrites in full), and reloads
-only the tensors whose bytes changed since the last load. Any other ``/prepare`` means a full push:
+only the tensors whose bytes changed since the last load, provided SGLang still reports the version this
+agent last loaded (a server that restarted under the agent gets every tensor). Any other ``/prepare`` means a full push:
 the buffer's version is forgotten and the next load reloads every tensor.
 
 SGLang is never patched: the same HTTP endpoints serve real SGLang and the CPU engine.
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -47,7 +48,9 @@ import aiohttp
 import torch
 from aiohttp import web
 
-from rollout_manager.sglang import tensor_payload, wire
+from rollout_manager.sglang.auth import SGLangAuth
+from rollout_manager.sglang.checkpoint import ServedModel
+from rollout_manager.sglang.weight_loader import LoadRefused, LoadSettings, SGLangWeights
 from rollout_manager.weights import delta
 from rollout_manager.weights.agent_auth import token_middleware
 from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
@@ -80,8 +83,10 @@ class ReceiverAgent:
                  num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
                  flush_wait_s: float = 30.0, fault_corrupt: bool = False, fault_die_after_prepare: bool = False,
                  fault_corrupt_delta: bool = False, fault_die_mid_serve: bool = False,
-                 fault_corrupt_serve: bool = False):
+                 fault_corrupt_serve: bool = False, auth: SGLangAuth | None = None, readback_tensors: int = 4,
+                 readback_rows: int = 4):
         self.host = host
+        self.auth = auth or SGLangAuth()  # SGLang's --api-key/--admin-api-key, where it runs with them
         self.sglang_url = sglang_url.rstrip("/")
         # The Mooncake engines (one session id each, all sharing the buffer); engines[0] does the handshake.
         self.engines: list[MooncakeEngine] = [
@@ -90,6 +95,10 @@ class ReceiverAgent:
         self.bucket_bytes = bucket_bytes
         self.load_timeout_s = load_timeout_s
         self.flush_wait_s = flush_wait_s  # how long SGLang may take to go idle for the cache flush
+        self.readback_tensors, self.readback_rows = readback_tensors, readback_rows
+        self.readback = 0  # tensors the last load read back from SGLang and found equal
+        self._served: ServedModel | None = None  # the served checkpoint's names and shapes (None: unknown)
+        self._served_path: str | None = None  # the model_path they were read for
         self.buffer: HostBuffer | None = None
         self.layout: WeightLayout | None = None
         self.version: int | None = None  # last version loaded into SGLang
@@ -294,155 +303,88 @@ class ReceiverAgent:
         self.sums = (list(req.shards), list(req.checksums))  # the trainer's, for serving peers
         t1 = time.perf_counter()
         names = None if self.dirty is None or self.version is None else set(self.dirty)
-        buckets = await self._load(req.version, names)
+        try:
+            await self.check_layout(layout)
+            buckets = await self._load(req.version, names)
+        except BaseException:
+            self.dirty = None  # what SGLang holds now is not known: the next load sends every tensor
+            raise
         self.version, self.dirty = req.version, set()
         return CommitAnswer(ok=True, version=req.version, verify_s=round(verify_s, 6),
                             load_s=round(time.perf_counter() - t1, 6), buckets=buckets, reloaded=self.reloaded,
-                            apply_s=apply_s)
+                            apply_s=apply_s, readback=self.readback)
+
+    def _weights(self) -> SGLangWeights:
+        assert self.session is not None
+        return SGLangWeights(self.session, self.sglang_url, self.auth, LoadSettings(
+            self.bucket_bytes, self.load_timeout_s, self.flush_wait_s, self.readback_tensors, self.readback_rows))
+
+    async def check_layout(self, layout: WeightLayout, *, strict: bool = True) -> None:
+        """Refuse (409) a layout SGLang would load silently partially (a name its model does not know) or
+        die on (a shape other than its own), judged by the served checkpoint's headers; a server whose
+        checkpoint is not readable on this box is not judged (the read-back after the load still is).
+        An SGLang that does not answer is a refusal when ``strict`` (a load needs it), else not judged."""
+        try:
+            weights = self._weights()
+            facts = await weights.server_facts()
+            if facts.model_path != self._served_path:
+                self._served, self._served_path = await weights.served_model(facts), facts.model_path
+        except LoadRefused as exc:
+            if not strict:
+                log.info("layout not checked before the transfer: %s", exc)
+                return
+            raise CommitRefused(exc.status, str(exc)) from None
+        if self._served is None:
+            return
+        problems = self._served.problems((s.name, s.shape) for s in layout.specs)
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise CommitRefused(409, f"the layout does not fit the model SGLang serves ({self._served.path}): "
+                                     f"{'; '.join(problems[:5])}{more}; nothing loaded")
 
     async def _load(self, version: int, names: set[str] | None = None) -> int:
-        """``/update_weights_from_tensor`` in buckets of about ``bucket_bytes``, for the tensors in ``names``
-        (None: all; none: the smallest one, which still carries the new ``weight_version``); the session,
-        where the server has them, is closed whatever happens, since SGLang refuses a second begin while
-        one is open. Returns the buckets; ``reloaded`` says how many tensors went."""
+        """Load the buffer's tensors in ``names`` (None: all; none: the smallest one) into SGLang (see
+        rollout_manager/sglang/weight_loader.py), and read a sample back. A partial load happens only
+        when SGLang still reports the version this agent last loaded: a server that restarted under
+        the agent (or was loaded by someone else) gets every tensor. Returns the buckets; ``reloaded``
+        says how many tensors went."""
         assert self.buffer is not None and self.layout is not None and self.session is not None
+        weights = self._weights()
         named = unpack(self.buffer, self.layout)
         if names is not None:
+            try:
+                reported = await weights.reported_version()
+            except LoadRefused as exc:
+                raise CommitRefused(exc.status, str(exc)) from None
+            if reported != str(self.version):
+                log.warning("SGLang at %s reports weight_version %r, not %s as last loaded by this agent (it "
+                            "restarted?): loading every tensor, not only the %d changed", self.sglang_url, reported,
+                            self.version, len(names))
+                names = None
+        if names is not None:
             chosen = [(n, t) for n, t in named if n in names]
-            named = chosen or ([min(named, key=lambda item: item[1].nbytes)] if named else [])
-        self.reloaded = len(named)
-        cuda = torch.cuda.is_available()
-        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-        size = 0
-        for name, tensor in named:
-            if buckets[-1] and size + tensor.nbytes > self.bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((name, tensor))
-            size += tensor.nbytes
-        info = await self._server_info()
-        if info.dp_size > 1:
-            raise CommitRefused(409, wire.dp_refusal(self.sglang_url, info.dp_size))
-        opened = await self._begin_session(wire.weight_update_sessions(info.version))
+            loading = chosen or ([min(named, key=lambda item: item[1].nbytes)] if named else [])
+        else:
+            loading = named
+        self.reloaded = len(loading)
         try:
-            for i, bucket in enumerate(buckets):
-                payloads, keep_alive = self._payloads(bucket, info, cuda)
-                last = i == len(buckets) - 1
-                body = wire.update_weights_from_tensor_body(payloads, flush_cache=last,
-                                                            weight_version=str(version) if last else None)
-                try:
-                    await self._call(wire.UPDATE_WEIGHTS_FROM_TENSOR, body, f"bucket {i}")
-                except CommitRefused as exc:
-                    if not (last and wire.cache_not_flushed(str(exc))):
-                        raise
-                    await self._flush_when_idle()  # the weights are in; only the old prefix cache is left
-                del keep_alive  # SGLang has copied the tensors its IPC handles point at
-        except BaseException:
-            if opened:  # close the session whatever happened, or SGLang refuses the next begin
-                try:
-                    await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
-                except (CommitRefused, aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    log.warning("could not close the weight-update session after a failed load: %s", exc)
-            raise
-        if opened:
-            await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
-        return len(buckets)
-
-    def _payloads(self, bucket: list[tuple[str, torch.Tensor]], info: wire.ServerInfo,
-                  cuda: bool) -> tuple[list[str], list[torch.Tensor]]:
-        """One ``serialized_named_tensors`` entry per TP rank, each for that rank, as SGLang's own
-        ``weight_sync`` helper builds them: on a GPU box rank r gets IPC handles to a copy on its own GPU
-        (SGLang's rank r opens entry r only, and must not map another rank's device); on CPU every rank
-        gets the tensors by value. Also returns the tensors the handles point at, to keep alive.
-
-        Device indices are pickled as numbers, which SGLang's patched reductions accept as they are:
-        this agent must see the GPUs as SGLang does (launch_sglang.sh starts both with one environment).
-        """
-        if not cuda:  # views share the whole buffer's storage, which pickling would copy once per tensor
-            payload = tensor_payload.serialize_named_tensors([(n, t.clone()) for n, t in bucket])
-            return [payload] * info.tp_size, []
-        payloads: list[str] = []
-        keep: list[torch.Tensor] = []
-        for rank in range(info.tp_size):
-            gpu = info.gpu_of_rank(rank)
-            if gpu >= torch.cuda.device_count():
-                raise CommitRefused(500, f"SGLang's TP rank {rank} runs on GPU {gpu}, which this agent does not see "
-                                         f"({torch.cuda.device_count()} visible); start it with SGLang's "
-                                         f"CUDA_VISIBLE_DEVICES")
-            on_gpu = [(n, t.to(f"cuda:{gpu}", non_blocking=True)) for n, t in bucket]
-            torch.cuda.synchronize(gpu)
-            payloads.append(tensor_payload.serialize_named_tensors(on_gpu, share_memory=True))
-            keep.extend(t for _, t in on_gpu)
-        return payloads, keep
-
-    async def _call(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
-        """POST to SGLang; anything but 200 with ``success`` true is a :class:`CommitRefused`."""
-        assert self.session is not None
-        async with self.session.post(self.sglang_url + path, json=body,
-                                     timeout=aiohttp.ClientTimeout(total=self.load_timeout_s)) as r:
-            status, answer = r.status, await _answer(r)
-        if status != 200 or not answer.get("success", False):
-            raise CommitRefused(502, f"SGLang refused {what}: HTTP {status} {answer}")
-        return answer
-
-    async def _flush_when_idle(self) -> None:
-        """Flush SGLang's prefix cache once nothing runs there (a request the manager had not drained,
-        a health probe), waiting up to ``flush_wait_s``: serving from a cache the old weights made
-        would mix versions inside one sequence, so no flush means no commit."""
-        assert self.session is not None
-        wait = self.flush_wait_s
-        log.info("SGLang at %s could not flush its cache with requests running; waiting up to %gs for it to "
-                 "go idle", self.sglang_url, wait)
-        async with self.session.post(self.sglang_url + wire.flush_cache_path(wait),
-                                     timeout=aiohttp.ClientTimeout(total=wait + 30)) as r:
-            status, text = r.status, (await r.text())[:200]
-        if status != 200:
-            raise CommitRefused(503, f"the weights are loaded but SGLang's prefix cache could not be flushed "
-                                     f"within {wait:g}s (requests still running or queued there): HTTP {status} "
-                                     f"{text.strip()}")
-
-    async def _begin_session(self, sessions: bool | None) -> bool:
-        """Open a weight-update session where the server has them (``sessions``: from its version; None
-        when unknown: a 404 then means an older server without them). Returns whether one was opened."""
-        assert self.session is not None
-        if sessions is False:
-            return False
-        for attempt in range(2):
-            async with self.session.post(self.sglang_url + wire.BEGIN_WEIGHT_UPDATE,
-                                         json=wire.begin_weight_update_body(),
-                                         timeout=aiohttp.ClientTimeout(total=self.load_timeout_s)) as r:
-                status, answer = r.status, await _answer(r)
-            if status == 200 and answer.get("success", False):
-                return True
-            if status == 404 and sessions is None:
-                return False
-            if attempt == 0 and answer.get("message") == wire.SESSION_ALREADY_OPEN_MESSAGE:
-                # Left open by a load that died half-way (this agent is the only one loading): close it.
-                log.warning("SGLang had a weight-update session open from an earlier load; closing it")
-                await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
-                continue
-            raise CommitRefused(502, f"SGLang refused begin_weight_update: HTTP {status} {answer}")
-        raise AssertionError("unreachable")
-
-    async def _server_info(self) -> wire.ServerInfo:
-        assert self.session is not None
-        try:
-            async with self.session.get(self.sglang_url + wire.SERVER_INFO,
-                                        timeout=aiohttp.ClientTimeout(total=30)) as r:
-                if r.status != 200:
-                    raise CommitRefused(502, f"SGLang's {wire.SERVER_INFO} answered HTTP {r.status}")
-                return wire.ServerInfo.from_json(await r.json(content_type=None))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            raise CommitRefused(502, f"cannot read SGLang's {wire.SERVER_INFO}: {type(exc).__name__}: {exc}") from None
+            report = await weights.load(loading, version, sample=_sample(named, self.readback_tensors, version),
+                                        served=self._served)
+        except LoadRefused as exc:
+            raise CommitRefused(exc.status, str(exc)) from None
+        self.readback = report.readback
+        return report.buckets
 
 
-async def _answer(r: aiohttp.ClientResponse) -> dict[str, Any]:
-    text = await r.text()
-    try:
-        answer = json.loads(text)
-    except ValueError:
-        return {"raw": text[:300]}
-    return answer if isinstance(answer, dict) else {"raw": answer}
+def _sample(named: list[tuple[str, torch.Tensor]], count: int, version: int) -> list[tuple[str, torch.Tensor]]:
+    """``count`` tensors spread over all of them (every tensor must equal what SGLang holds after a load,
+    not only those just sent), starting at a point that moves with the version."""
+    if count <= 0 or not named:
+        return []
+    if count >= len(named):
+        return list(named)
+    step = len(named) / count
+    return [named[(version + int(i * step)) % len(named)] for i in range(count)]
 
 
 class CommitRefused(Exception):
@@ -469,6 +411,11 @@ async def handle_prepare(request: web.Request) -> web.Response:
         layout = WeightLayout.from_dict(req.layout.model_dump())
     except (KeyError, TypeError, ValueError) as exc:
         return bad_body("prepare", f"field 'layout': {exc}")
+    try:
+        await agent.check_layout(layout, strict=False)  # checked again, strictly, before the load
+    except CommitRefused as exc:
+        log.warning("prepare of version %d refused: %s", req.version, exc)
+        return web.json_response({"error": str(exc)}, status=exc.status)
     async with agent.busy:
         await agent.writable()
         answer = await asyncio.to_thread(agent.prepare, layout, req.transport, req.delta_base, req.delta_bytes)
@@ -573,6 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--flush-wait-s", type=float, default=30.0,
                         help="after a load, how long to wait for SGLang to go idle so it can flush its cache")
+    parser.add_argument("--readback-tensors", type=int, default=4,
+                        help="tensors read back from SGLang after each load and compared (0: none)")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--fault-corrupt", action="store_true", help="test: corrupt every transfer")
     parser.add_argument("--fault-die-after-prepare", action="store_true", help="test: exit mid-transfer")
@@ -586,7 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           flush_wait_s=args.flush_wait_s, fault_corrupt=args.fault_corrupt,
                           fault_die_after_prepare=args.fault_die_after_prepare,
                           fault_corrupt_delta=args.fault_corrupt_delta, fault_die_mid_serve=args.fault_die_mid_serve,
-                          fault_corrupt_serve=args.fault_corrupt_serve)
+                          fault_corrupt_serve=args.fault_corrupt_serve, auth=SGLangAuth.from_env(),
+                          readback_tensors=args.readback_tensors)
     asyncio.run(serve(agent, args.bind or args.host, args.port))
     return 0
 

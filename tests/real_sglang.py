@@ -1,0 +1,240 @@
+"""Real SGLang 0.5.23 on CPU as a test engine (tests marked ``real_sglang``; installed by scripts/install.sh).
+
+Stable API (other test modules build on it; change only by adding):
+
+- ``SGLANG_PY``: .venv-sglang's interpreter (scripts/sglang_cpu/install.sh makes it).
+- ``CPU_FLAGS``: the SGLang flags that make it serve on CPU (device, torch_native attention, float32,
+  a small KV pool, ``--sleep-on-idle``).
+- ``make_tiny_model(dest, arch="llama")``: the tiny random model and its locally trained tokenizer
+  (tests/real_sglang_model.py), written once per ``dest``.
+- ``start_manager(log_dir, **settings) -> Daemon``: a rollout manager on a free loopback port.
+- ``start_box(model_dir, manager_url, log_dir, *sglang_flags, deterministic=False, name="box") -> RealBox``:
+  real SGLang plus the receiver agent, started THROUGH ``scripts/launch_sglang.sh --engine sglang`` on free
+  loopback ports, registered with the manager; returns once the manager reports it active.
+  ``RealBox.url`` is SGLang's own URL, ``.endpoint`` the manager's name for it, ``.agent_url`` the receiver
+  agent; ``.stop()`` tears everything down (SIGTERM to the launcher, then SIGKILL to every process it left,
+  torch_shm_manager included); ``.kill_sglang()`` SIGKILLs the SGLang server's process group (a dead box).
+- Fixtures (registered in tests/conftest.py): ``real_sglang_model`` (session: the model dir) and
+  ``real_sglang`` (module: ``RealSGLang(manager, box, model_dir)``, one manager and one box per test module).
+
+Every process that imports SGLang gets ``SGLANG_USE_CPU_ENGINE=1`` (its CPU path) and ``OMP_NUM_THREADS=1``
+(with SGLang's ``--sleep-on-idle``: otherwise each idle server spins every core and two servers starve a
+2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import PY, ROOT, Proc, free_port, wait_http_ok_sync, wait_until
+
+SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+LAUNCHER = ROOT / "scripts" / "launch_sglang.sh"
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--mem-fraction-static", "0.05", "--max-total-tokens", "8192",
+             "--dtype", "float32", "--sleep-on-idle", "--log-level", "warning")
+SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
+START_TIMEOUT_S = 240.0  # ~17 s alone on 2 cores; far longer while other suites load the machine
+
+
+def require_sglang_venv() -> None:
+    if not SGLANG_PY.exists():
+        pytest.fail(f"{SGLANG_PY} is missing: run scripts/install.sh (or scripts/sglang_cpu/install.sh)")
+
+
+def make_tiny_model(dest: Path, arch: str = "llama") -> Path:
+    """The tiny model (Llama by default: SGLang's /get_weights_by_name reads Llama weights, not Qwen2's)."""
+    if not (dest / "model.safetensors").exists():
+        require_sglang_venv()
+        subprocess.run([str(SGLANG_PY), str(ROOT / "tests" / "real_sglang_model.py"), str(dest), arch],
+                       check=True, capture_output=True, timeout=300, env={**os.environ, **SGLANG_ENV})
+    return dest
+
+
+@dataclass
+class Daemon:
+    url: str
+    proc: Proc
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def start_manager(log_dir: Path, **settings: Any) -> Daemon:
+    port = free_port()
+    args = [PY, "-m", "rollout_manager", "serve", "--bind", f"127.0.0.1:{port}"]
+    for key, value in {"pending_poll_interval_s": "0.2", "health_check_interval_s": "0.5", **settings}.items():
+        args += ["--set", f"{key}={value}"]
+    proc = Proc(args, log_dir / f"manager-{port}.log")
+    try:
+        wait_http_ok_sync(f"http://127.0.0.1:{port}/health", proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return Daemon(f"http://127.0.0.1:{port}", proc)
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    children, out, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class RealBox:
+    launcher: Proc
+    port: int
+    agent_port: int
+    manager_url: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://127.0.0.1:{self.agent_port}"
+
+    def log(self) -> str:
+        return self.launcher.log()
+
+    def sglang_pid(self) -> int:
+        """The SGLang server's main process (listening on .port)."""
+        for pid in descendants(self.launcher.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"sglang.launch_server" in cmd and str(self.port).encode() in cmd:
+                return pid
+        raise AssertionError(f"no SGLang process under launcher {self.launcher.pid}")
+
+    def kill_sglang(self) -> None:
+        """SIGKILL the SGLang server and its scheduler/detokenizer (its own process group): a box that dies."""
+        pid = self.sglang_pid()
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the launcher (it deregisters and stops its children), then SIGKILL whatever is left:
+        the launcher's descendants, torch_shm_manager among them (it holds inherited stdout open)."""
+        left = descendants(self.launcher.pid)
+        self.launcher.signal(signal.SIGTERM)
+        try:
+            self.launcher.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        left |= {p for p in list(left) for p in descendants(p)}
+        for pid in left:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.launcher.stop()
+
+
+def start_box(model_dir: Path, manager_url: str, log_dir: Path, *sglang_flags: str, deterministic: bool = False,
+              name: str = "box", launcher_flags: tuple[str, ...] = ()) -> RealBox:
+    """Real SGLang with the receiver agent, through scripts/launch_sglang.sh; returns once it serves and the
+    manager reports it active."""
+    require_sglang_venv()
+    port, agent_port = free_port(), free_port()
+    while agent_port == port:
+        agent_port = free_port()
+    args = ["bash", str(LAUNCHER), "--engine", "sglang", "--model-path", str(model_dir), "--manager-addr", manager_url,
+            "--host", "127.0.0.1", "--port", str(port), "--transfer-agent-handshake-port", str(agent_port),
+            "--python", str(SGLANG_PY), "--ready-timeout-s", str(int(START_TIMEOUT_S)), "--drain-timeout-s", "5",
+            "--stop-timeout-s", "10", *(("--deterministic",) if deterministic else ()), *launcher_flags,
+            "--", *CPU_FLAGS, *sglang_flags]
+    box = RealBox(Proc(args, log_dir / f"{name}-{port}.log", env=SGLANG_ENV), port, agent_port, manager_url)
+    try:
+        wait_until(lambda: _active(box), START_TIMEOUT_S, interval_s=0.5,
+                   message=lambda: f"{box.endpoint} active in the manager; launcher log:\n{box.log()[-6000:]}")
+    except BaseException:
+        box.stop()
+        raise
+    return box
+
+
+def _active(box: RealBox) -> bool:
+    import json
+    import urllib.request
+
+    if box.launcher.popen.poll() is not None:
+        raise AssertionError(f"launch_sglang.sh exited with {box.launcher.popen.returncode}:\n{box.log()[-6000:]}")
+    try:
+        with urllib.request.urlopen(box.manager_url + "/get_instances_status", timeout=5) as r:
+            status = json.loads(r.read())
+    except OSError:
+        return False
+    return any(i["endpoint"] == box.endpoint and i["state"] == "active" for i in status["instances"])
+
+
+@dataclass
+class RealSGLang:
+    manager: Daemon
+    box: RealBox
+    model_dir: Path
+    start_s: float = 0.0  # launcher start to active in the manager
+
+
+def start_real_sglang(model_dir: Path, log_dir: Path) -> RealSGLang:
+    manager = start_manager(log_dir)
+    started = time.monotonic()
+    try:
+        box = start_box(model_dir, manager.url, log_dir)
+    except BaseException:
+        manager.stop()
+        raise
+    return RealSGLang(manager, box, model_dir, time.monotonic() - started)
+
+
+@pytest.fixture(scope="session")
+def real_sglang_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.getbasetemp() / "real_sglang_model")
+
+
+@pytest.fixture(scope="module")
+def real_sglang(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    env = start_real_sglang(real_sglang_model, tmp_path_factory.mktemp("real_sglang"))
+    try:
+        yield env
+    finally:
+        env.box.stop()
+        env.manager.stop()

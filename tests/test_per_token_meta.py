@@ -1,0 +1,41 @@
+"""Per-token meta_info lists (top log-probs, token-id log-probs) gathered over every chunk, as the tokens are:
+SGLang's incremental streams carry each chunk's own entries, cumulative ones repeat them all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_manager.sglang import wire
+
+
+def chunk(ids: list[int], total: int, tops: list[Any], finish: Any = None) -> dict[str, Any]:
+    return {"output_ids": ids, "meta_info": {"completion_tokens": total, "finish_reason": finish,
+                                             "output_top_logprobs": tops, "output_token_ids_logprobs": tops}}
+
+
+def top(t: int) -> list[list[Any]]:
+    return [[-0.5, t, None], [-1.5, t + 1, None]]
+
+
+def test_incremental_chunks_are_gathered() -> None:
+    progress = wire.SequenceProgress()
+    progress.apply(chunk([1, 2], 2, [top(1), top(2)]))
+    progress.apply(chunk([3], 3, [top(3)], {"type": "length"}))
+    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+        assert progress.per_token[key] == [top(1), top(2), top(3)]
+
+
+def test_cumulative_chunks_and_a_second_segment() -> None:
+    gathered: dict[str, list[Any]] = {}
+    first = wire.SequenceProgress(per_token=gathered)
+    first.apply(chunk([1], 1, [top(1)]))
+    first.apply(chunk([1, 2], 2, [top(1), top(2)]))  # cumulative: repeats the first
+    second = wire.SequenceProgress(per_token=gathered)  # continued elsewhere: its chunks count from 0
+    second.apply(chunk([3, 4], 2, [top(3), top(4)], {"type": "length"}))
+    assert gathered["output_top_logprobs"] == [top(1), top(2), top(3), top(4)]
+    body = {"input_ids": [9], "sampling_params": {"sampling_seed": 5}}
+    out = wire.final_output(body, rid="r", output_ids=[1, 2, 3, 4], logprobs=[], finish={"type": "length"},
+                            engine_meta=second.meta_info, segments=[], text=None, e2e_latency=0.1, index=None,
+                            per_token=gathered)
+    assert out["meta_info"]["output_top_logprobs"] == gathered["output_top_logprobs"]
+    assert out["meta_info"]["sampling_seed"] == 5

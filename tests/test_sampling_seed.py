@@ -1,0 +1,69 @@
+"""Every sequence is sampled with a seed of its own, kept across instances (docs/sglang-contract.md, item 3).
+
+Under ``--enable-deterministic-inference`` SGLang samples a request that has no ``sampling_seed`` with seed 42,
+so the samples of one prompt come out identical; its seeded sampler keys each draw on (seed, position), so a
+continuation sent with the same seed draws what the uninterrupted request would have. Fake engines record
+what the manager sends them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from fakes import HealthRecorder, reference, register_active, start_fakes
+
+from rollout_manager.instances.registry import Registry
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.generation import GenerationSettings, Generator
+from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.rollout.sequence import with_sampling_seed
+from rollout_manager.sglang.client import SGLangClient
+
+PROMPT = [5, 17, 42]
+SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3,
+                              engine_stream_interval=1)
+
+
+def body(n: int, **params: Any) -> dict[str, Any]:
+    return {"input_ids": list(PROMPT), "sampling_params": {"temperature": 1.0, "max_new_tokens": n, **params}}
+
+
+async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsewhere() -> None:
+    fakes = await start_fakes(2)
+    dying, healthy = fakes
+    dying.die_after_tokens = 4
+    try:
+        async with aiohttp.ClientSession() as session:
+            registry = Registry()
+            generator = Generator(Dispatcher(registry, LeastInFlight()), SGLangClient(session), SETTINGS,
+                                  LocalBudget(0.0, 0.0, 1.0), on_instance_failure=HealthRecorder().failure,
+                                  on_instance_success=HealthRecorder().success)
+            register_active(registry, fakes)
+            out = await generator.generate(body(10, rid="seq"))
+            assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 10)
+            (first,), (cont,) = dying.requests, healthy.requests
+            seed = first["sampling_params"]["sampling_seed"]
+            assert isinstance(seed, int) and cont["sampling_params"]["sampling_seed"] == seed  # the same draws
+            assert cont["input_ids"] == PROMPT + reference(PROMPT, 4)
+            assert out["meta_info"]["sampling_seed"] == seed
+
+            dying.die_after_tokens = None
+            batch = await generator.generate({"input_ids": [list(PROMPT)] * 8,
+                                              "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}})
+            assert isinstance(batch, list)
+            seeds = [o["meta_info"]["sampling_seed"] for o in batch]
+            assert len(set(seeds)) == 8  # a GRPO group: no two samples share a seed
+    finally:
+        for fake in fakes:
+            await fake.close()
+
+
+def test_a_callers_seed_is_kept() -> None:
+    given = body(4, sampling_seed=1234)
+    assert with_sampling_seed(given) is given
+    added = with_sampling_seed(body(4))
+    assert isinstance(added["sampling_params"]["sampling_seed"], int)
+    assert "sampling_seed" not in body(4)["sampling_params"]  # the caller's body is not changed
+    assert with_sampling_seed({"input_ids": [1]})["sampling_params"]["sampling_seed"] >= 0
