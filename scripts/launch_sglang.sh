@@ -93,6 +93,10 @@ Environment:
   ROLLOUT_MANAGER_ENGINE      sglang or cpu (as --engine).
   PYTHON                      the interpreter (as --python).
   MC_*                        Mooncake settings, seen by the agent (e.g. MC_LOG_LEVEL=ERROR).
+  SGLANG_USE_CPU_ENGINE=1     SGLang on a CPU-only box (what the real_sglang tests run; docs/real-sglang.md):
+                              with OMP_NUM_THREADS=1 and, after --, --device cpu --attention-backend
+                              torch_native --sampling-backend pytorch --disable-cuda-graph --dtype float32
+                              --sleep-on-idle (an idle scheduler otherwise spins a core).
 
 Network: the manager must reach --port and --transfer-agent-handshake-port on --host; the trainer's
 weight senders must reach Mooncake's port range (TCP 15000-17000 by default, RDMA for rdma) on --host.
