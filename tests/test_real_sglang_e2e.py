@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from real_sglang import Daemon, RealBox, start_box, start_manager
+from real_sglang import Daemon, start_boxes, start_manager
 from support import async_wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
@@ -24,14 +24,14 @@ FAST = {"health_check_interval_s": "0.5", "health_check_timeout_s": "5", "health
 def fleet(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     log_dir = tmp_path_factory.mktemp("e2e")
     manager = start_manager(log_dir, **FAST)
-    boxes: list[RealBox] = []
     try:
-        for name in ("a", "b"):
-            boxes.append(start_box(real_sglang_model, manager.url, log_dir, name=name))
-        yield manager, boxes
+        boxes = start_boxes(real_sglang_model, manager.url, log_dir, ["a", "b"])
+        try:
+            yield manager, boxes
+        finally:
+            for box in boxes:
+                box.stop()
     finally:
-        for box in boxes:
-            box.stop()
         manager.stop()
 
 
