@@ -70,7 +70,9 @@ def _pair(model_dir: Path, manager: Daemon, log_dir: Path, incremental: bool) ->
     cpu_url, cpu = _cpu_engine(log_dir, *flags)
     box: RealBox | None = None
     try:
-        box = start_box(model_dir, manager.url, log_dir, name="incremental" if incremental else "cumulative",
+        # Both told the context length, so both report the flag in /server_info.
+        box = start_box(model_dir, manager.url, log_dir, "--context-length", str(CONTEXT),
+                        name="incremental" if incremental else "cumulative",
                         launcher_flags=() if incremental else ("--no-incremental-streaming",))
         yield Pair(box.url, cpu_url), box
     finally:
@@ -527,3 +529,25 @@ async def test_a_load_waits_for_running_requests(pair: Pair, http: aiohttp.Clien
     loaded, done_first, status, fin, version = await both(pair, scenario)
     assert loaded == (200, "success", True) and done_first and status == 200
     assert fin == {"type": "length", "length": 300} and version != "v-waited"  # made by the old weights
+
+
+# ------------------------------------------------------------------ health and server info
+
+
+async def test_health_and_the_server_info_the_manager_reads(pair: Pair, http: aiohttp.ClientSession) -> None:
+    """What the manager reads from /server_info and /model_info (wire.ServerInfo), less what belongs to the
+    model (the CPU engine also reports vocab_size, which SGLang does not) and the running-request cap. The
+    CPU engine reported no stream_interval (SGLang: its --stream-interval, 1) and the model's context length
+    where SGLang reports its --context-length flag (None unless given)."""
+    async def scenario(url: str) -> Any:
+        health = (await call(http, url, "/health"))[0], (await call(http, url, "/health_generate"))[0]
+        _, raw = await call(http, url, "/server_info")
+        _, model = await call(http, url, "/model_info")
+        info = wire.ServerInfo.from_json(raw).with_model_info(model)
+        fields = (info.version, info.tp_size, info.dp_size, info.base_gpu_id, info.gpu_id_step,
+                  info.incremental_streaming_output, info.stream_interval, info.weight_version is not None)
+        return health, raw.get("context_length", "missing"), fields
+
+    health, context, fields = await both(pair, scenario)
+    assert health == (200, 200) and context == CONTEXT  # the --context-length flag (None when not given)
+    assert fields == ("0.5.23", 1, 1, 0, 1, True, 1, True)

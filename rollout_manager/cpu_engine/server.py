@@ -213,7 +213,8 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
         "model_path": f"cpu-engine/{engine.config.model_size}",
         "served_model_name": name,
         "skip_tokenizer_init": True,
-        "context_length": engine.context_len,
+        "context_length": engine.config.context_length,  # SGLang reports its flag here (None unless given)
+        "stream_interval": engine.config.stream_interval,
         "weight_version": engine.weight_version,
         "incremental_streaming_output": engine.config.incremental_streaming_output,
         "max_running_requests": engine.config.max_running_requests,
