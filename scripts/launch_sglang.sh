@@ -103,6 +103,10 @@ Environment:
                               SGLang's keys (as --api-key, --admin-api-key), without them on this
                               launcher's command line.
   MC_*                        Mooncake settings, seen by the agent (e.g. MC_LOG_LEVEL=ERROR).
+  SGLANG_USE_CPU_ENGINE=1     SGLang on a CPU-only box (what the real_sglang tests run; docs/real-sglang.md):
+                              with OMP_NUM_THREADS=1 and, after --, --device cpu --attention-backend
+                              torch_native --sampling-backend pytorch --disable-cuda-graph --dtype float32
+                              --sleep-on-idle (an idle scheduler otherwise spins a core).
 
 Network: the manager must reach --port and --transfer-agent-handshake-port on --host; the trainer's
 weight senders must reach Mooncake's port range (TCP 15000-17000 by default, RDMA for rdma) on --host.

@@ -8,12 +8,15 @@ Stable API (other test modules build on it; change only by adding):
 - ``make_tiny_model(dest, arch="llama")``: the tiny random model and its locally trained tokenizer
   (tests/real_sglang_model.py), written once per ``dest``.
 - ``start_manager(log_dir, **settings) -> Daemon``: a rollout manager on a free loopback port.
-- ``start_box(model_dir, manager_url, log_dir, *sglang_flags, deterministic=False, name="box") -> RealBox``:
+- ``start_box(model_dir, manager_url, log_dir, *sglang_flags, deterministic=False, name="box",
+  launcher_flags=()) -> RealBox``:
   real SGLang plus the receiver agent, started THROUGH ``scripts/launch_sglang.sh --engine sglang`` on free
   loopback ports, registered with the manager; returns once the manager reports it active.
   ``RealBox.url`` is SGLang's own URL, ``.endpoint`` the manager's name for it, ``.agent_url`` the receiver
   agent; ``.stop()`` tears everything down (SIGTERM to the launcher, then SIGKILL to every process it left,
   torch_shm_manager included); ``.kill_sglang()`` SIGKILLs the SGLang server's process group (a dead box).
+- ``start_boxes(model_dir, manager_url, log_dir, names, ...) -> list[RealBox]``: several at once (their
+  starts overlap), the same otherwise.
 - Fixtures (registered in tests/conftest.py): ``real_sglang_model`` (session: the model dir) and
   ``real_sglang`` (module: ``RealSGLang(manager, box, model_dir)``, one manager and one box per test module).
 
@@ -169,27 +172,50 @@ class RealBox:
         self.launcher.stop()
 
 
-def start_box(model_dir: Path, manager_url: str, log_dir: Path, *sglang_flags: str, deterministic: bool = False,
-              name: str = "box", launcher_flags: tuple[str, ...] = ()) -> RealBox:
-    """Real SGLang with the receiver agent, through scripts/launch_sglang.sh; returns once it serves and the
-    manager reports it active."""
-    require_sglang_venv()
-    port, agent_port = free_port(), free_port()
-    while agent_port == port:
-        agent_port = free_port()
+def _launch(model_dir: Path, manager_url: str, log_dir: Path, sglang_flags: tuple[str, ...], deterministic: bool,
+            name: str, launcher_flags: tuple[str, ...], taken: set[int]) -> RealBox:
+    ports = []
+    while len(ports) < 2:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    port, agent_port = ports
     args = ["bash", str(LAUNCHER), "--engine", "sglang", "--model-path", str(model_dir), "--manager-addr", manager_url,
             "--host", "127.0.0.1", "--port", str(port), "--transfer-agent-handshake-port", str(agent_port),
             "--python", str(SGLANG_PY), "--ready-timeout-s", str(int(START_TIMEOUT_S)), "--drain-timeout-s", "5",
             "--stop-timeout-s", "10", *(("--deterministic",) if deterministic else ()), *launcher_flags,
             "--", *CPU_FLAGS, *sglang_flags]
-    box = RealBox(Proc(args, log_dir / f"{name}-{port}.log", env=SGLANG_ENV), port, agent_port, manager_url)
+    return RealBox(Proc(args, log_dir / f"{name}-{port}.log", env=SGLANG_ENV), port, agent_port, manager_url)
+
+
+def start_boxes(model_dir: Path, manager_url: str, log_dir: Path, names: list[str], *sglang_flags: str,
+                deterministic: bool = False, launcher_flags: tuple[str, ...] = ()) -> list[RealBox]:
+    """Several boxes started at once (their starts overlap); returns once the manager reports all active."""
+    require_sglang_venv()
+    taken: set[int] = set()
+    boxes: list[RealBox] = []
     try:
-        wait_until(lambda: _active(box), START_TIMEOUT_S, interval_s=0.5,
-                   message=lambda: f"{box.endpoint} active in the manager; launcher log:\n{box.log()[-6000:]}")
+        for name in names:
+            boxes.append(_launch(model_dir, manager_url, log_dir, sglang_flags, deterministic, name, launcher_flags,
+                                 taken))
+        for box in boxes:
+            wait_until(lambda box=box: _active(box), START_TIMEOUT_S, interval_s=0.5,
+                       message=lambda box=box: f"{box.endpoint} active in the manager; launcher log:\n"
+                                               f"{box.log()[-6000:]}")
     except BaseException:
-        box.stop()
+        for box in boxes:
+            box.stop()
         raise
-    return box
+    return boxes
+
+
+def start_box(model_dir: Path, manager_url: str, log_dir: Path, *sglang_flags: str, deterministic: bool = False,
+              name: str = "box", launcher_flags: tuple[str, ...] = ()) -> RealBox:
+    """Real SGLang with the receiver agent, through scripts/launch_sglang.sh; returns once it serves and the
+    manager reports it active."""
+    return start_boxes(model_dir, manager_url, log_dir, [name], *sglang_flags, deterministic=deterministic,
+                       launcher_flags=launcher_flags)[0]
 
 
 def _active(box: RealBox) -> bool:

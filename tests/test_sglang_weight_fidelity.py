@@ -372,9 +372,12 @@ async def flush(e: Engine, timeout_s: float | None = None) -> int:
         return r.status
 
 
-async def test_a_load_while_a_request_runs_loads_but_refuses_to_flush_the_cache(start_engine: StartEngine) -> None:
+async def test_a_load_while_a_pause_holds_requests_loads_but_refuses_to_flush(start_engine: StartEngine) -> None:
+    """Paused in place, SGLang runs a weight update at once (not paused, it waits for every request in
+    flight: tests/test_real_sglang_contract.py), and the flush it asks for is refused while requests are held."""
     e = await start_engine()
     gen = await slow_generation(e, "busy", 400)
+    assert (await e.post(wire.PAUSE_GENERATION, {"mode": "in_place"}))[0] == 200
     assert (await e.post(wire.BEGIN_WEIGHT_UPDATE, {}))[0] == 200
     assert await e.post(wire.UPDATE_WEIGHTS_FROM_TENSOR, body(named_weights(1), version="4")) == (
         400, {"success": False, "message": wire.CACHE_NOT_FLUSHED_MESSAGE})
@@ -383,6 +386,7 @@ async def test_a_load_while_a_request_runs_loads_but_refuses_to_flush_the_cache(
     assert (await e.post(wire.ABORT_REQUEST, wire.abort_body("busy")))[0] == 200
     assert await flush(e, 5) == 200  # waits for the engine to go idle
     assert (await e.post(wire.END_WEIGHT_UPDATE, {}))[0] == 200
+    assert (await e.post(wire.CONTINUE_GENERATION, {}))[0] == 200
     status, out = await gen
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
 
@@ -393,14 +397,18 @@ async def test_the_receiver_waits_for_the_engine_to_go_idle_before_it_flushes(st
     await load(e, dict(named_weights(1)), 11)
     status, out = await gen
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"  # not aborted: waited
-    # The update calls never flush (that fails them while requests run): the flush comes after, once idle.
-    assert (wire.UPDATE_WEIGHTS_FROM_TENSOR, 400) not in e.calls and e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)
+    # As SGLang 0.5.23: not paused, begin_weight_update itself waits for the request (model_update_lock);
+    # the update calls never flush (that fails them while requests run): the flush comes after, once idle.
+    assert (wire.UPDATE_WEIGHTS_FROM_TENSOR, 400) not in e.calls and (wire.UPDATE_WEIGHTS_FROM_TENSOR, 200) in e.calls
+    assert e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)
     assert (await e.get("/debug/state_dict_checksum"))["weight_version"] == "11"
 
 
 async def test_a_load_whose_cache_cannot_be_flushed_in_time_is_not_committed(start_engine: StartEngine) -> None:
     e = await start_engine()
     gen = await slow_generation(e, "long", 400)
+    # Paused in place the load runs at once and the request stays held, so the flush cannot happen.
+    assert (await e.post(wire.PAUSE_GENERATION, {"mode": "in_place"}))[0] == 200
     agent = await receiver_for(e, dict(named_weights(1)), 1 << 30)
     agent.flush_wait_s = 0.3
     try:
@@ -410,5 +418,6 @@ async def test_a_load_whose_cache_cannot_be_flushed_in_time_is_not_committed(sta
         assert agent.session is not None
         await agent.session.close()
         await e.post(wire.ABORT_REQUEST, wire.abort_body("long"))
+        await e.post(wire.CONTINUE_GENERATION, {})
         await gen
-    assert e.calls[-1] == (wire.END_WEIGHT_UPDATE, 200)  # the session is closed all the same
+    assert (wire.END_WEIGHT_UPDATE, 200) in e.calls  # the session is closed all the same

@@ -9,7 +9,7 @@ docs/architecture.md, "Exactness") and can inject faults.
 
 from collections.abc import Sequence
 
-from rollout_manager.cpu_engine.engine import BadRequest, Engine, EngineConfig, parse_generate_body
+from rollout_manager.cpu_engine.engine import Engine, EngineConfig
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.model import (
     ModelConfig,
@@ -21,6 +21,7 @@ from rollout_manager.cpu_engine.model import (
     state_dict_checksums,
     tensor_checksum,
 )
+from rollout_manager.cpu_engine.request import BadRequest, parse_generate_body
 from rollout_manager.cpu_engine.server import create_app, run, serve
 
 

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,13 +30,16 @@ from rollout_manager.cpu_engine.model import (
     state_dict_checksums,
     stop_reason,
 )
+from rollout_manager.cpu_engine.request import (
+    _SCHEDULER_INPUT_MARGIN,
+    BadRequest,
+    GenerateRequest,
+    SequenceSpec,
+    parse_generate_body,
+)
 from rollout_manager.sglang import wire
 
 log = logging.getLogger("rollout_manager.cpu_engine")
-
-
-class BadRequest(ValueError):
-    """A request the engine refuses (HTTP 400)."""
 
 
 @dataclass
@@ -59,190 +61,6 @@ class EngineConfig:
     sglang_version: str = "0.5.23"
     tp_size: int = 1
     dp_size: int = 1
-
-
-# ------------------------------------------------------------------ requests
-
-# SGLang sampling keys accepted but without effect here (no tokenizer, no penalties, no grammars).
-_NOOP_SAMPLING_KEYS = {
-    "stop",
-    "stop_regex",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_p",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "custom_params",
-    "logit_bias",
-}
-_SAMPLING_KEYS = {
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop_token_ids",
-    "ignore_eos",
-    "sampling_seed",
-    "stream_interval",
-    "n",
-} | _NOOP_SAMPLING_KEYS
-
-# SGLang's scheduler keeps this many tokens of the context back from the input
-# (max_req_input_len = max_req_len - 5 with max_req_len = context_len - 1, in tp_worker.py).
-_SCHEDULER_INPUT_MARGIN = 6
-
-
-@dataclass
-class SequenceSpec:
-    """One validated sequence of a /generate call."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool
-    index: int | None  # position in a batch, None for a single request
-    stream_interval: int | None = None  # sampling_params.stream_interval (None: the server's)
-
-
-@dataclass
-class GenerateRequest:
-    specs: list[SequenceSpec]
-    stream: bool
-    batched: bool
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _parse_sampling(raw: Any, *, where: str) -> SamplingParams:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest(f"{where}sampling_params must be an object")
-    unknown = set(raw) - _SAMPLING_KEYS
-    if unknown:
-        raise BadRequest(f"{where}unknown sampling_params {sorted(unknown)}")
-    p = SamplingParams()
-    if "max_new_tokens" in raw:
-        v = raw["max_new_tokens"]
-        if v is not None and (not _is_int(v) or v < 0):
-            raise BadRequest(f"{where}max_new_tokens must be a non-negative integer or null")
-        p.max_new_tokens = v
-    if raw.get("min_new_tokens") is not None:
-        v = raw["min_new_tokens"]
-        if not _is_int(v) or v < 0:
-            raise BadRequest(f"{where}min_new_tokens must be a non-negative integer")
-        p.min_new_tokens = v
-    if raw.get("temperature") is not None:
-        v = raw["temperature"]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise BadRequest(f"{where}temperature must be a number >= 0")
-        p.temperature = float(v)
-    if raw.get("top_p") is not None:
-        v = raw["top_p"]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1:
-            raise BadRequest(f"{where}top_p must be in (0, 1]")
-        p.top_p = float(v)
-    if raw.get("top_k") is not None:
-        v = raw["top_k"]
-        if not _is_int(v) or (v < 1 and v != -1):
-            raise BadRequest(f"{where}top_k must be -1 (disabled) or at least 1")
-        p.top_k = v
-    if raw.get("stop_token_ids") is not None:
-        v = raw["stop_token_ids"]
-        if not isinstance(v, list) or not all(_is_int(t) for t in v):
-            raise BadRequest(f"{where}stop_token_ids must be a list of integers")
-        p.stop_token_ids = list(v)
-    if raw.get("ignore_eos") is not None:
-        if not isinstance(raw["ignore_eos"], bool):
-            raise BadRequest(f"{where}ignore_eos must be a boolean")
-        p.ignore_eos = raw["ignore_eos"]
-    if raw.get("sampling_seed") is not None:
-        if not _is_int(raw["sampling_seed"]):
-            raise BadRequest(f"{where}sampling_seed must be an integer")
-        p.sampling_seed = raw["sampling_seed"]
-    if raw.get("stream_interval") is not None and not _is_int(raw["stream_interval"]):
-        raise BadRequest(f"{where}stream_interval must be an integer")
-    if raw.get("n", 1) != 1:
-        raise BadRequest(f"{where}only n=1 is supported")
-    return p
-
-
-def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> GenerateRequest:
-    """Validate a /generate body into sequence specs. Raises BadRequest with a clear message."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    if body.get("text") is not None:
-        raise BadRequest("this engine has no tokenizer: send input_ids, not text")
-    for key in ("input_embeds", "image_data", "audio_data", "video_data"):
-        if body.get(key) is not None:
-            raise BadRequest(f"{key} is not supported by this engine")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("input_ids must be a non-empty list of token ids (or a list of such lists)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be a boolean")
-    batched = wire.is_batched(body)
-    if batched:
-        n = len(ids)
-        for key in wire.PER_ITEM_KEYS:
-            value = body.get(key)
-            if isinstance(value, list) and len(value) != n:
-                raise BadRequest(f"{key} is a list of {len(value)} items for a batch of {n}")
-        parts = wire.split_batch(body)  # a string rid names the items rid_0, rid_1, ... as in SGLang
-    else:
-        for key in wire.PER_ITEM_KEYS:
-            if isinstance(body.get(key), list):
-                raise BadRequest(f"{key} must not be a list for a single (unbatched) request")
-        parts = [body]
-    specs: list[SequenceSpec] = []
-    seen: set[str] = set()
-    for i, part in enumerate(parts):
-        where = f"item {i}: " if batched else ""
-        seq = part.get("input_ids")
-        if not isinstance(seq, list) or not seq:
-            raise BadRequest(f"{where}input_ids must be a non-empty list of token ids")
-        for t in seq:
-            if not _is_int(t) or not 0 <= t < vocab_size:
-                raise BadRequest(f"{where}input_ids holds {t!r}, not a token id in [0, {vocab_size})")
-        params = _parse_sampling(part.get("sampling_params"), where=where)
-        n_in = len(seq)
-        if n_in >= context_len:
-            raise BadRequest(
-                f"{where}The input ({n_in} tokens) is longer than the model's context length ({context_len} tokens)."
-            )
-        if params.max_new_tokens is not None and params.max_new_tokens + n_in > context_len:
-            raise BadRequest(
-                f"{where}Requested token count exceeds the model's maximum context length of {context_len} "
-                f"tokens. You requested a total of {params.max_new_tokens + n_in} tokens: {n_in} tokens from the "
-                f"input and {params.max_new_tokens} tokens for the completion."
-            )
-        rlp = part.get("return_logprob", False)
-        if rlp is None:
-            rlp = False
-        if not isinstance(rlp, bool):
-            raise BadRequest(f"{where}return_logprob must be a boolean (or a list of booleans)")
-        rid = part.get("rid")
-        if rid is None or rid == "":
-            rid = uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise BadRequest(f"{where}rid must be a string")
-        if rid in seen:
-            raise BadRequest(f"duplicate rid {rid!r} in the batch")
-        seen.add(rid)
-        raw_params = part.get("sampling_params") or {}
-        specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None,
-                                  stream_interval=raw_params.get("stream_interval")))
-    return GenerateRequest(specs, stream, batched)
 
 
 # ------------------------------------------------------------------ running state
@@ -269,6 +87,7 @@ class Sequence:
         self.internal = internal
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[tuple[str, int]] = []  # (weight version, first output position it made)
         self.finish: dict[str, Any] | None = None
         self.created = time.monotonic()
         self.finished_at: float | None = None
@@ -546,6 +365,8 @@ class Engine:
                 await asyncio.sleep(0)
 
     def _append(self, s: Sequence, token: int, lp: float) -> None:
+        if not s.versions or s.versions[-1][0] != self.weight_version:
+            s.versions.append((self.weight_version, len(s.output_ids)))
         s.output_ids.append(token)
         s.logprobs.append(lp)
         p = s.spec.params
@@ -588,7 +409,7 @@ class Engine:
         lps = None
         if s.spec.return_logprob:
             lps = [wire.logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
-        return wire.output_chunk(
+        out = wire.output_chunk(
             rid=s.rid,
             output_ids=ids,
             prompt_tokens=len(s.spec.input_ids),
@@ -600,4 +421,13 @@ class Engine:
             index=s.spec.index if s.group.stream else None,  # streamed batch items carry index
             e2e_latency=(s.finished_at or time.monotonic()) - s.created if final else None,
         )
+        if final:  # SGLang 0.5.23: which weight version made which output tokens, on the final output
+            out["meta_info"]["weight_versions"] = self.version_spans(s)
+        return out
+
+    def version_spans(self, s: Sequence) -> list[dict[str, Any]]:
+        if not s.versions:  # no token (max_new_tokens 0, or aborted before the first)
+            return [{"version": self.weight_version, "start": 0, "end": 0}]
+        ends = [start for _, start in s.versions[1:]] + [len(s.output_ids)]
+        return [{"version": v, "start": start, "end": end} for (v, start), end in zip(s.versions, ends)]
 
