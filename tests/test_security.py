@@ -190,23 +190,25 @@ def launch_args(manager: str, port: int, agent_port: int, *extra: str) -> list[s
 def test_box_deregister_sends_the_box_token_and_falls_back_to_the_shared_one_on_401(tmp_path, monkeypatch):
     """``box deregister --state-file``: the token ``register`` (or ``watch``) wrote, the shared one only
     when the manager does not know it."""
+    from rollout_manager import manager_client
     from rollout_manager.launch import box
 
     calls: list[str | None] = []
-    answers = iter([(401, {"error": "unknown"}), (200, {"removed": ["h:1"]})])
+    answers = iter([manager_client.Answer(401, {"error": "unknown"}), manager_client.Answer(200, {"removed": ["h:1"]})])
 
-    def fake_request(method: str, url: str, body: Any = None, *, timeout: float = 10.0, auth: bool = True,
-                     token: str | None = None) -> tuple[int, Any]:
+    def fake_call(method: str, url: str, body: Any = None, *, timeout_s: float | None = 10.0,
+                  token: str | None = None) -> manager_client.Answer:
         calls.append(token)
         return next(answers)
 
-    monkeypatch.setattr(box, "request", fake_request)
+    monkeypatch.delenv("ROLLOUT_MANAGER_AUTH_TOKEN", raising=False)
+    monkeypatch.setattr(manager_client, "http_call", fake_call)
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"body": {}, "endpoint": "h:1", "run_id": "r", "box_token": "old-token-xxxxxxxx"}))
     box.save_state(str(state), {"body": {}, "endpoint": "h:1", "run_id": "r2", "box_token": "new"})
     assert json.loads(state.read_text())["box_token"] == "new"  # shorter, padded: still one JSON document
     assert box.main(["deregister", "--manager", "http://h:5", "--endpoint", "h:1", "--state-file", str(state)]) == 0
-    assert calls == ["new", None]  # the box token, then (401) the shared one from the environment
+    assert calls == ["new", ""]  # the box token, then (401) the shared one from the environment (unset here)
 
 
 async def test_a_caller_on_the_managers_machine_may_name_its_lan_address_but_not_the_wildcard():
