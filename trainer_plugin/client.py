@@ -63,6 +63,7 @@ from rollout_manager.manager_client import (
     error_message,
 )
 from rollout_manager.manager_client import base_url as base_url_of
+from rollout_manager.retry import Backoff, retry_async
 
 log = logging.getLogger("trainer_plugin.client")
 
@@ -230,34 +231,32 @@ class ManagerClient:
         """Send a request, retrying connection failures; return the response with a 2xx status."""
         url = self.base_url + path
         retryable = _CONNECT_ERRORS + (_TRANSPORT_ERRORS if method == "GET" else ())
-        attempt = 0
-        while True:
-            attempt += 1
+        kwargs: dict[str, Any] = {"timeout": self._timeout(total)}
+        if body is not None:
+            kwargs["json"] = body
+
+        def retrying(attempt: int, delay: float, exc: object) -> None:
+            log.warning("%s %s: %s; retrying in %.2fs (%d/%d)", method, url, exc, delay, attempt, self.retries)
+
+        try:
+            resp = await retry_async(lambda: self.session.request(method, url, **kwargs),
+                                     Backoff(self.retry_backoff_s, float("inf"), attempts=self.retries + 1),
+                                     retry_on=retryable, on_retry=retrying)
+        except retryable as exc:
+            raise ManagerUnavailable(
+                f"{method} {url}: rollout manager not reachable after {self.retries + 1} attempt(s): {exc}"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ManagerUnavailable(f"{method} {url}: connection failed: {exc}") from exc
+        except asyncio.TimeoutError as exc:
+            raise ManagerUnavailable(f"{method} {url}: timed out") from exc
+        if resp.status >= 400:
             try:
-                kwargs: dict[str, Any] = {"timeout": self._timeout(total)}
-                if body is not None:
-                    kwargs["json"] = body
-                resp = await self.session.request(method, url, **kwargs)
-            except retryable as exc:
-                if attempt > self.retries:
-                    raise ManagerUnavailable(
-                        f"{method} {url}: rollout manager not reachable after {attempt} attempt(s): {exc}"
-                    ) from exc
-                delay = self.retry_backoff_s * (2 ** (attempt - 1))
-                log.warning("%s %s: %s; retrying in %.2fs (%d/%d)", method, url, exc, delay, attempt, self.retries)
-                await asyncio.sleep(delay)
-                continue
-            except (aiohttp.ClientError, OSError) as exc:
-                raise ManagerUnavailable(f"{method} {url}: connection failed: {exc}") from exc
-            except asyncio.TimeoutError as exc:
-                raise ManagerUnavailable(f"{method} {url}: timed out") from exc
-            if resp.status >= 400:
-                try:
-                    raw = await resp.read()
-                finally:
-                    resp.release()
-                raise _http_error(method, path, resp.status, raw)
-            return resp
+                raw = await resp.read()
+            finally:
+                resp.release()
+            raise _http_error(method, path, resp.status, raw)
+        return resp
 
     async def _call(self, method: str, path: str, body: Any = None, *, total: float | None = -1.0) -> Any:
         """One request, one JSON answer."""
@@ -537,16 +536,12 @@ class ManagerClient:
 
     async def _wait_for_manager(self, deadline: float, not_run_id: str | None) -> Health | None:
         """Poll ``/health`` until it answers (from a run other than ``not_run_id``) or the deadline."""
-        delay = 0.05
-        while True:
-            health = await self._probe_health()
-            if health is not None and (not_run_id is None or health.run_id != not_run_id):
-                return health
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, 1.0)
+        def fresh(health: Health | None) -> bool:
+            return health is not None and (not_run_id is None or health.run_id != not_run_id)
+
+        health = await retry_async(self._probe_health, Backoff(0.05, 1.0, deadline_s=deadline - time.monotonic()),
+                                   again=lambda h: not fresh(h))
+        return health if fresh(health) else None
 
     async def abort_local_requests(self) -> dict[str, Any]:
         return await self._call("POST", "/abort_local_requests", {})

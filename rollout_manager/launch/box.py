@@ -62,6 +62,7 @@ from rollout_manager.manager_client import (
     http_call,
 )
 from rollout_manager.osutil import die_with_parent, format_endpoint, host_port, source_address_toward
+from rollout_manager.retry import Backoff, retry
 from rollout_manager.sglang import wire  # standard library only at import time
 
 PREFIX = "launch_sglang: error: "
@@ -230,23 +231,19 @@ def check_modules(modules: Sequence[str]) -> None:
 def wait_for_manager(manager: str, timeout: float, wait_s: float) -> Health:
     """``GET /health`` until it answers healthy, for up to ``wait_s`` seconds (0: one try). A refused
     token is final at once: waiting cannot fix it."""
-    deadline = time.monotonic() + wait_s
-    waiting = False
-    while True:
-        try:
-            return manager_health(manager, timeout)
-        except (Unreachable, NotHealthy) as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if wait_s > 0:
-                    raise BoxError(f"{exc} (waited {wait_s:g}s: --wait-for-manager)") from None
-                raise
-            if not waiting:
-                waiting = True
-                die_with_parent()  # a launcher killed meanwhile (no trap runs yet) must not leave us waiting
-                say(f"waiting up to {wait_s:g}s for the rollout manager at {normalize_addr(manager)} "
-                    f"(--wait-for-manager)")
-            time.sleep(min(0.5, left))
+    def waiting(attempt: int, sleep_s: float, outcome: object) -> None:
+        if attempt == 1:
+            die_with_parent()  # a launcher killed meanwhile (no trap runs yet) must not leave us waiting
+            say(f"waiting up to {wait_s:g}s for the rollout manager at {normalize_addr(manager)} "
+                f"(--wait-for-manager)")
+
+    try:
+        return retry(lambda: manager_health(manager, timeout), Backoff(0.5, 0.5, deadline_s=wait_s),
+                     retry_on=(Unreachable, NotHealthy), on_retry=waiting)
+    except (Unreachable, NotHealthy) as exc:
+        if wait_s > 0:
+            raise BoxError(f"{exc} (waited {wait_s:g}s: --wait-for-manager)") from None
+        raise
 
 
 def cmd_preflight(args: argparse.Namespace) -> None:
@@ -346,20 +343,14 @@ def register_with_retry(manager: str, body: dict[str, Any], timeout: float) -> t
     """``POST /register_rollout_instance``, retried for up to ``timeout`` seconds while the manager is
     unreachable or answers 5xx (it may be restarting while the model loaded)."""
     deadline = time.monotonic() + timeout
-    delay = 0.5
-    while True:
+
+    def register() -> tuple[int, Any]:
         left = max(deadline - time.monotonic(), 0.0)
-        try:
-            status, answer = manager_call(manager, "POST", "/register_rollout_instance", body,
-                                          timeout=max(min(left, 30.0), 1.0)).status_body
-        except Unreachable:
-            if time.monotonic() + delay >= deadline:
-                raise
-        else:
-            if status < 500 or time.monotonic() + delay >= deadline:
-                return status, answer
-        time.sleep(delay)
-        delay = min(delay * 2, 5.0)
+        return manager_call(manager, "POST", "/register_rollout_instance", body,
+                            timeout=max(min(left, 30.0), 1.0)).status_body
+
+    return retry(register, Backoff(0.5, 5.0, deadline_s=timeout), retry_on=(Unreachable,),
+                 again=lambda answer: answer[0] >= 500)
 
 
 def manager_run_id(manager: str, timeout: float = 5.0) -> str | None:
