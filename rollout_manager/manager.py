@@ -180,7 +180,7 @@ class Manager:
             "requests_waiting_for_instance": self.dispatcher.waiting,
             "admission": self.dispatcher.admission_status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
-            "recent_weight_pushes": self.weights.pushes[-10:],
+            "recent_weight_pushes": [push.to_json() for push in self.weights.pushes[-10:]],
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),
                         **self.sglang.limits.to_dict()},
         }

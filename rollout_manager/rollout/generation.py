@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
+from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
@@ -108,9 +109,7 @@ class Generator:
         # The manager's own request ids: unique per run (random prefix) and cheap (no urandom per request).
         self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
         self._rid_counter = itertools.count()
-        self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
-                      "migrated": 0, "evicted": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
-                      "stale_restarts": 0}
+        self.stats = new_generation_stats()  # the keys are metrics' (rollout.counters)
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
                                  bound=lambda seq: self._staleness_bound(seq, restart=False))
