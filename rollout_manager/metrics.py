@@ -157,11 +157,11 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "requests_held_by_batches",
                                 "Requests of /batch_generate_requests batches not started yet: beyond what the "
                                 "pool can run now, or behind a caller that does not read its results.",
-                                value=m.dispatcher.held)
+                                value=m.dispatcher.held_by_batches)
         yield GaugeMetricFamily(PREFIX + "requests_waiting",
                                 "Requests accepted and waiting in the manager for room on an instance "
                                 "(requests_waiting_for_instance + requests_held_by_batches).",
-                                value=m.dispatcher.waiting + m.dispatcher.held)
+                                value=m.dispatcher.waiting + m.dispatcher.held_by_batches)
         yield GaugeMetricFamily(PREFIX + "in_flight_requests", "Sequences in flight on instances, over all of them.",
                                 value=m.dispatcher.in_flight)
         yield GaugeMetricFamily(PREFIX + "max_in_flight_requests",

@@ -110,10 +110,6 @@ def normalize_addr(addr: str) -> str:
     return addr.rstrip("/")
 
 
-def manager_host_port(addr: str) -> tuple[str, int]:
-    return host_port(normalize_addr(addr))
-
-
 def detect_host(manager: str) -> str:
     """The local address the kernel would use to reach the manager (nothing is sent)."""
     addr = normalize_addr(manager)
