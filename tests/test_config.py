@@ -91,6 +91,7 @@ def test_refused_env_and_cli_values_name_their_source(tmp_path):
         load_config(tmp_path / "missing.toml", environ={})
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_config_before_binding_with_one_line(tmp_path):
     f = write(tmp_path, "num_mooncake_groups_per_sender = 0\n")
     proc = subprocess.run(

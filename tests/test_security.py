@@ -15,6 +15,7 @@ TOKEN = "t0ken-for-tests"
 QUIET = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
 
 
+@pytest.mark.slow
 async def test_bearer_token_is_required_everywhere_but_health_and_changes_nothing_without_it(start_manager,
                                                                                              stub_engine):
     m = await start_manager(auth_token=TOKEN)
@@ -38,6 +39,7 @@ async def test_bearer_token_is_required_everywhere_but_health_and_changes_nothin
     assert TOKEN not in m.proc.log()  # never logged
 
 
+@pytest.mark.slow
 async def test_registration_only_from_allowed_networks_and_only_for_itself(start_manager, stub_engine):
     engine = await stub_engine()
     closed = await start_manager(registration_allowed_networks="10.0.0.0/8")
@@ -59,6 +61,7 @@ async def test_registration_only_from_allowed_networks_and_only_for_itself(start
     assert [i["host"] for i in (await lenient.status())["instances"]] == ["127.0.0.2"]
 
 
+@pytest.mark.slow
 async def test_admin_bodies_are_small_generation_bodies_may_be_large(start_manager):
     m = await start_manager(max_admin_body_kb="1", max_request_body_mb="1")
     big = b'{"host": "127.0.0.1", "port": 1, "x": "' + b"a" * 4000 + b'"}'
@@ -75,6 +78,7 @@ async def test_admin_bodies_are_small_generation_bodies_may_be_large(start_manag
 # ---------------------------------------------------------------- issue 18: local registration, box tokens, /metrics
 
 
+@pytest.mark.slow
 async def test_local_registration_applies_the_ownership_rule_of_remote_registration(start_manager, stub_engine):
     engine = await stub_engine()
     m = await start_manager()
@@ -92,6 +96,7 @@ async def test_local_registration_applies_the_ownership_rule_of_remote_registrat
     assert status == 200  # the documented override (a trainer driver registering several nodes)
 
 
+@pytest.mark.slow
 async def test_a_box_token_removes_its_own_instance_and_nothing_else(start_manager, stub_engine):
     m = await start_manager(auth_token=TOKEN)
     a, b = await stub_engine(), await stub_engine()
@@ -134,6 +139,7 @@ async def _get(m: Any, path: str, headers: dict[str, str]) -> tuple[int, Any]:
         return r.status, await r.json()
 
 
+@pytest.mark.slow
 async def test_metrics_are_open_by_default_and_closed_by_metrics_require_token(start_manager):
     m = await start_manager(auth_token=TOKEN)
     async with aiohttp.ClientSession() as s:
@@ -149,6 +155,7 @@ async def test_metrics_are_open_by_default_and_closed_by_metrics_require_token(s
         assert r.status == 200 and "rollout_manager_" in await r.text()
 
 
+@pytest.mark.slow
 async def test_the_launcher_deregisters_with_its_box_token_also_after_a_manager_restart(start_manager, tmp_path):
     """scripts/launch_sglang.sh keeps the box token of its registration (renewed when it registers again
     with a restarted manager) and removes its instance with it, not with the shared token."""
