@@ -1,14 +1,10 @@
-"""JSON for the hot paths: orjson (several times faster than the standard library) when installed."""
+"""JSON for the hot paths: orjson (a base dependency; several times faster than the standard library)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-try:
-    import orjson
-except ImportError:  # pragma: no cover - orjson is a dependency; this keeps the code importable without it
-    orjson = None  # type: ignore[assignment]
+import orjson
 
 # Deepest nesting a body may have. orjson decodes up to 1024 levels but encodes only 254, and the
 # manager encodes what callers pass through to engines again: a limit well below both, far above any
@@ -16,47 +12,28 @@ except ImportError:  # pragma: no cover - orjson is a dependency; this keeps the
 MAX_DEPTH = 128
 _ORJSON_ENCODE_DEPTH = 254  # orjson.dumps raises "Recursion limit reached" past this many levels
 
-if orjson is not None:
-    JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
+JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
 
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
 
-    def loads(data: bytes | str) -> Any:
-        return orjson.loads(data)
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
 
-    def _deeper_than(value: Any, levels: int) -> bool:
-        """Whether ``value`` nests more than ``levels`` levels: encoded inside enough empty lists to
-        reach orjson's own limit exactly when it does (C speed, however large the body)."""
-        wrapped = value
-        for _ in range(_ORJSON_ENCODE_DEPTH - levels):
-            wrapped = [wrapped]
-        try:
-            orjson.dumps(wrapped)
-        except orjson.JSONEncodeError:
-            return True
-        return False
-else:
-    JSONDecodeError = json.JSONDecodeError
 
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
+def loads(data: bytes | str) -> Any:
+    return orjson.loads(data)
 
-    def loads(data: bytes | str) -> Any:
-        try:
-            return json.loads(data)
-        except RecursionError:
-            raise json.JSONDecodeError("depth limit exceeded", "", 0) from None
 
-    def _deeper_than(value: Any, levels: int) -> bool:
-        stack = [(value, 0)]
-        while stack:
-            node, depth = stack.pop()
-            if isinstance(node, (list, dict)):
-                if depth + 1 > levels:
-                    return True
-                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-        return False
+def _deeper_than(value: Any, levels: int) -> bool:
+    """Whether ``value`` nests more than ``levels`` levels: encoded inside enough empty lists to
+    reach orjson's own limit exactly when it does (C speed, however large the body)."""
+    wrapped = value
+    for _ in range(_ORJSON_ENCODE_DEPTH - levels):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 def is_depth_error(exc: Exception) -> bool:

@@ -14,14 +14,13 @@ are no locks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -36,9 +35,10 @@ from rollout_manager.metrics import ManagerMetrics
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.affinity import AffinitySettings
 from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.generation import GenerationSettings, Generator
+from rollout_manager.rollout.generation import Generator
+from rollout_manager.rollout.generation_settings import GenerationSettings
 from rollout_manager.rollout.local_budget import LocalBudget
-from rollout_manager.rollout.scheduling import TailMigration, make_policy
+from rollout_manager.rollout.scheduling import make_policy
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.weights.agent_client import AgentClient
@@ -82,13 +82,7 @@ class Manager:
                                         cfg.local_budget_max_s, cfg.local_budget_gain)
         self.generator = Generator(
             self.dispatcher, self.sglang,
-            GenerationSettings(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s,
-                               cfg.connect_timeout_s, cfg.stream_stall_timeout_s, cfg.engine_stream_interval,
-                               _tail_migration(cfg), cfg.tail_migration_interval_s,
-                               None if cfg.max_staleness < 0 else cfg.max_staleness, cfg.staleness_action,
-                               first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
-                               max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size,
-                               batch_max=cfg.engine_batch_max),
+            GenerationSettings.from_config(cfg),
             self.local_budget,
             on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
         )
@@ -181,7 +175,7 @@ class Manager:
             "requests_waiting_for_instance": self.dispatcher.waiting,
             "admission": self.dispatcher.admission_status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
-            "recent_weight_pushes": self.weights.pushes[-10:],
+            "recent_weight_pushes": [push.to_json() for push in self.weights.pushes[-10:]],
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),
                         **self.sglang.limits.to_dict()},
         }
@@ -259,20 +253,3 @@ class Manager:
 def token_digest(token: str) -> str:
     """What the manager keeps of a box token: enough to recognise it, useless to present."""
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def _tail_migration(cfg: Config) -> TailMigration | None:
-    if not cfg.tail_migration:
-        return None
-    return TailMigration(batch_half=cfg.tail_migration_batch_half, min_speedup=cfg.tail_migration_min_speedup,
-                         min_gain_s=cfg.tail_migration_min_gain_s, prefill_factor=cfg.tail_migration_prefill_factor,
-                         max_moves=cfg.tail_migration_max_moves, cooldown_s=cfg.tail_migration_cooldown_s)
-
-
-@contextlib.asynccontextmanager
-async def running_manager(config: Config) -> AsyncIterator[Manager]:
-    manager = Manager(config)
-    try:
-        yield manager
-    finally:
-        await manager.close()

@@ -26,10 +26,12 @@ from prometheus_client.utils import floatToGoString
 
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.rollout.counters import GENERATION_COUNTERS
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.sglang.local_limits import LocalLimits
+from rollout_manager.weights.push_record import WeightPush
 from rollout_manager.weights.sync import WeightSync
 
 PREFIX = "rollout_manager_"
@@ -39,27 +41,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, float("inf"))
 TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, float("inf"))
 PUSH_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, float("inf"))
-
-# generator.stats key -> (counter name without _total, help)
-GENERATION_COUNTERS = {
-    "sequences": ("sequences", "Sequences started (each sub-request of a batched input counts once)."),
-    "tokens": ("generated_tokens", "Completion tokens of finished sequences; tokens/s is rate() of this."),
-    "continuations": ("continuations", "Times a sequence continued on another instance from the tokens made so far."),
-    "failed": ("failed_sequences",
-               "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
-    "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),
-    "migrated": ("migrated_sequences", "Segments tail migration moved to an instance where they finish sooner."),
-    "evicted": ("evicted_sequences", "Segments moved off an instance that had to be idle for a weight push "
-                "(still running after drain_timeout_s)."),
-    "affinity_hits": ("affinity_hits", "Sequences placed on the instance that holds their trajectory's or prompt's "
-                      "prefix."),
-    "affinity_misses": ("affinity_misses", "Sequences with no remembered instance (a new trajectory or prompt)."),
-    "affinity_fallbacks": ("affinity_fallbacks", "Sequences whose remembered instance could not take them "
-                           "(by reason: rollout_manager_affinity_fallbacks_by_reason_total)."),
-    "stale_restarts": ("stale_restarts", "Sequences restarted from their prompt because continuing them would "
-                       "exceed max_staleness."),
-}
-
 
 class EventHistogram:
     """A histogram fed on the event loop, one observation per sequence: a bisect and two additions (no
@@ -176,11 +157,11 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "requests_held_by_batches",
                                 "Requests of /batch_generate_requests batches not started yet: beyond what the "
                                 "pool can run now, or behind a caller that does not read its results.",
-                                value=m.dispatcher.held)
+                                value=m.dispatcher.held_by_batches)
         yield GaugeMetricFamily(PREFIX + "requests_waiting",
                                 "Requests accepted and waiting in the manager for room on an instance "
                                 "(requests_waiting_for_instance + requests_held_by_batches).",
-                                value=m.dispatcher.waiting + m.dispatcher.held)
+                                value=m.dispatcher.waiting + m.dispatcher.held_by_batches)
         yield GaugeMetricFamily(PREFIX + "in_flight_requests", "Sequences in flight on instances, over all of them.",
                                 value=m.dispatcher.in_flight)
         yield GaugeMetricFamily(PREFIX + "max_in_flight_requests",
@@ -202,7 +183,7 @@ class StateCollector(Collector):
                                   "Sequences those calls carried; divided by engine_once_calls, the mean batch.",
                                   value=joined.sequences)
         for key, (name, help_text) in GENERATION_COUNTERS.items():
-            yield CounterMetricFamily(PREFIX + name, help_text, value=m.generator.stats.get(key, 0))
+            yield CounterMetricFamily(PREFIX + name, help_text, value=m.generator.stats[key])
         reasons = CounterMetricFamily(PREFIX + "affinity_fallbacks_by_reason",
                                       "Affinity fallbacks by why the remembered instance was not used.",
                                       labels=["reason"])
@@ -271,17 +252,16 @@ class ManagerMetrics:
         if ok:
             self.completion_tokens.observe(tokens)
 
-    def _on_push(self, result: dict[str, Any]) -> None:
-        if str(result.get("source") or "").startswith("peer:"):
+    def _on_push(self, result: WeightPush) -> None:
+        if result.from_peer:
             self.peer_bootstraps.labels("ok").inc()
             return
-        if result.get("peer_failed"):
+        if result.peer_failed:
             self.peer_bootstraps.labels("fallback").inc()
-        key = (_label(result.get("sender")), _label(result.get("group")))
-        self.push_seconds.labels(*key).observe(float(result.get("total_s") or 0.0))
-        self.push_bytes.labels(*key).inc(float(result.get("bytes") or 0))
-        if result.get("gbps") is not None:
-            self.last_gbps[key] = float(result["gbps"])
+        key = (str(result.sender), str(result.group))
+        self.push_seconds.labels(*key).observe(result.total_s)
+        self.push_bytes.labels(*key).inc(result.bytes)
+        self.last_gbps[key] = result.gbps
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         self.transitions.labels(event.new.value).inc()

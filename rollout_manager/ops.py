@@ -1,6 +1,7 @@
 """The operator's subcommands: ``status``, ``drain``, ``push-status`` and ``watch`` against a running manager.
 
-They speak the manager's public HTTP API with the standard library's ``urllib``, so a call starts in a
+They speak the manager's public HTTP API through :mod:`rollout_manager.manager_client` (the standard
+library's ``urllib``), so a call starts in a
 fraction of a second (no torch, no event loop); ``rich`` is imported only by ``watch``. Exit codes are
 meant for scripts, see :data:`EXIT_CODES`.
 """
@@ -8,24 +9,23 @@ meant for scripts, see :data:`EXIT_CODES`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_manager.bearer import TOKEN_ENV
+from rollout_manager.manager_client import ManagerAPI, ManagerAPIError, ShutdownResult, base_url
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
 ADDR_ENV = "ROLLOUT_MANAGER_ADDR"
 DEFAULT_ADDR = "http://127.0.0.1:5000"
-STATUS_PATH = "/get_instances_status"
 
 OK = 0
 FAILED = 1  # the manager answered, but not as expected (an HTTP error other than 401, a body that is not JSON)
@@ -53,65 +53,39 @@ class OpsError(Exception):
 
 @dataclass(frozen=True)
 class Client:
-    """The manager's address and token; one blocking HTTP call per method."""
+    """The manager's API (:mod:`rollout_manager.manager_client`), its failures told as :class:`OpsError`."""
 
-    url: str
-    token: str
-    timeout_s: float | None
+    api: ManagerAPI
 
-    def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-        timeout = timeout_s if timeout_s is not None else self.timeout_s
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            detail = _error_detail(exc)
-            if exc.code == 401:
-                hint = f"set {TOKEN_ENV} or auth_token in --config" if not self.token else "the token is wrong"
-                raise OpsError(f"{self.url} refused the token ({hint}): {detail}", UNAUTHORIZED) from None
-            raise OpsError(f"{method} {path} -> HTTP {exc.code}: {detail}", FAILED) from None
-        except (urllib.error.URLError, OSError) as exc:  # refused, timed out, no such host
-            reason = getattr(exc, "reason", exc)
-            raise OpsError(f"cannot reach the manager at {self.url}: {reason}", UNREACHABLE) from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise OpsError(f"{method} {path}: the answer is not JSON ({raw[:80]!r})", FAILED) from None
+    @property
+    def url(self) -> str:
+        return self.api.url
 
     def status(self) -> dict[str, Any]:
-        answer = self.request("GET", STATUS_PATH)
-        if not isinstance(answer, dict):
-            raise OpsError(f"GET {STATUS_PATH}: expected an object, got {type(answer).__name__}", FAILED)
-        return answer
+        with self._exit_codes():
+            return self.api.instances_status()
 
+    def drain(self, endpoints: list[str], *, force: bool, timeout_s: float | None) -> ShutdownResult:
+        with self._exit_codes():
+            return self.api.shutdown_instances(endpoints, check_weight_update=not force, timeout_s=timeout_s)
 
-def _error_detail(exc: urllib.error.HTTPError) -> str:
-    """The manager's ``{"error": ...}`` message when there is one, else the start of the body."""
-    try:
-        raw = exc.read()
-    except OSError:
-        return exc.reason if isinstance(exc.reason, str) else str(exc.reason)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return raw[:200].decode(errors="replace") or str(exc.reason)
-    if isinstance(body, dict) and "error" in body:
-        return str(body["error"])
-    return json.dumps(body)[:200]
+    @contextlib.contextmanager
+    def _exit_codes(self) -> Iterator[None]:
+        try:
+            yield
+        except ManagerAPIError as exc:
+            if exc.status is None:
+                raise OpsError(str(exc), UNREACHABLE) from None
+            if exc.status == 401:
+                hint = f"set {TOKEN_ENV} or auth_token in --config" if not self.api.token else "the token is wrong"
+                raise OpsError(f"{self.url} refused the token ({hint}): {exc.message}", UNAUTHORIZED) from None
+            raise OpsError(str(exc), FAILED) from None
 
 
 # ------------------------------------------------------------ settings: address and token
 def manager_url(arg: str | None) -> str:
     """``--manager``, else $ROLLOUT_MANAGER_ADDR, else the local default; a bare ``host:port`` gets ``http://``."""
-    url = (arg or os.environ.get(ADDR_ENV) or DEFAULT_ADDR).strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
+    return base_url(arg or os.environ.get(ADDR_ENV) or DEFAULT_ADDR)
 
 
 def auth_token(config_path: str | None) -> str:
@@ -137,7 +111,7 @@ def auth_token(config_path: str | None) -> str:
 
 
 def client_from(args: argparse.Namespace) -> Client:
-    return Client(manager_url(args.manager), auth_token(args.config), args.timeout)
+    return Client(ManagerAPI(manager_url(args.manager), auth_token(args.config), args.timeout))
 
 
 # ------------------------------------------------------------ plain-text tables
@@ -223,14 +197,11 @@ def cmd_status(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_drain(args: argparse.Namespace, client: Client) -> int:
-    body = {"endpoints": list(args.endpoints), "check_weight_update": not args.force}
     # The manager answers once the instances drained (up to its drain_timeout_s): no client timeout by default.
-    result = client.request("POST", "/shutdown_instances", body, timeout_s=args.timeout)
-    if not isinstance(result, dict):
-        raise OpsError(f"POST /shutdown_instances: expected an object, got {type(result).__name__}", FAILED)
-    removed, not_found, skipped = (result.get(k) or [] for k in ("removed", "not_found", "skipped"))
+    result = client.drain(list(args.endpoints), force=args.force, timeout_s=args.timeout)
+    removed, not_found, skipped = result.removed, result.not_found, result.skipped
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result.raw, indent=2))
     else:
         for ep in removed:
             print(f"removed    {ep}")

@@ -198,6 +198,7 @@ async def _sample(m: Any, engines: list[Any], peaks: dict[str, Any], stop: async
                 pass
 
 
+@pytest.mark.slow
 async def test_a_large_batch_waits_in_the_manager_within_each_instance_bound(start_manager, start_engines) -> None:
     """The finding, scaled down: a batch far beyond what the engines run at once. Each engine gets at most
     its max_running_requests (its own queue stays empty), the rest waits in the manager, visibly, for
@@ -234,6 +235,7 @@ async def test_a_large_batch_waits_in_the_manager_within_each_instance_bound(sta
     assert (final["in_flight"], final["requests_waiting"], final["held_by_batches"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 async def test_the_default_overall_bound_keeps_the_manager_within_its_descriptors(tmp_path, start_engines) -> None:
     """Open-file limit 48 (an idle manager holds ~16): by default the pool gets at most 18 sequences at once,
     so a batch of 120 never makes the manager run out of descriptors (nothing to wait out, nobody blamed)."""

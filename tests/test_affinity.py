@@ -326,6 +326,7 @@ async def test_the_bound_holds_and_every_id_is_answered_once(session, action: st
 
 
 # ---------------------------------------------------------------- through a real manager and strict engines
+@pytest.mark.slow
 async def test_the_manager_strips_the_key_and_counts_affinity(start_manager, start_engines) -> None:
     model = build_model(0)
     m = await start_manager()

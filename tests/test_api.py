@@ -7,6 +7,8 @@ import signal
 import pytest
 from support import PY, Proc, async_wait_until
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 
 async def test_health(start_manager):
     m = await start_manager()

@@ -53,10 +53,10 @@ async def test_a_huge_batch_waits_as_a_body_not_as_a_task_per_prompt(stream: boo
     else:
         task = asyncio.ensure_future(g.generate(batch(n)))
     await settle()
-    assert d.waiting == LOOKAHEAD and d.held == n - LOOKAHEAD
+    assert d.waiting == LOOKAHEAD and d.held_by_batches == n - LOOKAHEAD
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert d.waiting == 0 and d.held == 0 and d.windowed == 0  # the caller went away: nothing is left
+    assert d.waiting == 0 and d.held_by_batches == 0 and d.windowed == 0  # the caller went away: nothing is left
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ async def test_a_batch_beyond_the_pool_runs_within_the_window_and_answers_every_
         outs = result
     assert [o["output_ids"] for o in outs] == [reference(p, 3) for p in body["input_ids"]]
     assert 0 < peak <= d.capacity() + LOOKAHEAD, peak
-    assert d.held == 0 and d.in_flight == 0 and d.waiting == 0 and d.windowed == 0
+    assert d.held_by_batches == 0 and d.in_flight == 0 and d.waiting == 0 and d.windowed == 0
 
 
 async def test_batched_requests_inside_a_batch_share_one_window() -> None:
@@ -119,4 +119,4 @@ async def test_batched_requests_inside_a_batch_share_one_window() -> None:
     assert 0 < d.waiting <= 2 * LOOKAHEAD, d.waiting  # one window, plus one each for the requests started
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert d.waiting == 0 and d.held == 0 and d.windowed == 0
+    assert d.waiting == 0 and d.held_by_batches == 0 and d.windowed == 0

@@ -40,6 +40,8 @@ from support import PY, ROOT, OnLoopback, async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 MAX_NEW = 16
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW}
 N_PROMPTS, N_SAMPLES = 125, 16  # GRPO-style: 125 prompts x 16 samples = 2,000 requests

@@ -82,6 +82,7 @@ async def test_calls_that_start_together_share_one_request_and_each_gets_its_own
     assert (co.stats.engine_calls, co.stats.sequences) == (4, 8)
 
 
+@pytest.mark.slow  # runs for seconds
 async def test_a_caller_that_leaves_does_not_disturb_the_others_and_when_all_leave_the_request_is_cut(
         engine: Engine) -> None:
     co = Coalescer()

@@ -91,6 +91,7 @@ def test_refused_env_and_cli_values_name_their_source(tmp_path):
         load_config(tmp_path / "missing.toml", environ={})
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_config_before_binding_with_one_line(tmp_path):
     f = write(tmp_path, "num_mooncake_groups_per_sender = 0\n")
     proc = subprocess.run(
@@ -100,3 +101,14 @@ def test_cli_refuses_bad_config_before_binding_with_one_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "num_mooncake_groups_per_sender" in lines[0] and "0" in lines[0]
+
+
+def test_generation_settings_are_built_from_the_config_like_the_other_settings() -> None:
+    from rollout_manager.rollout.generation_settings import GenerationSettings
+
+    off = GenerationSettings.from_config(Config(max_staleness=-1, tail_migration=False, engine_max_frame_mb=2.5))
+    assert (off.max_staleness, off.migration, off.max_frame_bytes) == (None, None, 2_500_000)
+    on = GenerationSettings.from_config(Config(max_staleness=2, tail_migration=True, tail_migration_max_moves=3,
+                                               max_attempts_per_request=7, engine_batch_max=5))
+    assert on.max_staleness == 2 and on.migration is not None and on.migration.max_moves == 3
+    assert (on.max_attempts, on.batch_max) == (7, 5)

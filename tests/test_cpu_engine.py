@@ -210,6 +210,7 @@ def test_continuation_from_any_prefix_is_token_identical(ref_model):
 # ------------------------------------------------------------------ HTTP: outputs
 
 
+@pytest.mark.slow
 async def test_weights_match_the_seed_and_server_info(engines, session, ref_model):
     e = engines("main")
     status, sums = await get(session, e.url + "/debug/state_dict_checksum")
@@ -227,6 +228,7 @@ async def test_weights_match_the_seed_and_server_info(engines, session, ref_mode
     assert status == 200 and wire.METRIC_NUM_RUNNING_REQS in wire.parse_metrics(text)
 
 
+@pytest.mark.slow
 async def test_non_stream_matches_reference_with_logprobs(engines, session, ref_model):
     e = engines("main")
     ref, ref_lps = reference_generate(ref_model, PROMPT, 24)
@@ -245,6 +247,7 @@ async def test_non_stream_matches_reference_with_logprobs(engines, session, ref_
     assert "output_token_logprobs" not in plain["meta_info"]
 
 
+@pytest.mark.slow
 async def test_cumulative_stream_agrees_with_non_stream(engines, session):
     e = engines("main")
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 12}, "return_logprob": True}
@@ -263,6 +266,7 @@ async def test_cumulative_stream_agrees_with_non_stream(engines, session):
     assert chunks[-1]["text"] == full["text"]
 
 
+@pytest.mark.slow
 async def test_incremental_stream_agrees_with_non_stream_then_shutdown(engines, session):
     e = engines("incremental")
     full = await generate(session, e.url, PROMPT, 12, return_logprob=True)
@@ -283,6 +287,7 @@ async def test_incremental_stream_agrees_with_non_stream_then_shutdown(engines, 
     assert await asyncio.to_thread(e.proc.wait, 15) == 0
 
 
+@pytest.mark.slow
 async def test_batch_outputs_match_solo_outputs(engines, session):
     e = engines("main")
     prompts = [[1, 2, 3], [200, 100], [7] * 9]
@@ -305,6 +310,7 @@ async def test_batch_outputs_match_solo_outputs(engines, session):
         assert all(c["meta_info"]["id"] == f"b{i}" for c in mine)
 
 
+@pytest.mark.slow
 async def test_http_continuation_gives_the_same_tokens(engines, session):
     e = engines("main")
     full = (await generate(session, e.url, PROMPT, 40, return_logprob=True))
@@ -319,6 +325,7 @@ async def test_http_continuation_gives_the_same_tokens(engines, session):
         assert p.logprobs == lps[k:], k
 
 
+@pytest.mark.slow
 async def test_concurrent_requests_match_solo_and_interleave(engines, session):
     e = engines("main")
     prompts = [[i, i + 1, (3 * i) % 256] for i in range(10)]
@@ -346,6 +353,7 @@ async def _running(session, url) -> int:
     return (await get(session, url + wire.SERVER_INFO))[1]["cpu_engine"]["running"]
 
 
+@pytest.mark.slow
 async def test_abort_by_rid_and_all(engines, session):
     e = engines("main")
     long = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 900}}
@@ -375,6 +383,7 @@ async def _queued_is(session, url, n) -> bool:
     return (await get(session, url + wire.SERVER_INFO))[1]["cpu_engine"]["queued"] == n
 
 
+@pytest.mark.slow
 async def test_client_disconnect_drops_the_sequence(engines, session):
     e = engines("main")
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 900}, "stream": True}
@@ -386,6 +395,7 @@ async def test_client_disconnect_drops_the_sequence(engines, session):
                            message="the abandoned sequence to be dropped")
 
 
+@pytest.mark.slow
 async def test_pause_in_place_then_continue_keeps_outputs(engines, session, ref_model):
     e = engines("main")
     ref, _ = reference_generate(ref_model, PROMPT, 30)
@@ -414,6 +424,7 @@ async def test_pause_in_place_then_continue_keeps_outputs(engines, session, ref_
     assert (await queued)["output_ids"] == reference_generate(ref_model, [5, 6], 8)[0]
 
 
+@pytest.mark.slow
 async def test_pause_default_mode_aborts_in_flight(engines, session):
     e = engines("main")
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 900}}
@@ -427,6 +438,7 @@ async def test_pause_default_mode_aborts_in_flight(engines, session):
     assert s.done and s.chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+@pytest.mark.slow
 async def test_update_weight_version_aborts_by_default_like_sglang(engines, session):
     e = engines("main")
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 900}}
@@ -451,6 +463,7 @@ async def test_update_weight_version_aborts_by_default_like_sglang(engines, sess
         await post(session, e.url + wire.UPDATE_WEIGHT_VERSION, {"new_version": "0", "abort_all_requests": False})
 
 
+@pytest.mark.slow
 async def test_runtime_faults_fail_rate_health_and_stall(engines, session, ref_model):
     e = engines("main")
     faults = e.url + "/debug/faults"
@@ -479,6 +492,7 @@ async def test_runtime_faults_fail_rate_health_and_stall(engines, session, ref_m
         await post(session, faults, {"fail_rate": 0.0, "health_fail": False, "stall_after_tokens": None})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "body, needle",
     [
@@ -500,6 +514,7 @@ async def test_bad_generate_bodies_are_400(engines, session, body, needle):
     assert needle in wire.error_message(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, message", [
     # SGLang 0.5.23's own decoder (api_types.py) refuses these with 400 {"error": "<its message>"}.
     ({"input_ids": [1, 2], "sampling_params": {"seed": 3}}, "unknown field `seed`, expected one of"),
@@ -515,6 +530,7 @@ async def test_bodies_sglangs_contract_refuses_are_refused_as_sglang_does(engine
     assert status == 400 and isinstance(out["error"], str) and message in out["error"], out
 
 
+@pytest.mark.slow
 async def test_input_too_long_for_the_scheduler_is_an_abort_with_status_code(engines, session):
     e = engines("short")  # context 32: the tokenizer admits < 32 tokens, the scheduler < 32 - 6
     body = {"input_ids": list(range(1, 27)), "sampling_params": {**GREEDY, "max_new_tokens": None}}
@@ -532,6 +548,7 @@ async def test_input_too_long_for_the_scheduler_is_an_abort_with_status_code(eng
         await s.collect()
 
 
+@pytest.mark.slow
 async def test_null_max_new_tokens_runs_to_the_context_end(engines, session):
     e = engines("short")
     out = await generate(session, e.url, PROMPT, None)
@@ -541,6 +558,7 @@ async def test_null_max_new_tokens_runs_to_the_context_end(engines, session):
     assert cont["output_ids"] == out["output_ids"][7:]  # continuation stays exact
 
 
+@pytest.mark.slow
 async def test_stream_interval_flag_and_per_request_value(engines, session):
     e = engines("short")  # --stream-interval 4
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 10}}
@@ -552,6 +570,7 @@ async def test_stream_interval_flag_and_per_request_value(engines, session):
     assert fold(chunks).output_ids == (await generate(session, e.url, PROMPT, 10))["output_ids"]
 
 
+@pytest.mark.slow
 async def test_text_is_filled_in_every_chunk(engines, session):
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 6}}
     final = await generate(session, engines("main").url, PROMPT, 6)
@@ -561,18 +580,21 @@ async def test_text_is_filled_in_every_chunk(engines, session):
     # (deltas joined give the same text: test_incremental_stream_agrees_with_non_stream_then_shutdown)
 
 
+@pytest.mark.slow
 async def test_a_string_rid_names_batch_items(engines, session):
     e = engines("main")
     out = await generate(session, e.url, [PROMPT, PROMPT[:2]], 2, rid="b")
     assert [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
 
 
+@pytest.mark.slow
 async def test_invalid_json_is_400(engines, session):
     e = engines("main")
     status, out = await post(session, e.url + wire.GENERATE, data=b"{not json")
     assert status == 400 and "JSON" in out["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_max_new_tokens_zero_and_stop_tokens(engines, session, ref_model):
     e = engines("main")
     out = await generate(session, e.url, PROMPT, 0)
@@ -592,6 +614,7 @@ async def test_max_new_tokens_zero_and_stop_tokens(engines, session, ref_model):
     assert out["output_ids"] == ref
 
 
+@pytest.mark.slow
 async def test_sampling_is_seeded(engines, session):
     e = engines("main")
     body = {"input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "top_p": 0.9, "top_k": 50,
@@ -606,6 +629,7 @@ async def test_sampling_is_seeded(engines, session):
 # ------------------------------------------------------------------ HTTP: weights
 
 
+@pytest.mark.slow
 async def test_update_weights_from_tensor_then_sigterm(engines, session):
     e = engines("weights")
     new_model = build_model(1)
@@ -674,6 +698,7 @@ async def test_update_weights_from_tensor_then_sigterm(engines, session):
 # ------------------------------------------------------------------ HTTP: dying
 
 
+@pytest.mark.slow
 async def test_die_after_tokens_kills_the_process_mid_stream(engines, session):
     e = engines("die")
     body = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 50}}

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from support import Proc, wait_until
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

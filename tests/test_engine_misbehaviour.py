@@ -440,6 +440,7 @@ async def test_health_records_vocabulary_and_joined_version_at_the_first_ready_p
 # ---------------------------------------------------------------- black box: the daemon and its config keys
 
 
+@pytest.mark.slow
 async def test_the_daemon_cuts_off_a_silent_engine_and_a_wrong_one(tmp_path: Path) -> None:
     silent = await FakeSGLang(silent=True, model_info={"weight_version": "0", "vocab_size": 1000}).start()
     wrong = await FakeSGLang(model_info={"weight_version": "0", "vocab_size": 100}).start()  # ids go to 250

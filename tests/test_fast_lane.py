@@ -113,6 +113,7 @@ async def open_raw(m: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", int(m.url.rsplit(":", 1)[1]))
 
 
+@pytest.mark.slow
 async def test_pipelined_requests_keep_their_order_and_the_first_other_route_goes_to_aiohttp(
         start_manager, start_engines, model):
     m = await start_manager(auth_token=TOKEN)
@@ -163,6 +164,7 @@ CASES: list[tuple[str, bytes]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [True, False])
 async def test_every_answer_is_the_one_aiohttps_path_gives(start_manager, start_engines, fast):
     """The same requests, one keep-alive connection, with the lane on and off: same statuses and errors,
@@ -197,6 +199,7 @@ async def test_every_answer_is_the_one_aiohttps_path_gives(start_manager, start_
 test_every_answer_is_the_one_aiohttps_path_gives.seen = {}  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_connection_close_is_honoured_and_a_streaming_request_is_streamed(start_manager, start_engines, model):
     m = await start_manager()
     engines = await start_engines([])
@@ -222,6 +225,7 @@ async def test_connection_close_is_honoured_and_a_streaming_request_is_streamed(
         writer.close()
 
 
+@pytest.mark.slow
 async def test_a_caller_that_leaves_has_its_sequence_aborted_on_the_instance(start_manager, start_engines):
     m = await start_manager()
     (engine,) = await start_engines(["--token-delay-s", "0.05"])
@@ -242,6 +246,7 @@ async def running_on(m: Any, engine: Any, n: int) -> bool:
         return (await r.json())["cpu_engine"]["running"] == n
 
 
+@pytest.mark.slow
 async def test_an_idle_lane_connection_is_closed_after_the_keepalive_timeout(start_manager, start_engines, model):
     m = await start_manager(http_keepalive_timeout_s="1")
     engines = await start_engines([])
@@ -257,6 +262,7 @@ async def test_an_idle_lane_connection_is_closed_after_the_keepalive_timeout(sta
         writer.close()
 
 
+@pytest.mark.slow
 async def test_sigterm_answers_a_lane_request_that_outlives_the_grace_with_503(start_manager, start_engines):
     m = await start_manager(shutdown_grace_s="1")
     (engine,) = await start_engines(["--token-delay-s", "0.05"])

@@ -13,6 +13,8 @@ from support import async_wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 GREEDY = {"temperature": 0.0}
 
 

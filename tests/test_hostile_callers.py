@@ -58,6 +58,7 @@ def port_of(m: Any) -> int:
     return int(m.url.rsplit(":", 1)[1])
 
 
+@pytest.mark.slow
 async def test_slowloris_at_a_low_open_file_limit_leaves_health_and_generation_answering(tmp_path):
     """Issue 18: ~1,010 header-trickling connections at ``ulimit -n 1024`` refused /health for 40 s.
     Here at a quarter of the scale (300 at 256) so the test stays short; tests/slowloris.py runs the full one."""
@@ -70,6 +71,7 @@ async def test_slowloris_at_a_low_open_file_limit_leaves_health_and_generation_a
     assert figures.instances_removed == 0, figures.to_dict()
 
 
+@pytest.mark.slow
 async def test_headers_that_trickle_are_cut_off_at_the_header_timeout(start_manager):
     m = await start_manager(http_header_timeout_s="1")
     reader, writer = await raw_request(port_of(m), b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -93,6 +95,7 @@ async def test_headers_that_trickle_are_cut_off_at_the_header_timeout(start_mana
     assert got == b"" and time.monotonic() - t0 < 5  # closed, never answered, soon after the timeout
 
 
+@pytest.mark.slow
 async def test_idle_keepalive_connection_is_closed_after_the_keepalive_timeout(start_manager):
     m = await start_manager(http_keepalive_timeout_s="1")
     reader, writer = await raw_request(port_of(m), b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -103,6 +106,7 @@ async def test_idle_keepalive_connection_is_closed_after_the_keepalive_timeout(s
     assert got.startswith(b"HTTP/1.1 200") and b'"healthy"' in got
 
 
+@pytest.mark.slow
 async def test_a_body_that_trickles_gets_408_naming_the_timeout(start_manager):
     m = await start_manager(http_body_timeout_s="1")
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
@@ -130,6 +134,7 @@ async def test_a_body_that_trickles_gets_408_naming_the_timeout(start_manager):
     assert b"http_body_timeout_s" in rest
 
 
+@pytest.mark.slow
 async def test_a_burst_of_concurrent_requests_from_one_host_is_never_cut(start_manager):
     """A trainer host opens hundreds of streams at once: far past the per-client cap on waiting
     connections, yet every request gets its answer (here the 503 for an empty pool), none a reset."""
@@ -287,6 +292,7 @@ def nested(levels: int) -> str:
     return "[" * levels + "]" * levels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("levels", [MAX_DEPTH, 254, 255, 300, 1024, 1025, 5000])
 async def test_deeply_nested_json_in_a_passed_through_field_is_a_400_naming_the_field(start_manager_shared,
                                                                                        levels):
@@ -303,6 +309,7 @@ async def test_deeply_nested_json_in_a_passed_through_field_is_a_400_naming_the_
         assert "field '[0][1].sampling_params.x'" in err["error"]
 
 
+@pytest.mark.slow
 async def test_nesting_up_to_the_limit_is_accepted(start_manager_shared):
     m = start_manager_shared
     # the whole body is MAX_DEPTH levels deep: the object, then the list levels of "extra"
@@ -311,6 +318,7 @@ async def test_nesting_up_to_the_limit_is_accepted(start_manager_shared):
     assert status == 400 and "input_ids" in err["error"], err  # validated as usual, not refused for depth
 
 
+@pytest.mark.slow
 async def test_json_ids_are_compared_as_json_values_so_1_and_the_string_1_are_two_requests(start_manager,
                                                                                           start_engines):
     m = await start_manager()
@@ -361,6 +369,7 @@ def raw_call(port: int, method: str, path: bytes, headers: list[tuple[bytes, byt
         conn.close()
 
 
+@pytest.mark.slow
 def test_raw_0xff_in_authorization_is_401_not_500(tokened_daemon):
     port, proc = tokened_daemon
     for value in (b"Bearer \xff", b"Bearer " + TOKEN.encode() + b"\xff", b"\xff\xfe", b"Bearer \xc3\xa9"):
@@ -371,6 +380,7 @@ def test_raw_0xff_in_authorization_is_401_not_500(tokened_daemon):
 header_bytes = st.binary(max_size=40).map(lambda b: bytes(c for c in b if c not in b"\r\n\x00"))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
        path=st.sampled_from([b"/generate", b"/batch_generate_requests", b"/shutdown_instances", b"/metrics",

@@ -21,6 +21,8 @@ from support import PY, ROOT, Proc, async_wait_until, free_port
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 SCRIPT = str(ROOT / "scripts" / "launch_sglang.sh")
 MODEL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2}
 QUIET = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}

@@ -55,6 +55,7 @@ async def _status(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return data
 
 
+@pytest.mark.slow
 async def test_the_daemon_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path: Path) -> None:
     proc, url = _start_limited_manager(tmp_path, 256, 4096)
     try:
@@ -69,6 +70,7 @@ async def test_the_daemon_raises_its_soft_open_file_limit_to_the_hard_one(tmp_pa
         proc.stop()
 
 
+@pytest.mark.slow
 def test_tune_gc_freezes_and_raises_the_young_threshold_and_0_leaves_python_alone() -> None:
     """In a child: the collector's settings are the process's, not this test's to change."""
     code = ("import gc; from rollout_manager.osutil import tune_gc; before = gc.get_threshold(); "
@@ -80,6 +82,7 @@ def test_tune_gc_freezes_and_raises_the_young_threshold_and_0_leaves_python_alon
     assert "Python's defaults" in out.stdout and "objects frozen at start" in out.stdout
 
 
+@pytest.mark.slow
 async def test_out_of_descriptors_sequences_wait_in_the_manager_and_no_instance_is_blamed(
         tmp_path: Path, start_engines: Any) -> None:
     """Soft and hard limit 48 (an idle manager holds ~16): 120 sequences in flight cannot all have a

@@ -85,6 +85,7 @@ def every_id_once(stream: RolloutStream, ids: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ restarts
+@pytest.mark.slow
 async def test_sigkilled_manager_restarted_mid_step_costs_only_the_requests_in_flight(
         start_manager, start_engines, model, caplog):
     m, engines = await serving(start_manager, start_engines)
@@ -116,6 +117,7 @@ async def test_sigkilled_manager_restarted_mid_step_costs_only_the_requests_in_f
           f"vs {baseline.stats.elapsed_s:.2f}s uninterrupted (+{s.elapsed_s - baseline.stats.elapsed_s:.2f}s)")
 
 
+@pytest.mark.slow
 async def test_manager_shut_down_gracefully_mid_step_resubmits_to_the_next_run(
         start_manager, start_engines, model):
     m = await start_manager(shutdown_grace_s=0)
@@ -136,6 +138,7 @@ async def test_manager_shut_down_gracefully_mid_step_resubmits_to_the_next_run(
     assert stream.failures == [] and stream.stats.interruptions >= 1 and stream.stats.resubmitted > 0
 
 
+@pytest.mark.slow
 async def test_frozen_manager_is_reported_as_a_stall_and_the_step_completes_without_resubmitting(
         start_manager, start_engines, model, caplog):
     m, _ = await serving(start_manager, start_engines)
@@ -170,6 +173,7 @@ async def test_frozen_manager_is_reported_as_a_stall_and_the_step_completes_with
           f"resubmitted 0, step {s.elapsed_s:.2f}s")
 
 
+@pytest.mark.slow
 async def test_manager_that_does_not_come_back_fails_the_step_naming_the_unfinished_ids(
         start_manager, start_engines, model):
     m, _ = await serving(start_manager, start_engines)
@@ -199,6 +203,7 @@ async def test_manager_that_does_not_come_back_fails_the_step_naming_the_unfinis
     assert "did not come back within 1s" in str(err.value) and lost[0] in str(err.value)
 
 
+@pytest.mark.slow
 async def test_request_batcher_survives_a_restart(start_manager, start_engines, model):
     """verl's route (the proxy's batcher): each caller's answer arrives once, with the right tokens."""
     m, engines = await serving(start_manager, start_engines)

@@ -96,6 +96,7 @@ async def generate(m, input_ids, n: int) -> object:
 
 
 # ------------------------------------------------------------------ /metrics
+@pytest.mark.slow
 async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig):
     m, sender, add_boxes = rig
     boxes = await add_boxes(2)
@@ -150,6 +151,7 @@ async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig
     assert value(s, "rollout_manager_instance_transitions_total", to="syncing") == 2
 
 
+@pytest.mark.slow
 async def test_requests_waiting_for_an_instance_show_in_status_and_metrics(rig):
     m, sender, add_boxes = rig  # no instance yet: a request must wait inside the manager
     waiting = asyncio.ensure_future(generate(m, [1, 2, 3], 4))
@@ -238,6 +240,7 @@ def tbody(dom: str, element_id: str) -> str:
     return found.group(1)
 
 
+@pytest.mark.slow
 @needs_chromium
 async def test_status_page_renders_live_instances_in_headless_chromium(rig, tmp_path):
     m, sender, add_boxes = rig
@@ -303,6 +306,7 @@ def syncing_instance(port: int) -> dict[str, object]:
             "group": 0, "consecutive_failures": 0, "last_error": None}
 
 
+@pytest.mark.slow
 @needs_chromium
 async def test_status_page_counts_agree_with_badges_and_tokens_and_waiting_are_live(tmp_path):
     """Two syncing instances, sequences streaming (none finished yet) and requests waiting: the page
@@ -330,6 +334,7 @@ async def test_status_page_counts_agree_with_badges_and_tokens_and_waiting_are_l
     assert text_of(dom, "c-waiting") == "3"
 
 
+@pytest.mark.slow
 @needs_chromium
 async def test_status_page_shows_an_error_banner_when_the_status_fetch_fails(tmp_path):
     async def failing(request: web.Request) -> web.Response:
@@ -341,6 +346,7 @@ async def test_status_page_shows_an_error_banner_when_the_status_fetch_fails(tmp
     assert "Cannot fetch the manager's status: HTTP 503" in banner.group(1)
 
 
+@pytest.mark.slow
 async def test_rejected_requests_are_counted_per_endpoint_and_reason_and_change_nothing(start_manager):
     m = await start_manager()
     before = await m.get("/get_instances_status")

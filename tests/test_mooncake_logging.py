@@ -11,7 +11,7 @@ from support import PY, ROOT
 
 from rollout_manager.weights.mooncake_engine import mooncake_available
 
-pytestmark = pytest.mark.skipif(not mooncake_available(), reason="mooncake is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not mooncake_available(), reason="mooncake is not installed")]
 
 SCRIPT = """
 import logging, sys

@@ -96,6 +96,7 @@ def _tame(path: str, value: Any) -> Any:
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, path", [(m, p) for m, p, _ in BODY_ROUTES], ids=[p for _, p, _ in BODY_ROUTES])
 def test_fuzz_endpoint(daemon, method, path):
     port, proc = daemon

@@ -7,9 +7,12 @@ import json
 import os
 from dataclasses import dataclass
 
+import pytest
 from support import PY, ROOT, async_wait_until, free_port
 
 from rollout_manager import ops
+
+pytestmark = pytest.mark.slow  # every test here starts real processes
 
 
 @dataclass

@@ -66,6 +66,7 @@ async def fleet(start_manager, tmp_path, request):
         yield f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", {}), ("mooncake", {})], indirect=True)
 async def test_a_box_joining_while_two_serve_gets_the_version_from_a_peer_and_serves_it(fleet) -> None:
     m, sender, add_box = fleet
@@ -89,6 +90,7 @@ async def test_a_box_joining_while_two_serve_gets_the_version_from_a_peer_and_se
     assert await engine_checksums(late.url) == expected_checksums(ws)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", {})], indirect=True)
 async def test_a_peer_dying_mid_bootstrap_sends_the_box_back_to_the_trainers_sender(fleet) -> None:
     m, sender, add_box = fleet
@@ -103,6 +105,7 @@ async def test_a_peer_dying_mid_bootstrap_sends_the_box_back_to_the_trainers_sen
     assert (await peer_bootstraps(m)) == {"ok": 0.0, "fallback": 1.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", {})], indirect=True)
 async def test_the_puller_checks_the_trainers_checksums_so_a_peer_serving_wrong_bytes_is_caught(fleet) -> None:
     m, sender, add_box = fleet
@@ -138,6 +141,7 @@ async def test_a_peer_that_hangs_costs_the_peer_bound_not_the_push_timeout(fleet
         hung.receiver.signal(signal.SIGCONT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", {"peer_bootstrap": "false"})], indirect=True)
 async def test_peer_bootstrap_off_bootstraps_from_the_sender(fleet) -> None:
     m, sender, add_box = fleet

@@ -17,7 +17,8 @@ from trainer_plugin.client import ManagerClient, ManagerHTTPError
 from trainer_plugin.request_batcher import RequestBatcher
 
 GREEDY = {"temperature": 0.0}
-pytestmark = pytest.mark.filterwarnings("ignore:Ray state API is no longer experimental:DeprecationWarning")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:Ray state API is no longer experimental:DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

@@ -336,6 +336,7 @@ def test_opt_bound_is_exact_where_the_optimum_is_known() -> None:
     assert bench.opt_lower_bound([3000, 3000], args, None, None) == pytest.approx(pre + both, rel=1e-3)
 
 
+@pytest.mark.slow  # runs for seconds
 def test_opt_bound_lies_between_the_tight_bound_and_every_simulated_schedule() -> None:
     """The bound must never exceed a makespan some schedule reached (else it proves nothing), and it
     adds the cost of running long sequences in small batches to the fluid bound."""

@@ -15,6 +15,7 @@ TOKEN = "t0ken-for-tests"
 QUIET = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
 
 
+@pytest.mark.slow
 async def test_bearer_token_is_required_everywhere_but_health_and_changes_nothing_without_it(start_manager,
                                                                                              stub_engine):
     m = await start_manager(auth_token=TOKEN)
@@ -38,6 +39,7 @@ async def test_bearer_token_is_required_everywhere_but_health_and_changes_nothin
     assert TOKEN not in m.proc.log()  # never logged
 
 
+@pytest.mark.slow
 async def test_registration_only_from_allowed_networks_and_only_for_itself(start_manager, stub_engine):
     engine = await stub_engine()
     closed = await start_manager(registration_allowed_networks="10.0.0.0/8")
@@ -59,6 +61,7 @@ async def test_registration_only_from_allowed_networks_and_only_for_itself(start
     assert [i["host"] for i in (await lenient.status())["instances"]] == ["127.0.0.2"]
 
 
+@pytest.mark.slow
 async def test_admin_bodies_are_small_generation_bodies_may_be_large(start_manager):
     m = await start_manager(max_admin_body_kb="1", max_request_body_mb="1")
     big = b'{"host": "127.0.0.1", "port": 1, "x": "' + b"a" * 4000 + b'"}'
@@ -75,6 +78,7 @@ async def test_admin_bodies_are_small_generation_bodies_may_be_large(start_manag
 # ---------------------------------------------------------------- issue 18: local registration, box tokens, /metrics
 
 
+@pytest.mark.slow
 async def test_local_registration_applies_the_ownership_rule_of_remote_registration(start_manager, stub_engine):
     engine = await stub_engine()
     m = await start_manager()
@@ -92,6 +96,7 @@ async def test_local_registration_applies_the_ownership_rule_of_remote_registrat
     assert status == 200  # the documented override (a trainer driver registering several nodes)
 
 
+@pytest.mark.slow
 async def test_a_box_token_removes_its_own_instance_and_nothing_else(start_manager, stub_engine):
     m = await start_manager(auth_token=TOKEN)
     a, b = await stub_engine(), await stub_engine()
@@ -134,6 +139,7 @@ async def _get(m: Any, path: str, headers: dict[str, str]) -> tuple[int, Any]:
         return r.status, await r.json()
 
 
+@pytest.mark.slow
 async def test_metrics_are_open_by_default_and_closed_by_metrics_require_token(start_manager):
     m = await start_manager(auth_token=TOKEN)
     async with aiohttp.ClientSession() as s:
@@ -149,6 +155,7 @@ async def test_metrics_are_open_by_default_and_closed_by_metrics_require_token(s
         assert r.status == 200 and "rollout_manager_" in await r.text()
 
 
+@pytest.mark.slow
 async def test_the_launcher_deregisters_with_its_box_token_also_after_a_manager_restart(start_manager, tmp_path):
     """scripts/launch_sglang.sh keeps the box token of its registration (renewed when it registers again
     with a restarted manager) and removes its instance with it, not with the shared token."""
@@ -190,23 +197,25 @@ def launch_args(manager: str, port: int, agent_port: int, *extra: str) -> list[s
 def test_box_deregister_sends_the_box_token_and_falls_back_to_the_shared_one_on_401(tmp_path, monkeypatch):
     """``box deregister --state-file``: the token ``register`` (or ``watch``) wrote, the shared one only
     when the manager does not know it."""
+    from rollout_manager import manager_client
     from rollout_manager.launch import box
 
     calls: list[str | None] = []
-    answers = iter([(401, {"error": "unknown"}), (200, {"removed": ["h:1"]})])
+    answers = iter([manager_client.Answer(401, {"error": "unknown"}), manager_client.Answer(200, {"removed": ["h:1"]})])
 
-    def fake_request(method: str, url: str, body: Any = None, *, timeout: float = 10.0, auth: bool = True,
-                     token: str | None = None) -> tuple[int, Any]:
+    def fake_call(method: str, url: str, body: Any = None, *, timeout_s: float | None = 10.0,
+                  token: str | None = None) -> manager_client.Answer:
         calls.append(token)
         return next(answers)
 
-    monkeypatch.setattr(box, "request", fake_request)
+    monkeypatch.delenv("ROLLOUT_MANAGER_AUTH_TOKEN", raising=False)
+    monkeypatch.setattr(manager_client, "http_call", fake_call)
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"body": {}, "endpoint": "h:1", "run_id": "r", "box_token": "old-token-xxxxxxxx"}))
     box.save_state(str(state), {"body": {}, "endpoint": "h:1", "run_id": "r2", "box_token": "new"})
     assert json.loads(state.read_text())["box_token"] == "new"  # shorter, padded: still one JSON document
     assert box.main(["deregister", "--manager", "http://h:5", "--endpoint", "h:1", "--state-file", str(state)]) == 0
-    assert calls == ["new", None]  # the box token, then (401) the shared one from the environment
+    assert calls == ["new", ""]  # the box token, then (401) the shared one from the environment (unset here)
 
 
 async def test_a_caller_on_the_managers_machine_may_name_its_lan_address_but_not_the_wildcard():

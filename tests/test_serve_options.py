@@ -7,7 +7,10 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 from support import PY, ROOT, Proc, wait_until
+
+pytestmark = pytest.mark.slow  # every test here starts real processes
 
 
 def test_bind_port_0_listens_on_a_free_port_and_logs_it(tmp_path):

@@ -160,6 +160,7 @@ async def _post(client: TestClient, path: str, body: Any) -> tuple[int, bytes]:
         return resp.status, await resp.read()
 
 
+@pytest.mark.slow  # runs for seconds
 async def test_the_cpu_engine_accepts_every_body(engine: TestClient) -> None:
     for body in all_generate_bodies():
         status, raw = await _post(engine, wire.GENERATE, body)
@@ -174,6 +175,7 @@ async def test_the_cpu_engine_accepts_every_body(engine: TestClient) -> None:
         assert status == 200, (path, raw)
 
 
+@pytest.mark.slow
 def test_the_contract_loads_without_sglangs_package() -> None:
     # In a fresh process: other tests (verl) may import sglang pieces into this one.
     code = ("import sys; from rollout_manager.cpu_engine.contract import generate_contract_error as check; "

@@ -289,6 +289,7 @@ async def test_health_reads_server_info_on_the_first_ready_probe(answer: Any, ex
         await health.close()
 
 
+@pytest.mark.slow
 async def test_the_manager_removes_a_data_parallel_instance_saying_why(start_manager: Any,
                                                                        start_engine: StartEngine) -> None:
     m = await start_manager()

@@ -13,8 +13,11 @@ import json
 import socket
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import async_wait_until
+
+pytestmark = pytest.mark.slow  # every test here starts real processes
 
 WRITE_TIMEOUT_S = 1.5
 BATCH = 4000

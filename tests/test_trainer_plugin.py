@@ -61,6 +61,7 @@ def pid_alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- launcher
+@pytest.mark.slow
 def test_launcher_starts_healthy_and_stops(tmp_path):
     port = free_port()
     with ManagerProcess("127.0.0.1", port, log_path=tmp_path / "m.log") as proc:
@@ -91,6 +92,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_manager_never_outlives_the_trainer(tmp_path):
     """Normal exit, uncaught exception, SIGTERM (default and chained handler), SIGKILL of the parent."""
     script = tmp_path / "parent.py"
@@ -145,6 +147,7 @@ def test_manager_never_outlives_the_trainer(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_busy_port_is_refused_clearly(tmp_path):
     with socket.socket() as s:  # something that accepts TCP but is no rollout manager
         s.bind(("127.0.0.1", 0))
@@ -155,6 +158,7 @@ def test_busy_port_is_refused_clearly(tmp_path):
             ManagerProcess("127.0.0.1", port, log_path=tmp_path / "m.log", probe_timeout_s=0.3).start()
 
 
+@pytest.mark.slow
 async def test_attaches_to_a_running_manager_and_leaves_it_running(start_manager, tmp_path):
     m = await start_manager()
     port = int(m.url.rsplit(":", 1)[1])
@@ -166,6 +170,7 @@ async def test_attaches_to_a_running_manager_and_leaves_it_running(start_manager
         ManagerProcess("127.0.0.1", port, attach_existing=False).start()
 
 
+@pytest.mark.slow
 def test_start_failure_raises_with_the_log_tail(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("no_such_key = 1\n")
@@ -205,6 +210,7 @@ async def test_client_retries_connection_errors_only():
         assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow
 async def test_client_reports_validation_errors_and_metrics(start_manager):
     m = await start_manager()
     async with ManagerClient(m.url) as c:
@@ -268,6 +274,7 @@ def check_stream(batches, client, stream, prompts, n, min_size, model, max_new):
     assert stream.stats.samples_yielded == len(prompts) * n and stream.failures == []
 
 
+@pytest.mark.slow
 async def test_stream_micro_batches_keep_groups_whole_in_completion_order(start_manager, start_engines, model):
     m = await start_manager()
     engines = await start_engines(["--token-delay-s", "0.002"], ["--token-delay-s", "0.004"])
@@ -284,6 +291,7 @@ async def test_stream_micro_batches_keep_groups_whole_in_completion_order(start_
             assert len(batches) >= 2
 
 
+@pytest.mark.slow
 @needs_verl
 async def test_stream_yields_dataprotos_with_verl_fields(start_manager, start_engines, model):
     from verl import DataProto
@@ -340,6 +348,7 @@ def stream_samples():
                    finish_reason="stop", weight_version="7", weight_versions=["6", "7"])]
 
 
+@pytest.mark.slow
 async def test_failed_requests_fail_the_step_or_drop_their_group(start_manager, start_engines):
     # One engine call per sequence (engine_batch_max=1): the engine's injected failures are per call, and a
     # shared call would fail or pass its sequences together.
@@ -376,6 +385,7 @@ async def test_failed_requests_fail_the_step_or_drop_their_group(start_manager, 
                 pass
 
 
+@pytest.mark.slow
 async def test_sync_wrapper_and_early_close(start_manager, start_engines, model):
     m = await start_manager()
     (engine,) = await start_engines(["--token-delay-s", "0.01"])
@@ -436,6 +446,7 @@ def test_settings_and_argv_mapping(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- verl
+@pytest.mark.slow
 @needs_verl
 def test_importing_verl_loads_the_plugin_through_its_entry_point(tmp_path):
     """verl logs entry-point load errors at debug level only, so check the effect in a fresh process.
@@ -467,6 +478,7 @@ def test_importing_verl_loads_the_plugin_through_its_entry_point(tmp_path):
     assert "mapped actor_rollout_ref.rollout.rollout_manager.port" in out.stderr
 
 
+@pytest.mark.slow  # runs for seconds
 @needs_verl
 def test_shipped_config_and_verl_config_classes(tmp_path):
     from hydra import compose, initialize_config_dir, initialize_config_module
@@ -494,6 +506,7 @@ def test_shipped_config_and_verl_config_classes(tmp_path):
             compose("ppo_trainer", overrides=["actor_rollout_ref.rollout.rollout_manager.port=5"])
 
 
+@pytest.mark.slow
 @needs_verl
 async def test_proxy_server_turns_verl_generate_into_manager_calls(start_manager, start_engines, model):
     from verl.workers.rollout.replica import TokenOutput
@@ -530,6 +543,7 @@ async def test_proxy_server_turns_verl_generate_into_manager_calls(start_manager
                     "trajectory_key": "r"}
 
 
+@pytest.mark.slow
 @needs_verl
 async def test_replica_starts_one_manager_and_adapter_hands_weights_to_the_push_hook(tmp_path):
     from verl.workers.config import RolloutConfig
@@ -566,6 +580,7 @@ async def test_replica_starts_one_manager_and_adapter_hands_weights_to_the_push_
     assert result == {"tensors": 3, "bytes": 48, "pushed": False}
 
 
+@pytest.mark.slow
 @needs_verl_v1
 def test_importing_verl_registers_the_trainer_mode_only_when_v1_loads():
     code = textwrap.dedent("""
@@ -581,6 +596,7 @@ def test_importing_verl_registers_the_trainer_mode_only_when_v1_loads():
     assert out.returncode == 0 and "OK PPOTrainerSyncWithManager" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 @needs_verl_v1
 async def test_trainer_mode_posts_step_metrics_and_logs_the_answer(start_manager, caplog):
     from omegaconf import OmegaConf
@@ -625,6 +641,7 @@ async def test_trainer_mode_posts_step_metrics_and_logs_the_answer(start_manager
     assert "metrics not posted" in caplog.text
 
 
+@pytest.mark.slow  # imports verl: seconds
 @needs_verl_v1
 def test_trainer_mode_is_verls_sync_trainer_in_every_other_respect(monkeypatch):
     from omegaconf import OmegaConf

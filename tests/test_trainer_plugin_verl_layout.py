@@ -89,6 +89,7 @@ async def test_unmerged_lora_is_refused_at_start_up_and_one_version_never_carrie
     await adapter.update_weights(weights(), global_steps=None)  # an unchanged re-sync: nothing published
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(V1_MISSING), reason=f"verl 0.9.1's V1 trainers need {', '.join(V1_MISSING)}")
 def test_importing_the_trainer_mode_before_verl_v1_still_registers_it():
     code = textwrap.dedent("""

@@ -46,6 +46,7 @@ async def greedy(m, prompt, n=10):
     return out
 
 
+@pytest.mark.slow
 async def test_push_from_a_torch_module_changes_what_the_engines_generate(pool):
     m, client, pusher = pool
     policy = build_model(0)
@@ -63,6 +64,7 @@ async def test_push_from_a_torch_module_changes_what_the_engines_generate(pool):
     assert after["meta_info"]["weight_version"] == "1"
 
 
+@pytest.mark.slow
 async def test_one_full_training_loop_on_cpu(pool):
     m, client, pusher = pool
     policy = build_model(0)
@@ -104,6 +106,7 @@ async def test_one_full_training_loop_on_cpu(pool):
     assert {i["weight_version"] for i in st["instances"]} == {2}
 
 
+@pytest.mark.slow
 async def test_verl_adapter_pushes_through_the_default_hook(pool):
     pytest.importorskip("verl", reason="verl 0.9.1 is not installed")
     from verl.workers.config import RolloutConfig
@@ -131,6 +134,7 @@ async def test_verl_adapter_pushes_through_the_default_hook(pool):
             weight_push._PUSHER = None
 
 
+@pytest.mark.slow
 async def test_pusher_reports_its_senders_again_after_a_manager_restart(start_manager, tmp_path):
     mport, sport = free_port(), free_port()
     settings = dict(weight_sender_base_port=str(sport), allowed_sender_ips="127.0.0.0/8")
@@ -157,6 +161,7 @@ async def test_pusher_reports_its_senders_again_after_a_manager_restart(start_ma
         box.stop()
 
 
+@pytest.mark.slow
 async def test_every_trainer_node_runs_a_sender_and_rank_zero_publishes(start_manager, tmp_path):
     """Two 'nodes' (processes in one gloo group, on 127.0.0.1 and 127.0.0.2) push through the
     default hook: each stages into its own sender, the manager deals the boxes over both, and a

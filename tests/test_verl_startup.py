@@ -35,6 +35,7 @@ from rollout_manager.cpu_engine.model import build_model, reference_generate
 MISSING = [m for m in ("verl", "transfer_queue", "cachetools", "fastapi", "uvicorn")
            if importlib.util.find_spec(m) is None]
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(bool(MISSING), reason=f"verl 0.9.1's V1 trainers need {', '.join(MISSING)} "
                        "(scripts/install.sh installs them)"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

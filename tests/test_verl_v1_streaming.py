@@ -53,6 +53,7 @@ from rollout_manager.cpu_engine.model import build_model, reference_generate
 V1_MODULES = ("verl", "transfer_queue", "ray", "hydra", "tokenizers", "cachetools", "uvicorn", "fastapi")
 MISSING = [m for m in V1_MODULES if importlib.util.find_spec(m) is None]
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(bool(MISSING), reason=f"verl 0.9.1's V1 trainer path needs {', '.join(MISSING)} (pip install "
                        "-c tests/verl_constraints.txt verl==0.9.1 TransferQueue cachetools fastapi uvicorn, "
                        "after torch==2.13.0)"),

@@ -122,6 +122,7 @@ async def fleet(start_manager, tmp_path, request):
         yield f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", "auto"), ("mooncake", "delta")], indirect=True)
 async def test_delta_pushes_are_bit_exact_reload_only_changed_tensors_and_repair_a_corrupt_delta(fleet) -> None:
     m, sender, add_box = fleet
@@ -146,6 +147,7 @@ async def test_delta_pushes_are_bit_exact_reload_only_changed_tensors_and_repair
     assert boot["mode"] == "full" and boot["bytes"] == total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", "auto", 1e-9)], indirect=True)
 async def test_auto_mode_pushes_full_bytes_over_a_link_faster_than_a_delta_pays_for(fleet) -> None:
     """Every link here is 'fast' (threshold 1 byte/s): a delta would cost more to encode and apply than
@@ -159,6 +161,7 @@ async def test_auto_mode_pushes_full_bytes_over_a_link_faster_than_a_delta_pays_
         assert push["mode"] == "full" and push["bytes"] == sender.layout.total_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fleet", [("tcp", "full")], indirect=True)
 async def test_full_mode_pushes_every_byte_and_reloads_every_tensor(fleet) -> None:
     m, sender, add_box = fleet

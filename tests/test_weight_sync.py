@@ -74,7 +74,7 @@ async def test_bump_syncs_active_remote_instances_and_returns_them_at_the_new_ve
     assert sorted(rig.agents.pushed_to()) == [f"http://127.0.0.1:{i.weight_receiver_port}" for i in (a, b)]
     prepare = next(body for name, _, body in rig.agents.calls if name == "prepare")
     assert prepare == {"version": 1, "layout": FakeAgents.LAYOUT.model_dump(), "transport": "tcp"}
-    assert [p["version"] for p in rig.sync.pushes] == [1, 1]
+    assert [p.version for p in rig.sync.pushes] == [1, 1]
 
 
 async def test_a_sync_waits_for_in_flight_requests_to_finish(rig: Rig) -> None:
@@ -176,7 +176,7 @@ async def test_a_bump_during_a_push_pushes_again(rig: Rig) -> None:
     rig.sync.bump(2)
     rig.agents.hold.set()
     await rig.settled(a)
-    assert a.weight_version == 2 and [p["version"] for p in rig.sync.pushes] == [1, 2]
+    assert a.weight_version == 2 and [p.version for p in rig.sync.pushes] == [1, 2]
     assert [e.reason for e in rig.registry.events if e.new == State.ACTIVE][-1].startswith("weights at version 2")
 
 

@@ -14,6 +14,8 @@ from weight_fleet import engine_checksums, expected_checksums
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.weights.sender_agent import SenderAgent
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 MODEL = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 4}  # ~9.6 M params
 MODEL_JSON = json.dumps(MODEL)
 SENDER_IPS = ["127.0.0.1", "127.0.0.2"]

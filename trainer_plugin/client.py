@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
@@ -53,10 +52,23 @@ from typing import Any
 
 import aiohttp
 
+from rollout_manager.manager_client import (
+    HEALTH,
+    RUN_ID_HEADER,
+    Health,
+    ManagerAPIError,
+    bearer_headers,
+    decode,
+    env_token,
+    error_message,
+)
+from rollout_manager.manager_client import base_url as base_url_of
+from rollout_manager.retry import Backoff, retry_async
+
 log = logging.getLogger("trainer_plugin.client")
 
-# The manager names its run (new on every start) on each batch answer; /health carries it too.
-RUN_ID_HEADER = "X-Rollout-Manager-Run-Id"
+__all__ = ["RUN_ID_HEADER", "ClientStats", "ManagerClient", "ManagerClientError", "ManagerHTTPError",
+           "ManagerLost", "ManagerRestarted", "ManagerUnavailable"]
 # What the manager's failure lines say when it stops mid-batch: not the request's fault.
 _SHUTDOWN_TEXT = "rollout manager is shutting down"
 # One NDJSON result line: SGLang's answer with log-probs runs to tens of bytes a token (aiohttp's own
@@ -73,8 +85,9 @@ _TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-class ManagerClientError(RuntimeError):
-    """Base class of everything this client raises."""
+class ManagerClientError(ManagerAPIError, RuntimeError):
+    """Base class of everything this client raises (the manager API's one error type,
+    :class:`rollout_manager.manager_client.ManagerAPIError`)."""
 
 
 class ManagerUnavailable(ManagerClientError):
@@ -128,13 +141,12 @@ class _Attempt:
 class ManagerHTTPError(ManagerClientError):
     """The manager answered with an error status; ``message`` is its ``{"error": ...}`` text."""
 
+    status: int
+
     def __init__(self, method: str, path: str, status: int, message: str, body: Any = None):
-        super().__init__(f"{method} {path} -> HTTP {status}: {message}")
+        super().__init__(f"{method} {path} -> HTTP {status}: {message}", status=status, message=message, body=body)
         self.method = method
         self.path = path
-        self.status = status
-        self.message = message
-        self.body = body
 
 
 class ManagerClient:
@@ -170,10 +182,8 @@ class ManagerClient:
         if restart_timeout_s < 0 or probe_timeout_s <= 0 or max_resubmits < 0:
             raise ValueError(f"restart_timeout_s and max_resubmits must be >= 0 and probe_timeout_s > 0, got "
                              f"{restart_timeout_s}, {max_resubmits}, {probe_timeout_s}")
-        self.auth_token = auth_token if auth_token is not None else os.environ.get("ROLLOUT_MANAGER_AUTH_TOKEN", "")
-        if not base_url.startswith(("http://", "https://")):
-            base_url = "http://" + base_url
-        self.base_url = base_url.rstrip("/")
+        self.auth_token = auth_token if auth_token is not None else env_token()
+        self.base_url = base_url_of(base_url)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -208,7 +218,7 @@ class ManagerClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self.max_connections),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-                headers={"Authorization": f"Bearer {self.auth_token}"} if self.auth_token else None,
+                headers=bearer_headers(self.auth_token) or None,
             )
         return self._session
 
@@ -221,34 +231,32 @@ class ManagerClient:
         """Send a request, retrying connection failures; return the response with a 2xx status."""
         url = self.base_url + path
         retryable = _CONNECT_ERRORS + (_TRANSPORT_ERRORS if method == "GET" else ())
-        attempt = 0
-        while True:
-            attempt += 1
+        kwargs: dict[str, Any] = {"timeout": self._timeout(total)}
+        if body is not None:
+            kwargs["json"] = body
+
+        def retrying(attempt: int, delay: float, exc: object) -> None:
+            log.warning("%s %s: %s; retrying in %.2fs (%d/%d)", method, url, exc, delay, attempt, self.retries)
+
+        try:
+            resp = await retry_async(lambda: self.session.request(method, url, **kwargs),
+                                     Backoff(self.retry_backoff_s, float("inf"), attempts=self.retries + 1),
+                                     retry_on=retryable, on_retry=retrying)
+        except retryable as exc:
+            raise ManagerUnavailable(
+                f"{method} {url}: rollout manager not reachable after {self.retries + 1} attempt(s): {exc}"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ManagerUnavailable(f"{method} {url}: connection failed: {exc}") from exc
+        except asyncio.TimeoutError as exc:
+            raise ManagerUnavailable(f"{method} {url}: timed out") from exc
+        if resp.status >= 400:
             try:
-                kwargs: dict[str, Any] = {"timeout": self._timeout(total)}
-                if body is not None:
-                    kwargs["json"] = body
-                resp = await self.session.request(method, url, **kwargs)
-            except retryable as exc:
-                if attempt > self.retries:
-                    raise ManagerUnavailable(
-                        f"{method} {url}: rollout manager not reachable after {attempt} attempt(s): {exc}"
-                    ) from exc
-                delay = self.retry_backoff_s * (2 ** (attempt - 1))
-                log.warning("%s %s: %s; retrying in %.2fs (%d/%d)", method, url, exc, delay, attempt, self.retries)
-                await asyncio.sleep(delay)
-                continue
-            except (aiohttp.ClientError, OSError) as exc:
-                raise ManagerUnavailable(f"{method} {url}: connection failed: {exc}") from exc
-            except asyncio.TimeoutError as exc:
-                raise ManagerUnavailable(f"{method} {url}: timed out") from exc
-            if resp.status >= 400:
-                try:
-                    raw = await resp.read()
-                finally:
-                    resp.release()
-                raise _http_error(method, path, resp.status, raw)
-            return resp
+                raw = await resp.read()
+            finally:
+                resp.release()
+            raise _http_error(method, path, resp.status, raw)
+        return resp
 
     async def _call(self, method: str, path: str, body: Any = None, *, total: float | None = -1.0) -> Any:
         """One request, one JSON answer."""
@@ -279,7 +287,7 @@ class ManagerClient:
     # ------------------------------------------------------------ endpoints
     async def health(self) -> dict[str, Any]:
         """``GET /health``: ``{"status", "version", "weight_version", "instances": {state: n}}``."""
-        return await self._call("GET", "/health")
+        return await self._call("GET", HEALTH)
 
     async def get_instances_status(self) -> dict[str, Any]:
         return await self._call("GET", "/get_instances_status")
@@ -395,7 +403,7 @@ class ManagerClient:
                 raise self._lost(pending, total, delivered,
                                  f"it did not come back within {self.restart_timeout_s:g}s after: {reason}")
             log.warning("/batch_generate_requests: manager at %s answers (run %s) after %.1fs; resubmitting %d "
-                        "request(s)", self.base_url, health.get("run_id"), time.monotonic() - started, len(pending))
+                        "request(s)", self.base_url, health.run_id, time.monotonic() - started, len(pending))
             self.stats.resubmitted += len(pending)
 
     def _lost(self, pending: dict[str, tuple[Any, dict[str, Any]]], total: int, delivered: int,
@@ -435,7 +443,7 @@ class ManagerClient:
             attempt.run_id = resp.headers.get(RUN_ID_HEADER)
             if attempt.run_id is None and self.stall_timeout_s:  # a manager without the header
                 health = await self._probe_health()
-                attempt.run_id = None if health is None else health.get("run_id")
+                attempt.run_id = None if health is None else health.run_id
             while True:
                 get = asyncio.ensure_future(lines.get())
                 raw = await self._watch(get, attempt)
@@ -498,7 +506,7 @@ class ManagerClient:
                     raise _StallTimeout(f"no result and no answer to /health for {now - down_since + stall:.1f}s "
                                         f"({attempt.received} of {attempt.size} answered)")
                 continue
-            run_id = health.get("run_id")
+            run_id = health.run_id
             if attempt.run_id is not None and run_id is not None and run_id != attempt.run_id:
                 raise ManagerRestarted(f"the manager restarted (run {attempt.run_id} -> {run_id}) after "
                                        f"{attempt.received} of {attempt.size} results", attempt.run_id, run_id)
@@ -514,30 +522,26 @@ class ManagerClient:
             self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4))
         return self._probe_session
 
-    async def _probe_health(self) -> dict[str, Any] | None:
+    async def _probe_health(self) -> Health | None:
         """``/health``'s answer, or None if it does not answer 200 within ``probe_timeout_s``."""
         try:
-            async with self.probe_session.get(self.base_url + "/health",
+            async with self.probe_session.get(self.base_url + HEALTH,
                                               timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s)) as r:
                 if r.status != 200:
                     return None
                 body = await r.json(content_type=None)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             return None
-        return body if isinstance(body, dict) else None
+        return Health.from_json(body) if isinstance(body, dict) else None
 
-    async def _wait_for_manager(self, deadline: float, not_run_id: str | None) -> dict[str, Any] | None:
+    async def _wait_for_manager(self, deadline: float, not_run_id: str | None) -> Health | None:
         """Poll ``/health`` until it answers (from a run other than ``not_run_id``) or the deadline."""
-        delay = 0.05
-        while True:
-            health = await self._probe_health()
-            if health is not None and (not_run_id is None or health.get("run_id") != not_run_id):
-                return health
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, 1.0)
+        def fresh(health: Health | None) -> bool:
+            return health is not None and (not_run_id is None or health.run_id != not_run_id)
+
+        health = await retry_async(self._probe_health, Backoff(0.05, 1.0, deadline_s=deadline - time.monotonic()),
+                                   again=lambda h: not fresh(h))
+        return health if fresh(health) else None
 
     async def abort_local_requests(self) -> dict[str, Any]:
         return await self._call("POST", "/abort_local_requests", {})
@@ -567,12 +571,5 @@ def _id_key(rid: Any) -> str:
 
 
 def _http_error(method: str, path: str, status: int, raw: bytes) -> ManagerHTTPError:
-    body: Any = None
-    message = raw.decode(errors="replace").strip()[:2000] or "(empty answer)"
-    try:
-        body = json.loads(raw)
-        if isinstance(body, dict) and "error" in body:
-            message = str(body["error"])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        pass
-    return ManagerHTTPError(method, path, status, message, body)
+    body = decode(raw)
+    return ManagerHTTPError(method, path, status, error_message(body), None if isinstance(body, str) else body)

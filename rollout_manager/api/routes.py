@@ -269,7 +269,7 @@ async def update_weight_version(request: web.Request, body: UpdateWeightVersion,
     return json_response(result)
 
 
-async def metrics_text(request: web.Request) -> web.Response:
+async def prometheus_metrics(request: web.Request) -> web.Response:
     """Prometheus metrics (open, like /health, unless metrics_require_token)."""
     body = manager_of(request).metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
@@ -297,7 +297,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/abort_local_requests", abort_local_requests),
     ("POST", "/update_metrics", update_metrics),
     ("POST", "/update_weight_version", update_weight_version),
-    ("GET", "/metrics", metrics_text),
+    ("GET", "/metrics", prometheus_metrics),
     ("GET", "/", status_page_html),
     ("GET", "/openapi.json", openapi_json),
 ]

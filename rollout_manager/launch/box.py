@@ -42,24 +42,31 @@ from __future__ import annotations
 
 import argparse
 import errno
-import http.client
 import json
 import os
 import socket
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from rollout_manager.manager_client import (
+    Answer,
+    Health,
+    ManagerAPI,
+    ManagerAPIError,
+    Registration,
+    env_token,
+    error_message,
+    http_call,
+)
 from rollout_manager.osutil import die_with_parent, format_endpoint, host_port, source_address_toward
+from rollout_manager.retry import Backoff, retry
 from rollout_manager.sglang import wire  # standard library only at import time
 from rollout_manager.sglang.auth import SGLangAuth  # standard library only
 
 PREFIX = "launch_sglang: error: "
-AUTH_ENV = "ROLLOUT_MANAGER_AUTH_TOKEN"
 
 
 class BoxError(Exception):
@@ -102,10 +109,6 @@ def normalize_addr(addr: str) -> str:
     except ValueError:
         raise BoxError(f"manager address {addr!r} has a bad port") from None
     return addr.rstrip("/")
-
-
-def manager_host_port(addr: str) -> tuple[str, int]:
-    return host_port(normalize_addr(addr))
 
 
 def detect_host(manager: str) -> str:
@@ -167,71 +170,36 @@ def check_ports(bind: str, ports: Sequence[tuple[str, int]]) -> None:
 # ---------------------------------------------------------------- HTTP
 
 
-def request(method: str, url: str, body: Any = None, *, timeout: float = 10.0,
-            auth: bool = True, token: str | None = None) -> tuple[int, Any]:
-    """(status, decoded JSON or text); raises OSError (urllib.error.URLError included) when unreachable,
-    also for an answer that is not HTTP at all. ``token`` replaces the shared one from the environment."""
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Accept": "application/json"}
-    if data is not None:
-        headers["Content-Type"] = "application/json"
-    if token is None:
-        token = os.environ.get(AUTH_ENV, "")
-    if auth and token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    except http.client.HTTPException as exc:  # something else listens there
-        raise ConnectionError(f"not an HTTP answer ({type(exc).__name__})") from None
-    try:
-        return status, json.loads(raw or b"null")
-    except ValueError:
-        return status, raw.decode(errors="replace")[:300]
-
-
-def describe_os_error(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.URLError) and not isinstance(exc, urllib.error.HTTPError):
-        exc = exc.reason if isinstance(exc.reason, BaseException) else exc
-    if isinstance(exc, socket.timeout) or isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return str(exc) or type(exc).__name__
-
-
-def error_of(answer: Any) -> str:
-    if isinstance(answer, dict) and "error" in answer:
-        return str(answer["error"])
-    return str(answer)[:300]
+def request(method: str, url: str, body: Any = None, *, timeout: float = 10.0, auth: bool = True) -> Answer:
+    """A call to one of this box's own servers (the agent, SGLang), with the shared token when ``auth``;
+    raises :class:`ManagerAPIError` when nothing answers over HTTP."""
+    return http_call(method, url, body, timeout_s=timeout, token=env_token() if auth else None)
 
 
 def manager_call(manager: str, method: str, path: str, body: Any = None, *,
-                 timeout: float = 10.0, token: str | None = None) -> tuple[int, Any]:
-    url = normalize_addr(manager) + path
+                 timeout: float = 10.0, token: str | None = None) -> Answer:
+    """One call to the manager's API (``token``: a box token instead of the shared one)."""
+    api = ManagerAPI(normalize_addr(manager), env_token(), timeout)
     try:
-        status, answer = request(method, url, body, timeout=timeout, token=token)
-    except OSError as exc:
-        why = describe_os_error(exc)
-        raise Unreachable(f"rollout manager at {normalize_addr(manager)} is unreachable ({method} {path}: "
-                          f"{why}); check ROLLOUT_MANAGER_ADDR / --manager-addr", why == "timed out") from None
-    if status in (401, 403) and token is None:  # a box token's refusal is the caller's to read
-        hint = "set ROLLOUT_MANAGER_AUTH_TOKEN to the manager's token" if not os.environ.get(AUTH_ENV) \
+        answer = api.call(method, path, body, token=token)
+    except ManagerAPIError as exc:
+        raise Unreachable(f"rollout manager at {api.url} is unreachable ({method} {path}: {exc.reason}); "
+                          f"check ROLLOUT_MANAGER_ADDR / --manager-addr", exc.timed_out) from None
+    if answer.status in (401, 403) and token is None:  # a box token's refusal is the caller's to read
+        hint = "set ROLLOUT_MANAGER_AUTH_TOKEN to the manager's token" if not api.token \
             else "ROLLOUT_MANAGER_AUTH_TOKEN does not match the manager's token"
-        raise BoxError(f"rollout manager at {normalize_addr(manager)} refused {method} {path} "
-                       f"(HTTP {status}): {hint}")
-    return status, answer
-
-
-def manager_health(manager: str, timeout: float = 5.0) -> dict[str, Any]:
-    status, answer = manager_call(manager, "GET", "/health", timeout=timeout)
-    if status != 200 or not isinstance(answer, dict) or answer.get("status") != "healthy":
-        raise NotHealthy(f"rollout manager at {normalize_addr(manager)} is not healthy (GET /health: "
-                       f"HTTP {status} {error_of(answer)}); check ROLLOUT_MANAGER_ADDR / --manager-addr")
+        raise BoxError(f"rollout manager at {api.url} refused {method} {path} (HTTP {answer.status}): {hint}")
     return answer
+
+
+def manager_health(manager: str, timeout: float = 5.0) -> Health:
+    answer = manager_call(manager, "GET", "/health", timeout=timeout)
+    health = Health.from_json(answer.body)
+    if answer.status != 200 or not health.healthy:
+        raise NotHealthy(f"rollout manager at {normalize_addr(manager)} is not healthy (GET /health: "
+                         f"HTTP {answer.status} {error_message(answer.body)}); check ROLLOUT_MANAGER_ADDR / "
+                         f"--manager-addr")
+    return health
 
 
 # ---------------------------------------------------------------- commands
@@ -257,26 +225,22 @@ def check_modules(modules: Sequence[str]) -> None:
                        f"interpreter with --python / PYTHON)")
 
 
-def wait_for_manager(manager: str, timeout: float, wait_s: float) -> dict[str, Any]:
+def wait_for_manager(manager: str, timeout: float, wait_s: float) -> Health:
     """``GET /health`` until it answers healthy, for up to ``wait_s`` seconds (0: one try). A refused
     token is final at once: waiting cannot fix it."""
-    deadline = time.monotonic() + wait_s
-    waiting = False
-    while True:
-        try:
-            return manager_health(manager, timeout)
-        except (Unreachable, NotHealthy) as exc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if wait_s > 0:
-                    raise BoxError(f"{exc} (waited {wait_s:g}s: --wait-for-manager)") from None
-                raise
-            if not waiting:
-                waiting = True
-                die_with_parent()  # a launcher killed meanwhile (no trap runs yet) must not leave us waiting
-                say(f"waiting up to {wait_s:g}s for the rollout manager at {normalize_addr(manager)} "
-                    f"(--wait-for-manager)")
-            time.sleep(min(0.5, left))
+    def waiting(attempt: int, sleep_s: float, outcome: object) -> None:
+        if attempt == 1:
+            die_with_parent()  # a launcher killed meanwhile (no trap runs yet) must not leave us waiting
+            say(f"waiting up to {wait_s:g}s for the rollout manager at {normalize_addr(manager)} "
+                f"(--wait-for-manager)")
+
+    try:
+        return retry(lambda: manager_health(manager, timeout), Backoff(0.5, 0.5, deadline_s=wait_s),
+                     retry_on=(Unreachable, NotHealthy), on_retry=waiting)
+    except (Unreachable, NotHealthy) as exc:
+        if wait_s > 0:
+            raise BoxError(f"{exc} (waited {wait_s:g}s: --wait-for-manager)") from None
+        raise
 
 
 def cmd_preflight(args: argparse.Namespace) -> None:
@@ -284,8 +248,8 @@ def cmd_preflight(args: argparse.Namespace) -> None:
     check_ports(args.bind, [("--port (SGLang)", args.port),
                             ("--transfer-agent-handshake-port (receiver agent)", args.agent_port)])
     health = wait_for_manager(args.manager, args.timeout, args.wait_for_manager)
-    print(json.dumps({"manager": normalize_addr(args.manager), "version": health.get("version"),
-                      "weight_version": health.get("weight_version")}))
+    print(json.dumps({"manager": normalize_addr(args.manager), "version": health.version,
+                      "weight_version": health.weight_version}))
 
 
 def cmd_exec(args: argparse.Namespace) -> NoReturn:
@@ -334,8 +298,8 @@ def cmd_wait_ready(args: argparse.Namespace) -> None:
         still = []
         for url in pending:
             try:
-                status, _ = request("GET", url, timeout=min(5.0, args.interval * 10), auth=url in with_token)
-            except OSError:
+                status = request("GET", url, timeout=min(5.0, args.interval * 10), auth=url in with_token).status
+            except ManagerAPIError:
                 status = 0
             if status != 200:
                 still.append(url)
@@ -351,9 +315,9 @@ def cmd_wait_ready(args: argparse.Namespace) -> None:
 def agent_info(agent_url: str, timeout: float = 10.0) -> dict[str, Any]:
     try:
         # the agent requires the shared token, as the manager does, when one is set
-        status, info = request("GET", agent_url.rstrip("/") + "/info", timeout=timeout)
-    except OSError as exc:
-        raise BoxError(f"receiver agent at {agent_url} does not answer /info: {describe_os_error(exc)}") from None
+        status, info = request("GET", agent_url.rstrip("/") + "/info", timeout=timeout).status_body
+    except ManagerAPIError as exc:
+        raise BoxError(f"receiver agent at {agent_url} does not answer /info: {exc.reason}") from None
     if status != 200 or not isinstance(info, dict) or not isinstance(info.get("handshake_port"), int):
         raise BoxError(f"receiver agent at {agent_url} gave no handshake_port in /info: HTTP {status} {info}")
     return info
@@ -364,9 +328,9 @@ def check_parallelism(sglang_url: str, endpoint: str, timeout: float = 10.0) -> 
     unreadable ``/server_info`` is left to the manager (it checks again when the instance is ready)."""
     try:
         key = SGLangAuth.from_env().api_key  # SGLang's --api-key, when it runs with one (launch_sglang.sh)
-        status, answer = request("GET", sglang_url.rstrip("/") + wire.SERVER_INFO, timeout=timeout, auth=bool(key),
-                                 token=key or None)
-    except OSError:
+        status, answer = http_call("GET", sglang_url.rstrip("/") + wire.SERVER_INFO, None, timeout_s=timeout,
+                                   token=key or None).status_body
+    except ManagerAPIError:
         return
     info = wire.ServerInfo.from_json(answer if status == 200 else None)
     if info.dp_size > 1:
@@ -377,26 +341,19 @@ def register_with_retry(manager: str, body: dict[str, Any], timeout: float) -> t
     """``POST /register_rollout_instance``, retried for up to ``timeout`` seconds while the manager is
     unreachable or answers 5xx (it may be restarting while the model loaded)."""
     deadline = time.monotonic() + timeout
-    delay = 0.5
-    while True:
+
+    def register() -> tuple[int, Any]:
         left = max(deadline - time.monotonic(), 0.0)
-        try:
-            status, answer = manager_call(manager, "POST", "/register_rollout_instance", body,
-                                          timeout=max(min(left, 30.0), 1.0))
-        except Unreachable:
-            if time.monotonic() + delay >= deadline:
-                raise
-        else:
-            if status < 500 or time.monotonic() + delay >= deadline:
-                return status, answer
-        time.sleep(delay)
-        delay = min(delay * 2, 5.0)
+        return manager_call(manager, "POST", "/register_rollout_instance", body,
+                            timeout=max(min(left, 30.0), 1.0)).status_body
+
+    return retry(register, Backoff(0.5, 5.0, deadline_s=timeout), retry_on=(Unreachable,),
+                 again=lambda answer: answer[0] >= 500)
 
 
 def manager_run_id(manager: str, timeout: float = 5.0) -> str | None:
     """The manager's ``run_id`` (new on each start; None from a manager too old to report one)."""
-    run_id = manager_health(manager, timeout).get("run_id")
-    return str(run_id) if run_id else None
+    return manager_health(manager, timeout).run_id
 
 
 def cmd_register(args: argparse.Namespace) -> None:
@@ -421,18 +378,18 @@ def cmd_register(args: argparse.Namespace) -> None:
                      {"endpoints": [endpoint], "check_weight_update": False}, timeout=args.timeout)
         status, answer = register_with_retry(args.manager, body, args.timeout)
     if status != 200 or not isinstance(answer, dict):
-        raise BoxError(f"rollout manager refused the registration of {endpoint}: HTTP {status} {error_of(answer)}")
-    endpoint = str(answer.get("endpoint", endpoint))
+        raise BoxError(f"rollout manager refused the registration of {endpoint}: HTTP {status} "
+                       f"{error_message(answer)}")
+    reg = Registration.from_json(answer, endpoint)
     if args.endpoint_file:
         with open(args.endpoint_file, "w") as f:
-            f.write(endpoint)
+            f.write(reg.endpoint)
     if args.state_file:
         with open(args.state_file, "w") as f:
-            json.dump({"body": body, "endpoint": endpoint, "run_id": run_id, "box_token": answer.get("box_token")}, f)
-    print(json.dumps({"endpoint": endpoint, "id": answer.get("id"),
-                      "state": answer.get("state"), "weight_version": answer.get("weight_version"),
-                      "mooncake_handshake_port": info["handshake_port"],
-                      "weight_transfer": answer.get("weight_transfer")}, separators=(",", ":")))
+            json.dump({"body": body, "endpoint": reg.endpoint, "run_id": run_id, "box_token": reg.box_token}, f)
+    print(json.dumps({"endpoint": reg.endpoint, "id": reg.id, "state": reg.state,
+                      "weight_version": reg.weight_version, "mooncake_handshake_port": info["handshake_port"],
+                      "weight_transfer": reg.weight_transfer}, separators=(",", ":")))
 
 
 def read_box_token(state_file: str | None) -> str | None:
@@ -464,16 +421,17 @@ def cmd_deregister(args: argparse.Namespace) -> None:
     box_token = read_box_token(args.state_file)
     try:
         status, answer = manager_call(args.manager, "POST", "/shutdown_instances", body,
-                                      timeout=args.timeout, token=box_token)
+                                      timeout=args.timeout, token=box_token).status_body
         if status == 401 and box_token is not None:  # a manager that does not know it: the shared token
-            status, answer = manager_call(args.manager, "POST", "/shutdown_instances", body, timeout=args.timeout)
+            status, answer = manager_call(args.manager, "POST", "/shutdown_instances", body,
+                                          timeout=args.timeout).status_body
     except Unreachable as exc:
         if not exc.timed_out:
             raise
         raise BoxError(f"{args.endpoint} still draining after {args.timeout:g}s (--drain-timeout-s); stopping "
                        f"anyway: the manager removes it and continues its unfinished requests elsewhere") from None
     if status != 200 or not isinstance(answer, dict):
-        raise BoxError(f"rollout manager refused to remove {args.endpoint}: HTTP {status} {error_of(answer)}")
+        raise BoxError(f"rollout manager refused to remove {args.endpoint}: HTTP {status} {error_message(answer)}")
     print(json.dumps(answer, separators=(",", ":")))
 
 
@@ -482,7 +440,7 @@ def say(message: str) -> None:
 
 
 def endpoint_known(manager: str, endpoint: str, timeout: float) -> bool:
-    status, answer = manager_call(manager, "GET", "/get_instances_status", timeout=timeout)
+    status, answer = manager_call(manager, "GET", "/get_instances_status", timeout=timeout).status_body
     if status != 200 or not isinstance(answer, dict):
         return True  # no verdict: assume nothing changed
     return any(isinstance(i, dict) and i.get("endpoint") == endpoint for i in answer.get("instances", []))
@@ -507,12 +465,12 @@ def watch_once(manager: str, state: dict[str, Any], timeout: float) -> None:
     try:
         if run_id is not None and run_id != state.get("run_id"):
             status, answer = manager_call(manager, "POST", "/register_rollout_instance", state["body"],
-                                          timeout=max(timeout, 10.0))
+                                          timeout=max(timeout, 10.0)).status_body
             if status == 409:  # already on file in this run (our registration raced its restart)
                 answer = {"endpoint": endpoint}
             elif status != 200 or not isinstance(answer, dict):
                 raise BoxError(f"the manager refused registering {endpoint} again: HTTP {status} "
-                               f"{error_of(answer)}; retrying in {state['interval']:g}s")
+                               f"{error_message(answer)}; retrying in {state['interval']:g}s")
             old = state.get("run_id")
             state.update(run_id=run_id, removed_noted=False, last_error=None)
             if status == 200 and answer.get("box_token"):

@@ -31,7 +31,7 @@ class _BatchRun(Generic[L]):
     """One batch of requests, started only as they can run and as the caller reads the results.
 
     The requests are not all started at once: the batch holds back those beyond what the pool can run
-    now (``Dispatcher.capacity``, plus :data:`LOOKAHEAD`), counted in ``Dispatcher.held``, so a
+    now (``Dispatcher.capacity``, plus :data:`LOOKAHEAD`), counted in ``Dispatcher.held_by_batches``, so a
     batch of 100,000 costs the manager its body and a window of running requests, not 100,000 waiting
     sequences. New requests start only when the caller asks for more results, and not while the results
     not yet handed to it exceed ``max_unsent`` bytes: a caller that stops reading stops its batch (the
@@ -76,7 +76,7 @@ class _BatchRun(Generic[L]):
         room = self.dispatcher.capacity() + LOOKAHEAD - len(self.tasks)
         while self.pending and room > 0:
             rid, body = self.pending.popleft()
-            self.dispatcher.held -= 1
+            self.dispatcher.held_by_batches -= 1
             task = asyncio.ensure_future(self._one(rid, body))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
@@ -95,7 +95,7 @@ class _BatchRun(Generic[L]):
 
     async def results(self) -> AsyncGenerator[list[L], None]:
         total = len(self.pending)
-        self.dispatcher.held += total
+        self.dispatcher.held_by_batches += total
         self.generator.begin_rollout()
         try:
             done = 0
@@ -109,7 +109,7 @@ class _BatchRun(Generic[L]):
                 done += len(lines)
                 yield lines
         finally:
-            self.dispatcher.held -= len(self.pending)
+            self.dispatcher.held_by_batches -= len(self.pending)
             self.pending.clear()
             tasks = list(self.tasks)
             for task in tasks:

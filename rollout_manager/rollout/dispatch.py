@@ -87,7 +87,7 @@ class Dispatcher:
         self.max_in_flight_per_instance = max_in_flight_per_instance
         self.max_in_flight_total = max_in_flight_total or default_max_in_flight_total()
         self.in_flight = 0  # sequences placed on an instance and not yet released, over every instance
-        self.held = 0  # requests a batch accepted and holds back until it has room (run_batch)
+        self.held_by_batches = 0  # requests a batch accepted and holds back until it has room (run_batch)
         self.windowed = 0  # sequences of batched /generate requests started and not yet ended (rollout.window)
         self._none_since: float | None = clock()  # since when no instance is active (None: one is)
         self.changed = Signal()  # any change in who can take work, or in load
@@ -161,8 +161,8 @@ class Dispatcher:
     def admission_status(self) -> dict[str, int]:
         """The bounds and who waits on them (status page, ``/get_instances_status``)."""
         return {"in_flight": self.in_flight, "max_in_flight_total": self.max_in_flight_total,
-                "capacity": self.capacity(), "waiting_for_instance": self.waiting, "held_by_batches": self.held,
-                "requests_waiting": self.waiting + self.held}
+                "capacity": self.capacity(), "waiting_for_instance": self.waiting,
+                "held_by_batches": self.held_by_batches, "requests_waiting": self.waiting + self.held_by_batches}
 
     def _usable(self, avoid: Collection[str], allow: Callable[[Instance], bool] | None) -> list[Instance]:
         """Active instances that may serve a request (full or not): those it need not avoid and may use,

@@ -17,16 +17,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
+from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
-from rollout_manager.rollout.scheduling import TailMigration
 from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
@@ -61,35 +61,6 @@ class GenerationFailed(ManagerError):
         self.reason = "engine_refused" if 400 <= status < 500 else "generation_failed"
 
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_attempts: int
-    wait_timeout_s: float  # how long a request waits for an instance that can take it
-    connect_timeout_s: float
-    stall_timeout_s: float
-    # sampling_params.stream_interval sent with every sequence (a streaming caller's own value wins):
-    # the engine sends a chunk per that many tokens, so the relay parses that many times fewer frames.
-    # 0: none is sent (the server's --stream-interval holds).
-    engine_stream_interval: int = 64
-    # Tail migration (None: off): the policy, and how often it is asked which sequences to move.
-    migration: TailMigration | None = None
-    migration_interval_s: float = 1.0
-    # Bounded staleness (None: no bound): the most weight versions one sequence's segments may span,
-    # and what a continuation that would span more does: "finish_on_old" (only on an instance within
-    # the bound; restart if none is active) or "restart" (from the prompt, on the current version).
-    max_staleness: int | None = None
-    staleness_action: str = "finish_on_old"
-    # Engines that misbehave while they stay up (sglang.client): how long the first chunk may take (None:
-    # stall_timeout_s), the most bytes one frame may have (None: no bound), and the vocabulary size token
-    # ids are checked against where an instance does not report its own (0: only the int32 range).
-    first_byte_timeout_s: float | None = None
-    max_frame_bytes: int | None = None
-    vocab_size: int = 0
-    # Short non-streaming calls that start together on one instance go as one SGLang batch of at most
-    # this many (sglang.coalesce; 1: one call each).
-    batch_max: int = 64
-
-
 class Generator:
     """Runs sequences on the pool; the HTTP layer only hands it validated bodies."""
 
@@ -108,9 +79,7 @@ class Generator:
         # The manager's own request ids: unique per run (random prefix) and cheap (no urandom per request).
         self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
         self._rid_counter = itertools.count()
-        self.stats = {"sequences": 0, "continuations": 0, "failed": 0, "tokens": 0, "preempted": 0,
-                      "migrated": 0, "evicted": 0, "affinity_hits": 0, "affinity_misses": 0, "affinity_fallbacks": 0,
-                      "stale_restarts": 0}
+        self.stats = new_generation_stats()  # the keys are metrics' (rollout.counters)
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
                                  bound=lambda seq: self._staleness_bound(seq, restart=False))

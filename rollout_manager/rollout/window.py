@@ -4,7 +4,7 @@ Started all at once, every sequence of a batch waits in the manager as a task, i
 body: about 3.8 kB each (docs/bounds.md has the measurement), so one 64 MB body of one-token prompts
 would hold tens of GB while it waits. As ``/batch_generate_requests`` does (``batch._BatchRun``),
 a batch starts what the dispatcher's capacity allows plus a lookahead, so a slot freed on an instance
-is taken at once; the rest stay indices into the caller's body, counted in ``Dispatcher.held`` until
+is taken at once; the rest stay indices into the caller's body, counted in ``Dispatcher.held_by_batches`` until
 they start.
 """
 
@@ -35,7 +35,7 @@ class StartWindow:
         self.wake = asyncio.Event()
         self.error: BaseException | None = None
         self.closed = False
-        dispatcher.held += count
+        dispatcher.held_by_batches += count
 
     def fill(self) -> None:
         """Start what the pool has room for now: its capacity plus :data:`LOOKAHEAD`, less what every
@@ -49,7 +49,7 @@ class StartWindow:
         while not self.closed and self.next < self.count and room > 0:
             task = asyncio.ensure_future(self.start(self.next))
             self.next += 1
-            d.held -= 1
+            d.held_by_batches -= 1
             d.windowed += 1
             room -= 1
             self.running.add(task)
@@ -67,7 +67,7 @@ class StartWindow:
     async def close(self) -> None:
         """Start nothing more; cancel what runs (which aborts it on its instance) and wait for it."""
         self.closed = True
-        self.dispatcher.held -= self.count - self.next
+        self.dispatcher.held_by_batches -= self.count - self.next
         self.next = self.count
         tasks = list(self.running)
         for task in tasks:

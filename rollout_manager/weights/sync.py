@@ -24,6 +24,7 @@ copy of them when this manager has none). A peer that fails sends it to its send
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,11 +51,12 @@ from rollout_manager.weights.protocol import (
     ServeRequest,
     TransportName,
 )
+from rollout_manager.weights.push_record import WeightPush
 
 log = logging.getLogger("rollout_manager.weights.sync")
 
 T = TypeVar("T")
-PushListener = Callable[[dict[str, Any]], None]
+PushListener = Callable[[WeightPush], None]
 EVICT_WAIT_S = 10.0  # after moving an instance's sequences off, how long their aborts may take to land
 # "auto" sends a delta only when it is at most 1/this of the full bytes (larger ones save too little
 # wire time to pay for encoding and applying them); "delta" sends any delta the sender has.
@@ -107,7 +109,7 @@ class WeightSync:
         self.settings = settings
         self.load_changed = load_changed
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self.pushes: list[dict[str, Any]] = []  # recent push results, for status
+        self.pushes: list[WeightPush] = []  # recent push results, for status
         self.push_listeners: list[PushListener] = []  # every successful push (metrics)
         self._synced: set[str] = set()  # instances that got a version here (else: joining, a peer may serve)
         self._serving: dict[str, int] = {}  # peer bootstraps in flight per serving instance
@@ -254,10 +256,10 @@ class WeightSync:
                 listener(result)
             if version == self.version.current:
                 self.registry.transition(inst, State.ACTIVE, f"weights at version {version} "
-                                         f"({result['gbps']:.2f} GB/s, {result['total_s']:.2f}s)")
+                                         f"({result.gbps:.2f} GB/s, {result.total_s:.2f}s)")
         self._tasks.pop(inst.id, None)
 
-    async def _deliver(self, inst: Instance, version: int, group: Group, failures: int) -> dict[str, Any]:
+    async def _deliver(self, inst: Instance, version: int, group: Group, failures: int) -> WeightPush:
         """From the nearest peer holding ``version`` where one may serve, else (or when it fails) from the
         instance's sender; each bounded by ``push_timeout_s``, and the peer's own calls by ``peer_timeout_s``."""
         timeout_s = self.settings.push_timeout_s
@@ -276,7 +278,7 @@ class WeightSync:
         log.warning("peer bootstrap of version %d to %s from %s failed; falling back to its sender: %s", version,
                     inst.endpoint, peer.endpoint, reason)
         result = await bounded(self._push(inst, version, group), timeout_s)
-        return {**result, "peer_failed": f"{peer.endpoint}: {reason}"}
+        return dataclasses.replace(result, peer_failed=f"{peer.endpoint}: {reason}")
 
     def _peer_for(self, inst: Instance, version: int, failures: int) -> Instance | None:
         """A peer for an instance that joins or fell behind; None for the regular push (its sender)."""
@@ -286,7 +288,7 @@ class WeightSync:
             return None
         return choose_peer(inst, holders(self.registry, inst, version), self._serving)
 
-    async def _pull_from_peer(self, inst: Instance, peer: Instance, version: int, group: Group) -> dict[str, Any]:
+    async def _pull_from_peer(self, inst: Instance, peer: Instance, version: int, group: Group) -> WeightPush:
         """prepare (puller) -> serve (peer's receiver, its verified buffer) -> commit (puller, checked against
         the trainer's checksums of ``version``)."""
         assert inst.weight_receiver_port is not None and peer.weight_receiver_port is not None
@@ -317,12 +319,10 @@ class WeightSync:
         shards, sums = (trainer[1], trainer[2]) if trainer is not None and ours else (served.shards, served.checksums)
         commit = await self.agents.commit(receiver_url, CommitRequest(version=version, fingerprint=served.fingerprint,
                                                                       shards=shards, checksums=sums))
-        return {"instance": inst.id, "endpoint": inst.endpoint, "version": version, "sender": group.sender,
-                "group": group.group, "ip": group.ip, "transport": transport, "mode": "full",
-                "source": f"peer:{peer.endpoint}", "checksums_from": "manager" if ours else "peer",
-                "bytes": served.bytes, "full_bytes": held.layout.total_bytes, "transfer_s": served.seconds,
-                "gbps": served.gbps, "verify_s": commit.verify_s, "load_s": commit.load_s, "apply_s": None,
-                "reloaded": commit.reloaded, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
+        return WeightPush(inst.id, inst.endpoint, version, group.sender, group.group, group.ip, transport, "full",
+                          f"peer:{peer.endpoint}", served.bytes, held.layout.total_bytes, served.seconds,
+                          served.gbps, commit.verify_s, commit.load_s, None, commit.reloaded,
+                          round(time.monotonic() - t0, 6), time.time(), checksums_from="manager" if ours else "peer")
 
     def _record_sums(self, version: int, push: PushAnswer) -> None:
         """Keep the trainer's checksums of the last few versions, for verifying peer bootstraps."""
@@ -330,7 +330,7 @@ class WeightSync:
         for old in sorted(self._trainer_sums)[:-3]:
             del self._trainer_sums[old]
 
-    async def _push(self, inst: Instance, version: int, group: Group) -> dict[str, Any]:
+    async def _push(self, inst: Instance, version: int, group: Group) -> WeightPush:
         """prepare (receiver) -> push (sender, through the instance's group) -> commit (receiver)."""
         if inst.weight_receiver_port is None:
             raise PushFailed("the instance registered no weight_receiver_port")
@@ -375,12 +375,10 @@ class WeightSync:
                 "delta_base": None, "delta_addr": None, "only_shards": exc.bad_shards}))
             commit = await self.agents.commit(receiver_url, self._commit_request(version, repair, delta=False))
             sent, kind = sent + repair.bytes, "delta+repair"
-        return {"instance": inst.id, "endpoint": inst.endpoint, "version": version, "sender": group.sender,
-                "group": group.group, "ip": group.ip, "transport": transport, "mode": kind, "bytes": sent,
-                "source": f"sender:{group.sender}",
-                "full_bytes": layout.layout.total_bytes, "transfer_s": push.seconds, "gbps": push.gbps,
-                "verify_s": commit.verify_s, "load_s": commit.load_s, "apply_s": commit.apply_s,
-                "reloaded": commit.reloaded, "total_s": round(time.monotonic() - t0, 6), "at": time.time()}
+        return WeightPush(inst.id, inst.endpoint, version, group.sender, group.group, group.ip, transport, kind,
+                          f"sender:{group.sender}", sent, layout.layout.total_bytes, push.seconds, push.gbps,
+                          commit.verify_s, commit.load_s, commit.apply_s, commit.reloaded,
+                          round(time.monotonic() - t0, 6), time.time())
 
     def _link_gbps(self, inst: Instance, group: Group) -> float | None:
         """GB/s of ``inst``'s last full push from its sender; for one that never had one (bootstrapped by
