@@ -93,6 +93,7 @@ class Config(BaseModel):
     weight_push_mode: Literal["auto", "full", "delta"] = "auto"
     weight_delta_below_gbps: float = Field(default=0.4, gt=0)
     peer_bootstrap: bool = True
+    peer_bootstrap_timeout_s: float = Field(default=120.0, gt=0)  # each peer's part; the sender's has the above
 
     # Instance health.
     startup_grace_period_s: float = Field(default=1800.0, gt=0)

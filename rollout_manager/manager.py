@@ -73,6 +73,7 @@ class Manager:
         self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
                                      max_in_flight_per_instance=cfg.max_in_flight_per_instance,
                                      max_in_flight_total=cfg.max_in_flight_total)
+        self.health.recovery_listeners.append(self.dispatcher.recovered)
         if cfg.affinity:
             self.dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,
                                                              max_slowdown=cfg.affinity_max_slowdown))

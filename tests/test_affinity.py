@@ -17,8 +17,9 @@ from rollout_manager.config import ConfigError, load_config
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded, take_keys
+from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.generation import GenerationSettings, Generator, run_batch
+from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.scheduling import InstanceLoad, LeastInFlight, Policy, RoundRobin, ThroughputAware
 from rollout_manager.sglang.client import SGLangClient

@@ -24,7 +24,7 @@ from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.osutil import free_port
-from rollout_manager.rollout import generation
+from rollout_manager.rollout import sequence
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
@@ -125,12 +125,12 @@ def remote(version: int = 0, joined: str | None = "0", state: State = State.ACTI
 
 
 def test_a_chunk_reports_the_version_the_manager_gave_the_instance() -> None:
-    never_pushed = generation._version_check(remote(joined="default"), 0)
+    never_pushed = sequence.version_check(remote(joined="default"), 0)
     assert never_pushed is not None
     assert never_pushed("default") is None
     assert "reported 'default' when it joined" in str(never_pushed("999"))
     assert never_pushed("0") is not None and never_pushed("1") is not None
-    pushed = generation._version_check(inst := remote(version=3), 3)
+    pushed = sequence.version_check(inst := remote(version=3), 3)
     assert pushed is not None and pushed("3") is None and pushed(3) is None
     for wrong in ("2", "4", "0", "999", "v3", "", " 3"):
         assert "was pushed version 3" in str(pushed(wrong)), wrong
@@ -139,8 +139,8 @@ def test_a_chunk_reports_the_version_the_manager_gave_the_instance() -> None:
     inst.weight_version, inst.state = 4, State.ACTIVE  # the push is recorded; a chunk read late says 3
     assert pushed("3") is None and pushed("4") is None and pushed("5") is not None
     # Not checked: a local instance (the trainer names its versions), and an unknown start.
-    assert generation._version_check(remote(kind=Kind.LOCAL), 0) is None
-    assert generation._version_check(remote(joined=None), 0) is None
+    assert sequence.version_check(remote(kind=Kind.LOCAL), 0) is None
+    assert sequence.version_check(remote(joined=None), 0) is None
 
 
 # ---------------------------------------------------------------- through the Generator, in process

@@ -4,6 +4,8 @@ verified against the trainer's checksums, and falls back to the trainer's sender
 from __future__ import annotations
 
 import re
+import signal
+import time
 from functools import partial
 
 import aiohttp
@@ -111,6 +113,29 @@ async def test_the_puller_checks_the_trainers_checksums_so_a_peer_serving_wrong_
     boot = await push_to(m, late.endpoint, 1)
     assert boot["source"] == "sender:0" and "checksum mismatch" in boot["peer_failed"]
     assert liar.endpoint in boot["peer_failed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fleet", [("tcp", {"peer_bootstrap_timeout_s": "2", "weight_push_timeout_s": "60"})],
+                         indirect=True)
+async def test_a_peer_that_hangs_costs_the_peer_bound_not_the_push_timeout(fleet) -> None:
+    """The peer's agent stops answering without closing (SIGSTOP): the joining box falls back to the
+    trainer's sender after peer_bootstrap_timeout_s (2 s), not weight_push_timeout_s (60 s)."""
+    m, sender, add_box = fleet
+    hung = await add_box()
+    ws = await publish(m, sender, 1)
+    hung.receiver.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        late = await add_box()
+        took = time.monotonic() - t0
+        boot = await push_to(m, late.endpoint, 1)
+        assert boot["source"] == "sender:0" and boot["peer_failed"].startswith(hung.endpoint), boot
+        assert "did not answer within peer_bootstrap_timeout_s=2s" in boot["peer_failed"]
+        assert took < 20, took  # the box's start-up, 2 s for the peer, then the sender's push
+        assert await engine_checksums(late.url) == expected_checksums(ws)
+    finally:
+        hung.receiver.signal(signal.SIGCONT)
 
 
 @pytest.mark.parametrize("fleet", [("tcp", {"peer_bootstrap": "false"})], indirect=True)

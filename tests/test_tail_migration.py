@@ -15,8 +15,9 @@ from aiohttp import web
 from fakes import FakeSGLang, next_token, reference, register_active
 
 from rollout_manager.instances.registry import Instance, Registry, State
+from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.generation import GenerationSettings, Generator, run_batch
+from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.scheduling import (
     InstanceLoad,

@@ -190,7 +190,7 @@ class WeightPusher:
         from rollout_manager.weights.sender_agent import SenderAgent
 
         self.sender = SenderAgent(self.node_ips, self.sender_port, protocol=self.protocol,
-                                  device_name=self.device_name).start()
+                                  device_name=self.device_name, transfer_timeout_s=self.timeout_s).start()
         return self
 
     async def start(self, client: Any) -> dict[str, Any]:

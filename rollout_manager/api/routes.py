@@ -47,7 +47,7 @@ from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
-from rollout_manager.rollout.generation import run_batch_ndjson
+from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.sglang import wire
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp

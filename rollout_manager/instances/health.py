@@ -54,6 +54,9 @@ class HealthMonitor:
         self.settings = settings
         self.sleep = sleep  # tests pass a fake clock's
         self._watchers: dict[str, asyncio.Task[None]] = {}
+        # Told when an instance with failures succeeds again (the dispatcher: requests that avoided it
+        # may go there now); a recovery is not a state transition, so registry listeners never see it.
+        self.recovery_listeners: list[Callable[[Instance], None]] = []
         registry.listeners.append(self._on_event)
 
     # ------------------------------------------------------------ failures seen while serving
@@ -62,6 +65,7 @@ class HealthMonitor:
         if self.registry.get(inst.id) is not inst:
             return
         inst.consecutive_failures += 1
+        inst.failures_total += 1  # a probe that passes clears the above, not this
         inst.set_error(reason)
         if inst.consecutive_failures >= self.settings.failure_threshold:
             self.registry.transition(
@@ -72,6 +76,8 @@ class HealthMonitor:
         if inst.consecutive_failures:  # recovered: the error it had is history (push errors stay theirs)
             inst.consecutive_failures = 0
             inst.clear_error()
+            for listener in self.recovery_listeners:
+                listener(inst)
 
     async def close(self) -> None:
         tasks = list(self._watchers.values())

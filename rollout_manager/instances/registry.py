@@ -63,6 +63,7 @@ class Instance:
     in_flight: int = 0
     in_flight_tokens: int = 0
     consecutive_failures: int = 0
+    failures_total: int = 0  # every failure counted against it; unlike the above, no success clears it
     last_error: str | None = None
     last_error_at: float | None = None  # wall-clock time of last_error; both cleared on recovery
     waiting_for: str | None = None  # what keeps it from serving right now, in words (None: nothing)
@@ -125,6 +126,7 @@ class Instance:
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
             "consecutive_failures": self.consecutive_failures,
+            "failures_total": self.failures_total,
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
             "waiting_for": self.waiting_for,

@@ -10,7 +10,9 @@ failure loses them and its connections pile up) and the whole pool at most ``max
 (each sequence in flight holds one of the manager's connections and its buffers). Past either bound
 requests wait here, first come first served. A request waiting because every instance that could take
 it is full waits as long as it takes; only one that no instance could serve at all fails after the
-wait timeout.
+wait timeout. An instance the request already failed on does not count as one that could take it: a
+sequence whose only instances are those that failed it ends at the wait timeout, whatever their health
+probes say, rather than wait on them for ever.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Dispatcher:
         self.max_in_flight_total = max_in_flight_total or default_max_in_flight_total()
         self.in_flight = 0  # sequences placed on an instance and not yet released, over every instance
         self.held = 0  # requests a batch accepted and holds back until it has room (run_batch)
+        self.windowed = 0  # sequences of batched /generate requests started and not yet ended (rollout.window)
         self._none_since: float | None = clock()  # since when no instance is active (None: one is)
         self.changed = Signal()  # any change in who can take work, or in load
         self.local = LocalWindow(on_change=self._changed)  # while open, local instances serve first
@@ -145,6 +148,11 @@ class Dispatcher:
         if own is None:
             return cap or DEFAULT_INSTANCE_MAX_IN_FLIGHT
         return min(own, cap) if cap else own
+
+    def recovered(self, inst: Instance) -> None:
+        """``inst`` recovered from failures (a probe or a request succeeded there): requests that avoided
+        it may be placed there now. Not a registry transition, so nothing else would tell the queue."""
+        self._changed()
 
     def capacity(self) -> int:
         """Sequences the active pool can run at once: the instances' bounds, within the overall one."""
@@ -264,13 +272,15 @@ class Dispatcher:
         self._busy_changed(inst, now)
 
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
-                      allow: Callable[[Instance], bool] | None = None) -> Instance:
+                      allow: Callable[[Instance], bool] | None = None, since: float | None = None) -> Instance:
         """Wait until the policy places this sequence, within the bounds; raises Unavailable when no
         instance could serve it for ``timeout_s``.
 
-        The wait counts from :data:`accepted_at` (or now), and only while no instance could take the
-        request at all: while some could but are full, it waits for their capacity, however long
-        (see :meth:`_expire`).
+        The wait counts from ``since`` (a sequence's first failure in a row: its retries share one
+        wait), else :data:`accepted_at`, else now, and only while no instance could take the request at
+        all: while some could but are full, it waits for their capacity, however long (see
+        :meth:`_expire`). Instances in ``avoid`` (it failed there) may take it again once they recovered,
+        but never count as ones that could: past the wait it fails rather than try them again.
 
         Requests that cannot be placed at once queue here and are placed in arrival order whenever
         something changes (:meth:`_place_waiting`), by one pass over the queue rather than by every
@@ -279,14 +289,18 @@ class Dispatcher:
         """
         if self.closing:
             raise Unavailable("rollout manager is shutting down; no new work is placed")
+        now = self.clock()
+        if since is None:
+            since = accepted_at.get()
+        since = now if since is None else min(since, now)
+        if self._left(since, timeout_s, now) <= 0 and not self._fresh(avoid, allow):
+            raise self._unavailable(timeout_s)  # its wait is over, and only instances that failed it are left
         if not self._queue:  # nobody is waiting ahead of it
             inst = self.try_acquire(tokens, avoid, prefer, allow)
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        now = self.clock()
-        since = accepted_at.get()
-        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), now if since is None else min(since, now))
+        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), since)
         self._queue.append(waiter)
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
@@ -313,25 +327,39 @@ class Dispatcher:
     def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
         """The waiter's deadline: it fails only if no instance could serve it for ``timeout_s``.
 
-        Some instance could take it but all are full (their bounds, the overall bound, the policy's
-        limits): it waits for capacity, and the time does not count; a caller who sent 100,000 requests
-        wants them done, not failed. Otherwise the time without any active instance counts from when the
-        pool last had one (or the request arrived, if later).
+        Some instance it did not fail on could take it but all are full (their bounds, the overall
+        bound, the policy's limits): it waits for capacity, and the time does not count; a caller who
+        sent 100,000 requests wants them done, not failed. Otherwise the time without any active instance
+        counts from when the pool last had one (or the wait began, if later), and instances it failed on
+        do not stop the clock even once they recovered: a sequence an engine fails every time it is
+        tried there would otherwise wait for ever.
         """
         if waiter.future.done():
             return
-        now = self.clock()
-        if self._usable(waiter.avoid, waiter.allow):
-            self._arm(waiter, timeout_s, timeout_s)  # waiting for capacity: look again a timeout later
+        if self._fresh(waiter.avoid, waiter.allow):
+            self._place_waiting()  # room may have come without a change the queue was told of
+            if not waiter.future.done():
+                self._arm(waiter, timeout_s, timeout_s)  # waiting for capacity: look again a timeout later
             return
-        if self._none_since is not None:
-            left = timeout_s - (now - max(waiter.since, self._none_since))
-            if left > 0:  # the pool emptied while it waited: the time without an instance counts from then
-                self._arm(waiter, left, timeout_s)
-                return
+        left = self._left(waiter.since, timeout_s, self.clock())
+        if left > 0:  # the pool emptied while it waited: the time without an instance counts from then
+            self._arm(waiter, left, timeout_s)
+            return
+        waiter.future.set_exception(self._unavailable(timeout_s))
+
+    def _fresh(self, avoid: Collection[str], allow: Callable[[Instance], bool] | None) -> bool:
+        """Whether an instance the request did not fail on could serve it (full or not)."""
+        return any(i.id not in avoid for i in self._usable(avoid, allow))
+
+    def _left(self, since: float, timeout_s: float, now: float) -> float:
+        """What is left of a wait that began at ``since``; the time without any active instance counts
+        only from when the pool last had one."""
+        start = since if self._none_since is None else max(since, self._none_since)
+        return timeout_s - (now - start)
+
+    def _unavailable(self, timeout_s: float) -> Unavailable:
         active = len(self.registry.in_state(State.ACTIVE))
-        waiter.future.set_exception(Unavailable(
-            f"no rollout instance could take the request within {timeout_s:g}s ({active} active)"))
+        return Unavailable(f"no rollout instance could take the request within {timeout_s:g}s ({active} active)")
 
     def _trim(self) -> None:
         while self._queue and self._queue[0].future.done():

@@ -16,20 +16,19 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-from rollout_manager import jsonutil
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.dispatch import Dispatcher, accepted_at
+from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.scheduling import TailMigration
-from rollout_manager.rollout.sequence import Segment, SequenceState, within_version
+from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
+from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
     CallBounds,
@@ -162,21 +161,30 @@ class Generator:
         return await self.guarded(self._generate_batch(body, trajectory_key))
 
     @staticmethod
-    def _split(body: dict[str, Any], trajectory_key: str | None) -> list[tuple[dict[str, Any], str | None]]:
-        """One body per sequence, each with its trajectory key (stripped: engines refuse unknown keys)."""
-        n = len(body["input_ids"]) if wire.is_batched(body) else 1
-        body, keys = aff.take_keys(body, n, trajectory_key)
-        return list(zip(wire.split_batch(body), keys))
+    def _items(body: dict[str, Any], trajectory_key: str | None) -> tuple[dict[str, Any], list[str | None]]:
+        """The body without trajectory keys, and each sequence's key; :func:`wire.batch_item` gives
+        sequence ``i``'s own body when it starts (see :mod:`.window`)."""
+        return aff.take_keys(body, len(body["input_ids"]) if wire.is_batched(body) else 1, trajectory_key)
 
     async def _generate_batch(self, body: dict[str, Any], trajectory_key: str | None) -> list[dict[str, Any]]:
-        tasks = [asyncio.ensure_future(self.run_sequence(sub, index=i, trajectory_key=key))
-                 for i, (sub, key) in enumerate(self._split(body, trajectory_key))]
+        body, keys = self._items(body, trajectory_key)
+        results: list[dict[str, Any]] = []
+
+        async def one(i: int) -> None:
+            results[i] = await self.run_sequence(wire.batch_item(body, i), index=i, trajectory_key=keys[i])
+
+        results.extend({} for _ in keys)
+        window = StartWindow(self.dispatcher, len(keys), one)
         try:
-            return list(await asyncio.gather(*tasks))
+            window.fill()
+            while window.done < len(keys) and window.error is None:
+                window.wake.clear()
+                await window.wake.wait()
+            if window.error is not None:
+                raise window.error
+            return results
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await window.close()
 
     async def generate_stream(self, body: dict[str, Any],
                               trajectory_key: str | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
@@ -190,20 +198,23 @@ class Generator:
         batched = wire.is_batched(body)
         queue: asyncio.Queue[tuple[int, SequenceState | dict[str, Any] | GenerationFailed]] = asyncio.Queue()
 
-        async def one(i: int, sub: dict[str, Any], key: str | None) -> None:
+        body, keys = self._items(body, trajectory_key)
+
+        async def one(i: int) -> None:
             try:
-                final = await self.run_sequence(sub, i if batched else None,
-                                                on_tokens=lambda seq: queue.put_nowait((i, seq)), trajectory_key=key)
+                final = await self.run_sequence(wire.batch_item(body, i) if batched else body, i if batched else None,
+                                                on_tokens=lambda seq: queue.put_nowait((i, seq)),
+                                                trajectory_key=keys[i])
                 queue.put_nowait((i, final))
             except GenerationFailed as exc:
                 queue.put_nowait((i, exc))
 
-        tasks = [asyncio.ensure_future(one(i, sub, key))
-                 for i, (sub, key) in enumerate(self._split(body, trajectory_key))]
-        tasks.append(asyncio.ensure_future(self._fail_on_stop(queue)))
+        window = StartWindow(self.dispatcher, len(keys), one)
+        stop = asyncio.ensure_future(self._fail_on_stop(queue))
         finished = 0
         try:
-            while finished < len(tasks) - 1:
+            window.fill()
+            while finished < len(keys):
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
@@ -222,9 +233,9 @@ class Generator:
                 out.extend(self._partial(seq, i if batched else None) for i, seq in partial.items())
                 yield out
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            stop.cancel()
+            await window.close()
+            await asyncio.gather(stop, return_exceptions=True)
 
     async def _fail_on_stop(self, queue: asyncio.Queue[Any]) -> None:
         await self.stopping.wait()
@@ -266,6 +277,9 @@ class Generator:
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
+        # Since when the sequence fails without making progress (None: it is not failing): its retries
+        # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
+        failing_since: float | None = None
         if seq.budget == 0:
             # Answered here: SGLang would run a prefill and report a log-prob for a token it never
             # returns. Nothing to generate, so no instance is needed.
@@ -293,13 +307,14 @@ class Generator:
                 prefer = table.lookup(keys) if table is not None and keys is not None and first else None
                 try:
                     inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
-                                                         avoid={i.id for i in tried}, prefer=prefer, allow=allow)
+                                                         avoid={i.id for i in tried}, prefer=prefer, allow=allow,
+                                                         since=failing_since)
                 except Unavailable as exc:
                     self.stats["failed"] += 1
                     if seq.refused is not None:  # nobody could check the refusal: it stands
                         _, status, error = seq.refused
                         raise GenerationFailed(status, wire.error_message(error), error) from None
-                    raise GenerationFailed(503, str(exc)) from None
+                    raise GenerationFailed(503, _with_failures(str(exc), seq)) from None
                 if table is not None and keys is not None and first:
                     self._count_affinity(prefer, inst)
                     table.placed(keys, inst.id)
@@ -309,7 +324,12 @@ class Generator:
                 self.stats["continuations"] += 1
                 log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
                          len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
+            failures = len(seq.failures)
             await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
+            if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
+                failing_since = None  # it made progress: a failure from here starts a new wait
+            if len(seq.failures) > failures and failing_since is None:
+                failing_since = self.dispatcher.clock()
         self.stats["tokens"] += len(seq.output_ids)
         if table is not None and keys is not None and seq.segments:
             table.finished(keys, seq.output_ids, seq.segments[-1].instance)
@@ -338,7 +358,7 @@ class Generator:
         progress = wire.SequenceProgress(
             seq.output_ids, seq.logprobs, limit=seq.remaining,
             vocab_size=inst.vocab_size or self.settings.vocab_size or wire.TOKEN_ID_BOUND,
-            version_ok=_version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
+            version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
         seq.segments.append(segment)
         reserved = seq.reserve
@@ -561,169 +581,14 @@ class Generator:
         return out
 
 
+def _with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
+    """``message``, and what the sequence's attempts failed with (the last ``shown`` of them)."""
+    if not seq.failures:
+        return message
+    last = "; ".join(seq.failures[-shown:])
+    more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
+    return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
+
+
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
     return lambda i: i is not inst and (allow is None or allow(i))
-
-
-def _version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | None:
-    """Why a weight version that a chunk from ``inst`` reports is wrong (None: it is right), for a segment
-    that began at the registry's version ``start``; None when versions are not checked.
-
-    The manager vouches for what it pushed: a remote instance reports the version it joined with until a
-    push, then the pushed version. While a push is under way (``syncing``) a newer one may show up before
-    the registry records it, and chunks read after the registry moved may still carry the older one;
-    both are right. A local instance's weights are the trainer's to name, and an instance whose version
-    before any push is unknown (its ``/model_info`` unreadable) is not checked until a push.
-    """
-    if inst.kind == Kind.LOCAL or (start == 0 and inst.joined_version is None):
-        return None
-    joined = inst.joined_version
-
-    def why(version: Any) -> str | None:
-        text = version if isinstance(version, str) else str(version)
-        if start == 0 and text == joined:
-            return None
-        if text.isascii() and text.isdigit():
-            n = int(text)
-            if max(start, 1) <= n and (inst.state == State.SYNCING or n <= inst.weight_version):
-                return None
-        pushed = f"was pushed version {inst.weight_version}" if inst.weight_version else \
-            f"reported {joined!r} when it joined, and no version was pushed to it since"
-        return f"weight_version {version!r}, but the instance {pushed}"
-
-    return why
-
-
-# Requests a batch starts beyond what the pool can run now, so that a slot freed on an instance is taken
-# at once (from the dispatcher's queue) rather than after the batch's next turn.
-BATCH_LOOKAHEAD = 64
-# NDJSON handed to the caller's connection at a time: aiohttp waits for the socket to drain at this much.
-NDJSON_PIECE_BYTES = 64 * 1024
-L = TypeVar("L")
-
-
-class _BatchRun(Generic[L]):
-    """One batch of requests, started only as they can run and as the caller reads the results.
-
-    The requests are not all started at once: the batch holds back those beyond what the pool can run
-    now (``Dispatcher.capacity``, plus :data:`BATCH_LOOKAHEAD`), counted in ``Dispatcher.held``, so a
-    batch of 100,000 costs the manager its body and a window of running requests, not 100,000 waiting
-    sequences. New requests start only when the caller asks for more results, and not while the results
-    not yet handed to it exceed ``max_unsent`` bytes: a caller that stops reading stops its batch (the
-    requests already running finish, and their results wait), and one that reads slowly sets its pace.
-    """
-
-    def __init__(self, generator: Generator, items: list[tuple[Any, dict[str, Any]]],
-                 encode: Callable[[dict[str, Any]], L], size: Callable[[L], int] | None = None,
-                 max_unsent: int | None = None, piece: int | None = None) -> None:
-        self.generator = generator
-        self.dispatcher = generator.dispatcher
-        self.pending = deque(items)
-        self.encode, self.size, self.max_unsent, self.piece = encode, size, max_unsent, piece
-        self.ready: deque[tuple[L, int]] = deque()  # finished, not yet handed over: (line, its size)
-        self.unsent = 0  # bytes in ``ready``
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.wake = asyncio.Event()
-        self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
-
-    async def _one(self, rid: Any, body: dict[str, Any]) -> None:
-        accepted_at.set(self.accepted)  # this task's context only
-        try:
-            line = {"id": rid, "success": True, "data": await self.generator.generate(body)}
-        except ManagerError as exc:
-            line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
-        except Exception as exc:  # never lose an id, whatever happened
-            log.exception("request %r failed unexpectedly", rid)
-            line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
-        try:
-            out = self.encode(line)
-        except Exception as exc:  # an answer that cannot be encoded still answers its id
-            log.exception("result of request %r could not be encoded", rid)
-            out = self.encode({"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"})
-        size = self.size(out) if self.size is not None else 0
-        self.ready.append((out, size))
-        self.unsent += size
-        self.wake.set()
-
-    def _start(self) -> None:
-        if not self.pending or (self.max_unsent is not None and self.unsent > self.max_unsent):
-            return
-        room = self.dispatcher.capacity() + BATCH_LOOKAHEAD - len(self.tasks)
-        while self.pending and room > 0:
-            rid, body = self.pending.popleft()
-            self.dispatcher.held -= 1
-            task = asyncio.ensure_future(self._one(rid, body))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-            room -= 1
-
-    def _take(self) -> list[L]:
-        """The next results to hand over: all that are ready, or about ``piece`` bytes of them."""
-        out: list[L] = []
-        taken = 0
-        while self.ready and (not out or self.piece is None or taken + self.ready[0][1] <= self.piece):
-            line, size = self.ready.popleft()
-            out.append(line)
-            taken += size
-        self.unsent -= taken
-        return out
-
-    async def results(self) -> AsyncGenerator[list[L], None]:
-        total = len(self.pending)
-        self.dispatcher.held += total
-        self.generator.begin_rollout()
-        try:
-            done = 0
-            while done < total:
-                self._start()
-                while not self.ready:
-                    self.wake.clear()
-                    await self.wake.wait()
-                    self._start()  # a request finished: its slot may go to the next one
-                lines = self._take()
-                done += len(lines)
-                yield lines
-        finally:
-            self.dispatcher.held -= len(self.pending)
-            self.pending.clear()
-            tasks = list(self.tasks)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def run_batch(
-    generator: Generator, items: list[tuple[Any, dict[str, Any]]]
-) -> AsyncGenerator[list[dict[str, Any]], None]:
-    """Run many requests; yield NDJSON-ready dicts in completion order, in lists of what is ready.
-
-    Every id appears exactly once. Requests start as the pool has room (see :class:`_BatchRun`).
-    Closing the iterator early (the client went away) cancels the outstanding requests, which aborts
-    them on their instances.
-    """
-    results = _BatchRun(generator, items, _same).results()
-    try:
-        async for lines in results:
-            yield lines
-    finally:
-        await results.aclose()
-
-
-async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, dict[str, Any]]],
-                           max_unsent_bytes: int) -> AsyncGenerator[bytes, None]:
-    """:func:`run_batch` as NDJSON bytes, for a caller's connection: at most about 64 KiB at a time, and no
-    new request started while more than ``max_unsent_bytes`` of results wait for the caller to read them."""
-    results = _BatchRun(generator, items, _ndjson_line, len, max_unsent_bytes, NDJSON_PIECE_BYTES).results()
-    try:
-        async for lines in results:
-            yield b"".join(lines)
-    finally:
-        await results.aclose()
-
-
-def _same(line: dict[str, Any]) -> dict[str, Any]:
-    return line
-
-
-def _ndjson_line(line: dict[str, Any]) -> bytes:
-    return jsonutil.dumps(line) + b"\n"

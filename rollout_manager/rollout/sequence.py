@@ -5,10 +5,11 @@ Shared by generation (which runs sequences) and tail migration (which moves them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_manager.instances.registry import Instance
+from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.sglang import wire
 
 
@@ -82,3 +83,32 @@ class SequenceState:
 def within_version(lo: int, hi: int, version: int, bound: int) -> bool:
     """Whether segments on versions ``lo..hi`` plus one on ``version`` span at most ``bound`` versions."""
     return max(hi, version) - min(lo, version) <= bound
+
+
+def version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | None:
+    """Why a weight version that a chunk from ``inst`` reports is wrong (None: it is right), for a segment
+    that began at the registry's version ``start``; None when versions are not checked.
+
+    The manager vouches for what it pushed: a remote instance reports the version it joined with until a
+    push, then the pushed version. While a push is under way (``syncing``) a newer one may show up before
+    the registry records it, and chunks read after the registry moved may still carry the older one;
+    both are right. A local instance's weights are the trainer's to name, and an instance whose version
+    before any push is unknown (its ``/model_info`` unreadable) is not checked until a push.
+    """
+    if inst.kind == Kind.LOCAL or (start == 0 and inst.joined_version is None):
+        return None
+    joined = inst.joined_version
+
+    def why(version: Any) -> str | None:
+        text = version if isinstance(version, str) else str(version)
+        if start == 0 and text == joined:
+            return None
+        if text.isascii() and text.isdigit():
+            n = int(text)
+            if max(start, 1) <= n and (inst.state == State.SYNCING or n <= inst.weight_version):
+                return None
+        pushed = f"was pushed version {inst.weight_version}" if inst.weight_version else \
+            f"reported {joined!r} when it joined, and no version was pushed to it since"
+        return f"weight_version {version!r}, but the instance {pushed}"
+
+    return why

@@ -683,19 +683,21 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
     """
     if not is_batched(body):
         return [dict(body)]
-    n = len(body["input_ids"])
-    out = []
-    for i in range(n):
-        sub = {}
-        for key, value in body.items():
-            if key == "rid" and isinstance(value, str):
-                sub[key] = f"{value}_{i}"
-            elif key in ("input_ids", "rid") or (key in PER_ITEM_KEYS and isinstance(value, list)):
-                sub[key] = value[i] if isinstance(value, list) else value
-            else:
-                sub[key] = value
-        out.append(sub)
-    return out
+    return [batch_item(body, i) for i in range(len(body["input_ids"]))]
+
+
+def batch_item(body: dict[str, Any], i: int) -> dict[str, Any]:
+    """Item ``i`` of a batched ``/generate`` body, as :func:`split_batch` gives it (built on demand, so a
+    large batch need not hold every item's body at once)."""
+    sub = {}
+    for key, value in body.items():
+        if key == "rid" and isinstance(value, str):
+            sub[key] = f"{value}_{i}"
+        elif key in ("input_ids", "rid") or (key in PER_ITEM_KEYS and isinstance(value, list)):
+            sub[key] = value[i] if isinstance(value, list) else value
+        else:
+            sub[key] = value
+    return sub
 
 
 # The keys in which single-sequence bodies may differ and still go to an engine as one batch: SGLang

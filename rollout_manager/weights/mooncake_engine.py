@@ -22,6 +22,12 @@ measured here):
   with up to ``MC_TCP_LANES_PER_PEER`` (default 4) connections per peer. Several engines in one
   process give several I/O threads.
 - Writing to a peer address outside its registered memory fails at once with -1.
+- Its TCP transport drops a connection that made no progress for 30 s, failing its transfers (-1;
+  its log: "no transfer progress within 30s; dropping connection"), e.g. to a receiver stopped with
+  SIGSTOP. RDMA was not measured here.
+  A caller's own deadline (``write_many(..., timeout_s=)``) can be shorter; the transfers it gives up
+  on are still Mooncake's, so a reaper thread polls them until they end, which frees their batch ids,
+  and memory is unregistered only once they did (:data:`ORPHAN_SETTLE_S` at most).
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ KNOWN_ENV_KNOBS = (
 )
 
 _env_lock = threading.Lock()
+# How long unregistering memory (or closing) waits for transfers a deadline gave up on to end: past
+# Mooncake's own 30 s no-progress cut on TCP, with room to spare.
+ORPHAN_SETTLE_S = 60.0
+_REAP_INTERVAL_S = 0.05
 
 log = logging.getLogger("rollout_manager.weights.mooncake")
 
@@ -169,6 +179,10 @@ class MooncakeEngine:
         self.poll_interval_s = poll_interval_s
         self._engine: Any = None
         self._registered: dict[int, int] = {}
+        # Transfers a caller's deadline gave up on, still running in Mooncake (see the module docstring).
+        self._orphans: list[int] = []
+        self._orphans_changed = threading.Condition()
+        self._reaper: threading.Thread | None = None
         self._rpc_port: int | None = None
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -198,9 +212,10 @@ class MooncakeEngine:
 
     def close(self) -> None:
         """Unregister memory and drop the engine (its destructor stops its threads)."""
-        engine, self._engine = self._engine, None
-        if engine is None:
+        if self._engine is None:
             return
+        self.settle(ORPHAN_SETTLE_S)
+        engine, self._engine = self._engine, None
         for addr in list(self._registered):
             with contextlib.suppress(Exception):
                 engine.unregister_memory(addr)
@@ -243,6 +258,7 @@ class MooncakeEngine:
         self._registered[int(addr)] = int(length)
 
     def unregister(self, addr: int) -> None:
+        self.settle(ORPHAN_SETTLE_S)  # a transfer given up on may still read this memory
         code = self.raw.unregister_memory(int(addr))
         self._registered.pop(int(addr), None)
         if code != 0:
@@ -305,11 +321,52 @@ class MooncakeEngine:
             if not pending:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                raise TransferError("wait", -2, target, f"{len(pending)} transfers still running after {timeout_s}s")
+                self._orphan(pending)
+                raise TransferError("wait", -2, target, f"{len(pending)} transfers still running after {timeout_s}s "
+                                    "(released: freed once Mooncake ends them)")
             time.sleep(sleep)
             sleep = min(sleep * 2, self.poll_interval_s)
         if failure is not None:
             raise TransferError("transfer", failure, target)
+
+    # -- transfers given up on -----------------------------------------------------------------------
+    @property
+    def orphans(self) -> int:
+        """Transfers a deadline gave up on that Mooncake still runs."""
+        with self._orphans_changed:
+            return len(self._orphans)
+
+    def _orphan(self, handles: Sequence[int]) -> None:
+        with self._orphans_changed:
+            self._orphans.extend(handles)
+            if self._reaper is None or not self._reaper.is_alive():
+                self._reaper = threading.Thread(target=self._reap, name="mooncake-reaper", daemon=True)
+                self._reaper.start()
+
+    def _reap(self) -> None:
+        """Poll the orphans until each ends (a poll that sees the end frees its batch id)."""
+        while True:
+            with self._orphans_changed:
+                handles = list(self._orphans)
+            if not handles:
+                return
+            ended = {h for h in handles if self._engine is None or self.poll(h) != 0}
+            with self._orphans_changed:
+                self._orphans = [h for h in self._orphans if h not in ended]
+                if ended:
+                    self._orphans_changed.notify_all()
+                if not self._orphans:
+                    return
+            time.sleep(_REAP_INTERVAL_S)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every orphaned transfer to end; False (logged) if some did not."""
+        with self._orphans_changed:
+            if self._orphans_changed.wait_for(lambda: not self._orphans, timeout_s):
+                return True
+            left = len(self._orphans)
+        log.warning("%d transfer(s) given up on still run in Mooncake after %gs", left, timeout_s)
+        return False
 
     def write_many(self, target: str, items: Sequence[tuple[int, int, int]], *, mode: str = "poll",
                    timeout_s: float | None = None) -> None:

@@ -13,6 +13,11 @@ per version on the first ``GET /layout?delta_base=V`` and written to every such 
 checksums it hands back are always those of the full new bytes.
 
 The control API runs on its own thread and event loop, so the trainer's code stays synchronous.
+
+Every transfer has a deadline (``transfer_timeout_s``): a receiver that stops taking bytes without
+closing its connection fails the push (502) within it, rather than hold the push's thread and, through
+it, the trainer's next :meth:`SenderAgent.stage` / :meth:`SenderAgent.stage_stream`, which wait for
+running pushes to end.
 """
 
 from __future__ import annotations
@@ -50,13 +55,19 @@ from rollout_manager.weights.transport import Transport
 log = logging.getLogger("rollout_manager.sender")
 
 AGENT: web.AppKey[SenderAgent] = web.AppKey("sender", object)  # type: ignore[arg-type]
+# The manager's default weight_push_timeout_s: a transfer that outlives the manager's wait is useless.
+DEFAULT_TRANSFER_TIMEOUT_S = 600.0
 
 
 class SenderAgent:
     def __init__(self, ips: Sequence[str], port: int, *, protocol: str = "tcp", device_name: str = "",
                  auth_token: str | None = None, keep_previous: bool = True,
-                 tcp_rate_bytes_per_s: float | None = None):
+                 tcp_rate_bytes_per_s: float | None = None,
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S):
+        if transfer_timeout_s <= 0:
+            raise ValueError("transfer_timeout_s must be > 0")
         self.ips = list(ips)
+        self.transfer_timeout_s = transfer_timeout_s  # each push's transfer ends within this
         self.port = port
         self.protocol = protocol
         self.device_name = device_name
@@ -262,12 +273,12 @@ class SenderAgent:
             if found is not None and req.delta_addr is not None:
                 blob, nbytes = found
                 sent = push_buffer(engine, blob.addr, nbytes, sessions, req.delta_addr, req.num_engines,
-                                   compute_checksums=False)
+                                   compute_checksums=False, timeout_s=self.transfer_timeout_s)
                 result = PushResult(bytes=sent.bytes, seconds=sent.seconds, checksums=sums,
                                     shards=split_shards(total, req.num_engines))
             else:
                 result = push_buffer(engine, buffer.addr, total, sessions, req.buffer_addr, req.num_engines,
-                                     checksums=sums, only=req.only_shards)
+                                     checksums=sums, only=req.only_shards, timeout_s=self.transfer_timeout_s)
             with self._gate:
                 self.bytes_sent += result.bytes
         return PushAnswer(version=req.version, bytes=result.bytes, seconds=round(result.seconds, 6),

@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -53,6 +53,7 @@ from rollout_manager.weights.protocol import (
 
 log = logging.getLogger("rollout_manager.weights.sync")
 
+T = TypeVar("T")
 PushListener = Callable[[dict[str, Any]], None]
 EVICT_WAIT_S = 10.0  # after moving an instance's sequences off, how long their aborts may take to land
 # "auto" sends a delta only when it is at most 1/this of the full bytes (larger ones save too little
@@ -72,6 +73,9 @@ class SyncSettings:
     # "auto" sends deltas only to instances whose last full push from their sender ran below this
     # (GB/s): on a faster link encoding and applying a delta costs more than the bytes it saves.
     delta_below_gbps: float = 0.4
+    # The most a peer bootstrap waits on the peer (its layout and serve calls together) before the
+    # instance falls back to its sender: a peer that hangs must not cost the whole push_timeout_s.
+    peer_timeout_s: float = 120.0
 
     @classmethod
     def from_config(cls, cfg: Config) -> SyncSettings:
@@ -79,7 +83,8 @@ class SyncSettings:
         if mode == "auto" and cfg.weight_transport == "mooncake" and cfg.mooncake_transfer_protocol == "rdma":
             mode = "full"  # RDMA moves the full bytes faster than a delta is encoded and applied
         return cls(cfg.weight_transport, cfg.drain_timeout_s, cfg.weight_push_timeout_s, cfg.weight_push_retry_s,
-                   cfg.weight_push_max_attempts, mode, cfg.peer_bootstrap, cfg.weight_delta_below_gbps)
+                   cfg.weight_push_max_attempts, mode, cfg.peer_bootstrap, cfg.weight_delta_below_gbps,
+                   cfg.peer_bootstrap_timeout_s)
 
 
 class WeightSync:
@@ -254,7 +259,7 @@ class WeightSync:
 
     async def _deliver(self, inst: Instance, version: int, group: Group, failures: int) -> dict[str, Any]:
         """From the nearest peer holding ``version`` where one may serve, else (or when it fails) from the
-        instance's sender; each bounded by ``push_timeout_s``."""
+        instance's sender; each bounded by ``push_timeout_s``, and the peer's own calls by ``peer_timeout_s``."""
         timeout_s = self.settings.push_timeout_s
         peer = self._peer_for(inst, version, failures)
         if peer is None:
@@ -289,14 +294,24 @@ class WeightSync:
         peer_url = f"http://{format_endpoint(peer.host, peer.weight_receiver_port)}"
         transport = self.settings.transport
         t0 = time.monotonic()
-        held = await self.agents.peer_layout(peer_url)
+        deadline = t0 + self.settings.peer_timeout_s
+
+        async def from_peer(call: Awaitable[T]) -> T:
+            """A call the peer answers, within what is left of the peer's time."""
+            try:
+                return await bounded(call, deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                raise PushFailed(f"peer {peer.endpoint} did not answer within peer_bootstrap_timeout_s="
+                                 f"{self.settings.peer_timeout_s:g}s") from None
+
+        held = await from_peer(self.agents.peer_layout(peer_url))
         if held.version != version:
             raise PushFailed(f"peer {peer.endpoint} holds version {held.version}, not {version}")
         prep = await self.agents.prepare(receiver_url, PrepareRequest(version=version, layout=held.layout,
                                                                       transport=transport))
-        served = await self.agents.serve(peer_url, ServeRequest(
+        served = await from_peer(self.agents.serve(peer_url, ServeRequest(
             version=version, fingerprint=held.fingerprint, num_engines=self.senders.engines_per_group,
-            session_ids=prep.session_ids, buffer_addr=prep.buffer_addr, transport=transport))
+            session_ids=prep.session_ids, buffer_addr=prep.buffer_addr, transport=transport)))
         trainer = self._trainer_sums.get(version)
         ours = trainer is not None and trainer[0] == served.fingerprint
         shards, sums = (trainer[1], trainer[2]) if trainer is not None and ours else (served.shards, served.checksums)

@@ -13,6 +13,10 @@ Wire format, per write on a connection (little endian):
     sender -> ``length`` payload bytes
     receiver -> 1 byte: 0 once every byte is in memory
 A write is complete only when the last byte landed, as with Mooncake. Blocking sockets in threads.
+A sender's ``write_many(..., timeout_s=T)`` ends within about T seconds whatever the receiver does: a
+receiver that stops reading without closing (blackholed) would otherwise hold the sending thread until
+the kernel gives up on the connection, which on a quiet link is never. A connection cut by the deadline
+is closed, not pooled, so no later write inherits its half-sent frame.
 
 ``rate_bytes_per_s`` caps what one engine sends, over all its streams together, to emulate a slow
 link (a WAN between clusters) on loopback: benchmarks only.
@@ -52,16 +56,29 @@ class _Pacer:
         self._next = 0.0
         self._lock = threading.Lock()
 
-    def send(self, sock: socket.socket, data: memoryview) -> None:
+    def send(self, sock: socket.socket, data: memoryview, deadline: float | None = None) -> None:
         for off in range(0, len(data), _PACE_STEP):
             chunk = data[off: off + _PACE_STEP]
             with self._lock:
                 start = max(time.monotonic(), self._next)
                 self._next = start + len(chunk) / self.rate
             delay = start - time.monotonic()
+            if deadline is not None and start > deadline:
+                raise TimeoutError("the paced send would pass the write's deadline")
             if delay > 0:
                 time.sleep(delay)
+            sock.settimeout(_left(deadline))
             sock.sendall(chunk)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to the deadline, as a socket timeout (None: no deadline); raises once it has passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the write's deadline passed")
+    return left
 
 
 def _memory(addr: int, length: int) -> memoryview:
@@ -264,15 +281,21 @@ class TcpEngine:
                 self._pool_socks.remove(sock)
         sock.close()
 
-    def _send_one(self, sock: socket.socket, target: str, src: memoryview, remote_addr: int) -> None:
+    def _send_one(self, sock: socket.socket, target: str, src: memoryview, remote_addr: int,
+                  deadline: float | None) -> None:
+        """One frame; every blocking call on ``sock`` is bounded by ``deadline`` (TimeoutError)."""
+        sock.settimeout(_left(deadline))
         sock.sendall(_HEADER.pack(_MAGIC, remote_addr, len(src)))
+        sock.settimeout(_left(deadline))
         if sock.recv(1) != _ACCEPT:
             raise TransferError("write", -1, target,
                                 f"peer rejected remote range 0x{remote_addr:x}+{len(src)} (not registered)")
         if self._pacer is None:
-            sock.sendall(src)
+            sock.settimeout(_left(deadline))
+            sock.sendall(src)  # the timeout bounds the whole call (Python >= 3.5)
         else:
-            self._pacer.send(sock, src)
+            self._pacer.send(sock, src, deadline)
+        sock.settimeout(_left(deadline))
         if sock.recv(1) != _ACCEPT:
             raise TransferError("write", -1, target, "peer closed before acknowledging the payload")
 
@@ -283,8 +306,10 @@ class TcpEngine:
                    mode: str | None = None, timeout_s: float | None = None) -> None:
         """Write every ``(local_addr, remote_addr, length)`` to ``target`` over up to ``streams``
         parallel connections; pieces of at most ``piece_bytes`` are pulled from a shared queue.
-        ``mode`` and ``timeout_s`` exist for signature parity with :class:`MooncakeEngine`."""
-        del mode, timeout_s
+        ``timeout_s``: the whole call's deadline (None: none); past it every stream's connection is
+        closed and ``TransferError`` (code -2) raised. ``mode`` exists for parity with :class:`MooncakeEngine`."""
+        del mode
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         k = streams or self.streams
         work: queue.SimpleQueue[tuple[memoryview, int]] = queue.SimpleQueue()
         total = sum(int(i[2]) for i in items)
@@ -310,7 +335,11 @@ class TcpEngine:
                         src, remote = work.get_nowait()
                     except queue.Empty:
                         break
-                    self._send_one(sock, target, src, remote)
+                    self._send_one(sock, target, src, remote, deadline)
+            except TimeoutError as exc:
+                self._drop(sock)
+                raise TransferError("write", -2, target, f"not done within {timeout_s:g}s ({exc}); "
+                                    "the receiver stopped taking bytes") from exc
             except BaseException:
                 self._drop(sock)
                 raise

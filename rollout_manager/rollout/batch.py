@@ -1,0 +1,154 @@
+"""``/batch_generate_requests``: many requests, each answered once as an NDJSON line, in completion order.
+
+The requests start only as the pool has room (:class:`_BatchRun`), and not while the caller has not
+read what is done: a batch of 100,000 costs the manager its body and a window of running requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from rollout_manager import jsonutil
+from rollout_manager.errors import ManagerError
+from rollout_manager.rollout.dispatch import accepted_at
+from rollout_manager.rollout.window import LOOKAHEAD
+
+if TYPE_CHECKING:
+    from rollout_manager.rollout.generation import Generator
+
+log = logging.getLogger("rollout_manager.rollout.batch")
+
+# NDJSON handed to the caller's connection at a time: aiohttp waits for the socket to drain at this much.
+NDJSON_PIECE_BYTES = 64 * 1024
+L = TypeVar("L")
+
+
+class _BatchRun(Generic[L]):
+    """One batch of requests, started only as they can run and as the caller reads the results.
+
+    The requests are not all started at once: the batch holds back those beyond what the pool can run
+    now (``Dispatcher.capacity``, plus :data:`LOOKAHEAD`), counted in ``Dispatcher.held``, so a
+    batch of 100,000 costs the manager its body and a window of running requests, not 100,000 waiting
+    sequences. New requests start only when the caller asks for more results, and not while the results
+    not yet handed to it exceed ``max_unsent`` bytes: a caller that stops reading stops its batch (the
+    requests already running finish, and their results wait), and one that reads slowly sets its pace.
+    """
+
+    def __init__(self, generator: Generator, items: list[tuple[Any, dict[str, Any]]],
+                 encode: Callable[[dict[str, Any]], L], size: Callable[[L], int] | None = None,
+                 max_unsent: int | None = None, piece: int | None = None) -> None:
+        self.generator = generator
+        self.dispatcher = generator.dispatcher
+        self.pending = deque(items)
+        self.encode, self.size, self.max_unsent, self.piece = encode, size, max_unsent, piece
+        self.ready: deque[tuple[L, int]] = deque()  # finished, not yet handed over: (line, its size)
+        self.unsent = 0  # bytes in ``ready``
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.wake = asyncio.Event()
+        self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
+
+    async def _one(self, rid: Any, body: dict[str, Any]) -> None:
+        accepted_at.set(self.accepted)  # this task's context only
+        try:
+            line = {"id": rid, "success": True, "data": await self.generator.generate(body)}
+        except ManagerError as exc:
+            line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
+        except Exception as exc:  # never lose an id, whatever happened
+            log.exception("request %r failed unexpectedly", rid)
+            line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
+        try:
+            out = self.encode(line)
+        except Exception as exc:  # an answer that cannot be encoded still answers its id
+            log.exception("result of request %r could not be encoded", rid)
+            out = self.encode({"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"})
+        size = self.size(out) if self.size is not None else 0
+        self.ready.append((out, size))
+        self.unsent += size
+        self.wake.set()
+
+    def _start(self) -> None:
+        if not self.pending or (self.max_unsent is not None and self.unsent > self.max_unsent):
+            return
+        room = self.dispatcher.capacity() + LOOKAHEAD - len(self.tasks)
+        while self.pending and room > 0:
+            rid, body = self.pending.popleft()
+            self.dispatcher.held -= 1
+            task = asyncio.ensure_future(self._one(rid, body))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            room -= 1
+
+    def _take(self) -> list[L]:
+        """The next results to hand over: all that are ready, or about ``piece`` bytes of them."""
+        out: list[L] = []
+        taken = 0
+        while self.ready and (not out or self.piece is None or taken + self.ready[0][1] <= self.piece):
+            line, size = self.ready.popleft()
+            out.append(line)
+            taken += size
+        self.unsent -= taken
+        return out
+
+    async def results(self) -> AsyncGenerator[list[L], None]:
+        total = len(self.pending)
+        self.dispatcher.held += total
+        self.generator.begin_rollout()
+        try:
+            done = 0
+            while done < total:
+                self._start()
+                while not self.ready:
+                    self.wake.clear()
+                    await self.wake.wait()
+                    self._start()  # a request finished: its slot may go to the next one
+                lines = self._take()
+                done += len(lines)
+                yield lines
+        finally:
+            self.dispatcher.held -= len(self.pending)
+            self.pending.clear()
+            tasks = list(self.tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_batch(
+    generator: Generator, items: list[tuple[Any, dict[str, Any]]]
+) -> AsyncGenerator[list[dict[str, Any]], None]:
+    """Run many requests; yield NDJSON-ready dicts in completion order, in lists of what is ready.
+
+    Every id appears exactly once. Requests start as the pool has room (see :class:`_BatchRun`).
+    Closing the iterator early (the client went away) cancels the outstanding requests, which aborts
+    them on their instances.
+    """
+    results = _BatchRun(generator, items, _same).results()
+    try:
+        async for lines in results:
+            yield lines
+    finally:
+        await results.aclose()
+
+
+async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, dict[str, Any]]],
+                           max_unsent_bytes: int) -> AsyncGenerator[bytes, None]:
+    """:func:`run_batch` as NDJSON bytes, for a caller's connection: at most about 64 KiB at a time, and no
+    new request started while more than ``max_unsent_bytes`` of results wait for the caller to read them."""
+    results = _BatchRun(generator, items, _ndjson_line, len, max_unsent_bytes, NDJSON_PIECE_BYTES).results()
+    try:
+        async for lines in results:
+            yield b"".join(lines)
+    finally:
+        await results.aclose()
+
+
+def _same(line: dict[str, Any]) -> dict[str, Any]:
+    return line
+
+
+def _ndjson_line(line: dict[str, Any]) -> bytes:
+    return jsonutil.dumps(line) + b"\n"
