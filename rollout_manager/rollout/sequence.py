@@ -5,6 +5,7 @@ Shared by generation (which runs sequences) and tail migration (which moves them
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ class SequenceState:
 
     body: dict[str, Any]
     rid: str
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array[int] = field(default_factory=wire.token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
     texts: list[str | None] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
