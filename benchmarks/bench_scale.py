@@ -12,10 +12,17 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
    removed (must be 0), the manager's peak RSS (VmHWM), its CPU per sequence and per token, the wall
    time, and its open sockets to the instances (from ``/proc/<pid>/fd`` and ``/proc/<pid>/net/tcp``):
    how many sequences in flight share a connection.
+4. with ``--hold``: the fakes hold every stream before its final chunk until every sequence holds its
+   tokens in the manager; the script reads the manager's RSS there (once its CPU is quiet), lets the
+   streams finish, and reports bytes per token in flight: (RSS - idle RSS) / tokens held, with the RSS
+   held and the peak (VmHWM, which also covers every sequence finishing at once). The throughput-aware
+   policy places 8 sequences on an instance before it has measured its rate, so keep ``--sequences``
+   at most 8 x ``--instances``. See docs/memory.md.
 
     .venv/bin/python benchmarks/bench_scale.py                      # 1,000 instances, 8,000 x 64 tokens
     .venv/bin/python benchmarks/bench_scale.py --hard 1024          # the daemon cannot raise its limit
     .venv/bin/python benchmarks/bench_scale.py --instances 50 --sequences 400   # development
+    .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold             # bytes per token in flight
 """
 
 from __future__ import annotations
