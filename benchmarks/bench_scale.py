@@ -12,10 +12,17 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
    removed (must be 0), the manager's peak RSS (VmHWM), its CPU per sequence and per token, the wall
    time, and its open sockets to the instances (from ``/proc/<pid>/fd`` and ``/proc/<pid>/net/tcp``):
    how many sequences in flight share a connection.
+4. with ``--hold``: the fakes hold every stream before its final chunk until every sequence holds its
+   tokens in the manager; the script reads the manager's RSS there (once its CPU is quiet), lets the
+   streams finish, and reports bytes per token in flight: (RSS - idle RSS) / tokens held, with the RSS
+   held and the peak (VmHWM, which also covers every sequence finishing at once). The throughput-aware
+   policy places 8 sequences on an instance before it has measured its rate, so keep ``--sequences``
+   at most 8 x ``--instances``. See docs/memory.md.
 
     .venv/bin/python benchmarks/bench_scale.py                      # 1,000 instances, 8,000 x 64 tokens
     .venv/bin/python benchmarks/bench_scale.py --hard 1024          # the daemon cannot raise its limit
     .venv/bin/python benchmarks/bench_scale.py --instances 50 --sequences 400   # development
+    .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold             # bytes per token in flight
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ PY = sys.executable
 
 
 # ---------------------------------------------------------------- the fake fleet (helper processes)
-async def serve_fake(count: int, tokens: int, cumulative: bool) -> None:
+async def serve_fake(count: int, tokens: int, cumulative: bool, hold: bool) -> None:
     """Serve ``count`` ports from this process; print them as one JSON line, then serve until killed."""
     from aiohttp import web
 
@@ -54,7 +61,8 @@ async def serve_fake(count: int, tokens: int, cumulative: bool) -> None:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    runner = web.AppRunner(make_app(tokens, incremental=not cumulative), access_log=None, handle_signals=False)
+    runner = web.AppRunner(make_app(tokens, incremental=not cumulative, hold=hold), access_log=None,
+                           handle_signals=False)
     await runner.setup()
     ports = []
     for _ in range(count):
@@ -68,24 +76,26 @@ async def serve_fake(count: int, tokens: int, cumulative: bool) -> None:
     await asyncio.Event().wait()
 
 
-def start_fleet(instances: int, helpers: int, tokens: int, cumulative: bool, logs: Path,
-                procs: list[subprocess.Popen[bytes]]) -> list[int]:
+def start_fleet(instances: int, helpers: int, tokens: int, cumulative: bool, hold: bool, logs: Path,
+                procs: list[subprocess.Popen[bytes]]) -> list[list[int]]:
+    """Start the helpers; each one's ports."""
     counts = [instances // helpers + (1 if k < instances % helpers else 0) for k in range(helpers)]
     started = []
     for k, count in enumerate(counts):
         p = subprocess.Popen([PY, __file__, "--serve-fake", str(count), "--tokens", str(tokens),
-                              *(["--cumulative"] if cumulative else [])], cwd=ROOT,
+                              *(["--cumulative"] if cumulative else []), *(["--hold"] if hold else [])],
+                             cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=open(logs / f"fake{k}.log", "wb"),
                              start_new_session=True)
         procs.append(p)
         started.append(p)
-    ports: list[int] = []
+    ports: list[list[int]] = []
     for p in started:
         assert p.stdout is not None
         line = p.stdout.readline()
         if not line:
             raise RuntimeError("a fake helper died at start; see its log")
-        ports += json.loads(line)
+        ports.append(json.loads(line))
     return ports
 
 
@@ -160,7 +170,9 @@ async def run(args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         t0 = time.monotonic()
-        ports = start_fleet(args.instances, args.helpers, args.tokens, args.cumulative, logs, procs)
+        helper_ports = start_fleet(args.instances, args.helpers, args.tokens, args.cumulative, args.hold, logs,
+                                   procs)
+        ports = [port for some in helper_ports for port in some]
         print(f"fleet: {len(ports)} fake SGLang ports in {args.helpers} helper processes "
               f"({time.monotonic() - t0:.1f}s)", flush=True)
         mport = free_port()
@@ -208,6 +220,7 @@ async def run(args: argparse.Namespace) -> None:
             print(f"idle: {100 * idle:.1f}% of one core over {args.idle_s:g}s with {len(ports)} instances; "
                   f"{fds} descriptors, {socks} sockets, {sum(per_port.values())} to instances; "
                   f"RSS {status_kb(pid, 'VmRSS') / 1024:.0f} MB", flush=True)
+            idle_rss_kb = status_kb(pid, "VmRSS")
 
             # 3. the load
             per_batch = args.sequences // args.batches
@@ -257,10 +270,43 @@ async def run(args: argparse.Namespace) -> None:
                     samples.append((in_flight, st["manager"].get("waiting_for_connection", 0), conns))
                     await asyncio.sleep(args.sample_s)
 
+            async def hold_and_release() -> None:
+                """With --hold: wait until every sequence holds its tokens in the manager, read its RSS there,
+                then let the fakes finish the streams."""
+                deadline = time.monotonic() + args.hold_timeout_s
+                held = {"sequences": 0, "tokens": 0}
+                while time.monotonic() < deadline:
+                    held = {"sequences": 0, "tokens": 0}
+                    for some in helper_ports:
+                        async with s.get(f"http://127.0.0.1:{some[0]}/fake_held") as r:
+                            for k, v in (await r.json()).items():
+                                held[k] += v
+                    if held["sequences"] >= n_all:
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    print(f"  hold: only {held['sequences']} of {n_all} sequences held after "
+                          f"{args.hold_timeout_s:g}s; measuring anyway", flush=True)
+                # the fakes wrote every token; let the manager read them (its CPU goes quiet), then read RSS
+                quiet = time.monotonic() + 30
+                while time.monotonic() < quiet:
+                    c, w = cpu_s(pid), time.monotonic()
+                    await asyncio.sleep(0.5)
+                    if (cpu_s(pid) - c) / (time.monotonic() - w) < 0.05:
+                        break
+                rss = status_kb(pid, "VmRSS")
+                hold_result.update(held, rss_kb=rss)
+                for some in helper_ports:
+                    async with s.post(f"http://127.0.0.1:{some[0]}/fake_release") as r:
+                        await r.read()
+
+            n_all = per_batch * args.batches
+            hold_result: dict[str, int] = {}
             c0, w0 = cpu_s(pid), time.monotonic()
             sampler = asyncio.create_task(sample())
             try:
-                await asyncio.gather(*(batch(b) for b in range(args.batches)))
+                await asyncio.gather(*(batch(b) for b in range(args.batches)),
+                                     *([hold_and_release()] if args.hold else []))
             finally:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
@@ -287,6 +333,14 @@ async def run(args: argparse.Namespace) -> None:
                   f"{peak['waiting_conn']} waiting for a connection; at the sample with the most connections: "
                   f"{top[0]} sequences placed on instances, {top[1]} of them waiting for a connection, "
                   f"{top[2]} connections to instances")
+            if hold_result:
+                # the memory figure: what the manager holds per token in flight, above its idle footprint
+                peak_kb, tokens = status_kb(pid, "VmHWM"), hold_result["tokens"]
+                print(f"  memory: {hold_result['sequences']} sequences held {tokens} tokens in flight; RSS idle "
+                      f"{idle_rss_kb / 1024:.0f} MB, with them all held {hold_result['rss_kb'] / 1024:.0f} MB, "
+                      f"peak {peak_kb / 1024:.0f} MB: "
+                      f"{1024 * (hold_result['rss_kb'] - idle_rss_kb) / max(tokens, 1):.1f} bytes per token held, "
+                      f"{1024 * (peak_kb - idle_rss_kb) / max(tokens, 1):.1f} bytes per token at the peak")
             for line in bad[:5]:
                 print("  BAD:", line)
             if bad or removed:
@@ -308,12 +362,16 @@ def main() -> None:
     parser.add_argument("--hard", type=int, default=0, help="its hard limit (default: the machine's)")
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--sample-s", type=float, default=0.5, help="how often descriptors are counted")
+    parser.add_argument("--hold", action="store_true",
+                        help="fakes hold each stream's final chunk until every sequence is in flight; report "
+                             "the manager's bytes per token in flight")
+    parser.add_argument("--hold-timeout-s", type=float, default=600.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="manager config")
     parser.add_argument("--logs", default="/tmp/bench-scale")
     parser.add_argument("--serve-fake", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
-        asyncio.run(serve_fake(args.serve_fake, args.tokens, args.cumulative))
+        asyncio.run(serve_fake(args.serve_fake, args.tokens, args.cumulative, args.hold))
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the helpers
         asyncio.run(run(args))

@@ -12,6 +12,7 @@ cumulative streams cost the fake far less than their reader.
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -20,7 +21,14 @@ from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 
 
-def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1) -> web.Application:
+def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1,
+             hold: bool = False) -> web.Application:
+    """With ``hold``, every stream waits before its final chunk until ``POST /fake_release``, so that all
+    sequences hold their tokens in flight at once; ``GET /fake_held`` counts the streams waiting and the
+    tokens they sent (a memory benchmark reads the manager's RSS there)."""
+    held = {"sequences": 0, "tokens": 0}
+    release = asyncio.Event()
+
     def answer(prompt: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
         n = min(chunks, params.get("max_new_tokens") or chunks)
         return wire.output_chunk(rid=rid, output_ids=list(range(1, n + 1)), prompt_tokens=len(prompt),
@@ -58,6 +66,12 @@ def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1
             ids += str(k).encode()
             if not (k == n or k - sent >= interval or sent == 0):  # the first token goes out at once
                 continue
+            if k == n and hold and not release.is_set():
+                held["sequences"] += 1
+                held["tokens"] += sent
+                await release.wait()
+                held["sequences"] -= 1
+                held["tokens"] -= sent
             sent = k
             frame: list[Any] = [b'data: {"text":null,"output_ids":[', bytes(ids), b'],"meta_info":', meta(k),
                                 b"}\n\n"]
@@ -73,8 +87,17 @@ def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1
                                   "tp_size": 1, "dp_size": 1, "incremental_streaming_output": incremental,
                                   "stream_interval": stream_interval})
 
+    async def held_now(request: web.Request) -> web.Response:
+        return web.json_response(held)
+
+    async def release_all(request: web.Request) -> web.Response:
+        release.set()
+        return web.json_response(held)
+
     app = web.Application()
     app.router.add_post(wire.GENERATE, generate)
+    app.router.add_get("/fake_held", held_now)
+    app.router.add_post("/fake_release", release_all)
     for path in (wire.HEALTH, wire.HEALTH_GENERATE, wire.SERVER_INFO, "/get_server_info", "/get_model_info"):
         app.router.add_get(path, ok)
     return app

@@ -278,7 +278,7 @@ async def test_incremental_stream_agrees_with_non_stream_then_shutdown(engines, 
         assert c["meta_info"]["completion_tokens"] == i  # still cumulative
         assert c["meta_info"]["output_token_logprobs"] == [full["meta_info"]["output_token_logprobs"][i - 1]]
     p = fold(chunks)
-    assert p.output_ids == full["output_ids"] and p.logprobs == full["meta_info"]["output_token_logprobs"]
+    assert p.output_ids.tolist() == full["output_ids"] and p.logprobs == full["meta_info"]["output_token_logprobs"]
     assert p.finish_reason == {"type": "length", "length": 12} and p.text == full["text"]
     status, info = await get(session, e.url + wire.SERVER_INFO)
     assert info["incremental_streaming_output"] is True
@@ -306,7 +306,7 @@ async def test_batch_outputs_match_solo_outputs(engines, session):
     assert len(chunks) == 4 + 9 + 6
     for i, s in enumerate(solo):
         mine = [c for c in chunks if c["index"] == i]
-        assert fold(mine).output_ids == s["output_ids"]
+        assert fold(mine).output_ids.tolist() == s["output_ids"]
         assert all(c["meta_info"]["id"] == f"b{i}" for c in mine)
 
 
@@ -321,7 +321,7 @@ async def test_http_continuation_gives_the_same_tokens(engines, session):
         assert body["sampling_params"]["max_new_tokens"] == 40 - k
         chunks = await Stream(session, e.url, body).collect()
         p = fold(chunks)
-        assert p.output_ids == ids[k:], k
+        assert p.output_ids.tolist() == ids[k:], k
         assert p.logprobs == lps[k:], k
 
 
@@ -420,7 +420,7 @@ async def test_pause_in_place_then_continue_keeps_outputs(engines, session, ref_
         assert (await post(session, e.url + wire.CONTINUE_GENERATION))[0] == 200
     async for _ in it:
         pass
-    assert s.done and fold(s.chunks).output_ids == ref
+    assert s.done and fold(s.chunks).output_ids.tolist() == ref
     assert (await queued)["output_ids"] == reference_generate(ref_model, [5, 6], 8)[0]
 
 
@@ -486,7 +486,7 @@ async def test_runtime_faults_fail_rate_health_and_stall(engines, session, ref_m
         assert (await post(session, faults, {"stall_after_tokens": None}))[0] == 200
         async for _ in it:
             pass
-        assert s.done and fold(s.chunks).output_ids == ref
+        assert s.done and fold(s.chunks).output_ids.tolist() == ref
         assert (await post(session, faults, {"no_such_fault": 1}))[0] == 400
     finally:
         await post(session, faults, {"fail_rate": 0.0, "health_fail": False, "stall_after_tokens": None})
@@ -567,7 +567,7 @@ async def test_stream_interval_flag_and_per_request_value(engines, session):
     body["sampling_params"]["stream_interval"] = 3
     chunks = await Stream(session, e.url, body).collect()
     assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 4, 7, 10]
-    assert fold(chunks).output_ids == (await generate(session, e.url, PROMPT, 10))["output_ids"]
+    assert fold(chunks).output_ids.tolist() == (await generate(session, e.url, PROMPT, 10))["output_ids"]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def test_progress_folds_cumulative_and_incremental_chunks_alike() -> None:
         assert cumulative.apply(chunk([1, 2, 3][:k], k, lps=lp[:k])) == 1
         assert incremental.apply(chunk([[1, 2, 3][k - 1]], k, lps=[lp[k - 1]])) == 1
     for p in (cumulative, incremental):
-        assert p.output_ids == [1, 2, 3] and p.logprobs == lp
+        assert p.output_ids.tolist() == [1, 2, 3] and p.logprobs == lp
     # A cumulative chunk that repeats what was seen brings nothing new.
     assert cumulative.apply(chunk([1, 2, 3], 3, finish=wire.finish_reason(wire.LENGTH, length=3))) == 0
     assert cumulative.finish_reason == {"type": "length", "length": 3}
@@ -94,7 +94,7 @@ def test_progress_keeps_the_last_reported_weight_version_when_chunks_leave_it_ou
     p.apply(chunk([1], 1))
     assert p.weight_version == "7"
     p.apply({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "finish_reason": None}})
-    assert p.weight_version == "7" and p.output_ids == [1, 2]
+    assert p.weight_version == "7" and p.output_ids.tolist() == [1, 2]
 
 
 def test_token_budget_and_logprobs_come_from_the_single_sequence_body() -> None:
@@ -262,7 +262,7 @@ def test_skipping_seen_ids_folds_exactly_what_a_full_parse_does(
     base = ([9, 9], [[-1.0, 9, None]] * 2 if lps is not None else [])  # an earlier segment's tokens
     fast, _ = _fold(raw, pieces, skip_seen=True, start=base)
     full, _ = _fold(raw, 1, skip_seen=False, start=base)
-    assert fast.output_ids == full.output_ids == base[0] + tokens
+    assert fast.output_ids.tolist() == full.output_ids.tolist() == base[0] + tokens
     assert fast.logprobs == full.logprobs == base[1] + (lps or [])
     assert fast.text == full.text == "".join(f"<{t}>" for t in tokens)
     assert fast.finish_reason == full.finish_reason == {"type": "length", "length": n}
@@ -275,7 +275,7 @@ def test_a_cumulative_chunk_is_parsed_without_the_ids_already_seen() -> None:
     progress, chunks = _fold(raw, 1, skip_seen=True)
     assert [len(c["output_ids"]) for c in chunks] == [1, 15, 16, 16, 16]
     assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [1, 15, 16, 16, 16]
-    assert progress.output_ids == tokens and progress.logprobs == lps
+    assert progress.output_ids.tolist() == tokens and progress.logprobs == lps
 
 
 def test_an_incremental_stream_that_repeats_a_prefix_is_not_mistaken_for_a_cumulative_one() -> None:
@@ -283,4 +283,4 @@ def test_an_incremental_stream_that_repeats_a_prefix_is_not_mistaken_for_a_cumul
     tokens = [5, 5, 6, 5, 6, 7]
     raw = _stream(tokens, [1, 3, 6], cumulative=False, lps=None, text=False)
     progress, _ = _fold(raw, 3, skip_seen=True)
-    assert progress.output_ids == tokens
+    assert progress.output_ids.tolist() == tokens

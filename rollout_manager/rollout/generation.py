@@ -360,6 +360,7 @@ class Generator:
             async with contextlib.aclosing(stream_generate(self.client.session, inst.url, body, bounds)) as chunks:
                 async for chunk in chunks:
                     take(chunk)
+                    del chunk  # not held while the next one is awaited: the sequence keeps only its tokens
 
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
@@ -530,7 +531,7 @@ class Generator:
         seq.discarded.extend(seq.segments)
         seq.segments.clear()
         seq.versions.clear()
-        seq.output_ids.clear()
+        del seq.output_ids[:]
         seq.logprobs.clear()
         seq.per_token.clear()
         seq.texts.clear()

@@ -6,6 +6,7 @@ Shared by generation (which runs sequences) and tail migration (which moves them
 from __future__ import annotations
 
 import secrets
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ class SequenceState:
 
     body: dict[str, Any]
     rid: str
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array[int] = field(default_factory=wire.token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
     # The other per-token meta_info lists (wire.PER_TOKEN_META_KEYS: top log-probs, ...), gathered over chunks.
     per_token: dict[str, list[Any]] = field(default_factory=dict)

@@ -410,10 +410,12 @@ async def stream_generate(
                 raise _frame_error(exc) from None
             except ValueError as exc:
                 raise EngineFailed(f"undecodable stream: {exc}") from None
+            del data  # neither the bytes read nor the chunks parsed stay while the next read waits
             if chunks or decoder.done:
                 deadline.chunk(len(chunks))
-            for chunk in chunks:
-                yield chunk
+            chunks.reverse()
+            while chunks:
+                yield chunks.pop()
             if decoder.done:
                 return
     if not decoder.done:

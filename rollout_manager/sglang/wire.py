@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,7 @@ def partial_output(
     body: dict[str, Any],
     *,
     rid: str,
-    output_ids: list[int],
+    output_ids: Sequence[int],
     logprobs: list[list[Any]],
     weight_version: str,
     index: int | None,
@@ -135,7 +135,7 @@ def partial_output(
     (SGLang fills it in every cumulative chunk), null when it is not known.
     """
     return output_chunk(
-        rid=rid, output_ids=list(output_ids), prompt_tokens=len(body["input_ids"]),
+        rid=rid, output_ids=as_list(output_ids), prompt_tokens=len(body["input_ids"]),
         completion_tokens=len(output_ids), finish=None, weight_version=weight_version,
         logprobs=list(logprobs) if wants_logprobs(body) else None, index=index, text=text,
     )
@@ -145,7 +145,7 @@ def final_output(
     body: dict[str, Any],
     *,
     rid: str,
-    output_ids: list[int],
+    output_ids: Sequence[int],
     logprobs: list[list[Any]],
     finish: dict[str, Any] | None,
     engine_meta: dict[str, Any],
@@ -181,7 +181,7 @@ def final_output(
     seed = (body.get("sampling_params") or {}).get("sampling_seed")
     if seed is not None:
         meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
-    out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
+    out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index
     return out
@@ -528,25 +528,37 @@ class BadChunk(ValueError):
     """A chunk the manager cannot vouch for: the engine broke its contract (not the caller's error)."""
 
 
-def bad_token_ids(ids: list[Any], vocab_size: int) -> str | None:
-    """Why ``ids`` are not token ids of a ``vocab_size`` vocabulary (ints, not bools), or None.
+def token_array(ids: Iterable[int] = ()) -> array[int]:
+    """A sequence's token ids as the manager keeps them: 4 bytes each (a list of ints costs about 40)."""
+    return array(_UINT, ids)
 
-    Built for the relay: the common case costs a C conversion to an unsigned 32-bit array (which refuses
-    floats, strings, nulls, negatives and ids past 32 bits), a scan for bools and, when the vocabulary is
-    known, a ``max``; the offending id is looked for only when something is wrong.
+
+def as_list(ids: Sequence[int]) -> list[int]:
+    """Token ids as the JSON list callers get (a C conversion for the manager's own arrays)."""
+    return ids.tolist() if isinstance(ids, array) else list(ids)
+
+
+def checked_token_ids(ids: list[Any], vocab_size: int) -> array[int] | str:
+    """``ids`` as a :func:`token_array` when they are token ids of a ``vocab_size`` vocabulary (ints,
+    not bools); otherwise why they are not.
+
+    Built for the relay: the common case costs the C conversion to the unsigned 32-bit array the
+    sequence keeps anyway (it refuses floats, strings, nulls, negatives and ids past 32 bits), a scan
+    for bools and, when the vocabulary is known, a ``max``; the offending id is looked for only when
+    something is wrong.
     """
-    if len(ids) == 1:
-        t = ids[0]
-        if type(t) is int and 0 <= t < vocab_size:
-            return None
-    elif ids:
-        try:
-            array(_UINT, ids)
-        except (TypeError, OverflowError, ValueError):
-            pass
-        else:
-            if bool not in map(type, ids) and (vocab_size >= TOKEN_ID_BOUND or max(ids) < vocab_size):
-                return None
+    try:
+        out = array(_UINT, ids)
+    except (TypeError, OverflowError, ValueError):
+        pass
+    else:
+        if bool not in map(type, ids) and (vocab_size >= TOKEN_ID_BOUND or not ids or max(out) < vocab_size):
+            return out
+    return bad_token_ids(ids, vocab_size) or f"token ids {str(ids)[:200]} are not a vocabulary's"
+
+
+def bad_token_ids(ids: list[Any], vocab_size: int) -> str | None:
+    """Why ``ids`` are not token ids of a ``vocab_size`` vocabulary (ints, not bools), or None."""
     for t in ids:
         if type(t) is not int:
             return f"token id {t!r} is not an integer"
@@ -562,8 +574,9 @@ class SequenceProgress:
     Chunks are classified by ``meta_info.completion_tokens`` (always cumulative): if ``output_ids``
     is as long as that count the chunk is cumulative, otherwise it is a delta.
 
-    ``output_ids`` and ``logprobs`` may be handed in already holding what earlier segments made (the
-    sequence's own lists): the engine's tokens are appended to them in place, so folding a chunk costs
+    ``output_ids`` (a :func:`token_array`: 4 bytes a token, however long the sequence runs; a list handed
+    in is copied into one) and ``logprobs`` may be handed in already holding what earlier segments made
+    (the sequence's own): the engine's tokens are appended to them in place, so folding a chunk costs
     what the chunk brings, never the length of the sequence. ``made`` is this engine's share.
 
     Every chunk is checked before anything of it is kept, so the lists only ever hold tokens the manager
@@ -574,7 +587,7 @@ class SequenceProgress:
     ``weight_version`` ``version_ok`` refuses (None: any).
     """
 
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: array[int] = field(default_factory=token_array)
     logprobs: list[list[Any]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     meta_info: dict[str, Any] = field(default_factory=dict)
@@ -590,6 +603,8 @@ class SequenceProgress:
     _per_token_start: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.output_ids, array) or self.output_ids.typecode != _UINT:
+            self.output_ids = token_array(self.output_ids)
         self._ids_start, self._lps_start = len(self.output_ids), len(self.logprobs)
         self._per_token_start = {k: len(v) for k, v in self.per_token.items()}
 
@@ -619,7 +634,8 @@ class SequenceProgress:
         cumulative = len(ids) + skipped == total
         if cumulative:  # it repeats what was seen: only its tail is new, and the rest must be what was seen
             seen = before - skipped
-            if seen and ids[:seen] != self.output_ids[self._ids_start + skipped:self._ids_start + before]:
+            start = self._ids_start + skipped
+            if seen and ids[:seen] != self.output_ids[start:start + seen].tolist():
                 raise BadChunk(f"a cumulative chunk of {total} token(s) changed some of the {before} already sent")
             new = ids[seen:] if seen else ids
         elif before + len(ids) == total:
@@ -627,14 +643,15 @@ class SequenceProgress:
         else:
             raise BadChunk(f"completion_tokens {total} fits neither a cumulative nor a delta chunk of "
                            f"{len(ids)} id(s) after {before} token(s)")
+        checked: array[int] | str | None = None
         if new:
             if self.finish_reason is not None:
                 raise BadChunk(f"{len(new)} token(s) after the final chunk")
             if self.limit is not None and total > self.limit:
                 raise BadChunk(f"{total} tokens for a request of max_new_tokens={self.limit}")
-            why = bad_token_ids(new, self.vocab_size)
-            if why is not None:
-                raise BadChunk(why)
+            checked = checked_token_ids(new, self.vocab_size)
+            if isinstance(checked, str):
+                raise BadChunk(checked)
         version = meta.get("weight_version")
         if version is not None and version != self.weight_version and self.version_ok is not None:
             why = self.version_ok(version)  # asked when it changes: chunks repeat the version they run on
@@ -643,7 +660,8 @@ class SequenceProgress:
         lps = meta.get("output_token_logprobs")
         if lps is not None and not isinstance(lps, list):
             raise BadChunk(f"output_token_logprobs is {type(lps).__name__}, not a list")
-        self.output_ids.extend(new)
+        if isinstance(checked, array):
+            self.output_ids.extend(checked)
         if lps is not None:
             seen_lps = len(self.logprobs) - self._lps_start - skipped_lps
             self.logprobs.extend(lps[seen_lps:] if cumulative else lps)
@@ -748,7 +766,7 @@ def join_batch(bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def continuation_body(
-    body: dict[str, Any], made: list[int], *, rid: str, stream_interval: int | None = None,
+    body: dict[str, Any], made: Sequence[int], *, rid: str, stream_interval: int | None = None,
     keep_caller_interval: bool = False, stream: bool = True,
 ) -> dict[str, Any]:
     """The body that continues a single sequence elsewhere from the tokens already made.
@@ -765,7 +783,7 @@ def continuation_body(
     ``stream=False`` the engine answers once, at the end (no interval is set).
     """
     new = dict(body)
-    new["input_ids"] = list(body["input_ids"]) + list(made)
+    new["input_ids"] = list(body["input_ids"]) + as_list(made)
     params = dict(body.get("sampling_params") or {})
     budget = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if budget is not None:
