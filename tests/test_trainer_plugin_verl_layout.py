@@ -55,38 +55,176 @@ def model_config(rank: int, merge: bool | None) -> Any:
     return SimpleNamespace(lora_rank=rank, lora=lora)
 
 
-@needs_verl
-async def test_unmerged_lora_is_refused_at_start_up_and_one_version_never_carries_two_payloads():
+def plugin_config(**rollout: Any) -> Any:
     from verl.workers.config import RolloutConfig
 
+    return RolloutConfig(name="sglang-disaggregated", custom={"rollout_manager": {
+        "port": 6010, "weight_push": "trainer_plugin.weight_push:discard_weights"}}, **rollout)
+
+
+@needs_verl
+async def test_lora_without_a_base_sync_is_refused_at_start_up_and_one_version_never_carries_two_payloads():
     from trainer_plugin.verl_rollout import DisaggregatedReplica, ManagerServerAdapter
 
-    config = RolloutConfig(name="sglang-disaggregated", custom={"rollout_manager": {
-        "port": 6010, "weight_push": "trainer_plugin.weight_push:discard_weights"}})
+    config = plugin_config(load_format="safetensors")  # verl then never syncs the base weights
     makers = (lambda mc: ManagerServerAdapter(config, mc, None),  # each training rank's init_model
               lambda mc: DisaggregatedReplica(replica_rank=0, config=config, model_config=mc, gpus_per_node=1))
     for make in makers:
-        with pytest.raises(NotImplementedError, match=r"actor_rollout_ref\.model\.lora\.merge=true"):
+        with pytest.raises(NotImplementedError, match=r"actor_rollout_ref\.rollout\.load_format=dummy"):
             make(model_config(8, False))
         with pytest.raises(NotImplementedError, match=r"lora\.merge=true"):  # merge unset: verl's default
             make(model_config(8, None))
+        make(model_config(8, True))  # merged: full weights every step, no base sync needed
     megatron_style = SimpleNamespace(lora_rank=0, lora={"rank": 4})  # megatron keeps the rank in model.lora
     with pytest.raises(NotImplementedError, match="rank 4"):
         ManagerServerAdapter(config, megatron_style, None)
+    ManagerServerAdapter(plugin_config(), model_config(8, False), None)  # load_format dummy (verl's default)
 
-    adapter = ManagerServerAdapter(config, model_config(8, True), None)  # merged: full weights, once a step
+    adapter = ManagerServerAdapter(plugin_config(), model_config(8, True), None)  # merged: once a step
 
     def weights() -> Any:
         yield "w", torch.zeros(2)
 
     assert (await adapter.update_weights(weights(), global_steps=1, peft_config=None))["tensors"] == 1
-    # engine_workers.py with lora.merge False: base, then adapter tensors, both under global_steps 2
-    with pytest.raises(NotImplementedError, match="peft_config"):
-        await adapter.update_weights(weights(), global_steps=2, peft_config={"r": 8}, base_sync_done=True)
     await adapter.update_weights(weights(), global_steps=2)
     with pytest.raises(RuntimeError, match="twice with global_steps=2"):
         await adapter.update_weights(weights(), global_steps=2)
     await adapter.update_weights(weights(), global_steps=None)  # an unchanged re-sync: nothing published
+
+
+class TinyLM(torch.nn.Module):
+    """HF-shaped names (``model.layers.N.self_attn.q_proj``...) in bfloat16, the dtype verl's rollout gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(16, 8)
+        self.model.layers = torch.nn.ModuleList()
+        for _ in range(2):
+            layer = torch.nn.Module()
+            layer.self_attn = torch.nn.Module()
+            for proj, shape in (("q_proj", (8, 8)), ("k_proj", (4, 8)), ("v_proj", (4, 8)), ("o_proj", (8, 8))):
+                setattr(layer.self_attn, proj, torch.nn.Linear(shape[1], shape[0], bias=proj != "o_proj"))
+            self.model.layers.append(layer)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        self.to(torch.bfloat16)
+
+
+def verl_lora_sync(peft_model: Any, base_sync_done: bool) -> tuple[Any, Any]:
+    """What ``FSDPEngine.get_per_tensor_param`` hands the rollout with ``lora.merge`` False (no FSDP
+    wrapper, so verl's own ``collect_lora_params`` takes its plain-module branch)."""
+    from verl.utils.fsdp_utils import collect_lora_params, replace_lora_wrapper
+
+    peft_config = peft_model.peft_config["default"]
+    params = collect_lora_params(module=peft_model, layered_summon=False, base_sync_done=base_sync_done)
+    if not base_sync_done:
+        params = {replace_lora_wrapper(k, peft_config): v for k, v in params.items()}
+    return iter(list(params.items())), peft_config
+
+
+def reference_merge(peft_model: Any, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """W + lora_alpha / r * B @ A in float32, cast to W's dtype, from the PEFT modules themselves."""
+    config = peft_model.peft_config["default"]
+    out = dict(base)
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            w = base[f"{name}.weight"]
+            out[f"{name}.weight"] = (w.float() + config.lora_alpha / config.r * (b.float() @ a.float())).to(w.dtype)
+    return out
+
+
+@needs_verl
+async def test_unmerged_lora_is_pushed_as_merged_weights_one_version_per_step():
+    """verl's ``lora.merge: False`` sync (engine_workers.py): base weights then the adapter under the first
+    ``global_steps``, the adapter alone after it. The push gets one payload per step: the HF-named base
+    with ``W + scale * B @ A`` for every targeted module, bit-exact with a reference merge, each step
+    merged onto the base (not onto the previous merge)."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from trainer_plugin.verl_rollout import ManagerServerAdapter
+
+    torch.manual_seed(0)
+    hf_names = list(TinyLM().state_dict())
+    lora_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(TinyLM(), lora_config)
+    base = {n.replace(".base_layer", ""): t.detach().clone()
+            for n, t in model.base_model.model.state_dict().items() if "lora_" not in n}
+    assert list(base) == hf_names
+
+    adapter = ManagerServerAdapter(plugin_config(), model_config(4, None), None)  # verl's default: unmerged
+    pushed: list[tuple[int | None, dict[str, torch.Tensor]]] = []
+
+    def record(weights: Any, global_steps: int | None, context: Any) -> dict[str, Any]:
+        pushed.append((global_steps, {n: t.clone() for n, t in weights}))
+        return {"pushed": True}
+
+    adapter._push = record
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in (3, 4, 5):  # a run resumed at step 3: on_init_end's sync, then two steps
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.add_(torch.randn_like(p))  # the step trained the adapter only
+        expected[step] = reference_merge(model, base)
+        if step == 3:  # base_sync_done starts False with load_format dummy: the base goes first, once
+            weights, peft_config = verl_lora_sync(model, base_sync_done=False)
+            answer = await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=False,
+                                                  global_steps=step)
+            assert answer == {"pushed": False, "lora_base_tensors": len(hf_names)} and pushed == []
+        weights, peft_config = verl_lora_sync(model, base_sync_done=True)
+        assert all(".lora_A." in n or ".lora_B." in n for n, _ in verl_lora_sync(model, True)[0])
+        await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=True, global_steps=step)
+
+    assert [steps for steps, _ in pushed] == [3, 4, 5]  # exactly one payload per version
+    for steps, payload in pushed:
+        assert list(payload) == hf_names
+        for name in hf_names:
+            assert payload[name].dtype == torch.bfloat16
+            assert payload[name].view(torch.uint8).equal(expected[steps][name].view(torch.uint8)), (steps, name)
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    assert not pushed[2][1][q].equal(base[q]) and pushed[2][1][k].equal(base[k])  # targeted / not targeted
+    # PEFT's own merge agrees (up to its bfloat16 arithmetic)
+    peft_merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    for name in hf_names:
+        torch.testing.assert_close(pushed[2][1][name].float(), peft_merged[name].float(), atol=0.07, rtol=0.02)
+
+    with pytest.raises(RuntimeError, match="twice with global_steps=5"):
+        weights, peft_config = verl_lora_sync(model, base_sync_done=True)
+        await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=True, global_steps=5)
+
+
+@needs_verl
+async def test_an_adapter_whose_names_map_to_no_base_tensor_is_refused_and_nothing_is_published():
+    peft = pytest.importorskip("peft")
+    from trainer_plugin.verl_rollout import ManagerServerAdapter
+
+    model = peft.get_peft_model(TinyLM(), peft.LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"]))
+    adapter = ManagerServerAdapter(plugin_config(), model_config(2, False), None)
+    pushed: list[int | None] = []
+    adapter._push = lambda weights, global_steps, context: pushed.append(global_steps)
+    with pytest.raises(RuntimeError, match="before any base weights"):
+        weights, peft_config = verl_lora_sync(model, base_sync_done=True)
+        await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=True, global_steps=1)
+    weights, peft_config = verl_lora_sync(model, base_sync_done=False)
+    await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=False, global_steps=1)
+
+    renamed = [(n.replace("self_attn.q_proj", "attn.query"), t) for n, t in verl_lora_sync(model, True)[0]]
+    with pytest.raises(NotImplementedError, match=r"'model\.layers\.0\.attn\.query\.weight'.*not among"):
+        await adapter.update_weights(iter(renamed), peft_config=peft_config, base_sync_done=True, global_steps=1)
+    embedding = [("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(2, 16))]
+    with pytest.raises(NotImplementedError, match="not a lora_A/lora_B weight"):
+        await adapter.update_weights(iter(embedding), peft_config=peft_config, base_sync_done=True, global_steps=1)
+    dora = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(NotImplementedError, match="use_dora"):
+        await adapter.update_weights(verl_lora_sync(model, True)[0], peft_config=dora, base_sync_done=True,
+                                     global_steps=1)
+    assert pushed == []
+    # the same step's adapter, named as verl names it, is then published once
+    weights, peft_config = verl_lora_sync(model, base_sync_done=True)
+    await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=True, global_steps=1)
+    assert pushed == [1]
 
 
 @pytest.mark.slow

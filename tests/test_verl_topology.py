@@ -221,14 +221,16 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
             remove_placement_group(blocker)
 
 
-async def test_unmerged_lora_is_refused_when_the_workers_start(cluster):
-    """verl's default LoRA (``lora.merge`` False) would sync base and adapter tensors under one version:
-    refused by the adapter verl builds in ``init_model``, naming the setting."""
+async def test_unmerged_lora_without_a_base_sync_is_refused_when_the_workers_start(cluster):
+    """verl's default LoRA (``lora.merge`` False) is pushed merged onto the base weights verl syncs once,
+    which it does only with a ``dummy`` load format: any other is refused by the adapter verl builds in
+    ``init_model``, naming the setting."""
     import ray
 
-    group = Group([1], rollout(free_port(), address="127.0.0.1"), lora={"rank": 8, "merge": False})
+    config = {**rollout(free_port(), address="127.0.0.1"), "load_format": "safetensors"}
+    group = Group([1], config, lora={"rank": 8, "merge": False})
     try:
-        with pytest.raises(ray.exceptions.RayTaskError, match=r"actor_rollout_ref\.model\.lora\.merge=true"):
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"actor_rollout_ref\.rollout\.load_format=dummy"):
             await group.call("init_model")
     finally:
         group.stop()

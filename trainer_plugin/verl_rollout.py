@@ -15,11 +15,13 @@ A rollout backend in verl 0.9.1 is two registrations under one name (see
   Ray, see :mod:`trainer_plugin.node_layout`) and the manager URL the replica published
   (:mod:`trainer_plugin.manager_address`).
 
-LoRA: only merged adapters (``actor_rollout_ref.model.lora.merge=True``) are supported; verl then
-hands over full HF-named weights once per step. Unmerged LoRA is refused at start-up
-(:func:`refuse_unmerged_lora`): verl would call ``update_weights`` twice with one ``global_steps``
-(base weights, then adapter-only tensors SGLang must load through its LoRA endpoints), and the
-weight push carries full state dicts into ``load_weights`` only.
+LoRA: merged (``actor_rollout_ref.model.lora.merge=True``): verl hands over full HF-named weights once
+per step, pushed like any step. Unmerged (verl's default): verl calls ``update_weights`` with the base
+weights once (``base_sync_done=False``) and then with the adapter every step, the first time under the
+same ``global_steps``; the adapter keeps the base and pushes base + merged adapter as ONE payload per
+version (:mod:`trainer_plugin.lora_merge`). That needs the base sync, which verl does only with a
+``dummy`` ``rollout.load_format``: anything else is refused at start-up
+(:func:`refuse_lora_without_base_sync`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import ray
@@ -41,6 +43,7 @@ from rollout_manager.osutil import format_endpoint
 
 from . import manager_address
 from .launcher import ManagerProcess
+from .lora_merge import LoraMerge, LoraSpec
 from .node_layout import this_node_id, this_node_ip
 from .proxy import ManagerProxyServer
 from .settings import ROLLOUT_NAME, PluginSettings, from_rollout_config
@@ -74,23 +77,31 @@ def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
 
 
 LORA_MERGE_KEY = "actor_rollout_ref.model.lora.merge"
+LOAD_FORMAT_KEY = "actor_rollout_ref.rollout.load_format"
 
 
-def refuse_unmerged_lora(model_config: Any) -> None:
-    """Fail at start-up on LoRA served as an adapter (``lora.merge`` False, verl's default).
-
-    verl then syncs weights as base tensors and adapter tensors under one ``global_steps``; the push
-    would publish two different payloads as one version and load adapter tensors as if they were the
-    model's. Merged LoRA arrives as full weights and is pushed as any other step."""
+def unmerged_lora_rank(model_config: Any) -> int:
+    """The LoRA rank when verl syncs the adapter unmerged (``lora.merge`` not true), else 0."""
     if model_config is None:
-        return
+        return 0
     lora = getattr(model_config, "lora", None) or {}
     rank = max(int(getattr(model_config, "lora_rank", 0) or 0), int(lora.get("rank", 0) or 0))
-    if rank > 0 and not lora.get("merge", False):
+    return 0 if lora.get("merge", False) else rank
+
+
+def refuse_lora_without_base_sync(model_config: Any, rollout_config: Any) -> None:
+    """Fail at start-up on unmerged LoRA that verl will never send the base weights for.
+
+    verl syncs the base once only when ``rollout.load_format`` contains ``dummy`` (``engine_workers.py``:
+    ``base_sync_done = "dummy" not in load_format``); otherwise every sync is adapter-only and there is
+    no base to merge it onto (the remote instances' own load is out of the trainer's reach)."""
+    rank = unmerged_lora_rank(model_config)
+    load_format = str(getattr(rollout_config, "load_format", "dummy"))
+    if rank > 0 and "dummy" not in load_format:
         raise NotImplementedError(
-            f"rollout.name={ROLLOUT_NAME} with LoRA (rank {rank}) needs {LORA_MERGE_KEY}=true: unmerged "
-            "adapters (verl's default) are not pushed to the remote SGLang instances, which get full merged "
-            f"weights each step; set +{LORA_MERGE_KEY}=true")
+            f"rollout.name={ROLLOUT_NAME} with unmerged LoRA (rank {rank}) merges the adapter into the base "
+            f"weights verl syncs once, which it does only with {LOAD_FORMAT_KEY}=dummy (got {load_format!r}); "
+            f"set {LOAD_FORMAT_KEY}=dummy, or {LORA_MERGE_KEY}=true")
 
 
 class DisaggregatedReplica(RolloutReplica):
@@ -98,7 +109,7 @@ class DisaggregatedReplica(RolloutReplica):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        refuse_unmerged_lora(self.model_config)
+        refuse_lora_without_base_sync(self.model_config, self.config)
         self.settings: PluginSettings = from_rollout_config(self.config)
         self.manager: ManagerProcess | None = None
 
@@ -143,8 +154,9 @@ class ManagerServerAdapter(BaseRollout):
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, **kwargs: Any):
         super().__init__(config, model_config, device_mesh)
-        refuse_unmerged_lora(model_config)  # in every training rank's init_model, before any step
+        refuse_lora_without_base_sync(model_config, self.config)  # every rank's init_model, before any step
         self.settings = from_rollout_config(self.config)
+        self._lora = LoraMerge()
         self.replica_rank = replica_rank
         self._push: WeightPush | None = None
         self._manager_url: str | None = None
@@ -159,13 +171,19 @@ class ManagerServerAdapter(BaseRollout):
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
                              global_steps: int | None = None, wire_format: str = "named_tensors",
                              **kwargs: Any) -> Any:
-        if kwargs.get("peft_config") is not None:
-            raise NotImplementedError(f"LoRA adapter tensors (peft_config given) cannot be pushed: set "
-                                      f"{LORA_MERGE_KEY}=true")
-        if global_steps is not None:
-            if self._last_steps is not None and int(global_steps) == self._last_steps:
-                raise RuntimeError(f"update_weights called twice with global_steps={global_steps}: a second payload "
-                                   "may not be published under a version the instances already have")
+        peft_config = kwargs.pop("peft_config", None)
+        base_sync_done = bool(kwargs.pop("base_sync_done", True))
+        self._refuse_published(global_steps)
+        payload: Iterable[tuple[str, torch.Tensor]] = weights
+        if peft_config is not None and not base_sync_done:
+            # verl's base sync (unmerged LoRA): kept, and published only merged with the adapter that follows
+            # under the same global_steps, so one version never carries two payloads
+            return {"pushed": False, "lora_base_tensors": self._lora.keep_base(weights)}
+        if peft_config is not None:
+            if not self._lora.has_base:
+                raise RuntimeError(f"LoRA adapter for global_steps={global_steps} arrived before any base weights: "
+                                   f"verl syncs the base only with {LOAD_FORMAT_KEY}=dummy")
+            payload = self._lora.merged(weights, LoraSpec.from_peft_config(peft_config))
         if self._push is None:
             self._push = load_weight_push(self.settings.manager.weight_push)
         if self._manager_url is None:
@@ -176,10 +194,16 @@ class ManagerServerAdapter(BaseRollout):
         context = WeightPushContext(rank=rank, world_size=world, manager_url=self._manager_url,
                                     rollout_config=self.config, wire_format=wire_format, kwargs=kwargs,
                                     node_id=this_node_id(), node_ip=this_node_ip())
-        result = await call_weight_push(self._push, weights, global_steps, context)
+        result = await call_weight_push(self._push, payload, global_steps, context)
         if global_steps is not None:
             self._last_steps = int(global_steps)
         return result
+
+    def _refuse_published(self, global_steps: int | None) -> None:
+        """One version, one payload: weights for a ``global_steps`` this rank already pushed are refused."""
+        if global_steps is not None and self._last_steps is not None and int(global_steps) == self._last_steps:
+            raise RuntimeError(f"update_weights called twice with global_steps={global_steps}: a second payload "
+                               "may not be published under a version the instances already have")
 
 
 def rollout_config_of(config: Any) -> Any:
