@@ -14,6 +14,11 @@ push 1's values.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +27,10 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from real_sglang import Daemon, RealBox, start_boxes, start_manager
+from real_sglang import SGLANG_PY, Daemon, RealBox, start_boxes, start_manager
 from safetensors.torch import load_file
-from support import free_port
+from support import ROOT, free_port
+from test_demo import processes_with
 
 from trainer_plugin.client import ManagerClient
 from trainer_plugin.weight_push import WeightPusher
@@ -154,3 +160,23 @@ async def test_two_pushes_leave_sglang_serving_exactly_the_trainers_weights(rig:
                     previous = want
             finally:
                 pusher.stop()
+
+
+def test_the_demo_runs_on_real_sglang(real_sglang_model: Path, tmp_path: Path) -> None:
+    """``rollout-manager demo --engine sglang``: training steps whose rollouts come from real SGLang boxes, a push
+    per step, a box killed mid-generation (its sequences continued elsewhere) and a fresh one bootstrapped."""
+    run_id = uuid.uuid4().hex
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout_manager", "demo", "--engine", "sglang", "--model-path", str(real_sglang_model),
+         "--sglang-python", str(SGLANG_PY), "--steps", "2", "--kill-step", "2", "--logdir", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=540, env={**os.environ, "RM_DEMO_RUN_ID": run_id})
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    steps = re.findall(r"^step +(\d+) +reward [\d.]+ +rollouts (\d+) .* continued +(\d+) +push v(\d+)", out, re.M)
+    assert [(int(s), int(r), int(v)) for s, r, _, v in steps] == [(1, 32, 1), (2, 32, 2)], out
+    assert int(steps[1][2]) > 0, "the box killed in step 2 had sequences to continue"
+    final = re.search(r"every box at v2: (.*)$", out, re.M)
+    assert final is not None and len(final.group(1).split()) == 2, out
+    assert all(x.endswith(":active@v2") for x in final.group(1).split())
+    assert "Loading weights" not in out + proc.stderr  # transformers' progress bar stays out of the display
+    assert processes_with("RM_DEMO_RUN_ID", run_id) == []
