@@ -7,6 +7,10 @@ and after every step the weights go out through the Mooncake transfer groups (tw
 "interfaces") and every box serves the new version before the next step. During one step it kills a
 box mid-generation (its sequences are continued elsewhere from the tokens already made) and starts a
 fresh one (bootstrapped to the current version). Everything it started is stopped at the end.
+
+With ``--engine sglang --model-path DIR`` the boxes run real SGLang serving that Hugging Face checkpoint (on
+CPU when torch sees no GPU) and the loop trains the same checkpoint with transformers; SGLang starts in tens
+of seconds per box, so the run takes minutes.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from rollout_manager.cpu_engine.model import TinyCausalLM, build_model
+from rollout_manager.launch.demo_engines import Policy, cpu_policy, default_sglang_python, hf_policy, sglang_box_flags
 from rollout_manager.osutil import die_with_parent_preexec, free_port
 from rollout_manager.weights.sender_agent import SenderAgent
 
@@ -170,14 +174,20 @@ class Demo:
 
     def start_box(self) -> Box:
         port, agent_port = free_port(), free_port()
-        engine_flags = ["--seed", "0", "--model-size", self.args.model_size,
-                        "--token-delay-s", str(self.args.token_delay_s)]
-        child = spawn(f"box-{port}", ["bash", str(LAUNCH), "--engine", "cpu", "--manager-addr", self.url,
+        a = self.args
+        env = {"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
+        if a.engine == "sglang":
+            launcher_flags, engine_flags, engine_env = sglang_box_flags(a.model_path, a.sglang_python)
+            env.update(engine_env)
+        else:
+            launcher_flags = ["--engine", "cpu", "--python", sys.executable]
+            engine_flags = ["--seed", "0", "--model-size", a.model_size, "--token-delay-s", str(a.token_delay_s)]
+        child = spawn(f"box-{port}", ["bash", str(LAUNCH), *launcher_flags, "--manager-addr", self.url,
                                       "--host", "127.0.0.1", "--port", str(port),
                                       "--transfer-agent-handshake-port", str(agent_port),
-                                      "--python", sys.executable, "--ready-timeout-s", "60",
+                                      "--ready-timeout-s", str(int(self.box_timeout_s)),
                                       "--drain-timeout-s", "5", "--", *engine_flags],
-                      self.logdir, env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
+                      self.logdir, env=env)
         self.children.append(child)
         box = Box(child, port)
         self.boxes.append(box)
@@ -192,6 +202,11 @@ class Demo:
     async def instances_line(self, s: aiohttp.ClientSession) -> str:
         st = await self.get(s, "/get_instances_status")
         return " ".join(f"{i['endpoint'].split(':')[1]}:{i['state']}@v{i['weight_version']}" for i in st["instances"])
+
+    @property
+    def box_timeout_s(self) -> float:
+        """How long a box may take to start: SGLang loads and warms up for tens of seconds even on CPU."""
+        return 600.0 if self.args.engine == "sglang" else 60.0
 
     # ------------------------------------------------------------ the run
     async def run(self) -> int:
@@ -216,22 +231,22 @@ class Demo:
                                                          "num_mooncake_engines_per_group": 2}, method="PUT")
             for _ in range(a.boxes):
                 self.start_box()
-            await self.wait_for(f"{a.boxes} boxes active", lambda: self._ready(s, a.boxes), 90)
+            await self.wait_for(f"{a.boxes} boxes active", lambda: self._ready(s, a.boxes), self.box_timeout_s + 30)
             self.say(f"{a.boxes} rollout boxes active after {time.monotonic() - t_start:.1f}s: "
                      f"{await self.instances_line(s)}")
-            policy = build_model(0, a.model_size)
-            policy.requires_grad_(True)
-            policy.train()
-            optimizer = torch.optim.Adam(policy.parameters(), lr=a.lr)
+            policy = hf_policy(a.model_path) if a.engine == "sglang" else cpu_policy(a.model_size)
+            policy.module.requires_grad_(True)
+            policy.module.train()
+            optimizer = torch.optim.Adam(policy.module.parameters(), lr=a.lr)
             history: list[StepStats] = []
             rng = random.Random(0)
-            vocab = policy.config.vocab_size
+            vocab = policy.vocab_size
             for step in range(1, a.steps + 1):
                 prompts = [[rng.randrange(vocab) for _ in range(rng.randint(2, 6))] for _ in range(a.prompts)]
                 results, gen_s = await self.rollouts(s, step, prompts)
                 rewards = self.learn(policy, optimizer, prompts, results, vocab)
                 stage_t = time.monotonic()
-                state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+                state = policy.state()
                 await asyncio.to_thread(sender.stage, state, step)
                 answer = await self.post(s, "/update_weight_version", {"wait_for_instances": "all",
                                                                       "timeout_s": 60})
@@ -239,7 +254,7 @@ class Demo:
                     raise RuntimeError(f"step {step}: not every box reached version {step}: {answer}")
                 if step == a.kill_step:  # show the fresh box joining: bootstrapped to v{step}, then serving
                     self.live(f"step {step:>2} waiting for the fresh box {self.started_box} to join")
-                    await self.wait_for("the fresh box", lambda: self._ready(s, a.boxes), 90)
+                    await self.wait_for("the fresh box", lambda: self._ready(s, a.boxes), self.box_timeout_s + 30)
                 push_s = time.monotonic() - stage_t
                 st = await self.get(s, "/get_instances_status")
                 pushes = [p for p in st["recent_weight_pushes"] if p["version"] == step]
@@ -302,7 +317,7 @@ class Demo:
         ordered = [results[f"{p}/{k}"] for p in range(len(prompts)) for k in range(a.n)]
         return ordered, gen_s
 
-    def learn(self, policy: TinyCausalLM, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
+    def learn(self, policy: Policy, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
               results: list[dict[str, Any]], vocab: int) -> list[float]:
         """GRPO-style step: reward = share of response tokens in the lowest eighth of the vocabulary;
         advantage = reward minus its group mean; loss = -advantage * log-prob of the response."""
@@ -317,7 +332,7 @@ class Demo:
                 continue
             prompt = prompts[i // n]
             ids = torch.tensor(prompt + r["output_ids"])
-            logits = policy(ids[:-1])[len(prompt) - 1:]
+            logits = policy.logits(ids[:-1])[len(prompt) - 1:]
             logp = torch.log_softmax(logits, dim=-1).gather(1, ids[len(prompt):, None]).sum()
             term = -adv * logp / len(results)
             loss = term if loss is None else loss + term
@@ -368,17 +383,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="training steps (one weight push each)")
     parser.add_argument("--boxes", type=int, default=2, help="rollout boxes at the start")
-    parser.add_argument("--model-size", default="tiny", choices=["tiny", "small"], help="the CPU model's size")
+    parser.add_argument("--engine", default="cpu", choices=["cpu", "sglang"],
+                        help="what the boxes run: the CPU engine, or real SGLang serving --model-path")
+    parser.add_argument("--model-path", default=None,
+                        help="--engine sglang: a Hugging Face checkpoint (directory) SGLang serves and the demo "
+                             "trains with transformers")
+    parser.add_argument("--sglang-python", default=None,
+                        help="--engine sglang: the interpreter that has SGLang (default: this checkout's "
+                             ".venv-sglang, else this one)")
+    parser.add_argument("--model-size", default="tiny", choices=["tiny", "small"],
+                        help="--engine cpu: the CPU model's size")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per sample")
     parser.add_argument("--kill-step", type=int, default=2, help="step during which a box is killed (0: none)")
-    parser.add_argument("--token-delay-s", type=float, default=0.01, help="pace of the CPU engines")
+    parser.add_argument("--token-delay-s", type=float, default=0.01, help="--engine cpu: pace of the CPU engines")
     parser.add_argument("--lr", type=float, default=0.03, help="the optimizer's learning rate")
     parser.add_argument("--logdir", default=None,
                         help="where the manager's and boxes' logs go; kept afterwards (default: a new "
                              "rollout-manager-demo-* directory under $TMPDIR)")
     args = parser.parse_args(argv)
+    if args.engine == "sglang":
+        if not args.model_path:
+            parser.error("--engine sglang needs --model-path")
+        args.model_path = str(Path(args.model_path).resolve())
+        args.sglang_python = args.sglang_python or default_sglang_python()
     # Mooncake's log chatter (glog, read when the library loads) would bury the progress display.
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("GLOG_minloglevel", "3")
