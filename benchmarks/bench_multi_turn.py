@@ -253,7 +253,12 @@ def main() -> None:
             register_elsewhere(plain, boxes)
         results = asyncio.run(measure(args, manager, plain, letters))
         print_report(results, args)
-        print(f"\nboxes: A={boxes[0].endpoint} B={boxes[1].endpoint}; logs in {log_dir}")
+        pools = []
+        for box in boxes:  # SGLang's own KV pool size, as it resolved the flags
+            info = _get(box.url + "/server_info")
+            states = info.get("internal_states") or [{}]
+            pools.append(states[0].get("max_total_num_tokens", info.get("max_total_tokens")))
+        print(f"\nboxes: A={boxes[0].endpoint} B={boxes[1].endpoint}, KV pool {pools} tokens; logs in {log_dir}")
     finally:
         for box in boxes:
             box.stop()
