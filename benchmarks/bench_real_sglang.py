@@ -19,7 +19,7 @@ way; each output through the manager compared token for token with the direct on
 Then the same with the project's CPU engine (``python -m rollout_manager.cpu_engine``) in place of
 SGLang, after the SGLang servers are stopped. Everything is stopped at the end.
 
-    .venv/bin/python benchmarks/bench_real_sglang.py --sequences 64 --tokens 1024 --rounds 2
+    .venv/bin/python benchmarks/bench_real_sglang.py --sequences 64 --tokens 1024 --rounds 3 --cpu-rounds 1
 """
 
 from __future__ import annotations
@@ -109,6 +109,29 @@ async def load(urls: list[str], inputs: list[list[int]], tokens: int, manager_pi
                      tree_cpu_s(engine_pids) - engines_before, outputs)
 
 
+async def peak_in_flight(manager: str, done: asyncio.Event) -> dict[str, tuple[int, int]]:
+    """Until ``done``: the most sequences the manager had in flight on each instance, and its bound there
+    (from /metrics, sampled every 0.25 s): how it spread the load."""
+    peak: dict[str, tuple[int, int]] = {}
+    async with aiohttp.ClientSession() as s:
+        while not done.is_set():
+            async with s.get(manager + "/metrics") as r:
+                text = await r.text()
+            gauges: dict[str, dict[str, int]] = {"in_flight_requests": {}, "max_in_flight": {}}
+            for line in text.splitlines():
+                for name, values in gauges.items():
+                    if line.startswith(f"rollout_manager_instance_{name}{{"):
+                        endpoint = line.split('endpoint="', 1)[1].split('"', 1)[0]
+                        values[endpoint] = int(float(line.rsplit(" ", 1)[1]))
+            for endpoint, n in gauges["in_flight_requests"].items():
+                peak[endpoint] = (max(n, peak.get(endpoint, (0, 0))[0]), gauges["max_in_flight"].get(endpoint, 0))
+            try:
+                await asyncio.wait_for(done.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+    return peak
+
+
 def make_model(dest: Path, context: int) -> Path:
     """The tests' tiny Llama with ``context`` positions (the tests' 1,024 cannot hold 1,024+ new tokens)."""
     if not (dest / "model.safetensors").exists():
@@ -161,7 +184,8 @@ async def start_cluster(kind: str, args: argparse.Namespace, model_dir: Path, lo
     return Cluster(urls, pids, manager, manager_pid)
 
 
-async def measure(kind: str, args: argparse.Namespace, model_dir: Path, logs: Path) -> dict[str, list[Round]]:
+async def measure(kind: str, args: argparse.Namespace, model_dir: Path, logs: Path,
+                  n_rounds: int) -> dict[str, list[Round]]:
     """Warm up, then alternate direct and manager rounds; returns the rounds of each path."""
     procs: list[subprocess.Popen] = []
     try:
@@ -170,12 +194,20 @@ async def measure(kind: str, args: argparse.Namespace, model_dir: Path, logs: Pa
         for urls in (c.engines, [c.manager]):  # warm-up: connections, code paths, the engines' first batches
             await load(urls, inputs[: 2 * args.servers], 64, c.manager_pid, c.engine_pids)
         rounds: dict[str, list[Round]] = {"direct": [], "manager": []}
-        for k in range(args.rounds):
+        for k in range(n_rounds):
             for path, urls in (("direct", c.engines), ("manager", [c.manager])):
-                r = await load(urls, inputs, args.tokens, c.manager_pid, c.engine_pids)
+                done = asyncio.Event()
+                sampler = asyncio.create_task(peak_in_flight(c.manager, done))
+                try:
+                    r = await load(urls, inputs, args.tokens, c.manager_pid, c.engine_pids)
+                finally:
+                    done.set()
+                peak = await sampler
                 rounds[path].append(r)
+                spread = ", ".join(f"{n}/{bound}" for n, bound in peak.values()) if path == "manager" else "-"
                 print(f"  {kind} round {k + 1} {path}: {r.tokens / r.wall_s:,.0f} tokens/s, {r.wall_s:.1f} s, "
-                      f"manager {r.manager_cpu_s:.2f} CPU s", flush=True)
+                      f"manager {r.manager_cpu_s:.2f} CPU s; peak in flight per instance / bound: {spread}",
+                      flush=True)
         return rounds
     finally:
         stop_all(procs)
@@ -197,7 +229,9 @@ async def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="new tokens per sequence (ignore_eos)")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--servers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating direct/manager rounds; medians printed")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/manager rounds; medians printed")
+    parser.add_argument("--cpu-rounds", type=int, default=1,
+                        help="rounds with the CPU engine (it makes ~700 tokens/s here, batch or not: slow rounds)")
     parser.add_argument("--no-cpu-engine", action="store_true", help="skip the CPU engine's comparison")
     args = parser.parse_args()
     if not SGLANG_PY.exists():
@@ -206,12 +240,12 @@ async def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     context = args.prompt_tokens + args.tokens + 64
     model_dir = make_model(logs / f"model-{context}", context)
-    results = {"real SGLang 0.5.23": await measure("sglang", args, model_dir, logs)}
+    results = {"real SGLang 0.5.23": await measure("sglang", args, model_dir, logs, args.rounds)}
     if not args.no_cpu_engine:
-        results["CPU engine"] = await measure("cpu", args, model_dir, logs)
+        results["CPU engine"] = await measure("cpu", args, model_dir, logs, args.cpu_rounds)
     print(f"\n{args.sequences} non-streaming sequences at once, {args.prompt_tokens}-token prompts, "
           f"{args.tokens} new tokens each (greedy, ignore_eos), {args.servers} servers, {os.cpu_count()} cores, "
-          f"median of {args.rounds} alternating rounds\n")
+          f"median of {args.rounds} alternating rounds ({args.cpu_rounds} with the CPU engine)\n")
     print("| engines | path | tokens/s | wall s | manager CPU ms / 1k tokens (µs/token) | manager CPU ms / sequence "
           "| engines' CPU s / 1k tokens | outputs equal to direct |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -226,7 +260,8 @@ async def main() -> None:
     if len(results) == 2:
         (a, ra), (b, rb) = results.items()
         per_k = [statistics.median(r.manager_cpu_s / r.tokens for r in rs["manager"]) for rs in (ra, rb)]
-        print(f"manager CPU per token, {a} / {b}: {per_k[0] / per_k[1]:.2f}")
+        if per_k[1] > 0:  # /proc counts 10 ms ticks: a tiny run may show none
+            print(f"manager CPU per token, {a} / {b}: {per_k[0] / per_k[1]:.2f}")
 
 
 if __name__ == "__main__":
