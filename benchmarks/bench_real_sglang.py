@@ -150,7 +150,7 @@ def sglang_flags(kv_tokens: int) -> list[str]:
 
 
 def start_engines(kind: str, n: int, model_dir: Path, context: int, kv_tokens: int, logs: Path,
-                  procs: list[subprocess.Popen]) -> tuple[list[str], list[int]]:
+                  procs: list[subprocess.Popen[bytes]]) -> tuple[list[str], list[int]]:
     """Start ``n`` engines of ``kind`` (``sglang`` or ``cpu``) on free loopback ports; returns at once."""
     urls, pids = [], []
     env = {**os.environ, **SGLANG_ENV}
@@ -171,7 +171,7 @@ def start_engines(kind: str, n: int, model_dir: Path, context: int, kv_tokens: i
 
 
 async def start_cluster(kind: str, args: argparse.Namespace, model_dir: Path, logs: Path,
-                        procs: list[subprocess.Popen]) -> Cluster:
+                        procs: list[subprocess.Popen[bytes]]) -> Cluster:
     context = args.prompt_tokens + args.tokens + 64
     per_server = -(-args.sequences // args.servers) * context  # every sequence of a server at once
     urls, pids = start_engines(kind, args.servers, model_dir, context, max(8192, per_server + 1024), logs, procs)
@@ -187,7 +187,7 @@ async def start_cluster(kind: str, args: argparse.Namespace, model_dir: Path, lo
 async def measure(kind: str, args: argparse.Namespace, model_dir: Path, logs: Path,
                   n_rounds: int) -> dict[str, list[Round]]:
     """Warm up, then alternate direct and manager rounds; returns the rounds of each path."""
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     try:
         c = await start_cluster(kind, args, model_dir, logs, procs)
         inputs = prompts(args.sequences, args.prompt_tokens)
