@@ -20,6 +20,11 @@ Then the same with the project's CPU engine (``python -m rollout_manager.cpu_eng
 SGLang, after the SGLang servers are stopped. Everything is stopped at the end.
 
     .venv/bin/python benchmarks/bench_real_sglang.py --sequences 64 --tokens 1024 --rounds 3 --cpu-rounds 1
+    .venv/bin/python benchmarks/bench_real_sglang.py --sequences 32 --tokens 256 --rounds 1  # minutes, not tens
+
+The CPU engine is the slow part on 2 cores: its 64 x 1,024 round takes well over 7 minutes there
+(``--no-cpu-engine`` skips it). Each round's line is printed as it ends, so an interrupted run still
+shows the rounds it finished.
 """
 
 from __future__ import annotations
