@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import PY, ROOT, Proc, free_port, wait_http_ok_sync, wait_until
+from support import PY, ROOT, OnLoopback, Proc, alive, descendants, free_port, wait_http_ok_sync, wait_until
 
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 LAUNCHER = ROOT / "scripts" / "launch_sglang.sh"
@@ -84,48 +84,12 @@ def start_manager(log_dir: Path, **settings: Any) -> Daemon:
     return Daemon(f"http://127.0.0.1:{port}", proc)
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(entry.name))
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    children, out, todo = _children(), set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
 @dataclass
-class RealBox:
+class RealBox(OnLoopback):
     launcher: Proc
     port: int
     agent_port: int
     manager_url: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
     @property
     def agent_url(self) -> str:
@@ -164,7 +128,7 @@ class RealBox:
             pass
         left |= {p for p in list(left) for p in descendants(p)}
         for pid in left:
-            if _alive(pid):
+            if alive(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

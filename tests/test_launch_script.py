@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
-from support import PY, ROOT, Proc, async_wait_until, free_port
+from support import PY, ROOT, Proc, alive, async_wait_until, descendants, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, tensor_checksum
 from rollout_manager.weights.sender_agent import SenderAgent
@@ -38,32 +38,6 @@ def script_args(manager: str, port: int, agent_port: int, *engine_flags: str) ->
 def run_quick(args: list[str], env: dict[str, str] | None = None, timeout: float = 15) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, **QUIET, **(env or {})})
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != b"Z"
 
 
 def group_empty(pgid: int) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import FAST, ManagerHandle
-from support import PY, ROOT, Box, Proc, async_wait_until, free_port
+from support import PY, ROOT, Box, OnLoopback, Proc, async_wait_until, free_port
 from weight_fleet import engine_checksums, expected_checksums
 
 from rollout_manager.cpu_engine.model import build_model
@@ -106,7 +106,7 @@ def rollout(port: int, **manager: Any) -> dict[str, Any]:
         "port": port, "weight_push_timeout_s": 60, **manager}}}
 
 
-class ScriptBox:
+class ScriptBox(OnLoopback):
     """A box started the way operators start one: ``scripts/launch_sglang.sh --engine cpu``, which
     registers it with the manager at ``manager`` by itself."""
 
@@ -117,14 +117,6 @@ class ScriptBox:
                           str(agent_port), "--python", PY, "--ready-timeout-s", "90", "--stop-timeout-s", "5", "--",
                           "--seed", "0"], tmp_path / f"box-{self.port}.log",
                          env={"MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"})
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
 
     def stop(self) -> None:
         self.proc.stop()
