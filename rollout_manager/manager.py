@@ -125,8 +125,9 @@ class Manager:
         await self.admission.check(source, hosts)
 
     def register_remote(self, host: str, port: int, handshake_port: int | None,
-                        receiver_port: int | None = None) -> dict[str, Any]:
+                        receiver_port: int | None = None, vocab_size: int | None = None) -> dict[str, Any]:
         inst = self.registry.add(host, port, Kind.REMOTE, handshake_port, receiver_port)
+        inst.declared_vocab_size = inst.vocab_size = vocab_size
         # The box's own credential: with it (and without the shared token) its launcher can remove
         # this instance and nothing else. Only its digest is kept; it is never shown again.
         box_token = secrets.token_urlsafe(32)

@@ -50,6 +50,10 @@ Engine:
                           and demos; pass-through flags such as --seed, --token-delay-s,
                           --die-after-tokens go to it; --model-path is ignored).
   --model-path PATH       the model SGLang loads (required for --engine sglang).
+  --vocab-size N          the model's vocabulary size, sent at registration so the manager refuses
+                          input ids at or past it (SGLang's scheduler dies on one and does not report
+                          the size). Default: read from the model's config.json (a local directory, or
+                          a hub id already in the Hugging Face cache).
   --python PY             interpreter for SGLang, the agent and the helpers (env PYTHON; default
                           python3 on PATH). It needs sglang, and rollout-manager with Mooncake
                           (pip install 'rollout-manager[cuda]'); this checkout is put on PYTHONPATH.
@@ -136,7 +140,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MANAGER_ADDR=${ROLLOUT_MANAGER_ADDR:-${ROLLOUT_MANAGER_ADDRESS:-}}
 ENGINE=${ROLLOUT_MANAGER_ENGINE:-sglang}
 PY=${PYTHON:-python3}
-MODEL_PATH="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
+MODEL_PATH="" VOCAB_SIZE="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
 PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 INCREMENTAL=1 DRY_RUN=0
 READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5 WAIT_MANAGER=0
 RECEIVER_ARGS=() EXTRA=()
@@ -147,7 +151,7 @@ while [[ $# -gt 0 ]]; do
   arg=$1
   if [[ $arg == --*=* ]]; then  # --opt=value -> --opt value, for our own options only
     case ${arg%%=*} in
-      --manager-addr|--model-path|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
+      --manager-addr|--model-path|--vocab-size|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
       --engine|--python|--mooncake-protocol|--mooncake-device-name|--receiver-arg|--ready-timeout-s|\
       --drain-timeout-s|--stop-timeout-s|--reregister-check-s|--wait-for-manager|--api-key|--admin-api-key)
         shift; set -- "${arg%%=*}" "${arg#*=}" "$@"; continue ;;
@@ -157,6 +161,7 @@ while [[ $# -gt 0 ]]; do
     -h|--help) usage; exit 0 ;;
     --manager-addr) need_value "$@"; MANAGER_ADDR=$2; shift 2 ;;
     --model-path) need_value "$@"; MODEL_PATH=$2; shift 2 ;;
+    --vocab-size) need_value "$@"; VOCAB_SIZE=$2; shift 2 ;;
     --host) need_value "$@"; HOST=$2; shift 2 ;;
     --bind) need_value "$@"; BIND=$2; shift 2 ;;
     --port) need_value "$@"; PORT=$2; shift 2 ;;
@@ -204,6 +209,7 @@ export ROLLOUT_SGLANG_API_KEY=$API_KEY ROLLOUT_SGLANG_ADMIN_API_KEY=$ADMIN_API_K
 is_port() { [[ $1 =~ ^[1-9][0-9]{0,4}$ ]] && (( $1 <= 65535 )); }
 is_num() { [[ $1 =~ ^[0-9]+([.][0-9]+)?$ ]]; }
 is_port "$PORT" || usage_error "--port must be a port number, got '$PORT'"
+[[ -z $VOCAB_SIZE || $VOCAB_SIZE =~ ^[1-9][0-9]{0,9}$ ]] || usage_error "--vocab-size must be a positive integer, got '$VOCAB_SIZE'"
 [[ -n $AGENT_PORT ]] || AGENT_PORT=$(( PORT + 1111 <= 65535 ? PORT + 1111 : PORT - 1111 ))
 is_port "$AGENT_PORT" || usage_error "--transfer-agent-handshake-port must be a port number, got '$AGENT_PORT'"
 for pair in "ready-timeout-s:$READY_TIMEOUT" "drain-timeout-s:$DRAIN_TIMEOUT" "stop-timeout-s:$STOP_TIMEOUT" \
@@ -393,8 +399,11 @@ if ! run_box wait-ready --url "$ENGINE_URL/health" --auth-url "$AGENT_URL/info" 
 fi
 stop_if_asked
 
+REGISTER_MODEL=()  # the CPU engine reports its own vocabulary size; SGLang's is read from the model
+if [[ $ENGINE == sglang ]]; then REGISTER_MODEL=(--model-path "$MODEL_PATH"); fi
+if [[ -n $VOCAB_SIZE ]]; then REGISTER_MODEL+=(--vocab-size "$VOCAB_SIZE"); fi
 if ! run_box register --manager "$MANAGER" --host "$HOST" --port "$PORT" --agent-url "$AGENT_URL" \
-      --agent-port "$AGENT_PORT" --state-file /dev/fd/8 >&6; then
+      --agent-port "$AGENT_PORT" ${REGISTER_MODEL[@]+"${REGISTER_MODEL[@]}"} --state-file /dev/fd/8 >&6; then
   if [[ -n $STOP ]]; then  # interrupted: the manager may have filed us before the helper was stopped
     if [[ $HOST == *:* ]]; then ENDPOINT="[$HOST]:$PORT"; else ENDPOINT="$HOST:$PORT"; fi
   fi

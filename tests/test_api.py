@@ -45,6 +45,22 @@ async def _is(m, endpoint, state):
     return await m.state_of(endpoint) == state
 
 
+async def test_declared_vocab_size_is_kept_and_bad_ones_refused(start_manager, stub_engine):
+    """SGLang reports no vocabulary size, so the launcher declares it; garbage registers nothing."""
+    m = await start_manager()
+    engine = await stub_engine()
+    for bad in (0, -3, "1024", True, 2**40, 1.5):
+        status, err = await m.post("/register_rollout_instance",
+                                   {"host": "127.0.0.1", "port": engine.port, "vocab_size": bad})
+        assert status == 400 and "vocab_size" in err["error"], (bad, err)
+    assert (await m.status())["instances"] == []
+    status, _ = await m.post("/register_rollout_instance",
+                             {"host": "127.0.0.1", "port": engine.port, "vocab_size": 1000})
+    assert status == 200
+    await async_wait_until(lambda: _is(m, engine.endpoint, "active"), message="instance active")
+    assert (await m.status())["instances"][0]["vocab_size"] == 1000
+
+
 async def test_duplicate_registration_is_409_whether_pending_or_active(start_manager, stub_engine):
     m = await start_manager()
     engine = await stub_engine(health_status=503)

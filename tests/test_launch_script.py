@@ -293,6 +293,8 @@ def test_help_and_usage_errors():
     assert "seed project" not in proc.stdout  # a name from this project's history means nothing to a user
     proc = run_quick(["bash", SCRIPT, "--manager-addr", "http://127.0.0.1:9"])  # sglang needs a model
     assert proc.returncode == 2 and "--model-path is required" in one_line(proc)
+    proc = run_quick(["bash", SCRIPT, "--manager-addr", "http://127.0.0.1:9", "--engine", "cpu", "--vocab-size", "0"])
+    assert proc.returncode == 2 and "--vocab-size must be a positive integer, got '0'" in one_line(proc)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_MANAGER_ADDR")}
     proc = subprocess.run(["bash", SCRIPT, "--engine", "cpu", "--python", PY], capture_output=True, text=True,
                           env=env, timeout=15)

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from real_sglang import Daemon, start_boxes, start_manager
+from real_sglang_model import VOCAB
 from support import async_wait_until
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
@@ -59,8 +60,10 @@ async def instances(s: aiohttp.ClientSession, manager: Daemon) -> list[dict[str,
 
 async def test_both_boxes_registered_through_the_launcher(fleet: Any, http: aiohttp.ClientSession) -> None:
     manager, boxes = fleet
-    states = {i["endpoint"]: i["state"] for i in await instances(http, manager)}
-    assert states == {b.endpoint: "active" for b in boxes}
+    listed = await instances(http, manager)
+    assert {i["endpoint"]: i["state"] for i in listed} == {b.endpoint: "active" for b in boxes}
+    # SGLang reports no vocabulary size: the launcher read it from the model's config.json.
+    assert [i["vocab_size"] for i in listed] == [VOCAB, VOCAB]
 
 
 async def test_rollouts_through_the_manager_equal_sglangs_own(fleet: Any, http: aiohttp.ClientSession) -> None:

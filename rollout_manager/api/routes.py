@@ -81,7 +81,7 @@ async def register_rollout_instance(request: web.Request, body: RegisterRolloutI
     """Register a rollout box (pending until /health_generate succeeds); 409 if already registered."""
     await manager_of(request).check_registration_source(request.remote, [body.host])
     result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
-                                                 body.weight_receiver_port)
+                                                 body.weight_receiver_port, body.vocab_size)
     return json_response(result)
 
 

@@ -110,6 +110,9 @@ class RegisterRolloutInstance(StrictModel):
     mooncake_handshake_port: Port | None = None
     weight_receiver_port: Port | None = Field(
         default=None, description="control port of the box's weight receiver agent (needed after version 0)")
+    vocab_size: Annotated[int, Field(ge=1, le=2**31)] | None = Field(
+        default=None, description="the served model's vocabulary size (its config.json); input ids at or "
+                                  "above it are refused before they reach the box (SGLang does not report it)")
 
 
 class RegisterLocalRolloutInstances(RootModel[list[tuple[Host, Port]]]):

@@ -151,7 +151,8 @@ class HealthMonitor:
                         inst.endpoint, wire.SERVER_INFO, exc)
             return None
         _note_streaming(inst, info)
-        inst.vocab_size, inst.joined_version = info.vocab_size, info.weight_version
+        inst.vocab_size = min((v for v in (info.vocab_size, inst.declared_vocab_size) if v is not None), default=None)
+        inst.joined_version = info.weight_version
         inst.max_running_requests = info.max_running_requests  # the dispatcher's bound on it
         if info.dp_size > 1:
             return wire.dp_refusal(inst.endpoint, info.dp_size)

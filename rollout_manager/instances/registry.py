@@ -75,9 +75,12 @@ class Instance:
     # most sequences the dispatcher keeps in flight on it (from that and the configured bound).
     max_running_requests: int | None = None
     max_in_flight: int | None = None
-    # From /server_info and /model_info when it first became ready: its vocabulary size (None: the server
-    # does not say; SGLang 0.5.23 does not), and the weight version it reported before any push from here
-    # (None: unknown). Chunks are checked against both.
+    # The vocabulary size its launcher read from the model's config.json at registration (None: not sent).
+    # SGLang does not report one, and its scheduler dies on an input id at or past it.
+    declared_vocab_size: int | None = None
+    # From /server_info and /model_info when it first became ready: its vocabulary size (the smaller of
+    # what the server says and what was declared; None: neither is known), and the weight version it
+    # reported before any push from here (None: unknown). Input ids and chunks are checked against both.
     vocab_size: int | None = None
     joined_version: str | None = None
     last_chunk_at: float = 0.0  # event-loop time of the last chunk it sent any request (0: none yet)
@@ -133,6 +136,7 @@ class Instance:
             "streaming": self.streaming,
             "server_stream_interval": self.server_stream_interval,
             "max_running_requests": self.max_running_requests,
+            "vocab_size": self.vocab_size,
             "max_in_flight": self.max_in_flight,
         }
 

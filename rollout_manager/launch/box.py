@@ -51,6 +51,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from rollout_manager.launch.model_config import model_vocab_size
 from rollout_manager.manager_client import (
     Answer,
     Health,
@@ -360,6 +361,13 @@ def cmd_register(args: argparse.Namespace) -> None:
     info = agent_info(args.agent_url)
     body = {"host": args.host, "port": args.port, "mooncake_handshake_port": info["handshake_port"],
             "weight_receiver_port": args.agent_port}
+    vocab = args.vocab_size or (model_vocab_size(args.model_path) if args.model_path else None)
+    if vocab:
+        body["vocab_size"] = vocab
+    elif args.model_path:
+        print(f"launch_sglang: no vocab_size in {args.model_path}'s config.json (or no config.json here); the "
+              "manager cannot refuse out-of-vocabulary input ids for this box (--vocab-size sets it)",
+              file=sys.stderr, flush=True)
     endpoint = format_endpoint(args.host, args.port)
     check_parallelism(str(info.get("sglang_url") or url_of(args.host, args.port)), endpoint)
     run_id = None
@@ -549,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--agent-url", required=True)
     s.add_argument("--agent-port", type=int, required=True)
+    s.add_argument("--model-path", help="the served model, whose config.json gives the vocabulary size")
+    s.add_argument("--vocab-size", type=int, help="the vocabulary size to register (default: from --model-path)")
     s.add_argument("--timeout", type=float, default=60.0, help="keep retrying an unreachable manager this long")
     s.add_argument("--endpoint-file", help="also write the registered endpoint here")
     s.add_argument("--state-file", help="also write the body, endpoint and manager run id here (for watch)")

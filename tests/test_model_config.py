@@ -1,0 +1,34 @@
+"""The launcher reads the served model's vocabulary size from its config.json (SGLang does not report it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout_manager.launch.model_config import model_vocab_size, vocab_size_of
+
+
+@pytest.mark.parametrize(("config", "size"), [
+    ({"vocab_size": 151936}, 151936),
+    ({"text_config": {"vocab_size": 262208}}, 262208),  # multimodal: the text model's embedding
+    ({"vocab_size": 32000, "text_config": {"vocab_size": 1}}, 32000),
+    ({"vocab_size": 0}, None), ({"vocab_size": True}, None), ({"vocab_size": "32000"}, None), ({}, None), ([], None),
+])
+def test_vocab_size_of(config: object, size: int | None) -> None:
+    assert vocab_size_of(config) == size
+
+
+def test_model_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1024}))
+    assert model_vocab_size(str(tmp_path)) == 1024
+
+
+def test_nothing_to_read_is_none_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never a download, whatever the cache holds
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert model_vocab_size(str(tmp_path / "missing")) is None
+    assert model_vocab_size("some-org/not-cached-model") is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert model_vocab_size(str(tmp_path)) is None
