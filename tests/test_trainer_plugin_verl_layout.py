@@ -303,3 +303,17 @@ async def test_multi_turn_agents_through_verls_llm_server_client_keep_their_inst
         assert (proxy.trajectories.started, proxy.trajectories.continued) == (3, 3 * (turns - 1))
     finally:
         await proxy.close()
+
+
+def test_a_node_ip_bind_listens_on_the_ray_node_address_and_needs_ray():
+    """``host: node_ip`` binds (and publishes) the address Ray knows the launching node by; the
+    two-node test in tests/test_verl_topology.py runs it. Outside a Ray job there is no such address."""
+    from trainer_plugin import manager_address
+    from trainer_plugin.settings import from_rollout_config
+
+    settings = from_rollout_config({"custom": {"rollout_manager": {"host": "node_ip", "port": 6011}}})
+    for fn in (manager_address.bind_host, manager_address.launch_url):
+        with pytest.raises(RuntimeError, match=r"rollout_manager\.host=node_ip binds .* not in a Ray job"):
+            fn(settings)
+    wildcard = from_rollout_config({"custom": {"rollout_manager": {"port": 6011}}})
+    assert manager_address.bind_host(wildcard) == "0.0.0.0"

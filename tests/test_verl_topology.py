@@ -170,7 +170,8 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
     port, sport = free_port(), free_port()
     overrides = [f"{k}={v}" for k, v in {**FAST, "weight_sender_base_port": sport,
                                          "allowed_sender_ips": "127.0.0.0/8"}.items()]
-    config = rollout(port, host="0.0.0.0", overrides=overrides, log_path=str(tmp_path / "manager.log"))
+    # bound where the ranks reach it, the TaskRunner node's Ray address (not 0.0.0.0): all traffic on 127.0.0.0/8
+    config = rollout(port, host="node_ip", overrides=overrides, log_path=str(tmp_path / "manager.log"))
     blocker = placement_group([{"GPU": 2, "node_a": 1}])  # node A keeps 2 GPUs free: the group spans both nodes
     await asyncio.to_thread(ray.get, blocker.ready(), timeout=60)
     runner = TaskRunner.options(resources={"node_b": 1}).remote()
@@ -181,6 +182,8 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
         launched = await asyncio.to_thread(ray.get, runner.launch.remote(config), timeout=120)
         assert launched["node_ip"] == NODE_B
         m = ManagerHandle(None, f"http://{NODE_B}:{port}", session)  # type: ignore[arg-type]
+        with pytest.raises(aiohttp.ClientConnectorError):  # listening on node B's address only
+            await session.get(f"http://127.0.0.1:{port}/health")
         boxes = [ScriptBox(f"{NODE_B}:{port}", tmp_path) for _ in range(2)]
 
         async def both_active() -> bool:

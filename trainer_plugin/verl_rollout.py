@@ -64,7 +64,8 @@ def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
     m = settings.manager
     if not m.launch:
         return None
-    key = (m.host, m.port)
+    host = manager_address.bind_host(settings)
+    key = (host, m.port)
     with _MANAGERS_LOCK:
         proc = _MANAGERS.get(key)
         if proc is not None and (proc.attached or proc.running()):
@@ -72,7 +73,7 @@ def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
         extra: list[str] = []
         for item in m.overrides:
             extra += ["--set", item]
-        proc = ManagerProcess(m.host, m.port, m.config_path, extra_args=extra, log_path=m.log_path,
+        proc = ManagerProcess(host, m.port, m.config_path, extra_args=extra, log_path=m.log_path,
                               startup_timeout_s=m.startup_timeout_s, attach_existing=m.attach_existing)
         proc.start()
         _MANAGERS[key] = proc
