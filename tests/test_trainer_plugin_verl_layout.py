@@ -172,7 +172,9 @@ async def test_unmerged_lora_is_pushed_as_merged_weights_one_version_per_step():
             weights, peft_config = verl_lora_sync(model, base_sync_done=False)
             answer = await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=False,
                                                   global_steps=step)
-            assert answer == {"pushed": False, "lora_base_tensors": len(hf_names)} and pushed == []
+            base_bytes = sum(t.nbytes for t in base.values())  # one process: its own node's sender rank keeps it
+            assert answer == {"pushed": False, "lora_base_tensors": len(hf_names), "lora_base_bytes": base_bytes}
+            assert pushed == []
         weights, peft_config = verl_lora_sync(model, base_sync_done=True)
         assert all(".lora_A." in n or ".lora_B." in n for n, _ in verl_lora_sync(model, True)[0])
         await adapter.update_weights(weights, peft_config=peft_config, base_sync_done=True, global_steps=step)
@@ -216,6 +218,9 @@ async def test_an_adapter_whose_names_map_to_no_base_tensor_is_refused_and_nothi
     embedding = [("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(2, 16))]
     with pytest.raises(NotImplementedError, match="not a lora_A/lora_B weight"):
         await adapter.update_weights(iter(embedding), peft_config=peft_config, base_sync_done=True, global_steps=1)
+    wrong_shape = [(n, t[:, :-1] if ".lora_A." in n else t) for n, t in verl_lora_sync(model, True)[0]]
+    with pytest.raises(ValueError, match=r"q_proj\.weight: B \(8, 2\) @ A \(2, 7\) does not fit"):
+        await adapter.update_weights(iter(wrong_shape), peft_config=peft_config, base_sync_done=True, global_steps=1)
     dora = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(NotImplementedError, match="use_dora"):
         await adapter.update_weights(verl_lora_sync(model, True)[0], peft_config=dora, base_sync_done=True,
@@ -298,3 +303,17 @@ async def test_multi_turn_agents_through_verls_llm_server_client_keep_their_inst
         assert (proxy.trajectories.started, proxy.trajectories.continued) == (3, 3 * (turns - 1))
     finally:
         await proxy.close()
+
+
+def test_a_node_ip_bind_listens_on_the_ray_node_address_and_needs_ray():
+    """``host: node_ip`` binds (and publishes) the address Ray knows the launching node by; the
+    two-node test in tests/test_verl_topology.py runs it. Outside a Ray job there is no such address."""
+    from trainer_plugin import manager_address
+    from trainer_plugin.settings import from_rollout_config
+
+    settings = from_rollout_config({"custom": {"rollout_manager": {"host": "node_ip", "port": 6011}}})
+    for fn in (manager_address.bind_host, manager_address.launch_url):
+        with pytest.raises(RuntimeError, match=r"rollout_manager\.host=node_ip binds .* not in a Ray job"):
+            fn(settings)
+    wildcard = from_rollout_config({"custom": {"rollout_manager": {"port": 6011}}})
+    assert manager_address.bind_host(wildcard) == "0.0.0.0"

@@ -170,7 +170,8 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
     port, sport = free_port(), free_port()
     overrides = [f"{k}={v}" for k, v in {**FAST, "weight_sender_base_port": sport,
                                          "allowed_sender_ips": "127.0.0.0/8"}.items()]
-    config = rollout(port, host="0.0.0.0", overrides=overrides, log_path=str(tmp_path / "manager.log"))
+    # bound where the ranks reach it, the TaskRunner node's Ray address (not 0.0.0.0): all traffic on 127.0.0.0/8
+    config = rollout(port, host="node_ip", overrides=overrides, log_path=str(tmp_path / "manager.log"))
     blocker = placement_group([{"GPU": 2, "node_a": 1}])  # node A keeps 2 GPUs free: the group spans both nodes
     await asyncio.to_thread(ray.get, blocker.ready(), timeout=60)
     runner = TaskRunner.options(resources={"node_b": 1}).remote()
@@ -181,6 +182,8 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
         launched = await asyncio.to_thread(ray.get, runner.launch.remote(config), timeout=120)
         assert launched["node_ip"] == NODE_B
         m = ManagerHandle(None, f"http://{NODE_B}:{port}", session)  # type: ignore[arg-type]
+        with pytest.raises(aiohttp.ClientConnectorError):  # listening on node B's address only
+            await session.get(f"http://127.0.0.1:{port}/health")
         boxes = [ScriptBox(f"{NODE_B}:{port}", tmp_path) for _ in range(2)]
 
         async def both_active() -> bool:
@@ -211,6 +214,54 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
         finally:
             ray.kill(runner)
             remove_placement_group(blocker)
+
+
+async def test_unmerged_lora_keeps_one_base_per_node_and_merges_each_step_bit_exact(cluster, start_manager,
+                                                                                       tmp_path):
+    """verl's default LoRA (``lora.merge`` False) on two nodes x 2 ranks: the base sync reaches every rank,
+    but only each node's sender rank (0 on A, 2 on B) keeps a copy to merge onto; ranks 1 and 3 keep none.
+    Two steps of adapters are merged onto that base (never onto the previous merge) and each node's box
+    serves ``W + alpha / r * B @ A`` bit-exact."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from verl_topology_workers import merged_reference
+
+    sport = free_port()
+    m = await start_manager(weight_sender_base_port=str(sport), allowed_sender_ips="127.0.0.0/8")
+    boxes = [Box(tmp_path), Box(tmp_path)]
+    blocker = placement_group([{"GPU": 2, "node_a": 1}])  # node A keeps 2 GPUs free: the group spans both nodes
+    await asyncio.to_thread(ray.get, blocker.ready(), timeout=60)
+    group = Group([2, 2], rollout(int(m.url.rsplit(":", 1)[1]), address="127.0.0.1"), lora={"rank": 4})
+    try:
+        for box in boxes:
+            await box.ready()
+        await m.register(*boxes)
+        ranks = await group.call("init_model")
+        assert [r["node_ip"] for r in ranks] == [NODE_A, NODE_A, NODE_B, NODE_B]
+        base_bytes = sum(t.nbytes for t in build_model(4).state_dict().values())
+
+        await group.call("load_lora", 4, 10)  # a fresh run: the adapter as initialised
+        fresh = await group.call("sync_lora", 0, True)  # on_init_end: base sync, then the adapter, both as 0
+        assert [r["base"]["lora_base_tensors"] for r in fresh] == [len(build_model(4).state_dict())] * 4
+        assert [r["lora_base_bytes"] for r in fresh] == [base_bytes, 0, base_bytes, 0]
+        assert [r["pushed"] for r in fresh] == [False] * 4 and await senders(m) == []
+        for steps, adapter_seed in ((1, 11), (2, 12)):
+            await group.call("load_lora", 4, adapter_seed)  # the step trained the adapter; the base is frozen
+            out = await group.call("sync_lora", steps, False)
+            assert [(r["rank"], r["pushed"], r.get("staged")) for r in out] == \
+                [(0, True, None), (1, False, False), (2, False, True), (3, False, False)]
+            assert [r["lora_base_bytes"] for r in out] == [base_bytes, 0, base_bytes, 0]
+            assert out[0]["senders"] == 2 and out[0]["instances_at_version"] == 2
+            assert sorted(i["sender"] for i in (await m.status())["instances"]) == [0, 1]  # one box per node
+            want = expected_checksums(merged_reference(4, adapter_seed))
+            assert want != expected_checksums(build_model(4).state_dict())
+            for box in boxes:
+                assert await engine_checksums(box.url) == want, f"box {box.endpoint} after step {steps}"
+    finally:
+        group.stop()
+        remove_placement_group(blocker)
+        for box in boxes:
+            box.stop()
 
 
 async def test_unmerged_lora_without_a_base_sync_is_refused_when_the_workers_start(cluster):

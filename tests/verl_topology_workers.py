@@ -7,7 +7,8 @@ by verl's ``RayWorkerGroup`` in Ray actors on fake GPUs, so it gets verl's envir
 ``engine_workers.py`` does; each rank holds an FSDP-like shard of every tensor (a slice of the flat,
 padded tensor), and ``update_weights`` is ``engine_workers.py``'s naive path: a generator that
 all-gathers each tensor (what ``DTensor.full_tensor()`` does) handed to
-``rollout.update_weights(..., peft_config=..., base_sync_done=True, global_steps=...)``.
+``rollout.update_weights(..., peft_config=..., base_sync_done=True, global_steps=...)``; ``sync_lora``
+is its path for an unmerged LoRA adapter (base once, then the adapter).
 
 :class:`TaskRunner` stands where verl's ``TaskRunnerV1`` runs the trainer: it builds the plugin's
 ``DisaggregatedReplica`` and launches its servers (the manager), as ``LLMServerManager.create`` does.
@@ -49,6 +50,7 @@ class PushWorker(Worker):
         self.rollout_dict = rollout
         self.lora = lora
         self.shards: dict[str, tuple[torch.Size, int, torch.Tensor]] = {}
+        self.adapter_shards: dict[str, tuple[torch.Size, int, torch.Tensor]] = {}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -67,18 +69,17 @@ class PushWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load(self, seed: int) -> None:
         """This rank's shard of ``build_model(seed)``: a slice of each flat tensor, padded to the world."""
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.shards = {}
-        for name, tensor in build_model(seed).state_dict().items():
-            flat = tensor.detach().flatten()
-            size = -(-flat.numel() // world)
-            padded = torch.zeros(size * world, dtype=flat.dtype)
-            padded[:flat.numel()] = flat
-            self.shards[name] = (tensor.shape, flat.numel(), padded[rank * size:(rank + 1) * size].clone())
+        self.shards = _shard(build_model(seed).state_dict())
 
-    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_lora(self, base_seed: int, adapter_seed: int) -> None:
+        """This rank's shards of the frozen base ``build_model(base_seed)`` and of the adapter a step left."""
+        self.shards = _shard(build_model(base_seed).state_dict())
+        self.adapter_shards = _shard(lora_adapter(adapter_seed))
+
+    def _full_tensors(self, shards: dict[str, Any] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """One tensor at a time, each an all-gather across the ranks (a collective every rank must run)."""
-        for name, (shape, numel, shard) in self.shards.items():
+        for name, (shape, numel, shard) in (self.shards if shards is None else shards).items():
             parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
             dist.all_gather(parts, shard)
             yield name, torch.cat(parts)[:numel].reshape(shape)
@@ -89,6 +90,73 @@ class PushWorker(Worker):
                                                    global_steps=global_steps)
         url = getattr(self.rollout, "_manager_url", None) or self.rollout.settings.manager_url
         return {"rank": self.rank, "manager_url": url, **(result or {})}
+
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def sync_lora(self, global_steps: int, base_sync: bool) -> dict[str, Any]:
+        """``engine_workers.py``'s sync with ``lora.merge`` False: on the first sync (``load_format`` dummy)
+        the base under verl's base-sync names (``replace_lora_wrapper``), ``base_sync_done=False``; then the
+        adapter under PEFT's names, ``base_sync_done=True``, both as ``global_steps``; ``peft_config`` as
+        verl passes it (``LoraConfig.to_dict()``)."""
+        from verl.utils.fsdp_utils import replace_lora_wrapper
+
+        config = lora_config()
+        out: dict[str, Any] = {"rank": self.rank}
+        if base_sync:
+            base = ((replace_lora_wrapper(n, config), t) for n, t in self._full_tensors())
+            out["base"] = await self.rollout.update_weights(base, peft_config=config.to_dict(), base_sync_done=False,
+                                                            global_steps=global_steps)
+        result = await self.rollout.update_weights(self._full_tensors(self.adapter_shards),
+                                                   peft_config=config.to_dict(), base_sync_done=True,
+                                                   global_steps=global_steps)
+        kept = sum(t.nbytes for t in self.rollout._lora.base.values())  # the base copy this rank holds
+        return {**out, **(result or {}), "lora_base_bytes": kept}
+
+
+LORA_R, LORA_ALPHA, LORA_TARGETS = 4, 8, ("q_proj", "v_proj")
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS))
+
+
+def lora_adapter(seed: int) -> dict[str, torch.Tensor]:
+    """An adapter as PEFT's ``get_peft_model_state_dict`` names it, for ``build_model``'s q/v projections."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in build_model(0).state_dict().items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in LORA_TARGETS:
+            out[f"base_model.model.{module}.lora_A.weight"] = torch.randn(LORA_R, tensor.shape[1], generator=g)
+            out[f"base_model.model.{module}.lora_B.weight"] = torch.randn(tensor.shape[0], LORA_R, generator=g)
+    return out
+
+
+def merged_reference(base_seed: int, adapter_seed: int) -> dict[str, torch.Tensor]:
+    """``W + lora_alpha / r * B @ A`` (float32, the base's dtype) for every targeted tensor."""
+    weights = build_model(base_seed).state_dict()
+    adapter = lora_adapter(adapter_seed)
+    for name, w in weights.items():
+        a = adapter.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        if a is not None:
+            b = adapter[f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight"]
+            weights[name] = w + LORA_ALPHA / LORA_R * (b @ a)
+    return weights
+
+
+def _shard(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, int, torch.Tensor]]:
+    """This rank's FSDP-like shard of each tensor: a slice of the flat tensor, padded to the world."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shards = {}
+    for name, tensor in state.items():
+        flat = tensor.detach().flatten()
+        size = -(-flat.numel() // world)
+        padded = torch.zeros(size * world, dtype=flat.dtype)
+        padded[:flat.numel()] = flat
+        shards[name] = (tensor.shape, flat.numel(), padded[rank * size:(rank + 1) * size].clone())
+    return shards
 
 
 @ray.remote(num_cpus=0)

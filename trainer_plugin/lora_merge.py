@@ -13,7 +13,9 @@ the rollout's ``update_weights`` with ``peft_config`` set, and:
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` / ``...lora_B.weight``.
 
 The base is frozen under LoRA, so verl sends it once. :class:`LoraMerge` keeps it (on the CPU, in
-the dtype it came in) and, for each adapter, yields ``W + scale * B @ A`` for every targeted module
+the dtype it came in: float32 under verl's default ``model_dtype``) on the ranks that merge, each
+node's lowest rank (the one that stages weights into the node's sender; the adapter decides, see
+:mod:`trainer_plugin.verl_rollout`), and, for each adapter, yields ``W + scale * B @ A`` for every targeted module
 (computed in float32, cast back to W's dtype; ``scale = lora_alpha / r``, ``/ sqrt(r)`` with
 ``use_rslora``) and every other base tensor as it is, under HF names (``.base_layer`` dropped):
 one full payload that the weight push publishes as that step's version. Each step merges onto the
@@ -78,29 +80,45 @@ def hf_base_name(name: str) -> str:
 
 
 class LoraMerge:
-    """One training rank's kept base weights, and the merge of each step's adapter onto them."""
+    """One training rank's view of the base weights, and the merge of each step's adapter onto them.
+
+    Every rank keeps the base's names and shapes, so every rank refuses the same adapters before any
+    collective of the push; only a rank that keeps the base (``keep_base(..., keep=True)``) keeps its
+    tensors and yields merged weights."""
 
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.synced = False  # verl's base sync has happened (whether or not this rank kept the tensors)
+        self.kept = False
 
     @property
-    def has_base(self) -> bool:
-        return bool(self.base)
+    def base_bytes(self) -> int:
+        """Host memory the kept base takes on this rank."""
+        return sum(t.nbytes for t in self.base.values())
 
-    def keep_base(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Drain verl's base-sync iterator into CPU copies under HF names; the previous base is replaced."""
+    def keep_base(self, weights: Iterable[tuple[str, torch.Tensor]], keep: bool = True) -> int:
+        """Drain verl's base-sync iterator (every rank must) into CPU copies under HF names, replacing the
+        previous base; ``keep`` False: keep only names and shapes (a rank that never merges). Returns the
+        number of tensors synced."""
         base: dict[str, torch.Tensor] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         for name, tensor in weights:
-            base[hf_base_name(name)] = tensor.detach().to("cpu", copy=True)
-        self.base = base
-        return len(base)
+            hf = hf_base_name(name)
+            shapes[hf] = tuple(tensor.shape)
+            if keep:
+                base[hf] = tensor.detach().to("cpu", copy=True)
+        self.base, self.shapes, self.synced, self.kept = base, shapes, True, keep
+        return len(shapes)
 
     def merged(self, adapter: Iterable[tuple[str, torch.Tensor]], spec: LoraSpec) -> Iterator[tuple[str, torch.Tensor]]:
-        """The base with ``adapter`` merged in, one tensor at a time (the adapter is read first, whole).
+        """The base with ``adapter`` merged in, one tensor at a time (the adapter is read first, whole);
+        nothing on a rank that did not keep the base tensors.
 
-        Raises here, before anything is merged or pushed, if an adapter tensor names no base tensor or
-        has no partner."""
-        return self._merge(self._pairs(adapter), spec.scale, spec.fan_in_fan_out)
+        Raises here, on every rank alike, before anything is merged or pushed, if an adapter tensor names
+        no base tensor, has no partner, or does not fit its base tensor's shape."""
+        pairs = self._pairs(adapter, spec.fan_in_fan_out)
+        return self._merge(pairs, spec.scale, spec.fan_in_fan_out) if self.kept else iter(())
 
     def _merge(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
                fan_in_fan_out: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,12 +131,10 @@ class LoraMerge:
             delta = b.to(torch.float32) @ a.to(torch.float32)
             if fan_in_fan_out:
                 delta = delta.T
-            if delta.shape != w.shape:
-                raise ValueError(f"LoRA update for {name}: B @ A is {tuple(delta.shape)}, the base tensor is "
-                                 f"{tuple(w.shape)}")
             yield name, (w.to(torch.float32) + scale * delta).to(w.dtype)
 
-    def _pairs(self, adapter: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _pairs(self, adapter: Iterable[tuple[str, torch.Tensor]],
+               fan_in_fan_out: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{base weight name: (A, B)}`` from PEFT adapter names; refuses names that map to no base tensor."""
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in adapter:
@@ -131,13 +147,20 @@ class LoraMerge:
             if module.startswith(_PEFT_PREFIX):
                 module = module[len(_PEFT_PREFIX):]
             target = f"{module}.weight"
-            if target not in self.base:
+            if target not in self.shapes:
                 raise NotImplementedError(f"LoRA adapter tensor {name!r} targets {target!r}, which is not among "
-                                          f"the {len(self.base)} base tensors verl synced")
+                                          f"the {len(self.shapes)} base tensors verl synced")
             halves.setdefault(target, {})[m["ab"]] = tensor.detach().to("cpu")
         pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for target, ab in halves.items():
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"LoRA adapter for {target!r} has lora_{''.join(ab)} without its partner")
-            pairs[target] = (ab["A"], ab["B"])
+            a, b = ab["A"], ab["B"]
+            delta = (b.shape[0], a.shape[-1]) if a.dim() == 2 and b.dim() == 2 and a.shape[0] == b.shape[1] else None
+            if delta is not None and fan_in_fan_out:
+                delta = delta[::-1]
+            if delta != self.shapes[target]:
+                raise ValueError(f"LoRA update for {target}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit "
+                                 f"the base tensor's {self.shapes[target]}")
+            pairs[target] = (a, b)
         return pairs

@@ -9,6 +9,11 @@ launches (or attaches to) the manager publishes its URL in a named Ray actor
 from there. Nothing is guessed: with no explicit address and no published one, a Ray process waits a
 little for the publication (verl launches its replicas before the first weight sync) and then fails
 naming the setting.
+
+Where it listens (``custom.rollout_manager.host``): ``0.0.0.0`` (the default, every interface of the
+TaskRunner's node), a specific address, or ``node_ip``: only the address Ray knows the TaskRunner's
+node by, which is the address published for the training ranks (and the one rollout boxes on the
+cluster's network reach).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .settings import PluginSettings
+from .settings import NODE_IP_HOST, PluginSettings
 
 ADDRESS_ACTOR_NAME = "rollout_manager_address"
 _WILDCARDS = ("0.0.0.0", "::", "")
@@ -41,22 +46,38 @@ def _in_ray() -> bool:
     return bool(ray.is_initialized())
 
 
+def bind_host(settings: PluginSettings) -> str:
+    """The interface a manager started in *this* process listens on: ``host`` as given, or for
+    ``host: node_ip`` the address Ray knows this node by (where the training ranks reach it)."""
+    m = settings.manager
+    if m.host != NODE_IP_HOST:
+        return m.host
+    if not _in_ray():
+        raise RuntimeError(f"actor_rollout_ref.rollout.custom.rollout_manager.host={NODE_IP_HOST} binds the address "
+                           "Ray knows this node by, and this process is not in a Ray job; set host to an address")
+    return _ray_node_ip()
+
+
 def launch_url(settings: PluginSettings) -> str:
     """The URL of a manager started in *this* process: the explicit address, a specific bind host, or,
-    for a wildcard bind, this node's address (the manager runs here)."""
+    for a wildcard or ``node_ip`` bind, this node's address (the manager runs here)."""
     m = settings.manager
-    if m.address or m.host not in _WILDCARDS:
+    if m.address or m.host not in (*_WILDCARDS, NODE_IP_HOST):
         return settings.manager_url
     if not m.launch:
         raise RuntimeError(
             "actor_rollout_ref.rollout.custom.rollout_manager.launch=false: the manager runs elsewhere, so its "
             "address cannot be taken from this node; set custom.rollout_manager.address to its URL")
-    if _in_ray():
-        import ray
-
-        host = ray.util.get_node_ip_address()
+    if _in_ray() or m.host == NODE_IP_HOST:
+        host = bind_host(settings) if m.host == NODE_IP_HOST else _ray_node_ip()
         return f"http://{f'[{host}]' if ':' in host else host}:{m.port}"
     return settings.manager_url
+
+
+def _ray_node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 def publish(url: str) -> str:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ROLLOUT_NAME = "sglang-disaggregated"
+NODE_IP_HOST = "node_ip"  # rollout_manager.host: the node's Ray address (not a valid host name: no "_")
 PREFIX = "actor_rollout_ref.rollout."
 _ALIAS = re.compile(r"^(?P<plus>\+{0,2})actor_rollout_ref\.rollout\."
                     r"(?P<key>rollout_manager\.[A-Za-z0-9_.]+|min_stream_batch_size)=(?P<value>.*)$", re.S)
@@ -71,7 +72,8 @@ class ManagerSettings:
 
     port: int = 5000
     config_path: str | None = None
-    # Where the manager listens. 0.0.0.0: rollout boxes on other hosts register with it.
+    # Where the manager listens. 0.0.0.0: rollout boxes on other hosts register with it; "node_ip":
+    # only the address Ray knows the launching node by (the address published for the training ranks)
     host: str = "0.0.0.0"
     # The host every trainer process reaches it at; empty: in Ray, the URL the replica launch published
     # (trainer_plugin.manager_address); outside Ray, host (127.0.0.1 for a wildcard host)
@@ -130,7 +132,7 @@ class PluginSettings:
 def _reach_host(bind_host: str) -> str:
     if bind_host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1" if bind_host != "::1" else "[::1]"
-    if bind_host not in ("0.0.0.0", "::", ""):
+    if bind_host not in ("0.0.0.0", "::", "", NODE_IP_HOST):
         return bind_host
     try:
         import ray

@@ -19,9 +19,12 @@ LoRA: merged (``actor_rollout_ref.model.lora.merge=True``): verl hands over full
 per step, pushed like any step. Unmerged (verl's default): verl calls ``update_weights`` with the base
 weights once (``base_sync_done=False``) and then with the adapter every step, the first time under the
 same ``global_steps``; the adapter keeps the base and pushes base + merged adapter as ONE payload per
-version (:mod:`trainer_plugin.lora_merge`). That needs the base sync, which verl does only with a
-``dummy`` ``rollout.load_format``: anything else is refused at start-up
-(:func:`refuse_lora_without_base_sync`).
+version (:mod:`trainer_plugin.lora_merge`). Only each node's lowest rank keeps the base and merges:
+verl hands every rank the full tensors, but only that rank stages them into the node's sender; the
+others drain verl's iterators, check the adapter against the base's names and shapes (so every rank
+refuses alike) and hand the push hook no tensors: a node holds one base copy. All this needs the base
+sync, which verl does only with a ``dummy`` ``rollout.load_format``: anything else is refused at
+start-up (:func:`refuse_lora_without_base_sync`).
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ from rollout_manager.osutil import format_endpoint
 from . import manager_address
 from .launcher import ManagerProcess
 from .lora_merge import LoraMerge, LoraSpec
-from .node_layout import this_node_id, this_node_ip
+from .node_layout import gather_layout, this_node_id, this_node_ip
 from .proxy import ManagerProxyServer
 from .settings import ROLLOUT_NAME, PluginSettings, from_rollout_config
-from .weight_push import WeightPush, WeightPushContext, call_weight_push, load_weight_push
+from .weight_push import TorchDistComm, WeightPush, WeightPushContext, call_weight_push, load_weight_push
 
 log = logging.getLogger("trainer_plugin.verl")
 
@@ -61,7 +64,8 @@ def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
     m = settings.manager
     if not m.launch:
         return None
-    key = (m.host, m.port)
+    host = manager_address.bind_host(settings)
+    key = (host, m.port)
     with _MANAGERS_LOCK:
         proc = _MANAGERS.get(key)
         if proc is not None and (proc.attached or proc.running()):
@@ -69,7 +73,7 @@ def ensure_manager(settings: PluginSettings) -> ManagerProcess | None:
         extra: list[str] = []
         for item in m.overrides:
             extra += ["--set", item]
-        proc = ManagerProcess(m.host, m.port, m.config_path, extra_args=extra, log_path=m.log_path,
+        proc = ManagerProcess(host, m.port, m.config_path, extra_args=extra, log_path=m.log_path,
                               startup_timeout_s=m.startup_timeout_s, attach_existing=m.attach_existing)
         proc.start()
         _MANAGERS[key] = proc
@@ -175,22 +179,23 @@ class ManagerServerAdapter(BaseRollout):
         base_sync_done = bool(kwargs.pop("base_sync_done", True))
         self._refuse_published(global_steps)
         payload: Iterable[tuple[str, torch.Tensor]] = weights
+        rank, world = _rank_and_world()
         if peft_config is not None and not base_sync_done:
-            # verl's base sync (unmerged LoRA): kept, and published only merged with the adapter that follows
-            # under the same global_steps, so one version never carries two payloads
-            return {"pushed": False, "lora_base_tensors": self._lora.keep_base(weights)}
+            # verl's base sync (unmerged LoRA): kept where the merge happens, and published only merged with
+            # the adapter that follows under the same global_steps, so one version never carries two payloads
+            keep = gather_layout(TorchDistComm(), rank).is_leader  # collective: every rank syncs the base
+            count = self._lora.keep_base(weights, keep=keep)
+            return {"pushed": False, "lora_base_tensors": count, "lora_base_bytes": self._lora.base_bytes}
         if peft_config is not None:
-            if not self._lora.has_base:
+            if not self._lora.synced:
                 raise RuntimeError(f"LoRA adapter for global_steps={global_steps} arrived before any base weights: "
                                    f"verl syncs the base only with {LOAD_FORMAT_KEY}=dummy")
+            # checked alike on every rank; merged only where the base was kept (the node's sender rank)
             payload = self._lora.merged(weights, LoraSpec.from_peft_config(peft_config))
         if self._push is None:
             self._push = load_weight_push(self.settings.manager.weight_push)
         if self._manager_url is None:
             self._manager_url = await asyncio.to_thread(manager_address.resolve, self.settings)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
-        world = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
-                 else int(os.environ.get("WORLD_SIZE", 1)))
         context = WeightPushContext(rank=rank, world_size=world, manager_url=self._manager_url,
                                     rollout_config=self.config, wire_format=wire_format, kwargs=kwargs,
                                     node_id=this_node_id(), node_ip=this_node_ip())
@@ -204,6 +209,12 @@ class ManagerServerAdapter(BaseRollout):
         if global_steps is not None and self._last_steps is not None and int(global_steps) == self._last_steps:
             raise RuntimeError(f"update_weights called twice with global_steps={global_steps}: a second payload "
                                "may not be published under a version the instances already have")
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def rollout_config_of(config: Any) -> Any:

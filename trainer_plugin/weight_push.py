@@ -9,6 +9,8 @@ function named by ``actor_rollout_ref.rollout.custom.rollout_manager.weight_push
 ``weights``
     an iterator of ``(name, tensor)`` pairs (``wire_format="named_tensors"``). Every rank MUST
     iterate it to the end: with FSDP, producing each full tensor is a collective across ranks.
+    With unmerged LoRA (verl's default) the merged weights reach only each node's lowest rank (the
+    one that keeps the base, see :mod:`trainer_plugin.lora_merge`); the other ranks get no tensors.
 ``global_steps``
     the step whose weights these are (the new weight version). verl's sync trainer also calls it from
     ``on_init_end``, after loading a checkpoint: 0 on a fresh run (the model path every instance
