@@ -178,3 +178,28 @@ class TaskRunner:
     def stop(self) -> None:
         if self.replica.manager is not None:
             self.replica.manager.stop()
+
+
+def trained_state(model_dir: str, step: int) -> dict[str, torch.Tensor]:
+    """The trainer's model after ``step`` steps: a float32 ``transformers`` ``LlamaForCausalLM`` built from the
+    checkpoint's config and loaded with its weights (so names and shapes are SGLang's), then moved by one
+    seeded random step per training step (large enough to change greedy tokens)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(model_dir)).to(torch.float32)
+    model.load_state_dict(load_file(os.path.join(model_dir, "model.safetensors")))
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    for s in range(1, step + 1):
+        gen = torch.Generator().manual_seed(s)
+        state = {name: (state[name] + torch.randn(state[name].shape, generator=gen) * 0.05).contiguous()
+                 for name in sorted(state)}
+    return state
+
+
+class HFPushWorker(PushWorker):
+    """:class:`PushWorker` whose shards are of the ``transformers`` model of :func:`trained_state`."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_hf(self, model_dir: str, step: int) -> None:
+        self.shards = _shard(trained_state(model_dir, step))
