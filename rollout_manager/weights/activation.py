@@ -13,7 +13,9 @@ buffer) while SGLang keeps serving the previous one. ``POST /activate {version, 
    ``model_update_lock`` writer lock, which waits for every ``/generate`` in flight to finish.
 2. The load (:mod:`rollout_manager.sglang.weight_loader`): the changed tensors in buckets inside
    ``/begin_weight_update`` ... ``/end_weight_update`` where the server has sessions, the flush
-   (``retract``), the read-back of a sample, ``/update_weight_version`` confirmed by ``/model_info``.
+   (``retract``; once, without a timeout: with one SGLang waits for its waiting queue, holding the retracted
+   requests, to empty, which cannot happen while paused), the read-back of a sample,
+   ``/update_weight_version`` confirmed by ``/model_info``.
 3. ``/continue_generation``: the requests go on; their chunks from here carry the new ``weight_version``.
 
 The guarantee that a failed load never serves a half-loaded model: ``/continue_generation`` is called only
@@ -67,7 +69,7 @@ async def activate(agent: ReceiverAgent, req: ActivateRequest) -> ActivateAnswer
     sample = readback_sample(named, agent.readback_tensors, req.version)
     try:
         report = await weights.load(loading, req.version, sample=sample, served=agent._served,
-                                    flush=req.mode == "retract")
+                                    flush="now" if req.mode == "retract" else None)
         load_s = time.monotonic() - paused_at
         await weights.resume()
     except BaseException as exc:  # LoadRefused, a lost connection, a cancelled activation: stay paused
