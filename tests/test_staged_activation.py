@@ -85,9 +85,16 @@ async def test_a_stream_crossing_a_staged_activation_keeps_every_token_under_the
     n = 300
     seen: list[dict[str, Any]] = []
     task = asyncio.create_task(stream(box.url, n, seen))
+    via = asyncio.ensure_future(m.post("/generate", {"input_ids": [9, 9, 9], "sampling_params": {
+        "temperature": 0, "max_new_tokens": n, "ignore_eos": True}}))  # the same, through the manager
     await async_wait_until(lambda: len(seen) >= 10, timeout_s=30, message="the stream to start")
     ws = await publish(m, sender, 1)  # returns once the box serves version 1
     await asyncio.wait_for(task, 60)
+    status, through = await asyncio.wait_for(via, 60)
+    assert status == 200 and len(through["output_ids"]) == n, through
+    segments = through["meta_info"]["segments"]  # neither aborted nor moved: one box, continuing
+    assert {s["endpoint"] for s in segments} == {box.endpoint} and segments[-1]["weight_version"] == "1"
+    assert not [s for s in segments if s["outcome"] != "finished" and "version" not in s["outcome"]], segments
 
     final = seen[-1]["meta_info"]
     assert final["finish_reason"]["type"] == "length" and final["completion_tokens"] == n  # never aborted
@@ -110,6 +117,7 @@ async def test_a_stream_crossing_a_staged_activation_keeps_every_token_under_the
     assert wv["active"] == 1 and wv["staged"] is None and wv["activating"] is None
     assert 0 < wv["paused_s"]["1"] < 5
     assert not [e for e in st["recent_events"] if e["endpoint"] == box.endpoint and e["to"] == "syncing"]
+    assert st["generation"]["failed"] == 0 and st["generation"].get("evicted", 0) == 0
     assert (await server_info(box.url))["cpu_engine"]["paused"] is False
     async with aiohttp.ClientSession() as s, s.get(m.url + "/metrics", headers=m.headers) as r:
         text = await r.text()

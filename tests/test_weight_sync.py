@@ -18,6 +18,7 @@ from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.rollout.sequence import version_check
 from rollout_manager.weights.groups import SenderPlan
 from rollout_manager.weights.sync import SyncSettings, WeightSync
 
@@ -394,7 +395,12 @@ async def test_a_trainer_waiting_for_staged_instances_goes_on_before_they_load(s
     rig.sync.bump(1)
     answer = await rig.sync.wait(1, None, 2.0, staged=True)
     assert not answer["timed_out"] and answer["instances_at_version"] == 2
-    assert a.weight_version == b.weight_version == 0 and a.versions.activating == b.versions.activating == 1
+    assert a.versions.activating == b.versions.activating == 1  # loading, still serving version 0:
+    assert a.versions.serving(a.weight_version) == b.versions.serving(b.weight_version) == 0
+    # SGLang sends version-1 chunks as soon as it continues, before the activation's answer: they are accepted.
+    a.joined_version = "0"
+    check = version_check(a, 0)
+    assert check is not None and check("1") is None and check("0") is None
     assert (await rig.sync.wait(1, None, 0.05))["timed_out"]  # not serving it yet
     rig.agents.activate_hold.set()
     assert not (await rig.sync.wait(1, None, 2.0))["timed_out"]

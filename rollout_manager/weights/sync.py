@@ -177,7 +177,8 @@ class WeightSync:
         verified, staged beside the served version or serving it), bounded."""
         def has(i: Instance) -> bool:
             v = i.versions
-            return i.weight_version >= version or (staged and max(v.staged or -1, v.activating or -1) >= version)
+            return v.serving(i.weight_version) >= version or (staged and max(v.staged or -1, v.activating or -1)
+                                                               >= version)
 
         def remote_ready() -> int:
             return len([i for i in self.registry.in_state(State.ACTIVE) if i.kind == Kind.REMOTE and has(i)])
@@ -322,21 +323,26 @@ class WeightSync:
             if version != self.version.current or self.registry.get(inst.id) is not inst:
                 self._note_push(result)  # staged, never loaded
                 continue  # superseded before activation (the receiver drops it when the newer one lands)
-            bv.activating = version
+            # Chunks made by the new version arrive as soon as generation continues, before the answer: the
+            # instance is named at the new version from the pause on (BoxVersions.serving says what it serves).
+            before = inst.weight_version
+            bv.activating, bv.serving_before = version, before
+            inst.weight_version = version
             receiver_url = f"http://{format_endpoint(inst.host, inst.weight_receiver_port or 0)}"
             try:
                 answer = await bounded(self.agents.activate(receiver_url, ActivateRequest(
                     version=version, mode=cfg.pause_mode)), cfg.push_timeout_s)
             except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                inst.weight_version = before  # not loaded (or not known to be)
                 reason = str(exc) or type(exc).__name__
-                if isinstance(exc, PushFailed) and exc.status == 409:  # not staged there (it restarted?)
-                    failures += 1
+                if isinstance(exc, PushFailed) and exc.status == 409 and failures + 1 < cfg.max_attempts:
+                    failures += 1  # not staged there (its agent restarted?): stage it again
                     inst.set_error(f"weight activation: {reason}")
                     continue
                 self._activation_failed(inst, version, reason)
                 return
             finally:
-                bv.activating = None
+                bv.activating = bv.serving_before = None
                 bv.staged = None if bv.staged == version else bv.staged
             failures = 0
             self._note_push(dataclasses.replace(result, load_s=answer.load_s, reloaded=answer.reloaded,
