@@ -77,6 +77,7 @@ async def test_bump_syncs_active_remote_instances_and_returns_them_at_the_new_ve
     prepare = next(body for name, _, body in rig.agents.calls if name == "prepare")
     assert prepare == {"version": 1, "layout": FakeAgents.LAYOUT.model_dump(), "transport": "tcp"}
     assert [p.version for p in rig.sync.pushes] == [1, 1]
+    assert set(a.versions.paused_s) == {1} and a.versions.paused_s[1] > 0  # out of service for version 1
 
 
 async def test_a_sync_waits_for_in_flight_requests_to_finish(rig: Rig) -> None:

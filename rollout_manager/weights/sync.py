@@ -129,6 +129,7 @@ class WeightSync:
         self._serving: dict[str, int] = {}  # peer bootstraps in flight per serving instance
         self._trainer_sums: dict[int, tuple[str, list[tuple[int, int]], list[str]]] = {}  # version -> sums
         self._full_gbps: dict[str, float] = {}  # instance -> GB/s of its last full push from its sender
+        self._out_since: dict[str, float] = {}  # instance -> when it left service (active -> syncing)
         registry.listeners.append(self._on_event)
 
     # ------------------------------------------------------------ trainer-facing
@@ -201,11 +202,14 @@ class WeightSync:
 
     # ------------------------------------------------------------ per instance
     def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.new == State.SYNCING and event.old == State.ACTIVE:
+            self._out_since[inst.id] = time.monotonic()
         if event.new == State.SYNCING:
             self._ensure_sync(inst)
         elif event.new == State.DEAD:
             self._synced.discard(inst.id)
             self._full_gbps.pop(inst.id, None)
+            self._out_since.pop(inst.id, None)
             task = self._tasks.pop(inst.id, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -220,7 +224,6 @@ class WeightSync:
     async def _sync(self, inst: Instance) -> None:
         cfg = self.settings
         failures = 0
-        out_since = time.monotonic()  # out of service from here until it is active again
         while self.registry.get(inst.id) is inst and inst.weight_version < self.version.current:
             version = self.version.current
             if inst.in_flight:
@@ -273,13 +276,14 @@ class WeightSync:
                 await self.load_changed.wait(cfg.retry_s)
                 continue
             failures = 0
-            if inst.id in self._synced:  # it served before: the time it did not is this version's cost
-                inst.versions.record_pause(version, time.monotonic() - out_since)
             self._synced.add(inst.id)
             inst.weight_version = version
             inst.clear_error()
             self._note_push(result)
             if version == self.version.current:
+                out_since = self._out_since.pop(inst.id, None)
+                if out_since is not None:  # it served before: the time it did not is the cost of this version
+                    inst.versions.record_pause(version, time.monotonic() - out_since)
                 self.registry.transition(inst, State.ACTIVE, f"weights at version {version} "
                                          f"({result.gbps:.2f} GB/s, {result.total_s:.2f}s)")
         self._tasks.pop(inst.id, None)
