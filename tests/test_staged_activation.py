@@ -214,3 +214,26 @@ async def test_the_trainers_publish_returns_once_every_box_has_staged_not_once_t
         return {i["weight_version"] for i in (await m.status())["instances"]} == {1}
 
     await async_wait_until(serving, timeout_s=30, message="both boxes serving version 1")
+
+
+async def test_a_box_that_dies_while_activating_is_removed_and_the_others_serve_the_version(fleet) -> None:
+    m, sender, add_box = fleet
+    doomed, other = await add_box(), await add_box()
+    await set_faults(doomed.url, load_delay_s=5.0)
+    await asyncio.to_thread(sender.stage, weights(1), 1)
+    status, res = await m.post("/update_weight_version", {})
+    assert status == 200, res
+
+    async def activating() -> bool:
+        inst = next(i for i in (await m.status())["instances"] if i["endpoint"] == doomed.endpoint)
+        return inst["weight_versions"]["activating"] == 1
+
+    await async_wait_until(activating, timeout_s=30, message="the doomed box activating version 1")
+    doomed.engine.stop()  # SGLang dies mid-load
+
+    async def settled() -> bool:
+        st = await m.status()
+        return [(i["endpoint"], i["state"], i["weight_version"]) for i in st["instances"]] == [
+            (other.endpoint, "active", 1)]
+
+    await async_wait_until(settled, timeout_s=60, message="the dead box removed, the other serving version 1")
