@@ -94,6 +94,10 @@ class Config(BaseModel):
     weight_delta_below_gbps: float = Field(default=0.4, gt=0)
     peer_bootstrap: bool = True
     peer_bootstrap_timeout_s: float = Field(default=120.0, gt=0)  # each peer's part; the sender's has the above
+    # "staged": boxes keep serving while a version is pushed and verified, then pause briefly to load it;
+    # "drain": a box stops taking work, drains, then receives and loads (strictly on-policy rollouts).
+    weight_activation: Literal["staged", "drain"] = "staged"
+    weight_activation_pause_mode: Literal["retract", "in_place"] = "retract"  # SGLang's pause mode to load in
 
     # Instance health.
     startup_grace_period_s: float = Field(default=1800.0, gt=0)

@@ -168,7 +168,8 @@ class Manager:
             "pending_instance_endpoints": [i.endpoint for i in pending],
             "weight_version": self.version.current,
             "counts": self.registry.counts(),
-            "instances": [i.to_dict(now) for i in self.registry],
+            "instances": [{**i.to_dict(now), "weight_versions": i.versions.to_dict(i.weight_version)}
+                          for i in self.registry],
             "weight_senders": self.senders.status(),
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
@@ -203,11 +204,12 @@ class Manager:
 
     # ------------------------------------------------------------ weight versions
     async def update_weight_version(self, new_version: int | None, wait_for: int | str | None,
-                                    timeout_s: float) -> dict[str, Any]:
+                                    timeout_s: float, staged: bool = False) -> dict[str, Any]:
         version = self.weights.bump(new_version)
         out: dict[str, Any] = {"new_weight_version": version}
         if wait_for is not None:
-            out.update(await self.weights.wait(version, None if wait_for == "all" else int(wait_for), timeout_s))
+            out.update(await self.weights.wait(version, None if wait_for == "all" else int(wait_for), timeout_s,
+                                               staged))
         return out
 
     # ------------------------------------------------------------ removal

@@ -119,6 +119,16 @@ class StateCollector(Collector):
         bound = GaugeMetricFamily(PREFIX + "instance_max_in_flight",
                                   "Most sequences the manager keeps in flight on the instance (its own "
                                   "max_running_requests, or max_in_flight_per_instance).", labels=["endpoint"])
+        staged = GaugeMetricFamily(PREFIX + "instance_weight_version_staged",
+                                   "Weight version held verified beside the served one, waiting for activation "
+                                   "(absent: none).", labels=["endpoint"])
+        activating = GaugeMetricFamily(PREFIX + "instance_weight_version_activating",
+                                       "Weight version being loaded while generation is paused (absent: none).",
+                                       labels=["endpoint"])
+        paused = GaugeMetricFamily(PREFIX + "instance_weight_paused_seconds",
+                                   "Seconds the instance generated nothing for each recent version's update (staged: "
+                                   "the activation pause; drain: the whole time out of service).",
+                                   labels=["endpoint", "version"])
         failures = GaugeMetricFamily(PREFIX + "instance_consecutive_failures",
                                      "Consecutive failed health checks or requests of the instance.",
                                      labels=["endpoint"])
@@ -131,12 +141,19 @@ class StateCollector(Collector):
             version.add_metric(ep, inst.weight_version)
             lag.add_metric(ep, m.version.current - inst.weight_version)
             failures.add_metric(ep, inst.consecutive_failures)
+            bv = inst.versions
+            if bv.staged is not None:
+                staged.add_metric(ep, bv.staged)
+            if bv.activating is not None:
+                activating.add_metric(ep, bv.activating)
+            for v, seconds in bv.paused_s.items():
+                paused.add_metric([inst.endpoint, str(v)], seconds)
             bound.add_metric(ep, m.dispatcher.bound_of(inst))
             meter = m.dispatcher.meters.get(inst.id)
             measured = meter.rate(now) if meter is not None else None
             if measured is not None:
                 rate.add_metric(ep, measured)
-        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound)
+        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound, staged, activating, paused)
 
         yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
                                 value=m.version.current)

@@ -26,6 +26,8 @@ from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import Probe
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.protocol import (
+    ActivateAnswer,
+    ActivateRequest,
     CommitAnswer,
     CommitRequest,
     LayoutAnswer,
@@ -351,6 +353,8 @@ class FakeAgents(AgentClient):
         self.sender_down = False
         self.fail_pushes = 0
         self.hold: asyncio.Event | None = None
+        self.activate_hold: asyncio.Event | None = None
+        self.fail_activations = 0
         self.calls: list[tuple[str, str, dict[str, Any] | None]] = []
 
     def count(self, name: str) -> int:
@@ -382,7 +386,20 @@ class FakeAgents(AgentClient):
 
     async def commit(self, receiver_url: str, req: CommitRequest) -> CommitAnswer:
         self.calls.append(("commit", receiver_url, req.model_dump(exclude_none=True)))
-        return CommitAnswer(ok=True, version=req.version, verify_s=0.0, load_s=0.0, buckets=0)
+        return CommitAnswer(ok=True, version=req.version, verify_s=0.0, load_s=0.0, buckets=0,
+                            staged=True if req.stage else None)
+
+    async def activate(self, receiver_url: str, req: ActivateRequest) -> ActivateAnswer:
+        """``activate_hold``: activations wait on it; ``fail_activations``: that many fail after the pause
+        (503, SGLang left paused), then they succeed."""
+        self.calls.append(("activate", receiver_url, req.model_dump(exclude_none=True)))
+        if self.activate_hold is not None:
+            await self.activate_hold.wait()
+        if self.fail_activations > 0:
+            self.fail_activations -= 1
+            raise PushFailed(f"POST {receiver_url}/activate -> HTTP 503: load failed after the pause (fake)", 503)
+        return ActivateAnswer(version=req.version, mode=req.mode, paused_s=0.25, load_s=0.2, buckets=1, reloaded=3,
+                              readback=0)
 
 
 async def yield_until(predicate: Callable[[], bool], max_yields: int = 1000) -> None:

@@ -572,7 +572,7 @@ async def test_weight_load_longer_than_health_interval_is_not_death(start_manage
     m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
                             weight_transport="tcp", weight_push_timeout_s="30",
                             health_check_interval_s=str(interval), health_check_timeout_s=str(probe_timeout),
-                            health_failure_threshold=str(threshold))
+                            health_failure_threshold=str(threshold), weight_activation="drain")
     sender = SenderAgent(["127.0.0.1"], sender_port).start()
     model_json = json.dumps(WEIGHT_MODEL)
     slow = await fleet.spawn("--model-config", model_json, "--load-delay-s", str(LOAD_DELAY_S),

@@ -424,6 +424,30 @@ async def test_pause_in_place_then_continue_keeps_outputs(engines, session, ref_
     assert (await queued)["output_ids"] == reference_generate(ref_model, [5, 6], 8)[0]
 
 
+async def test_pause_modes_and_the_flush_rules_sglang_has(engines, session, ref_model):
+    """'in_place' keeps the running request and its cache, so a flush is refused; 'retract' moves it back to
+    the queue, so a flush without a timeout succeeds (one with a timeout waits for the queue, and times
+    out); after continue the request finishes with the tokens it would have made unpaused."""
+    e = engines("main")
+    ref, _ = reference_generate(ref_model, PROMPT, 200)
+    s = Stream(session, e.url, {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 200}})
+    it = s.__aiter__()
+    await it.__anext__()
+    statuses = []
+    try:
+        for mode in ("in_place", "retract"):
+            statuses.append((await post(session, e.url + wire.PAUSE_GENERATION, {"mode": mode}))[0])
+            statuses.append((await post(session, e.url + wire.FLUSH_CACHE + "?timeout=0.2"))[0])
+            statuses.append((await post(session, e.url + wire.FLUSH_CACHE))[0])
+            statuses.append((await post(session, e.url + wire.CONTINUE_GENERATION))[0])
+    finally:
+        await post(session, e.url + wire.CONTINUE_GENERATION)
+    async for _ in it:
+        pass
+    assert statuses == [200, 400, 400, 200, 200, 400, 200, 200]
+    assert s.done and fold(s.chunks).output_ids.tolist() == ref
+
+
 @pytest.mark.slow
 async def test_pause_default_mode_aborts_in_flight(engines, session):
     e = engines("main")

@@ -148,7 +148,9 @@ async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig
     for box in boxes:
         assert value(s, "rollout_manager_instance_weight_version", endpoint=box.endpoint) == 1
         assert value(s, "rollout_manager_instance_weight_version_lag", endpoint=box.endpoint) == 0
-    assert value(s, "rollout_manager_instance_transitions_total", to="syncing") == 2
+        # staged activation (the default): each box paused only to load version 1, and never left service
+        assert 0 < value(s, "rollout_manager_instance_weight_paused_seconds", endpoint=box.endpoint, version="1") < 5
+    assert value(s, "rollout_manager_instance_transitions_total", to="syncing") == 0
 
 
 @pytest.mark.slow

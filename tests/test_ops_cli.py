@@ -55,7 +55,7 @@ async def test_status_table_and_json(start_manager, start_engines):
 
 
 async def test_status_shows_what_a_syncing_instance_waits_for(start_manager, start_engines):
-    mgr = await start_manager()
+    mgr = await start_manager(weight_activation="drain")  # out of service while it waits
     engine, = await start_engines([])
     await mgr.register(engine)
     status, answer = await mgr.put_senders([["127.0.0.1"]], groups=1)

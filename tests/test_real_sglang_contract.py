@@ -454,6 +454,71 @@ async def test_pause_in_place_then_continue_finishes_the_request(pair: Pair, htt
     assert status == 200 and acted[0] == acted[2] == 200 and fin == {"type": "length", "length": 200}
 
 
+async def test_a_load_inside_a_retract_pause_flushes_and_the_request_continues_under_the_new_version(
+        pair: Pair, http: aiohttp.ClientSession, real_sglang_model: Path) -> None:
+    """Staged activation's sequence (weights/activation.py): pause in 'retract' mode while a request runs, then
+    the flush, a weight-update session, a load with a version, continue. Paused, the weight calls run at once
+    (no waiting for the running request); 'retract' moved it to the waiting queue, so a flush without a timeout
+    succeeds (one with a timeout waits for the queue to empty, and times out); the request then finishes every
+    token, its chunks after the swap carry the new version."""
+    async def scenario(url: str) -> Any:
+        async def activate() -> Any:
+            payload = [tensor_payload.serialize_named_tensors(own_tensor(url, pair, real_sglang_model))]
+            load = wire.update_weights_from_tensor_body(payload, flush_cache=False, weight_version=None)
+            steps = [await call(http, url, "/pause_generation", {"mode": "retract"}),
+                     await call(http, url, "/begin_weight_update", {}),
+                     await call(http, url, "/update_weights_from_tensor", load),
+                     await call(http, url, "/end_weight_update", {}),
+                     await call(http, url, "/flush_cache?timeout=0.5", {}),  # waits for the queue too: refused
+                     await call(http, url, "/flush_cache", {}),
+                     await call(http, url, "/update_weight_version",
+                                {"new_version": "v-retract", "abort_all_requests": False}),
+                     await call(http, url, "/continue_generation", {})]
+            return [status for status, _ in steps]
+
+        status, frames, acted = await stream(http, url, {"input_ids": PROMPT, "sampling_params": greedy(300)},
+                                             activate)
+        outs = [f for f in frames if f != "[DONE]"]
+        versions = [f["meta_info"]["weight_version"] for f in outs]
+        spans = outs[-1]["meta_info"].get("weight_versions") or []
+        k = spans[0]["end"] if spans else None
+        return (acted, status, finish_shape(finish(outs[-1])), versions[-1], versions[0] != "v-retract",
+                [sp["version"] for sp in spans], k is not None and 0 < k < 300)
+
+    acted, status, fin, last, first_old, span_versions, inside = await both(pair, scenario)
+    assert acted == [200, 200, 200, 200, 400, 200, 200, 200] and status == 200
+    assert fin == {"type": "length", "length": 300}
+    assert last == "v-retract" and first_old and span_versions[-1] == "v-retract" and inside
+
+
+async def test_an_in_place_pause_refuses_a_flush_and_a_load_that_asks_for_one(
+        pair: Pair, http: aiohttp.ClientSession, real_sglang_model: Path) -> None:
+    """'in_place' keeps the running request with its cache: a flush is refused, and so is a load that asks
+    for one (the weights are in, the call fails); a load without the flush succeeds, and after continue
+    the request finishes."""
+    async def scenario(url: str) -> Any:
+        async def activate() -> Any:
+            payload = [tensor_payload.serialize_named_tensors(own_tensor(url, pair, real_sglang_model))]
+            flushing = wire.update_weights_from_tensor_body(payload, flush_cache=True, weight_version=None)
+            plain = wire.update_weights_from_tensor_body(payload, flush_cache=False, weight_version=None)
+            steps = [await call(http, url, "/pause_generation", {"mode": "in_place"}),
+                     await call(http, url, "/flush_cache", {}),
+                     await call(http, url, "/begin_weight_update", {}),
+                     await call(http, url, "/update_weights_from_tensor", flushing),
+                     await call(http, url, "/update_weights_from_tensor", plain),
+                     await call(http, url, "/end_weight_update", {}),
+                     await call(http, url, "/continue_generation", {})]
+            return [status for status, _ in steps]
+
+        status, frames, acted = await stream(http, url, {"input_ids": PROMPT, "sampling_params": greedy(300)},
+                                             activate)
+        return acted, status, finish_shape(finish(frames[-2]))
+
+    acted, status, fin = await both(pair, scenario)
+    assert acted == [200, 400, 200, 400, 200, 200, 200]
+    assert status == 200 and fin == {"type": "length", "length": 300}
+
+
 # ------------------------------------------------------------------ flush, weight sessions, versions
 
 

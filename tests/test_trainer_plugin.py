@@ -443,6 +443,9 @@ def test_settings_and_argv_mapping(tmp_path):
         from_rollout_config({"custom": {"rollout_manager": {"prot": 1}}})
     with pytest.raises(SettingsError, match="config_path=/nope.toml: no such file"):
         from_rollout_config({"custom": {"rollout_manager": {"config_path": "/nope.toml"}}})
+    assert from_rollout_config({}).manager.weight_push_wait_until == "staged"  # update_weights returns once staged
+    with pytest.raises(SettingsError, match="weight_push_wait_until must be 'staged' or 'serving', got 'loaded'"):
+        from_rollout_config({"custom": {"rollout_manager": {"weight_push_wait_until": "loaded"}}})
 
 
 # ---------------------------------------------------------------------------------------- verl

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from support import PY, Box, Proc, free_port
+from support import PY, Box, Proc, async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from trainer_plugin.client import ManagerClient
@@ -124,6 +124,11 @@ async def test_verl_adapter_pushes_through_the_default_hook(pool):
     try:
         result = await adapter.update_weights(iter(policy.state_dict().items()), global_steps=1)
         assert result["pushed"] and result["new_weight_version"] == 1 and result["instances_at_version"] == 2
+
+        async def serving() -> bool:  # the hook returns once both boxes have it staged; they then activate it
+            return {i["weight_version"] for i in (await m.status())["instances"]} == {1}
+
+        await async_wait_until(serving, timeout_s=30, message="both boxes serving version 1")
         out = await greedy(m, [5, 5, 5])
         assert out["output_ids"] == reference_generate(policy, [5, 5, 5], 10)[0]
         assert (await adapter.update_weights(iter(()), global_steps=None)) == {"pushed": False}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.rollout.sequence import version_check
 from rollout_manager.weights.groups import SenderPlan
 from rollout_manager.weights.sync import SyncSettings, WeightSync
 
@@ -75,6 +77,7 @@ async def test_bump_syncs_active_remote_instances_and_returns_them_at_the_new_ve
     prepare = next(body for name, _, body in rig.agents.calls if name == "prepare")
     assert prepare == {"version": 1, "layout": FakeAgents.LAYOUT.model_dump(), "transport": "tcp"}
     assert [p.version for p in rig.sync.pushes] == [1, 1]
+    assert set(a.versions.paused_s) == {1} and a.versions.paused_s[1] > 0  # out of service for version 1
 
 
 async def test_a_sync_waits_for_in_flight_requests_to_finish(rig: Rig) -> None:
@@ -325,3 +328,96 @@ async def test_a_successful_push_clears_the_last_error(rig: Rig) -> None:
     await rig.settled(a)
     assert a.last_error is None and a.last_error_at is None
     assert a.to_dict(0.0)["last_error"] is None and a.to_dict(0.0)["last_error_at"] is None
+
+
+# ------------------------------------------------------------------ staged activation
+
+STAGED = dataclasses.replace(SETTINGS, activation="staged")
+
+
+@pytest.fixture
+async def staged_rig(rig: Rig) -> AsyncIterator[Rig]:
+    evicted: list[str] = []
+
+    def evict(inst: Instance, reason: str) -> int:
+        evicted.append(f"{inst.id}: {reason}")
+        return 0
+
+    await rig.sync.close()
+    rig.registry.listeners.remove(rig.sync._on_event)  # the drain-mode sync must not act on these instances
+    rig.sync = WeightSync(rig.registry, rig.version, rig.senders, rig.agents, STAGED, rig.dispatcher.changed, evict)
+    rig.evicted = evicted  # type: ignore[attr-defined]
+    yield rig
+    await rig.sync.close()
+
+
+async def test_staged_instances_keep_serving_while_they_stage_and_load_in_a_pause(staged_rig: Rig) -> None:
+    rig = staged_rig
+    a = rig.add()
+    rig.agents.staged = 1
+    rig.agents.hold = asyncio.Event()
+    rig.sync.bump(1)
+    await yield_until(lambda: rig.agents.count("push") == 1)
+    assert a.state == State.ACTIVE and a.versions.staging == 1  # still serving version 0
+    assert rig.dispatcher.try_acquire(10) is a
+    rig.dispatcher.release(a, 10)
+    rig.agents.hold.set()
+    await async_wait_until(lambda: a.weight_version == 1, 2, interval_s=0.005, message="version 1 active")
+    commit = next(body for name, _, body in rig.agents.calls if name == "commit")
+    assert commit["stage"] is True
+    assert [body for name, _, body in rig.agents.calls if name == "activate"] == [{"version": 1, "mode": "retract"}]
+    assert a.state == State.ACTIVE and a.versions.to_dict(a.weight_version) == {
+        "active": 1, "staging": None, "staged": None, "activating": None, "paused_s": {"1": 0.25}}
+    assert [e.new for e in rig.registry.events if e.instance_id == a.id] == [State.PENDING, State.ACTIVE]  # no syncing
+    push = rig.sync.pushes[-1]
+    assert (push.version, push.load_s, push.reloaded) == (1, 0.2, 3)  # the activation's load
+
+
+async def test_a_version_superseded_while_it_stages_is_not_activated(staged_rig: Rig) -> None:
+    rig = staged_rig
+    a = rig.add()
+    rig.agents.staged = 1
+    rig.agents.hold = asyncio.Event()
+    rig.sync.bump(1)
+    await yield_until(lambda: rig.agents.count("push") == 1)
+    rig.agents.staged = 2
+    rig.sync.bump(2)
+    rig.agents.hold.set()
+    await async_wait_until(lambda: a.weight_version == 2, 2, interval_s=0.005, message="version 2 active")
+    assert [body["version"] for name, _, body in rig.agents.calls if name == "commit"] == [1, 2]
+    assert [body["version"] for name, _, body in rig.agents.calls if name == "activate"] == [2]
+
+
+async def test_a_trainer_waiting_for_staged_instances_goes_on_before_they_load(staged_rig: Rig) -> None:
+    rig = staged_rig
+    a, b = rig.add(), rig.add()
+    rig.agents.staged = 1
+    rig.agents.activate_hold = asyncio.Event()
+    rig.sync.bump(1)
+    answer = await rig.sync.wait(1, None, 2.0, staged=True)
+    assert not answer["timed_out"] and answer["instances_at_version"] == 2
+    assert a.versions.activating == b.versions.activating == 1  # loading, still serving version 0:
+    assert a.versions.serving(a.weight_version) == b.versions.serving(b.weight_version) == 0
+    # SGLang sends version-1 chunks as soon as it continues, before the activation's answer: they are accepted.
+    a.joined_version = "0"
+    check = version_check(a, 0)
+    assert check is not None and check("1") is None and check("0") is None
+    assert (await rig.sync.wait(1, None, 0.05))["timed_out"]  # not serving it yet
+    rig.agents.activate_hold.set()
+    assert not (await rig.sync.wait(1, None, 2.0))["timed_out"]
+
+
+async def test_a_failed_activation_takes_the_instance_out_of_service_and_a_full_push_recovers_it(
+        staged_rig: Rig) -> None:
+    rig = staged_rig
+    a = rig.add()
+    rig.agents.staged = 1
+    rig.agents.fail_activations = 1
+    rig.sync.bump(1)
+    await async_wait_until(lambda: a.weight_version == 1 and a.state == State.ACTIVE, 2, interval_s=0.005,
+                           message="version 1 active after the recovery")
+    assert rig.evicted == [f"{a.id}: weight activation failed"]  # type: ignore[attr-defined]
+    states = [e.new for e in rig.registry.events if e.instance_id == a.id]
+    assert states == [State.PENDING, State.ACTIVE, State.SYNCING, State.ACTIVE]
+    commits = [body.get("stage") for name, _, body in rig.agents.calls if name == "commit"]
+    assert commits == [True, None]  # staged, then the drain-mode push loads it in full

@@ -33,11 +33,12 @@ def trainer_weights(step: int) -> dict[str, torch.Tensor]:
 @pytest.fixture
 async def rig(start_manager, tmp_path, request):
     sender_port = free_port()
-    transport, _, auth = getattr(request, "param", "mooncake").partition("+")
+    param, _, activation = getattr(request, "param", "mooncake").partition("@")  # "...@staged": staged activation
+    transport, _, auth = param.partition("+")
     token = "s3cret-token" if auth else ""
     m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
                             weight_push_retry_s="0.2", weight_push_max_attempts="2",
-                            weight_transport=transport, auth_token=token)
+                            weight_transport=transport, auth_token=token, weight_activation=activation or "drain")
     sender = SenderAgent(SENDER_IPS, sender_port, auth_token=token).start()
     boxes: list[Box] = []
 
@@ -65,7 +66,7 @@ async def greedy_via(m, prompt, n=8):
     return out
 
 
-@pytest.mark.parametrize("rig", ["mooncake", "tcp+auth"], indirect=True)
+@pytest.mark.parametrize("rig", ["mooncake", "tcp+auth", "mooncake@staged"], indirect=True)
 async def test_push_to_three_engines_in_two_groups_is_bit_exact_and_changes_outputs(rig):
     m, sender, add_box = rig
     boxes = [await add_box() for _ in range(3)]
@@ -160,7 +161,8 @@ async def test_a_dead_sender_keeps_instances_out_of_service_without_removing_the
 async def test_a_weight_load_longer_than_the_health_interval_is_not_taken_for_death(start_manager, tmp_path):
     """Health answers 503 for 2 s while the box loads; checks every 0.2 s, 2 failures would evict."""
     port = free_port()
-    m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8")
+    m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8",
+                            weight_activation="drain")
     sender = SenderAgent(SENDER_IPS, port).start()
     box = Box(tmp_path, MODEL_JSON)
     try:
@@ -188,7 +190,7 @@ async def test_a_sequence_still_running_at_the_drain_timeout_moves_on_and_the_pu
     port = free_port()
     m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8",
                             weight_transport="tcp", drain_timeout_s="0.5", tail_migration="false",
-                            engine_stream_interval="1")
+                            engine_stream_interval="1", weight_activation="drain")
     sender = SenderAgent(SENDER_IPS, port).start()
     boxes = [Box(tmp_path, MODEL_JSON), Box(tmp_path, MODEL_JSON)]
     try:

@@ -547,9 +547,12 @@ class ManagerClient:
         return await self._call("POST", "/abort_local_requests", {})
 
     async def update_weight_version(self, new_version: int | None = None, *, wait_for: int | str | None = None,
-                                    timeout_s: float = 600.0) -> dict[str, Any]:
-        """Publish a staged weight version; with ``wait_for`` ("all" or a count) wait until served."""
+                                    timeout_s: float = 600.0, wait_until: str = "serving") -> dict[str, Any]:
+        """Publish a staged weight version; with ``wait_for`` ("all" or a count) wait until that many instances
+        serve it (``wait_until`` "staged": hold it verified, ready to activate)."""
         body: dict[str, Any] = {"timeout_s": float(timeout_s)}
+        if wait_until != "serving":
+            body["wait_until"] = wait_until
         if new_version is not None:
             body["new_version"] = int(new_version)
         if wait_for is not None:

@@ -94,6 +94,10 @@ class ManagerSettings:
     sender_ips: tuple[str, ...] = ()
     # after a push: wait until "all" remote instances serve the new version, a number of them, or "none"
     weight_push_wait: str = "all"
+    # what the wait waits for: "staged" (the instances hold the version verified; with the manager's
+    # weight_activation = "staged" they then activate it with a short pause, so the trainer does not wait
+    # for their generation or loads) or "serving" (they serve it)
+    weight_push_wait_until: str = "staged"
     weight_push_timeout_s: float = 600.0
     request_timeout_s: float = 30.0
     # verl's per-sample generate calls arriving within this window go out as one batch request
@@ -205,6 +209,9 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
     msbs = _coerce(f"{PREFIX}custom.min_stream_batch_size", custom.get("min_stream_batch_size", 1), 1)
     if msbs < 1:
         raise SettingsError(f"{PREFIX}custom.min_stream_batch_size must be >= 1, got {msbs}")
+    if values.get("weight_push_wait_until", "staged") not in ("staged", "serving"):
+        raise SettingsError(f"{PREFIX}custom.rollout_manager.weight_push_wait_until must be 'staged' or 'serving', "
+                            f"got {values['weight_push_wait_until']!r}")
     on_failure = custom.get("on_failure", "raise")
     if on_failure not in ("raise", "drop_group"):
         raise SettingsError(f"{PREFIX}custom.on_failure must be 'raise' or 'drop_group', got {on_failure!r}")

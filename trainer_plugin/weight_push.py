@@ -167,19 +167,22 @@ class WeightPusher:
     every trainer node's sender instead); ``push(state_dict, version)`` is ``stage`` (copy
     the full state dict into the agent's registered host buffer) then ``publish``
     (``/update_weight_version``, waiting as configured: ``wait_for`` "all", a count, or None to
-    proceed at once). Tensor names go through unchanged: give HF names, which is what SGLang's
-    ``load_weights`` expects.
+    proceed at once; ``wait_until`` "serving" (they serve it) or "staged" (they hold it verified: with
+    the manager's staged activation the boxes keep generating meanwhile and load it in a short pause)).
+    Tensor names go through unchanged: give HF names, which is what SGLang's ``load_weights`` expects.
     """
 
     def __init__(self, manager_url: str, node_ips: list[str], sender_port: int, *, protocol: str = "tcp",
                  device_name: str = "", wait_for: int | str | None = "all", timeout_s: float = 600.0,
-                 groups_per_sender: int | None = None, engines_per_group: int | None = None):
+                 groups_per_sender: int | None = None, engines_per_group: int | None = None,
+                 wait_until: str = "serving"):
         self.manager_url = manager_url.rstrip("/")
         self.node_ips = list(node_ips)
         self.sender_port = sender_port
         self.protocol = protocol
         self.device_name = device_name
         self.wait_for = wait_for
+        self.wait_until = wait_until
         self.timeout_s = timeout_s
         self.groups_per_sender = groups_per_sender
         self.engines_per_group = engines_per_group
@@ -234,7 +237,8 @@ class WeightPusher:
         if (await client.health()).get("run_id") != self.run_id:  # the manager restarted: it forgot us
             log.warning("rollout manager restarted; reporting the weight senders again")
             await self.report(client)
-        answer = await client.update_weight_version(version, wait_for=self.wait_for, timeout_s=self.timeout_s)
+        answer = await client.update_weight_version(version, wait_for=self.wait_for, timeout_s=self.timeout_s,
+                                                    wait_until=self.wait_until)
         self.version = version
         if answer.get("timed_out"):
             log.warning("weight version %d: only %s instance(s) had it after %.0fs", version,
@@ -335,7 +339,8 @@ async def _pusher(context: WeightPushContext, comm: NodeComm) -> tuple[WeightPus
                 pusher = WeightPusher(context.manager_url, ips or [], senders["weight_sender_base_port"],
                                       protocol=senders["mooncake_transfer_protocol"],
                                       device_name=senders["mooncake_transfer_device_name"],
-                                      wait_for=wait, timeout_s=settings.weight_push_timeout_s)
+                                      wait_for=wait, timeout_s=settings.weight_push_timeout_s,
+                                      wait_until=settings.weight_push_wait_until)
                 if leader:
                     pusher.start_sender()
             except Exception as exc:

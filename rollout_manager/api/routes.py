@@ -265,7 +265,7 @@ async def update_metrics(request: web.Request, body: UpdateMetrics, _: Any) -> w
 async def update_weight_version(request: web.Request, body: UpdateWeightVersion, _: Any) -> web.Response:
     """New weights are staged: remote instances sync to the new version; optionally wait for them."""
     result = await manager_of(request).update_weight_version(body.new_version, body.wait_for_instances,
-                                                              body.timeout_s)
+                                                              body.timeout_s, staged=body.wait_until == "staged")
     return json_response(result)
 
 

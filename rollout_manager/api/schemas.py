@@ -277,3 +277,7 @@ class UpdateWeightVersion(StrictModel):
                       custom_error_message="Input should be a non-negative integer or 'all'"),
     ] | None = None
     timeout_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = 600.0
+    # "serving": wait until the instances serve the version; "staged": until they hold it verified (staged
+    # beside the version they serve, or serving it), which with weight_activation = "staged" comes before
+    # the short activation pause.
+    wait_until: Literal["serving", "staged"] = "serving"

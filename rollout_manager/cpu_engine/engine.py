@@ -134,6 +134,7 @@ class Engine:
                              "(the model's max_position_embeddings)")
         self.weight_version = str(config.weight_version)
         self.paused = False
+        self.pause_mode: str | None = None  # SGLang's PauseGenerationReqInput mode while paused
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.last_gen_throughput = 0.0
@@ -236,18 +237,25 @@ class Engine:
         return n
 
     async def pause(self, mode: str = "abort") -> int:
-        """SGLang's pause_generation: 'abort' aborts everything in flight first; 'in_place' and
-        'retract' keep it. Either way nothing advances and new requests wait until continue.
-        Returns once the decoding round in flight (if any) is done, so no token follows the answer."""
+        """SGLang's pause_generation (scheduler.pause_generation): 'abort' aborts everything in flight
+        first; 'in_place' keeps the running requests where they are (with their cache: a flush is then
+        refused while any runs); 'retract' moves them back to the front of the waiting queue (their cache
+        freed: a flush succeeds, and they re-prefill under whatever weights are loaded when generation
+        continues). Either way nothing advances and new requests wait until continue. Returns once the
+        decoding round in flight (if any) is done, so no token follows the answer."""
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest("mode must be one of 'abort', 'retract', 'in_place'")
         aborted = self.abort(abort_all=True, message="Abort by pause_generation") if mode == "abort" else 0
-        self.paused = True
+        self.paused, self.pause_mode = True, mode
         await self._idle.wait()
+        if mode == "retract":
+            self._reap()
+            self.waiting.extendleft(reversed(self.running))
+            self.running = []
         return aborted
 
     def resume(self) -> None:
-        self.paused = False
+        self.paused, self.pause_mode = False, None
         self._wake.set()
 
     def kick(self) -> None:
@@ -258,6 +266,12 @@ class Engine:
         """Whether anything is running or queued, health probes included: SGLang's ``is_fully_idle``,
         which decides whether the prefix cache may be flushed."""
         return bool(self._all_live())
+
+    def flushable(self) -> bool:
+        """Whether SGLang would flush its cache now: ``is_fully_idle(ignore_waiting=paused)``: nothing
+        running (an ``in_place`` pause keeps its running requests), and, unless paused, nothing waiting."""
+        running = any(s.finish is None for s in self.running)
+        return not running if self.paused else not self.busy()
 
     def counts(self) -> tuple[int, int]:
         """(running, queued) client requests; health probes are not counted."""

@@ -19,6 +19,7 @@ class Faults:
     fail_status: int = 503
     health_fail: bool = False  # /health and /health_generate answer 503
     load_delay_s: float = 0.0  # a weight load takes this long; health answers 503 meanwhile (a busy box)
+    load_fail: bool = False  # /update_weights_from_tensor fails (a load that breaks half-way)
     loading: bool = field(default=False)
     # Counters, since start or since the matching fault was last armed.
     emitted_tokens: int = field(default=0)
@@ -34,6 +35,7 @@ class Faults:
         "fail_status",
         "health_fail",
         "load_delay_s",
+        "load_fail",
     )
 
     def __post_init__(self) -> None:
@@ -54,6 +56,8 @@ class Faults:
             raise ValueError("fail_status must be an HTTP error status (400..599)")
         if not isinstance(self.health_fail, bool):
             raise ValueError("health_fail must be a boolean")
+        if not isinstance(self.load_fail, bool):
+            raise ValueError("load_fail must be a boolean")
         if not isinstance(self.load_delay_s, (int, float)) or self.load_delay_s < 0:
             raise ValueError("load_delay_s must be >= 0")
 

@@ -3,8 +3,9 @@ tensor loads, the weight version, and the prefix-cache flush.
 
 A weight-update call (begin, load, end) takes SGLang's model_update_lock exclusively unless generation is
 paused, so it runs only once every /generate in flight has finished (``sglang/srt/managers/
-tokenizer_control_mixin.py``); while paused it runs at once, and a flush it asks for is then refused if
-requests are held (the load is in, the call fails).
+tokenizer_control_mixin.py``); while paused it runs at once. A flush is refused while requests run, or,
+unpaused, wait: a 'retract' pause moves them to the waiting queue, so the cache can be flushed then; an
+'in_place' pause keeps them running, so it cannot (a load that asks for the flush is in, the call fails).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ async def update_turn(request: web.Request) -> AsyncIterator[None]:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    """As SGLang 0.5.23: refused (400) while anything runs or waits; ``?timeout=S`` first waits up to S
-    seconds for the engine to go idle."""
+    """As SGLang 0.5.23: refused (400) while anything runs or waits (while paused: while anything runs,
+    which a 'retract' pause never leaves); ``?timeout=S`` (S > 0) instead waits up to S seconds for nothing
+    to run or wait, paused or not (so, paused with requests held, it times out)."""
     engine = engine_of(request)
     try:
         timeout = float(request.query.get("timeout", "0") or 0)
@@ -42,10 +44,11 @@ async def flush_cache(request: web.Request) -> web.Response:
         return web.json_response({"detail": "timeout must be a number"}, status=422)
     if timeout < 0:
         return web.json_response({"detail": "timeout must be >= 0"}, status=422)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while engine.busy() and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.01)  # SGLang's scheduler re-checks each loop iteration too
-    if engine.busy():
+    if timeout > 0:  # SGLang's SchedulerFlushWrapper: waits for full idle, the waiting queue included
+        deadline = asyncio.get_running_loop().time() + timeout
+        while engine.busy() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)  # SGLang's scheduler re-checks each loop iteration too
+    if not engine.flushable() or (timeout > 0 and engine.busy()):
         return web.Response(status=400, text="Timed out waiting for idle state." if timeout else
                             "Flush cache failed.\n")
     return web.Response(status=200, text="Cache flushed.\n")
@@ -113,6 +116,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
                     await asyncio.sleep(engine.faults.load_delay_s)
                 finally:
                     engine.faults.loading = False
+            if engine.faults.load_fail:
+                raise ValueError("injected fault load_fail")
             count = await engine.load_weights(named)
         except ValueError as exc:
             return fail(f"Failed to update weights: {exc}")
@@ -120,7 +125,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         if version is not None:
             engine.set_weight_version(str(version))
             message += f" Weight version updated to {version}."
-        if _sessions(engine) and body.get("flush_cache", True) is not False and engine.busy():
+        if _sessions(engine) and body.get("flush_cache", True) is not False and not engine.flushable():
             # SGLang >= 0.5.21: the weights and the version are in, but the prefix cache could not be
             # flushed while requests run or wait, and the call fails.
             return fail(wire.CACHE_NOT_FLUSHED_MESSAGE)

@@ -176,7 +176,8 @@ class HealthMonitor:
 
 
 def _loading(inst: Instance) -> bool:
-    return inst.state == State.SYNCING
+    """Loading weights: syncing, or activating a staged version (generation paused on purpose)."""
+    return inst.state == State.SYNCING or inst.versions.activating is not None
 
 
 def _note_streaming(inst: Instance, info: wire.ServerInfo) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from rollout_manager.errors import Conflict
 from rollout_manager.osutil import format_endpoint
+from rollout_manager.weights.box_versions import BoxVersions
 
 log = logging.getLogger("rollout_manager.instances.registry")
 
@@ -85,6 +86,7 @@ class Instance:
     joined_version: str | None = None
     last_chunk_at: float = 0.0  # event-loop time of the last chunk it sent any request (0: none yet)
     box_token_digest: str | None = None  # sha256 of the box token its registration got (never shown)
+    versions: BoxVersions = field(default_factory=BoxVersions)  # staged/activating versions, paused seconds
 
     # Computed once: host and port never change, and every sequence placed here reads both.
     @functools.cached_property

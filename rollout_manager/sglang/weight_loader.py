@@ -24,7 +24,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import torch
@@ -37,6 +37,7 @@ log = logging.getLogger("rollout_manager.receiver")
 
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
 NamedTensors = list[tuple[str, torch.Tensor]]
+FlushWhen = Literal["when_idle", "now"] | None
 
 
 class LoadRefused(Exception):
@@ -117,9 +118,12 @@ class SGLangWeights:
 
     # ------------------------------------------------------------ loading
     async def load(self, named: NamedTensors, version: int | str, *, sample: NamedTensors | None = None,
-                   served: ServedModel | None = None) -> LoadReport:
+                   served: ServedModel | None = None, flush: FlushWhen = "when_idle") -> LoadReport:
         """Steps 1-5 of the module's docstring; ``sample``: the tensors to read back (name, what SGLang
-        must now hold); ``served``: the checkpoint, whose dtypes SGLang keeps under ``--dtype auto``.
+        must now hold); ``served``: the checkpoint, whose dtypes SGLang keeps under ``--dtype auto``;
+        ``flush``: "when_idle" (step 3), "now" (paused in 'retract' mode: once, without waiting, which is the
+        only flush SGLang takes while the retracted requests wait), None (skipped: an 'in_place' pause
+        keeps the running requests' cache on purpose, and SGLang would refuse the flush).
         Raises :class:`LoadRefused`; the weight-update session is closed whatever happens."""
         facts = await self.server_facts()
         info = facts.info
@@ -142,7 +146,8 @@ class SGLangWeights:
             raise
         if opened:
             await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
-        await self.flush_when_idle()
+        if flush is not None:
+            await self.flush_when_idle(now=flush == "now")
         readback = await self.read_back(sample, facts, served) if sample else 0
         await self.set_version(version)
         return LoadReport(len(buckets), readback)
@@ -165,9 +170,30 @@ class SGLangWeights:
         if reported != str(version):
             raise LoadRefused(502, f"SGLang took version {version} but reports weight_version {reported!r}")
 
-    async def flush_when_idle(self) -> None:
-        """Flush SGLang's prefix cache once nothing runs there, waiting up to ``flush_wait_s``."""
-        wait = self.settings.flush_wait_s
+    async def pause(self, mode: str) -> None:
+        """``/pause_generation`` in ``mode`` ("retract" or "in_place"): SGLang keeps its requests and stops
+        decoding; weight-update calls then run at once instead of waiting for every request to finish."""
+        await self._post_ok(wire.PAUSE_GENERATION, {"mode": mode}, f"pause_generation ({mode})")
+
+    async def resume(self) -> None:
+        """``/continue_generation``: the paused requests go on (a retracted one re-prefills first)."""
+        await self._post_ok(wire.CONTINUE_GENERATION, {}, "continue_generation")
+
+    async def _post_ok(self, path: str, body: dict[str, Any], what: str) -> None:
+        try:
+            async with self.session.post(self.url + path, json=body, headers=self.auth.admin_headers(),
+                                         timeout=aiohttp.ClientTimeout(total=self.settings.load_timeout_s)) as r:
+                status, text = r.status, (await r.text())[:300]
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise LoadRefused(502, f"SGLang's {what} failed: {type(exc).__name__}: {exc}") from None
+        if status != 200:
+            raise LoadRefused(502, f"SGLang refused {what}: HTTP {status} {text.strip()}{_key_hint(status)}")
+
+    async def flush_when_idle(self, now: bool = False) -> None:
+        """Flush SGLang's prefix cache once nothing runs there, waiting up to ``flush_wait_s``; ``now``: once,
+        at once. Paused, SGLang ignores its waiting queue for a flush without a timeout only: one with a
+        timeout waits for the queue to empty too (``SchedulerFlushWrapper``), which never happens paused."""
+        wait = 0.0 if now else self.settings.flush_wait_s
         try:
             async with self.session.post(self.url + wire.flush_cache_path(wait), headers=self.auth.admin_headers(),
                                          timeout=aiohttp.ClientTimeout(total=wait + 30)) as r:

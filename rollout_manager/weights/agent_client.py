@@ -1,5 +1,5 @@
 """The manager's calls to the weight agents: the sender's ``/layout`` and ``/push``, the receiver's
-``/prepare`` and ``/commit``, and a peer receiver's ``/layout`` and ``/serve`` (peer bootstrap).
+``/prepare``, ``/commit`` and ``/activate``, and a peer receiver's ``/layout`` and ``/serve`` (peer bootstrap).
 Errors are sorted by whose fault they are: a sender that is down or restaged is
 :class:`SenderUnavailable` (the instance waits), anything else :class:`PushFailed`."""
 
@@ -12,6 +12,8 @@ import aiohttp
 from pydantic import BaseModel
 
 from rollout_manager.weights.protocol import (
+    ActivateAnswer,
+    ActivateRequest,
     BadBody,
     Body,
     CommitAnswer,
@@ -69,6 +71,10 @@ class AgentClient:
 
     async def commit(self, receiver_url: str, req: CommitRequest) -> CommitAnswer:
         return await self._call("POST", receiver_url + "/commit", req, CommitAnswer)
+
+    async def activate(self, receiver_url: str, req: ActivateRequest) -> ActivateAnswer:
+        """Load the staged version inside a short pause of generation (weights/activation.py)."""
+        return await self._call("POST", receiver_url + "/activate", req, ActivateAnswer)
 
     async def peer_layout(self, receiver_url: str) -> LayoutAnswer:
         """The verified version a peer's receiver holds, and its layout."""

@@ -9,6 +9,8 @@ must not import torch (nor the byte layer that does).
 - sender ``POST /push`` :class:`PushRequest` -> :class:`PushAnswer`
 - receiver ``POST /prepare`` :class:`PrepareRequest` -> :class:`PrepareAnswer`
 - receiver ``POST /commit`` :class:`CommitRequest` -> :class:`CommitAnswer`
+- receiver ``POST /activate`` :class:`ActivateRequest` -> :class:`ActivateAnswer` (load the staged version
+  inside a short pause of generation; see :mod:`rollout_manager.weights.activation`)
 - receiver ``GET /layout`` -> :class:`LayoutAnswer` (the verified version its buffer holds)
 - receiver ``POST /serve`` :class:`ServeRequest` -> :class:`PushAnswer` (a peer bootstrap: the mirror of
   the sender's ``/push``, answering the trainer's checksums of that version)
@@ -34,6 +36,9 @@ TransportName = Literal["mooncake", "tcp"]  # as config.weight_transport
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PushMode = Literal["auto", "full", "delta"]  # as config.weight_push_mode
 PUSH_MODES: tuple[str, ...] = get_args(PushMode)
+# SGLang's PauseGenerationReqInput modes that keep the requests ("abort" would lose them).
+PauseMode = Literal["retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 NonNegInt = Annotated[int, Field(strict=True, ge=0)]
 PosInt = Annotated[int, Field(strict=True, ge=1)]
@@ -197,6 +202,8 @@ class CommitRequest(_Request):
     # A delta of ``delta_bytes`` from ``delta_base`` landed at the prepared ``delta_addr``: apply it first.
     delta_base: Version | None = None
     delta_bytes: NonNegInt | None = None
+    # True: verify and hold the version staged beside the one SGLang serves; load it on ``/activate``.
+    stage: Annotated[bool, Field(strict=True)] | None = None
 
     @model_validator(mode="after")
     def _paired(self) -> CommitRequest:
@@ -217,6 +224,26 @@ class CommitAnswer(_Answer):
     reloaded: NonNegInt | None = None  # tensors loaded into SGLang (only the changed ones after a delta)
     apply_s: NonNegFloat | None = None  # decoding and applying a delta
     readback: NonNegInt | None = None  # tensors read back from SGLang after the load and found equal
+    staged: Annotated[bool, Field(strict=True)] | None = None  # verified and held, not loaded (``stage``)
+
+
+class ActivateRequest(_Request):
+    """``POST /activate``: load the staged ``version`` into SGLang inside a pause in ``mode``."""
+
+    version: Version
+    mode: PauseMode = "retract"
+
+
+class ActivateAnswer(_Answer):
+    """The staged version is loaded, recorded and served; ``paused_s``: how long generation was paused."""
+
+    version: Version
+    mode: PauseMode
+    paused_s: NonNegFloat
+    load_s: NonNegFloat
+    buckets: NonNegInt
+    reloaded: NonNegInt
+    readback: NonNegInt
 
 
 class ServeRequest(_Request):

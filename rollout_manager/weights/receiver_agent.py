@@ -12,6 +12,10 @@ The manager drives it over HTTP (it is one brain; this agent only moves and chec
   by ``/model_info``). A corrupt or partial transfer is refused with 422 and never loaded; a
   data-parallel server (``dp_size > 1``) with 409, and so is a layout whose names or shapes the served
   model's checkpoint does not have (also at ``/prepare``, before any byte moves).
+- ``POST /commit {..., stage: true}``: verify the same way, then hold the version *staged* in the buffer
+  beside the one SGLang serves, without touching SGLang; ``POST /activate {version, mode}`` then loads it
+  inside a short pause of generation (:mod:`rollout_manager.weights.activation`). At most one version is
+  staged: the buffer holds it, so a newer push replaces it (a superseded staged version is dropped).
 - ``GET /health``, ``GET /info``.
 
 Peers: the buffer keeps the last verified version with the trainer's checksums of it, so the agent can
@@ -45,17 +49,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
-import torch
 from aiohttp import web
 
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.checkpoint import ServedModel
-from rollout_manager.sglang.weight_loader import LoadRefused, LoadSettings, SGLangWeights
-from rollout_manager.weights import delta
+from rollout_manager.sglang.weight_loader import LoadRefused, LoadSettings, NamedTensors, SGLangWeights
+from rollout_manager.weights import activation, delta
+from rollout_manager.weights.activation import readback_sample
 from rollout_manager.weights.agent_auth import token_middleware
 from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
 from rollout_manager.weights.mooncake_engine import MooncakeEngine
 from rollout_manager.weights.protocol import (
+    ActivateRequest,
     BadBody,
     CommitAnswer,
     CommitRequest,
@@ -69,6 +74,7 @@ from rollout_manager.weights.protocol import (
     parse_body,
 )
 from rollout_manager.weights.pusher import PushResult, push_buffer
+from rollout_manager.weights.refused import CommitRefused
 from rollout_manager.weights.shards import Shard, verify_shards
 from rollout_manager.weights.tcp_transport import TcpEngine
 from rollout_manager.weights.transport import Transport
@@ -106,6 +112,10 @@ class ReceiverAgent:
         self.dirty: set[str] | None = None  # tensors whose bytes may differ from SGLang's (None: all)
         self.delta_buffer: HostBuffer | None = None  # where the sender writes a delta
         self.reloaded = 0  # tensors the last load sent to SGLang
+        self.staged: int | None = None  # the verified version the buffer holds for /activate (None: none)
+        # Why the last activation failed after SGLang was paused (SGLang left paused: out of service until a
+        # full load succeeds); None: no such failure.
+        self.failed: str | None = None
         self.busy = asyncio.Lock()
         # Test faults: flip a byte of what landed before verifying; exit once the sender may write.
         self.fault_corrupt = fault_corrupt
@@ -148,6 +158,8 @@ class ReceiverAgent:
             "buffer_bytes": self.buffer.nbytes if self.buffer else 0,
             "layout_fingerprint": self.layout.fingerprint() if self.layout else None,
             "buffer_version": self.held[0] if self.held else None,  # verified bytes of that layout
+            "staged_version": self.staged,  # verified, waiting for /activate
+            "activation_failed": self.failed,
             "served_bytes": self.served_bytes,  # to peers
         }
 
@@ -235,6 +247,7 @@ class ReceiverAgent:
             delta_addr = self._delta_area(delta_bytes).addr
         else:  # a full push follows: neither the buffer's version nor what changed in it is known any more
             self.held, self.dirty = None, None
+            self._drop_staged("a full push")
         sessions = [self.tcp.session_id] if transport == "tcp" and self.tcp else self.session_ids
         return PrepareAnswer(session_ids=sessions, buffer_addr=self.buffer.addr, buffer_bytes=self.buffer.nbytes,
                              fingerprint=fingerprint, held_version=held, delta_addr=delta_addr)
@@ -280,11 +293,17 @@ class ReceiverAgent:
             self.dirty |= self._touched(layout, applied)
         return time.perf_counter() - t0
 
+    def _drop_staged(self, why: str) -> None:
+        if self.staged is not None:
+            log.info("staged version %d dropped: %s overwrites the buffer", self.staged, why)
+            self.staged = None
+
     # ------------------------------------------------------------ commit
     async def commit(self, req: CommitRequest) -> CommitAnswer:
         if self.buffer is None or self.layout is None or self.layout.fingerprint() != req.fingerprint:
             raise CommitRefused(409, "no prepared buffer for this layout; call /prepare first")
         layout = self.layout
+        self._drop_staged(f"version {req.version}")  # the buffer now holds (part of) the new version
         apply_s = None
         if req.delta_base is not None:
             apply_s = round(await asyncio.to_thread(self._apply_delta, req, layout), 6)
@@ -301,6 +320,11 @@ class ReceiverAgent:
             raise CommitRefused(422, f"checksum mismatch in shard(s) {bad}; nothing loaded", bad_shards=bad)
         self.held = (req.version, layout.fingerprint())
         self.sums = (list(req.shards), list(req.checksums))  # the trainer's, for serving peers
+        if req.stage:
+            self.staged = req.version
+            log.info("version %d verified and staged (SGLang serves %s)", req.version, self.version)
+            return CommitAnswer(ok=True, version=req.version, verify_s=round(verify_s, 6), load_s=0.0, buckets=0,
+                                reloaded=0, apply_s=apply_s, staged=True)
         t1 = time.perf_counter()
         names = None if self.dirty is None or self.version is None else set(self.dirty)
         try:
@@ -310,6 +334,13 @@ class ReceiverAgent:
             self.dirty = None  # what SGLang holds now is not known: the next load sends every tensor
             raise
         self.version, self.dirty = req.version, set()
+        if self.failed is not None:  # an activation failed with SGLang paused: a full load is in, serve again
+            try:
+                await self._weights().resume()
+            except LoadRefused as exc:
+                raise CommitRefused(exc.status, str(exc)) from None
+            log.info("version %d fully loaded after a failed activation; SGLang continues", req.version)
+            self.failed = None
         return CommitAnswer(ok=True, version=req.version, verify_s=round(verify_s, 6),
                             load_s=round(time.perf_counter() - t1, 6), buckets=buckets, reloaded=self.reloaded,
                             apply_s=apply_s, readback=self.readback)
@@ -348,8 +379,21 @@ class ReceiverAgent:
         when SGLang still reports the version this agent last loaded: a server that restarted under
         the agent (or was loaded by someone else) gets every tensor. Returns the buckets; ``reloaded``
         says how many tensors went."""
-        assert self.buffer is not None and self.layout is not None and self.session is not None
         weights = self._weights()
+        named, loading = await self.selection(weights, names)
+        self.reloaded = len(loading)
+        try:
+            report = await weights.load(loading, version, sample=readback_sample(named, self.readback_tensors, version),
+                                        served=self._served)
+        except LoadRefused as exc:
+            raise CommitRefused(exc.status, str(exc)) from None
+        self.readback = report.readback
+        return report.buckets
+
+    async def selection(self, weights: SGLangWeights, names: set[str] | None) -> tuple[NamedTensors, NamedTensors]:
+        """(every tensor of the buffer, those to load): ``names`` (None: all; none: the smallest one),
+        or all when SGLang does not report the version this agent last loaded."""
+        assert self.buffer is not None and self.layout is not None and self.session is not None
         named = unpack(self.buffer, self.layout)
         if names is not None:
             try:
@@ -366,32 +410,7 @@ class ReceiverAgent:
             loading = chosen or ([min(named, key=lambda item: item[1].nbytes)] if named else [])
         else:
             loading = named
-        self.reloaded = len(loading)
-        try:
-            report = await weights.load(loading, version, sample=_sample(named, self.readback_tensors, version),
-                                        served=self._served)
-        except LoadRefused as exc:
-            raise CommitRefused(exc.status, str(exc)) from None
-        self.readback = report.readback
-        return report.buckets
-
-
-def _sample(named: list[tuple[str, torch.Tensor]], count: int, version: int) -> list[tuple[str, torch.Tensor]]:
-    """``count`` tensors spread over all of them (every tensor must equal what SGLang holds after a load,
-    not only those just sent), starting at a point that moves with the version."""
-    if count <= 0 or not named:
-        return []
-    if count >= len(named):
-        return list(named)
-    step = len(named) / count
-    return [named[(version + int(i * step)) % len(named)] for i in range(count)]
-
-
-class CommitRefused(Exception):
-    def __init__(self, status: int, message: str, bad_shards: list[int] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.bad_shards = bad_shards
+        return named, loading
 
 
 # ---------------------------------------------------------------- HTTP
@@ -445,6 +464,23 @@ async def handle_commit(request: web.Request) -> web.Response:
     return web.json_response(result.model_dump())
 
 
+async def handle_activate(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    try:
+        req = parse_body(await request.read(), ActivateRequest)
+    except BadBody as exc:
+        return bad_body("activate", str(exc))
+    async with agent.busy:
+        try:
+            answer = await activation.activate(agent, req)
+        except CommitRefused as exc:
+            log.warning("activation of version %d refused: %s", req.version, exc)
+            return web.json_response({"error": str(exc)}, status=exc.status)
+    log.info("version %d activated (%s): paused %.3fs, load %.3fs, %d tensors", req.version, req.mode,
+             answer.paused_s, answer.load_s, answer.reloaded)
+    return web.json_response(answer.model_dump())
+
+
 async def handle_info(request: web.Request) -> web.Response:
     return web.json_response(request.app[AGENT].info())
 
@@ -481,6 +517,7 @@ def create_app(agent: ReceiverAgent) -> web.Application:
     app.router.add_get("/info", handle_info)
     app.router.add_post("/prepare", handle_prepare)
     app.router.add_post("/commit", handle_commit)
+    app.router.add_post("/activate", handle_activate)
     app.router.add_get("/layout", handle_layout)
     app.router.add_post("/serve", handle_serve)
     return app

@@ -14,6 +14,16 @@ that version's bytes, gets only what changed (:mod:`rollout_manager.weights.delt
 full bytes. A delta whose result does not match the full version's checksums is repaired at once by
 rewriting the failing shards in full, then verified again; nothing unverified is ever loaded.
 
+With ``weight_activation = "staged"`` an active instance stays active on a new version: the push lands in its
+receiver's buffer and is verified there (*staged*) while SGLang keeps generating with the old weights;
+then the manager activates it: the receiver pauses generation, loads, records the version and continues
+(:mod:`rollout_manager.weights.activation`). In-flight sequences are neither aborted nor moved; their
+chunks after the swap carry the new ``weight_version``. A version superseded while it stages is
+replaced by the newer one before activation. An activation that fails after the pause leaves SGLang
+paused: the instance leaves service (``syncing``), its sequences continue elsewhere, and it gets a full
+push and load as in "drain". ``BoxVersions`` on each instance says what it stages and activates, and the
+seconds it generated nothing per version.
+
 With ``peer_bootstrap``, an instance that joins or fell behind (never synced here, missed a version, or
 its last attempt failed) first pulls the version from the nearest active instance that holds it
 (:mod:`rollout_manager.weights.peers`), so the trainer's links stay free for the regular push; the
@@ -29,7 +39,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 
@@ -43,7 +53,9 @@ from rollout_manager.weights.agent_client import AgentClient, PushFailed, Sender
 from rollout_manager.weights.groups import Group, SenderPlan
 from rollout_manager.weights.peers import choose_peer, holders
 from rollout_manager.weights.protocol import (
+    ActivateRequest,
     CommitRequest,
+    PauseMode,
     PrepareRequest,
     PushAnswer,
     PushMode,
@@ -78,6 +90,8 @@ class SyncSettings:
     # The most a peer bootstrap waits on the peer (its layout and serve calls together) before the
     # instance falls back to its sender: a peer that hangs must not cost the whole push_timeout_s.
     peer_timeout_s: float = 120.0
+    activation: Literal["staged", "drain"] = "drain"  # config.weight_activation
+    pause_mode: PauseMode = "retract"  # config.weight_activation_pause_mode
 
     @classmethod
     def from_config(cls, cfg: Config) -> SyncSettings:
@@ -86,7 +100,7 @@ class SyncSettings:
             mode = "full"  # RDMA moves the full bytes faster than a delta is encoded and applied
         return cls(cfg.weight_transport, cfg.drain_timeout_s, cfg.weight_push_timeout_s, cfg.weight_push_retry_s,
                    cfg.weight_push_max_attempts, mode, cfg.peer_bootstrap, cfg.weight_delta_below_gbps,
-                   cfg.peer_bootstrap_timeout_s)
+                   cfg.peer_bootstrap_timeout_s, cfg.weight_activation, cfg.weight_activation_pause_mode)
 
 
 class WeightSync:
@@ -115,6 +129,7 @@ class WeightSync:
         self._serving: dict[str, int] = {}  # peer bootstraps in flight per serving instance
         self._trainer_sums: dict[int, tuple[str, list[tuple[int, int]], list[str]]] = {}  # version -> sums
         self._full_gbps: dict[str, float] = {}  # instance -> GB/s of its last full push from its sender
+        self._out_since: dict[str, float] = {}  # instance -> when it left service (active -> syncing)
         registry.listeners.append(self._on_event)
 
     # ------------------------------------------------------------ trainer-facing
@@ -145,6 +160,8 @@ class WeightSync:
         for inst in self.registry:
             if inst.kind == Kind.LOCAL:
                 inst.weight_version = version  # the trainer updates its own instances
+            elif inst.state == State.ACTIVE and self.settings.activation == "staged":
+                self._ensure_sync(inst)  # stays active: stages, then pauses only to load
             elif inst.state == State.ACTIVE:
                 self.registry.transition(inst, State.SYNCING, f"needs weight version {version}")
             elif inst.state == State.SYNCING:
@@ -155,14 +172,21 @@ class WeightSync:
     def at_version(self, version: int) -> list[Instance]:
         return [i for i in self.registry.in_state(State.ACTIVE) if i.weight_version >= version]
 
-    async def wait(self, version: int, min_instances: int | None, timeout_s: float) -> dict[str, Any]:
-        """Wait until ``min_instances`` (None: every remote instance) serve ``version``, bounded."""
+    async def wait(self, version: int, min_instances: int | None, timeout_s: float,
+                   staged: bool = False) -> dict[str, Any]:
+        """Wait until ``min_instances`` (None: every remote instance) serve ``version`` (``staged``: hold it
+        verified, staged beside the served version or serving it), bounded."""
+        def has(i: Instance) -> bool:
+            v = i.versions
+            return v.serving(i.weight_version) >= version or (staged and max(v.staged or -1, v.activating or -1)
+                                                               >= version)
+
         def remote_ready() -> int:
-            return len([i for i in self.at_version(version) if i.kind == Kind.REMOTE])
+            return len([i for i in self.registry.in_state(State.ACTIVE) if i.kind == Kind.REMOTE and has(i)])
 
         def enough() -> bool:
             if min_instances is None:
-                return not [i for i in self.registry if i.kind == Kind.REMOTE and i.weight_version < version]
+                return not [i for i in self.registry if i.kind == Kind.REMOTE and not has(i)]
             return remote_ready() >= min_instances
 
         t0 = time.monotonic()
@@ -178,11 +202,14 @@ class WeightSync:
 
     # ------------------------------------------------------------ per instance
     def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.new == State.SYNCING and event.old == State.ACTIVE:
+            self._out_since[inst.id] = time.monotonic()
         if event.new == State.SYNCING:
             self._ensure_sync(inst)
         elif event.new == State.DEAD:
             self._synced.discard(inst.id)
             self._full_gbps.pop(inst.id, None)
+            self._out_since.pop(inst.id, None)
             task = self._tasks.pop(inst.id, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -190,7 +217,9 @@ class WeightSync:
     def _ensure_sync(self, inst: Instance) -> None:
         task = self._tasks.get(inst.id)
         if task is None or task.done():
-            self._tasks[inst.id] = asyncio.get_running_loop().create_task(self._sync(inst), name=f"sync:{inst.id}")
+            staged = inst.state == State.ACTIVE and self.settings.activation == "staged"
+            work = self._stage_and_activate(inst) if staged else self._sync(inst)
+            self._tasks[inst.id] = asyncio.get_running_loop().create_task(work, name=f"sync:{inst.id}")
 
     async def _sync(self, inst: Instance) -> None:
         cfg = self.settings
@@ -250,25 +279,118 @@ class WeightSync:
             self._synced.add(inst.id)
             inst.weight_version = version
             inst.clear_error()
-            self.pushes.append(result)
-            del self.pushes[:-100]
-            for listener in self.push_listeners:
-                listener(result)
+            self._note_push(result)
             if version == self.version.current:
+                out_since = self._out_since.pop(inst.id, None)
+                if out_since is not None:  # it served before: the time it did not is the cost of this version
+                    inst.versions.record_pause(version, time.monotonic() - out_since)
                 self.registry.transition(inst, State.ACTIVE, f"weights at version {version} "
                                          f"({result.gbps:.2f} GB/s, {result.total_s:.2f}s)")
         self._tasks.pop(inst.id, None)
 
-    async def _deliver(self, inst: Instance, version: int, group: Group, failures: int) -> WeightPush:
+    async def _stage_and_activate(self, inst: Instance) -> None:
+        """Staged activation of an active instance: push and verify into the receiver's buffer while it
+        serves (retried as a push is), then activate (pause, load, continue). A version superseded while it
+        stages is not activated: the newer one is staged over it. A failed activation leaves SGLang paused:
+        the instance leaves service and gets a full push as in "drain" (:meth:`_sync`)."""
+        cfg, bv = self.settings, inst.versions
+        failures = 0
+        while (self.registry.get(inst.id) is inst and inst.state == State.ACTIVE
+               and inst.weight_version < self.version.current):
+            version = self.version.current
+            group = self.senders.group_of(inst)
+            if group is None:  # no sender yet: keep serving the old version until one reports
+                await self.senders.changed.wait(None)
+                continue
+            bv.staging = version
+            try:
+                result = await self._deliver(inst, version, group, failures, stage=True)
+            except SenderUnavailable as exc:
+                inst.set_error(f"weight staging: {exc}")
+                await self.load_changed.wait(cfg.retry_s)
+                continue
+            except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                failures += 1
+                reason = str(exc) or type(exc).__name__
+                inst.set_error(f"weight staging: {reason}")
+                log.warning("staging version %d on %s failed (%d/%d): %s", version, inst.endpoint, failures,
+                            cfg.max_attempts, reason)
+                if failures >= cfg.max_attempts:
+                    self.registry.transition(inst, State.DEAD, f"weight push failed {failures} times; last: {reason}")
+                    return
+                await self.load_changed.wait(cfg.retry_s)
+                continue
+            finally:
+                bv.staging = None
+            bv.staged = version
+            self.load_changed.notify()  # a trainer may wait for staged instances
+            if version != self.version.current or self.registry.get(inst.id) is not inst:
+                self._note_push(result)  # staged, never loaded
+                continue  # superseded before activation (the receiver drops it when the newer one lands)
+            # Chunks made by the new version arrive as soon as generation continues, before the answer: the
+            # instance is named at the new version from the pause on (BoxVersions.serving says what it serves).
+            before = inst.weight_version
+            bv.activating, bv.serving_before = version, before
+            inst.weight_version = version
+            receiver_url = f"http://{format_endpoint(inst.host, inst.weight_receiver_port or 0)}"
+            try:
+                answer = await bounded(self.agents.activate(receiver_url, ActivateRequest(
+                    version=version, mode=cfg.pause_mode)), cfg.push_timeout_s)
+            except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                inst.weight_version = before  # not loaded (or not known to be)
+                reason = str(exc) or type(exc).__name__
+                if isinstance(exc, PushFailed) and exc.status == 409 and failures + 1 < cfg.max_attempts:
+                    failures += 1  # not staged there (its agent restarted?): stage it again
+                    inst.set_error(f"weight activation: {reason}")
+                    continue
+                self._activation_failed(inst, version, reason)
+                return
+            finally:
+                bv.activating = bv.serving_before = None
+                bv.staged = None if bv.staged == version else bv.staged
+            failures = 0
+            self._note_push(dataclasses.replace(result, load_s=answer.load_s, reloaded=answer.reloaded,
+                                                total_s=round(result.total_s + answer.paused_s, 6)))
+            self._synced.add(inst.id)
+            inst.weight_version = version
+            bv.record_pause(version, answer.paused_s)
+            inst.clear_error()
+            self.load_changed.notify()
+            log.info("instance %s activated version %d (%s): paused %.3fs, loaded %d tensors", inst.endpoint,
+                     version, answer.mode, answer.paused_s, answer.reloaded)
+        if self._tasks.get(inst.id) is asyncio.current_task():
+            del self._tasks[inst.id]
+
+    def _activation_failed(self, inst: Instance, version: int, reason: str) -> None:
+        """SGLang was paused and the load failed (or its outcome is unknown): it stays paused, so take the
+        instance out of service, move its sequences on, and give it a full push as in "drain"."""
+        log.error("activation of version %d on %s failed after the pause: %s; out of service until a full push",
+                  version, inst.endpoint, reason)
+        inst.set_error(f"weight activation of version {version} failed: {reason}")
+        if self._tasks.get(inst.id) is asyncio.current_task():
+            del self._tasks[inst.id]  # so the transition below starts the drain-mode sync
+        if self.registry.transition(inst, State.SYNCING, f"activation of version {version} failed"):
+            moved = self.evict(inst, "weight activation failed") if self.evict is not None else 0
+            log.warning("moved %d sequence(s) off %s", moved, inst.endpoint)
+
+    def _note_push(self, result: WeightPush) -> None:
+        self.pushes.append(result)
+        del self.pushes[:-100]
+        for listener in self.push_listeners:
+            listener(result)
+
+    async def _deliver(self, inst: Instance, version: int, group: Group, failures: int,
+                       stage: bool = False) -> WeightPush:
         """From the nearest peer holding ``version`` where one may serve, else (or when it fails) from the
-        instance's sender; each bounded by ``push_timeout_s``, and the peer's own calls by ``peer_timeout_s``."""
+        instance's sender; each bounded by ``push_timeout_s``, and the peer's own calls by ``peer_timeout_s``.
+        ``stage``: the receiver verifies and holds it staged, SGLang untouched (see :meth:`_stage_and_activate`)."""
         timeout_s = self.settings.push_timeout_s
         peer = self._peer_for(inst, version, failures)
         if peer is None:
-            return await bounded(self._push(inst, version, group), timeout_s)
+            return await bounded(self._push(inst, version, group, stage), timeout_s)
         self._serving[peer.id] = self._serving.get(peer.id, 0) + 1
         try:
-            return await bounded(self._pull_from_peer(inst, peer, version, group), timeout_s)
+            return await bounded(self._pull_from_peer(inst, peer, version, group, stage), timeout_s)
         except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
             reason = str(exc) or type(exc).__name__
         finally:
@@ -277,7 +399,7 @@ class WeightSync:
                 del self._serving[peer.id]
         log.warning("peer bootstrap of version %d to %s from %s failed; falling back to its sender: %s", version,
                     inst.endpoint, peer.endpoint, reason)
-        result = await bounded(self._push(inst, version, group), timeout_s)
+        result = await bounded(self._push(inst, version, group, stage), timeout_s)
         return dataclasses.replace(result, peer_failed=f"{peer.endpoint}: {reason}")
 
     def _peer_for(self, inst: Instance, version: int, failures: int) -> Instance | None:
@@ -288,7 +410,8 @@ class WeightSync:
             return None
         return choose_peer(inst, holders(self.registry, inst, version), self._serving)
 
-    async def _pull_from_peer(self, inst: Instance, peer: Instance, version: int, group: Group) -> WeightPush:
+    async def _pull_from_peer(self, inst: Instance, peer: Instance, version: int, group: Group,
+                              stage: bool = False) -> WeightPush:
         """prepare (puller) -> serve (peer's receiver, its verified buffer) -> commit (puller, checked against
         the trainer's checksums of ``version``)."""
         assert inst.weight_receiver_port is not None and peer.weight_receiver_port is not None
@@ -318,7 +441,8 @@ class WeightSync:
         ours = trainer is not None and trainer[0] == served.fingerprint
         shards, sums = (trainer[1], trainer[2]) if trainer is not None and ours else (served.shards, served.checksums)
         commit = await self.agents.commit(receiver_url, CommitRequest(version=version, fingerprint=served.fingerprint,
-                                                                      shards=shards, checksums=sums))
+                                                                      shards=shards, checksums=sums,
+                                                                      stage=True if stage else None))
         return WeightPush(inst.id, inst.endpoint, version, group.sender, group.group, group.ip, transport, "full",
                           f"peer:{peer.endpoint}", served.bytes, held.layout.total_bytes, served.seconds,
                           served.gbps, commit.verify_s, commit.load_s, None, commit.reloaded,
@@ -330,7 +454,7 @@ class WeightSync:
         for old in sorted(self._trainer_sums)[:-3]:
             del self._trainer_sums[old]
 
-    async def _push(self, inst: Instance, version: int, group: Group) -> WeightPush:
+    async def _push(self, inst: Instance, version: int, group: Group, stage: bool = False) -> WeightPush:
         """prepare (receiver) -> push (sender, through the instance's group) -> commit (receiver)."""
         if inst.weight_receiver_port is None:
             raise PushFailed("the instance registered no weight_receiver_port")
@@ -365,7 +489,7 @@ class WeightSync:
         if not use_delta and push.gbps > 0:
             self._full_gbps[inst.id] = push.gbps
         try:
-            commit = await self.agents.commit(receiver_url, self._commit_request(version, push))
+            commit = await self.agents.commit(receiver_url, self._commit_request(version, push, stage=stage))
         except PushFailed as exc:
             if not use_delta or not exc.bad_shards:
                 raise
@@ -373,7 +497,8 @@ class WeightSync:
                         version, inst.endpoint, exc.bad_shards)
             repair = await self.agents.push(sender_url, group.sender, request.model_copy(update={
                 "delta_base": None, "delta_addr": None, "only_shards": exc.bad_shards}))
-            commit = await self.agents.commit(receiver_url, self._commit_request(version, repair, delta=False))
+            commit = await self.agents.commit(receiver_url, self._commit_request(version, repair, delta=False,
+                                                                                 stage=stage))
             sent, kind = sent + repair.bytes, "delta+repair"
         return WeightPush(inst.id, inst.endpoint, version, group.sender, group.group, group.ip, transport, kind,
                           f"sender:{group.sender}", sent, layout.layout.total_bytes, push.seconds, push.gbps,
@@ -391,8 +516,8 @@ class WeightSync:
         return rates[len(rates) // 2] if rates else None
 
     @staticmethod
-    def _commit_request(version: int, push: PushAnswer, *, delta: bool = True) -> CommitRequest:
+    def _commit_request(version: int, push: PushAnswer, *, delta: bool = True, stage: bool = False) -> CommitRequest:
         with_delta = delta and push.delta_base is not None
         return CommitRequest(version=version, fingerprint=push.fingerprint, shards=push.shards,
                              checksums=push.checksums, delta_base=push.delta_base if with_delta else None,
-                             delta_bytes=push.bytes if with_delta else None)
+                             delta_bytes=push.bytes if with_delta else None, stage=True if stage else None)
