@@ -38,7 +38,10 @@ ENTRY_POINTS = ("rollout_manager.__main__", "rollout_manager.cli", "rollout_mana
 # The CLI's subcommands that need an extra; cli.main checks for it (rollout_manager.extras) before importing.
 GATED = {("rollout_manager.cli", "rollout_manager.cpu_engine.__main__"),
          ("rollout_manager.cli", "rollout_manager.launch.demo"),
-         ("rollout_manager.cli", "rollout_manager.weights.receiver_agent")}
+         ("rollout_manager.cli", "rollout_manager.weights.receiver_agent"),
+         # optional: a hub id's cached config.json; without the hub client a local path still works
+         # (tests/test_model_config.py runs it without one)
+         ("rollout_manager.launch.model_config", "huggingface_hub")}
 
 
 def _project() -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,11 @@ def test_nothing_to_read_is_none_not_a_crash(tmp_path: Path, monkeypatch: pytest
     assert model_vocab_size("some-org/not-cached-model") is None
     (tmp_path / "config.json").write_text("{not json")
     assert model_vocab_size(str(tmp_path)) is None
+
+
+def test_without_the_hub_client_a_local_directory_still_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's base install has no huggingface_hub: a hub id gives None, a directory its size."""
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as if not installed
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 32000}))
+    assert model_vocab_size(str(tmp_path)) == 32000
+    assert model_vocab_size("some-org/some-model") is None
