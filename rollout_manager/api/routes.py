@@ -49,6 +49,7 @@ from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.sse import sse_frame
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
     from aiohttp.typedefs import Middleware
@@ -130,7 +131,7 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     chunks = generator.generate_stream(data, key)
     try:
         async for ready in chunks:
-            if not await _send(request, resp, b"".join(wire.sse_frame(chunk) for chunk in ready)):
+            if not await _send(request, resp, b"".join(sse_frame(chunk) for chunk in ready)):
                 return resp  # the caller is gone or stopped reading: what still runs is aborted below
     finally:
         await chunks.aclose()

@@ -22,11 +22,13 @@ from typing import Any, TypeVar
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
+from rollout_manager.rollout.answers import final_output, partial_output
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
+from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
 from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
@@ -38,6 +40,7 @@ from rollout_manager.sglang.client import (
     stream_generate,
 )
 from rollout_manager.sglang.coalesce import Coalescer
+from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
@@ -211,7 +214,7 @@ class Generator:
         queue.put_nowait((-1, GenerationFailed(503, "rollout manager is shutting down; the request was aborted")))
 
     def _partial(self, seq: SequenceState, index: int | None) -> dict[str, Any]:
-        return wire.partial_output(
+        return partial_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
             weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
             text=seq.known_text(seq.live_text),
@@ -323,10 +326,10 @@ class Generator:
         body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                                       keep_caller_interval=on_tokens is not None, stream=not once)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
-        # Each chunk is checked first (wire.SequenceProgress), so the lists hold only tokens it vouches for.
-        progress = wire.SequenceProgress(
+        # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
+        progress = SequenceProgress(
             seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
-            vocab_size=inst.vocab_size or self.settings.vocab_size or wire.TOKEN_ID_BOUND,
+            vocab_size=inst.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
         segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
         seq.segments.append(segment)
@@ -337,10 +340,10 @@ class Generator:
                             activity=lambda: inst.last_chunk_at, limits=self.client.limits,
                             headers=self.client.generate_headers)
 
-        def take(chunk: dict[str, Any]) -> None:
+        def take(chunk: GenerateChunk) -> None:
             try:
                 new = progress.apply(chunk)
-            except wire.BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
+            except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
                 raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
             inst.last_chunk_at = loop.time()
             if new:
@@ -543,7 +546,7 @@ class Generator:
         # The text is known only if every segment's engine sent its part (a cut segment's is lost).
         texts = [t for t in seq.texts if t is not None]
         text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
-        out = wire.final_output(
+        out = final_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
             engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
             e2e_latency=latency, index=index, per_token=seq.per_token,

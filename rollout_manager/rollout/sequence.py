@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang import wire
 
 
@@ -35,7 +36,7 @@ class SequenceState:
 
     body: dict[str, Any]
     rid: str
-    output_ids: array[int] = field(default_factory=wire.token_array)  # 4 bytes a token, for as long as it runs
+    output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
     # The other per-token meta_info lists (wire.PER_TOKEN_META_KEYS: top log-probs, ...), gathered over chunks.
     per_token: dict[str, list[Any]] = field(default_factory=dict)
