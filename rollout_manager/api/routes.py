@@ -124,6 +124,7 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     generator = manager_of(request).generator
     assert generator is not None
     key = _trajectory_header(request)
+    generator.vocab.check(body.input_ids)  # an id past the model's vocabulary crashes SGLang's scheduler
     if not body.stream:  # validated; the caller's own dict goes on (less the manager's trajectory key)
         return json_response(await generator.generate(data, key))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -197,8 +198,12 @@ class GenerateLane:
         """An admitted head's body: what :func:`generate` would run, or None for aiohttp to answer."""
         try:
             data = decode_json(body, self.max_body)
-            if validate(data, GenerateRequest).stream:
+            request = validate(data, GenerateRequest)
+            if request.stream:
                 return None
+            generator = self.manager.generator
+            assert generator is not None
+            generator.vocab.check(request.input_ids)
         except ManagerError:
             return None
         return data, headers.get(self.key_header)
@@ -227,10 +232,13 @@ class GenerateLane:
 
 
 @accepts(BatchGenerateRequests, large=True)
-async def batch_generate_requests(request: web.Request, _: BatchGenerateRequests, data: Any) -> web.StreamResponse:
+async def batch_generate_requests(request: web.Request, body: BatchGenerateRequests,
+                                  data: Any) -> web.StreamResponse:
     """Many /generate bodies at once; NDJSON results in completion order, every id exactly once."""
     generator = manager_of(request).generator
     assert generator is not None
+    for i, (_, item) in enumerate(body.root):  # the whole batch is refused, as for any invalid item
+        generator.vocab.check(item.input_ids, f"[{i}][1].input_ids")
     items = [(rid, req) for rid, req in data]
     # the run id lets a client tell a restarted manager (whose batch is gone) from a quiet stream
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",

@@ -30,6 +30,7 @@ from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
 from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
+from rollout_manager.rollout.vocab import VocabBound
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
@@ -84,6 +85,7 @@ class Generator:
         self._rid_counter = itertools.count()
         self.stats = new_generation_stats()  # the keys are metrics' (rollout.counters)
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
+        self.vocab = VocabBound(dispatcher.registry, settings.vocab_size)  # input ids are checked against it
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
                                  bound=lambda seq: self._staleness_bound(seq, restart=False))
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
