@@ -28,6 +28,18 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
+from rollout_manager.rollout.outcome import (
+    CallerError,
+    Cancelled,
+    EngineFault,
+    Finished,
+    Move,
+    Moved,
+    Outcome,
+    Step,
+    next_step,
+    outcome_of,
+)
 from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
 from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
 from rollout_manager.rollout.vocab import VocabBound
@@ -45,14 +57,6 @@ from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
-
-
-class Preempted(Exception):
-    """The manager took the sequence off a local instance on purpose; not the instance's fault."""
-
-
-class Migrated(Exception):
-    """Tail migration took the sequence off its instance on purpose; not the instance's fault."""
 
 
 class GenerationFailed(ManagerError):
@@ -370,105 +374,107 @@ class Generator:
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
         live = id(segment)
+        outcome: Outcome = Cancelled()  # until the call comes to something: the caller went away
         try:
             self.migrator.enter(live, seq, inst, rid)
-            cut: EngineFailed | None = None
-            try:
-                if stream is None:
-                    await consume()
-                else:
-                    closed = asyncio.ensure_future(self.local.closed.wait())
-                    await asyncio.wait({stream, closed}, return_when=asyncio.FIRST_COMPLETED)
-                    closed.cancel()
-                    if not stream.done():  # the trainer wants its GPUs back: move the sequence on
-                        raise Preempted("local window closed")
-                    await stream
-            except EngineFailed as exc:
-                # The final chunk (finish_reason) already arrived and only [DONE] was lost: the
-                # sequence is complete; continuing it would generate past its end.
-                last = progress.finish_reason
-                if last is None or (wire.is_abort(last) and wire.abort_caller_status(last) is None):
-                    raise
-                cut = exc
-            finish = progress.finish_reason
-            if seq.migrating and (finish is None or wire.is_abort(finish)):
-                raise Migrated()  # the stream ended because the manager aborted it to move it
-            if finish is None:
-                raise EngineFailed("stream finished without a finish_reason")
-            caller_status = wire.abort_caller_status(finish)
-            if caller_status is not None:
-                # SGLang refused the request itself (e.g. too long for its context): every instance
-                # would, so it is the caller's error, not retried and not held against the instance.
-                raise EngineRejected(caller_status, {"message": wire.abort_message(finish),
-                                                     "type": finish.get("err_type"), "code": caller_status})
-            if wire.is_abort(finish):
-                raise EngineFailed(f"aborted by the instance: {wire.abort_message(finish)}")
-            seq.finish, seq.meta = wire.rebase_finish_reason(finish, segment.start), progress.meta_info
-            seq.texts.append(progress.text)
-            segment.outcome = "finished"
-            if cut is None:
-                self.on_instance_success(inst)
-            else:
-                self.on_instance_failure(inst, f"stream cut after the final chunk: {cut}")
-        except EngineRejected as exc:
-            seq.live_text = None
-            if not self._ask_another(seq, inst, exc):
-                segment.outcome = "rejected"
-                raise GenerationFailed(exc.status, wire.error_message(exc.error), exc.error) from None
-            segment.outcome = (f"rejected: HTTP {exc.status}: {wire.error_message(exc.error)[:200]}; "
-                               f"asking another instance")
-            seq.texts.append("" if progress.made == 0 else None)
-        except Preempted:
-            segment.outcome = "preempted: local window closed"
-            seq.texts.append(None)
-            seq.live_text = None
-            self.stats["preempted"] += 1
-        except Migrated:
-            self._migrated(seq, segment)
-        except EngineFailed as exc:
-            if seq.migrating:  # the abort that moves it cut the stream: not the instance's fault
-                self._migrated(seq, segment)
-                return
-            segment.outcome = f"failed: {exc}"
-            seq.failures.append(f"{inst.endpoint}: {exc}")
-            seq.texts.append(None)
-            seq.live_text = None
-            log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
-                        segment.end - segment.start, exc)
-            self.on_instance_failure(inst, str(exc))
+            outcome = await self._call(consume, stream, progress, seq)
+            self._carry_out(outcome, seq, inst, segment, progress)
         finally:
             if stream is not None and not stream.done():
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
             self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))
             self.migrator.leave(live, seq, segment)
-            if segment.outcome in ("running", "preempted: local window closed"):
-                if segment.outcome == "running":  # cancelled: the caller went away
+            if isinstance(outcome, Cancelled) or outcome == Moved(Move.PREEMPTED):  # the engine still runs it
+                if isinstance(outcome, Cancelled):
                     segment.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
 
+    async def _call(self, consume: Callable[[], Awaitable[None]], stream: asyncio.Future[None] | None,
+                    progress: SequenceProgress, seq: SequenceState) -> Outcome:
+        """Run the engine call (``stream``: it already runs, racing the local window); what it came to.
+        A cancellation propagates (the caller went away)."""
+        error: str | None = None
+        try:
+            if stream is None:
+                await consume()
+            else:
+                closed = asyncio.ensure_future(self.local.closed.wait())
+                racing: set[asyncio.Future[Any]] = {stream, closed}
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                closed.cancel()
+                if not stream.done():  # the trainer wants its GPUs back: move the sequence on
+                    return Moved(Move.PREEMPTED)
+                await stream
+        except EngineRejected as exc:
+            return CallerError(exc.status, exc.error)
+        except EngineFailed as exc:
+            error = str(exc)
+        return outcome_of(progress.finish_reason, error, migrating=seq.migrating)
+
+    def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segment: Segment,
+                   progress: SequenceProgress) -> None:
+        """Record ``outcome`` on the sequence and the instance, as :func:`next_step` says; raises
+        :class:`GenerationFailed` when the caller gets a refusal."""
+        used = seq.refused is not None or seq.second_opinion
+        others = isinstance(outcome, CallerError) and not used and self._others_may_take(seq, inst)
+        step = next_step(outcome, second_opinion_used=used, others=others)
+        if step is Step.DONE:
+            assert isinstance(outcome, Finished)
+            seq.finish, seq.meta = wire.rebase_finish_reason(outcome.finish, segment.start), progress.meta_info
+            seq.texts.append(progress.text)
+            segment.outcome = "finished"
+            if outcome.cut is None:
+                self.on_instance_success(inst)
+            else:
+                self.on_instance_failure(inst, f"stream cut after the final chunk: {outcome.cut}")
+        elif step is Step.ASK_ANOTHER:
+            assert isinstance(outcome, CallerError)
+            seq.live_text = None
+            seq.refused, seq.second_opinion = (inst, outcome.status, outcome.error), True
+            message = wire.error_message(outcome.error)
+            log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request "
+                     "is at fault", seq.rid, inst.endpoint, outcome.status, message[:200])
+            segment.outcome = f"rejected: HTTP {outcome.status}: {message[:200]}; asking another instance"
+            seq.texts.append("" if progress.made == 0 else None)
+        elif step is Step.FAIL:
+            assert isinstance(outcome, CallerError)
+            seq.live_text = None
+            seq.refused = None  # a second refusal: the caller's error after all
+            segment.outcome = "rejected"
+            raise GenerationFailed(outcome.status, wire.error_message(outcome.error), outcome.error)
+        elif step is Step.MOVE:
+            assert isinstance(outcome, Moved)
+            if outcome.why is Move.PREEMPTED:
+                segment.outcome = "preempted: local window closed"
+                seq.texts.append(None)
+                seq.live_text = None
+                self.stats["preempted"] += 1
+            else:
+                self._migrated(seq, segment)
+        elif step is Step.FAULT:
+            assert isinstance(outcome, EngineFault)
+            segment.outcome = f"failed: {outcome.error}"
+            seq.failures.append(f"{inst.endpoint}: {outcome.error}")
+            seq.texts.append(None)
+            seq.live_text = None
+            log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
+                        segment.end - segment.start, outcome.error)
+            self.on_instance_failure(inst, outcome.error)
+
     # ------------------------------------------------------------ refusals
-    def _ask_another(self, seq: SequenceState, inst: Instance, exc: EngineRejected) -> bool:
-        """Whether to ask one other instance about a request ``inst`` refused (recorded on ``seq``).
+    def _others_may_take(self, seq: SequenceState, inst: Instance) -> bool:
+        """Whether another instance could take ``seq`` and settle a refusal by ``inst``.
 
         SGLang refuses with 400 what its contract forbids, and the manager checked the body against that
         contract already; so a refusal may be a broken engine's, which would otherwise swallow requests
         without ever being counted against. One other instance settles it: if it accepts, ``inst`` is at
         fault (:meth:`_refusal_overruled`); if it refuses too, the caller gets the refusal. Never more
-        than one extra try per sequence, and none when no other instance could take it.
+        than one extra try per sequence (:func:`.outcome.next_step`).
         """
-        if seq.refused is not None or seq.second_opinion:
-            seq.refused = None  # a second refusal: the caller's error after all
-            return False
         bound = self._staleness_bound(seq, restart=False)
-        others = [i for i in self.dispatcher.registry.in_state(State.ACTIVE)
-                  if i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))]
-        if not others:
-            return False
-        seq.refused, seq.second_opinion = (inst, exc.status, exc.error), True
-        log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request is at fault",
-                 seq.rid, inst.endpoint, exc.status, wire.error_message(exc.error)[:200])
-        return True
+        return any(i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))
+                   for i in self.dispatcher.registry.in_state(State.ACTIVE))
 
     def _refusal_overruled(self, seq: SequenceState, accepted_by: Instance) -> None:
         """Another instance made tokens for a request the refuser called malformed: the refuser is at fault."""
