@@ -41,7 +41,14 @@ from rollout_manager.rollout.outcome import (
     outcome_of,
 )
 from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
-from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
+from rollout_manager.rollout.sequence import (
+    Segment,
+    SequenceState,
+    take_min_version,
+    version_check,
+    version_floor,
+    within_version,
+)
 from rollout_manager.rollout.vocab import VocabBound
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
@@ -91,7 +98,7 @@ class Generator:
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.vocab = VocabBound(dispatcher.registry, settings.vocab_size)  # input ids are checked against it
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
-                                 bound=lambda seq: self._staleness_bound(seq, restart=False))
+                                 bound=lambda seq: self._allowed(seq, restart=False))
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
@@ -248,10 +255,12 @@ class Generator:
                             on_tokens: Callable[[SequenceState], None] | None,
                             trajectory_key: str | None = None) -> dict[str, Any]:
         body, (trajectory_key,) = aff.take_keys(body, 1, trajectory_key)
+        body, min_version = take_min_version(body)
         table = self.dispatcher.affinity
         keys = table.keys(body["input_ids"], trajectory_key) if table is not None else None
         caller_rid = body.get("rid")
-        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}"))
+        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}"),
+                            min_version=min_version)
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
@@ -276,7 +285,7 @@ class Generator:
                     f"(limit {self.settings.max_attempts}); instances tried: {', '.join(i.endpoint for i in tried)}; "
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
-            allow = self._staleness_bound(seq)
+            allow = self._allowed(seq)
             if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
                 allow = _excluding(seq.refused[0], allow)
             inst = self.migrator.take_handoff(seq, allow)
@@ -292,7 +301,7 @@ class Generator:
                     if seq.refused is not None:  # nobody could check the refusal: it stands
                         _, status, error = seq.refused
                         raise GenerationFailed(status, wire.error_message(error), error) from None
-                    raise GenerationFailed(503, _with_failures(str(exc), seq)) from None
+                    raise GenerationFailed(503, _with_failures(_with_floor(str(exc), seq), seq)) from None
                 if table is not None and keys is not None and first:
                     self._count_affinity(prefer, inst)
                     table.placed(keys, inst.id)
@@ -472,7 +481,7 @@ class Generator:
         fault (:meth:`_refusal_overruled`); if it refuses too, the caller gets the refusal. Never more
         than one extra try per sequence (:func:`.outcome.next_step`).
         """
-        bound = self._staleness_bound(seq, restart=False)
+        bound = self._allowed(seq, restart=False)
         return any(i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))
                    for i in self.dispatcher.registry.in_state(State.ACTIVE))
 
@@ -515,6 +524,15 @@ class Generator:
             self.stats["affinity_fallbacks"] += 1
             reason = aff.fallback_reason(self.dispatcher.registry.get(prefer), inst)
             self.affinity_fallbacks[reason] = self.affinity_fallbacks.get(reason, 0) + 1
+
+    def _allowed(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
+        """Which instances may take ``seq`` next (None: any): within the staleness bound
+        (:meth:`_staleness_bound`) and at :func:`version_floor` or newer."""
+        bound = self._staleness_bound(seq, restart)
+        floor = version_floor(seq)
+        if floor <= 0:
+            return bound
+        return lambda i: i.weight_version >= floor and (bound is None or bound(i))
 
     def _staleness_bound(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
         """Which instances may continue ``seq`` without its segments spanning more than
@@ -571,6 +589,15 @@ def _with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
     last = "; ".join(seq.failures[-shown:])
     more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
     return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
+
+
+def _with_floor(message: str, seq: SequenceState) -> str:
+    """``message``, and the version the sequence needed when it needed one."""
+    floor = version_floor(seq)
+    if floor <= 0:
+        return message
+    why = f"min_weight_version={seq.min_version}" if floor == seq.min_version else "its tokens' version"
+    return f"{message}; it may run only on weight version {floor} or newer ({why})"
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:

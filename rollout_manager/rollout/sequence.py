@@ -60,6 +60,8 @@ class SequenceState:
     # status, the error); and whether that one extra try was used.
     refused: tuple[Instance, int, Any] | None = None
     second_opinion: bool = False
+    # The caller's min_weight_version (0: none): the sequence runs only on instances at that version or newer.
+    min_version: int = 0
 
     # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
     # the body once: it never changes, and what is left is asked several times per attempt.
@@ -84,6 +86,28 @@ class SequenceState:
         """The finished segments' text plus ``current``; None when any part of it is unknown."""
         parts = [*self.texts, current]
         return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
+
+
+# The manager's own top-level /generate field (never sent to SGLang), see docs/http-api.md.
+MIN_VERSION_FIELD = "min_weight_version"
+
+
+def take_min_version(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``body`` without ``min_weight_version`` (copied only when it had one), and its value (0: none)."""
+    if MIN_VERSION_FIELD not in body:
+        return body, 0
+    body = dict(body)
+    value = body.pop(MIN_VERSION_FIELD)
+    return body, int(value or 0)
+
+
+def version_floor(seq: SequenceState) -> int:
+    """The oldest weight version ``seq`` may run on next (0: any): for a caller that asked for a
+    ``min_weight_version``, that version, and never one older than a version the sequence already ran on
+    (its tokens would go back in time). Without one, versions are bounded by ``max_staleness`` only."""
+    if seq.min_version <= 0:
+        return 0
+    return max(seq.min_version, max(seq.versions, default=0))
 
 
 def within_version(lo: int, hi: int, version: int, bound: int) -> bool:
