@@ -70,6 +70,8 @@ def final_output(
         "e2e_latency": round(e2e_latency, 6),
         "segments": segments,
     })
+    if "weight_versions" in meta:  # SGLang's spans are its last request's: say them for the whole sequence
+        meta["weight_versions"] = version_spans(segments)
     if wire.wants_logprobs(body):
         meta["output_token_logprobs"] = logprobs
     else:
@@ -82,3 +84,15 @@ def final_output(
     if index is not None:
         out["index"] = index
     return out
+
+
+def version_spans(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """SGLang's ``weight_versions`` spans (``{"version", "start", "end"}``, adjacent equal versions joined)
+    over a whole sequence, from its segments."""
+    spans: list[dict[str, Any]] = []
+    for s in segments:
+        if spans and spans[-1]["version"] == s["weight_version"] and spans[-1]["end"] == s["start"]:
+            spans[-1]["end"] = s["end"]
+        else:
+            spans.append({"version": s["weight_version"], "start": s["start"], "end": s["end"]})
+    return spans

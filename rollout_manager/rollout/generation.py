@@ -23,6 +23,7 @@ from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
 from rollout_manager.rollout.answers import final_output, partial_output
+from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
@@ -47,6 +48,8 @@ from rollout_manager.rollout.sequence import (
     take_min_version,
     version_check,
     version_floor,
+    with_failures,
+    with_floor,
     within_version,
 )
 from rollout_manager.rollout.vocab import VocabBound
@@ -301,7 +304,7 @@ class Generator:
                     if seq.refused is not None:  # nobody could check the refusal: it stands
                         _, status, error = seq.refused
                         raise GenerationFailed(status, wire.error_message(error), error) from None
-                    raise GenerationFailed(503, _with_failures(_with_floor(str(exc), seq), seq)) from None
+                    raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
                 if table is not None and keys is not None and first:
                     self._count_affinity(prefer, inst)
                     table.placed(keys, inst.id)
@@ -346,8 +349,7 @@ class Generator:
             seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
             vocab_size=inst.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
-        segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
-        seq.segments.append(segment)
+        segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
         reserved = seq.reserve
         loop = asyncio.get_running_loop()
         s = self.settings
@@ -365,8 +367,9 @@ class Generator:
                 self.dispatcher.progress(inst, new)
                 if seq.refused is not None:
                     self._refusal_overruled(seq, inst)
-            segment.end = len(seq.output_ids)
-            segment.weight_version = progress.weight_version
+            segments.advance(progress.weight_version, new)
+            if progress.finish_reason is not None and "weight_versions" in progress.meta_info:
+                segments.exact(progress.meta_info["weight_versions"])  # SGLang's exact spans, on the final chunk
             seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
             if new and on_tokens is not None and progress.finish_reason is None:
                 on_tokens(seq)
@@ -382,21 +385,21 @@ class Generator:
 
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
-        live = id(segment)
+        live = id(segments)
         outcome: Outcome = Cancelled()  # until the call comes to something: the caller went away
         try:
             self.migrator.enter(live, seq, inst, rid)
             outcome = await self._call(consume, stream, progress, seq)
-            self._carry_out(outcome, seq, inst, segment, progress)
+            self._carry_out(outcome, seq, inst, segments, progress)
         finally:
             if stream is not None and not stream.done():
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
-            self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))
-            self.migrator.leave(live, seq, segment)
+            self.dispatcher.release(inst, max(reserved - segments.made, 0))
+            self.migrator.leave(live, seq, segments.current)
             if isinstance(outcome, Cancelled) or outcome == Moved(Move.PREEMPTED):  # the engine still runs it
                 if isinstance(outcome, Cancelled):
-                    segment.outcome = "cancelled"
+                    segments.current.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
 
     async def _call(self, consume: Callable[[], Awaitable[None]], stream: asyncio.Future[None] | None,
@@ -421,16 +424,17 @@ class Generator:
             error = str(exc)
         return outcome_of(progress.finish_reason, error, migrating=seq.migrating)
 
-    def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segment: Segment,
+    def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segments: AttemptSegments,
                    progress: SequenceProgress) -> None:
         """Record ``outcome`` on the sequence and the instance, as :func:`next_step` says; raises
         :class:`GenerationFailed` when the caller gets a refusal."""
         used = seq.refused is not None or seq.second_opinion
         others = isinstance(outcome, CallerError) and not used and self._others_may_take(seq, inst)
         step = next_step(outcome, second_opinion_used=used, others=others)
+        segment = segments.current
         if step is Step.DONE:
             assert isinstance(outcome, Finished)
-            seq.finish, seq.meta = wire.rebase_finish_reason(outcome.finish, segment.start), progress.meta_info
+            seq.finish, seq.meta = wire.rebase_finish_reason(outcome.finish, segments.start), progress.meta_info
             seq.texts.append(progress.text)
             segment.outcome = "finished"
             if outcome.cut is None:
@@ -468,7 +472,7 @@ class Generator:
             seq.texts.append(None)
             seq.live_text = None
             log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
-                        segment.end - segment.start, outcome.error)
+                        segments.made, outcome.error)
             self.on_instance_failure(inst, outcome.error)
 
     # ------------------------------------------------------------ refusals
@@ -580,24 +584,6 @@ class Generator:
         if seq.discarded:  # a staleness restart: what was thrown away stays visible
             out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
         return out
-
-
-def _with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
-    """``message``, and what the sequence's attempts failed with (the last ``shown`` of them)."""
-    if not seq.failures:
-        return message
-    last = "; ".join(seq.failures[-shown:])
-    more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
-    return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
-
-
-def _with_floor(message: str, seq: SequenceState) -> str:
-    """``message``, and the version the sequence needed when it needed one."""
-    floor = version_floor(seq)
-    if floor <= 0:
-        return message
-    why = f"min_weight_version={seq.min_version}" if floor == seq.min_version else "its tokens' version"
-    return f"{message}; it may run only on weight version {floor} or newer ({why})"
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:

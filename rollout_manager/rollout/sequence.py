@@ -160,3 +160,21 @@ def with_sampling_seed(body: dict[str, Any]) -> dict[str, Any]:
     if params is not None and params.get("sampling_seed") is not None:
         return body
     return {**body, "sampling_params": {**(params or {}), "sampling_seed": secrets.randbits(SEED_BITS)}}
+
+
+def with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
+    """``message``, and what the sequence's attempts failed with (the last ``shown`` of them)."""
+    if not seq.failures:
+        return message
+    last = "; ".join(seq.failures[-shown:])
+    more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
+    return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
+
+
+def with_floor(message: str, seq: SequenceState) -> str:
+    """``message``, and the version the sequence needed when it needed one."""
+    floor = version_floor(seq)
+    if floor <= 0:
+        return message
+    why = f"min_weight_version={seq.min_version}" if floor == seq.min_version else "its tokens' version"
+    return f"{message}; it may run only on weight version {floor} or newer ({why})"
