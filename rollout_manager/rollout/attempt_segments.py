@@ -40,8 +40,10 @@ class AttemptSegments:
         reported ``version``."""
         seg = self.current
         end = len(self.seq.output_ids)
-        if new and version is not None and seg.weight_version is not None and version != seg.weight_version \
-                and seg.end > seg.start:
+        if version == seg.weight_version:  # the usual chunk
+            seg.end = end
+            return
+        if new and version is not None and seg.weight_version is not None and seg.end > seg.start:
             seg.outcome = _changed(version, seg.end)
             seg = self.current = Segment(seg.instance, seg.endpoint, version, seg.end, end)
             self.seq.segments.append(seg)

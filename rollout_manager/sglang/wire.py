@@ -226,10 +226,10 @@ class GenerateChunk:
     @classmethod
     def of(cls, obj: Any, skipped_ids: int = 0, skipped_logprobs: int = 0) -> GenerateChunk:
         """The chunk of a decoded JSON value (one that is not an object reads as a chunk of nothing)."""
-        if not isinstance(obj, dict):
+        if type(obj) is not dict:
             return cls(None, None, None)
-        return cls(obj.get("output_ids"), obj.get("text"), obj.get("meta_info"), obj.get("index"),
-                   skipped_ids, skipped_logprobs)
+        get = obj.get
+        return cls(get("output_ids"), get("text"), get("meta_info"), get("index"), skipped_ids, skipped_logprobs)
 
 
 # ---------------------------------------------------------------- request bodies
