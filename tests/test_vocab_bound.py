@@ -3,6 +3,7 @@ anything is placed: real SGLang's scheduler crashes on them (docs/http-api.md)."
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -63,12 +64,16 @@ async def test_ids_past_the_instances_vocabulary_are_refused_before_placing(
         status, out = await m.post("/generate", {**body, "sampling_params": params})
         assert status == 400, out
         assert f"field '{field}'" in out["error"] and "must be below 256" in out["error"], out
-    status, text = await _ndjson(m, [["a", {"input_ids": [1], "sampling_params": params}],
-                                     ["b", {"input_ids": [999], "sampling_params": params}]])
-    assert status == 400 and "field '[1][1].input_ids[0]'" in text and "below 256" in text, text
     assert await _sequences(m) == 0  # nothing was placed
     status, out = await m.post("/generate", {"input_ids": [1, 255], "sampling_params": params})
     assert status == 200 and len(out["output_ids"]) == 2, out
+    # In an NDJSON batch the item fails its own line (its batch-mates are other callers' requests).
+    status, text = await _ndjson(m, [["a", {"input_ids": [1], "sampling_params": params}],
+                                     ["b", {"input_ids": [999], "sampling_params": params}]])
+    lines = {line["id"]: line for line in map(json.loads, text.splitlines())}
+    assert status == 200 and lines["a"]["success"] and not lines["b"]["success"], text
+    assert lines["b"]["status_code"] == 400 and "field 'input_ids[0]'" in lines["b"]["error"], text
+    assert "below 256" in lines["b"]["error"] and await _sequences(m) == 2  # b was never placed
 
 
 @pytest.mark.slow
