@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from rollout_manager import jsonutil
+from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.sglang import wire
 
 
@@ -31,7 +32,7 @@ def make_app(chunks: int, *, incremental: bool = False, stream_interval: int = 1
 
     def answer(prompt: list[int], params: dict[str, Any], rid: str) -> dict[str, Any]:
         n = min(chunks, params.get("max_new_tokens") or chunks)
-        return wire.output_chunk(rid=rid, output_ids=list(range(1, n + 1)), prompt_tokens=len(prompt),
+        return output_chunk(rid=rid, output_ids=list(range(1, n + 1)), prompt_tokens=len(prompt),
                                  completion_tokens=n, finish=wire.finish_reason(wire.LENGTH, length=n),
                                  weight_version="0")
 

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollout_manager.cpu_engine.encode import output_chunk
+
 HERE = Path(__file__).resolve()
 CONNECTIONS = 64
 LANE_OFF = "rollout-manager, fast lane off"
@@ -46,7 +48,7 @@ def body(prompt_tokens: int) -> bytes:
 
 def answer(wire: Any, b: dict[str, Any]) -> dict[str, Any]:
     n = b["sampling_params"]["max_new_tokens"]
-    return wire.output_chunk(rid=b.get("rid", "r"), output_ids=list(range(5, 5 + n)), prompt_tokens=len(b["input_ids"]),
+    return output_chunk(rid=b.get("rid", "r"), output_ids=list(range(5, 5 + n)), prompt_tokens=len(b["input_ids"]),
                              completion_tokens=n, finish=wire.finish_reason(wire.LENGTH, length=n),
                              weight_version="default", text="x" * n)
 

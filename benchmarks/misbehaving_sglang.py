@@ -32,7 +32,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.sse import sse_frame
 
 MODES = ("backwards", "bad_ct", "too_many", "bad_ids", "bad_version", "endless", "http404", "error_frame",
          "silent")
@@ -45,11 +47,11 @@ _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive
 def chunk(rid: str, ids: list[Any], prompt: int, total: int | None, finish: dict[str, Any] | None,
           version: str) -> bytes:
     """One frame; ``total`` None leaves ``completion_tokens`` out."""
-    obj = wire.output_chunk(rid=rid, output_ids=ids, prompt_tokens=prompt, completion_tokens=total or 0,
+    obj = output_chunk(rid=rid, output_ids=ids, prompt_tokens=prompt, completion_tokens=total or 0,
                             finish=finish, weight_version=version, text="")
     if total is None:
         del obj["meta_info"]["completion_tokens"]
-    return wire.sse_frame(obj)
+    return sse_frame(obj)
 
 
 def frames(mode: str, rid: str, good: list[int], prompt: int, version: str) -> list[bytes]:
@@ -89,7 +91,7 @@ def final(mode: str, rid: str, good: list[int], prompt: int, version: str) -> di
         total = len(ids)
     elif mode == "bad_version":
         version = "999"
-    obj = wire.output_chunk(rid=rid, output_ids=ids, prompt_tokens=prompt, completion_tokens=total or 0,
+    obj = output_chunk(rid=rid, output_ids=ids, prompt_tokens=prompt, completion_tokens=total or 0,
                             finish=wire.finish_reason(wire.LENGTH, length=len(ids)), weight_version=version,
                             text="")
     if total is None:
@@ -128,7 +130,7 @@ def make_app(mode: str, upstream: str, endless_kbps: float) -> web.Application:
             return web.json_response(wire.error_object("The engine refuses this request.", 400), status=400)
         if mode == "error_frame":
             await resp.prepare(request)
-            await resp.write(wire.sse_frame(wire.error_object("The engine refuses this request.", 400)))
+            await resp.write(sse_frame(wire.error_object("The engine refuses this request.", 400)))
             await resp.write(wire.DONE_FRAME)
             return resp
         if mode == "endless":

@@ -21,9 +21,11 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import Probe
+from rollout_manager.sglang.sse import sse_frame
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.protocol import (
     ActivateAnswer,
@@ -214,7 +216,7 @@ class FakeSGLang:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if self.error_frame is not None:
-            await resp.write(wire.sse_frame({"error": self.error_frame}) + wire.DONE_FRAME)
+            await resp.write(sse_frame({"error": self.error_frame}) + wire.DONE_FRAME)
             await resp.write_eof()
             return resp
         made: list[int] = []
@@ -225,10 +227,10 @@ class FakeSGLang:
             out = chunk if self.rewrite is None else self.rewrite(chunk, sent)
             sent += 1
             if out is not None:
-                await resp.write(wire.sse_frame(out))
+                await resp.write(sse_frame(out))
 
         if self.abort_finish is not None:  # as SGLang's scheduler refusing the request
-            await send(wire.output_chunk(
+            await send(output_chunk(
                 rid=rid, output_ids=[], prompt_tokens=len(prompt), completion_tokens=0,
                 finish=self.abort_finish, weight_version=self.weight_version, text=""))
             budget = 0
@@ -241,7 +243,7 @@ class FakeSGLang:
                 await self._unstall.wait()
             made.append(next_token(prompt + made))
             finish = wire.finish_reason(wire.LENGTH, length=len(made)) if len(made) == budget else None
-            await send(wire.output_chunk(
+            await send(output_chunk(
                 rid=rid, output_ids=list(made), prompt_tokens=len(prompt), completion_tokens=len(made),
                 finish=finish, weight_version=self.weight_version, text="x" * len(made),  # cumulative, as SGLang
             ))
@@ -269,7 +271,7 @@ class FakeSGLang:
             if self.stall_after_tokens is not None and len(made) >= self.stall_after_tokens:
                 await self._unstall.wait()
             made.append(next_token(prompt + made))
-        answer = wire.output_chunk(
+        answer = output_chunk(
             rid=rid, output_ids=made, prompt_tokens=len(prompt), completion_tokens=len(made),
             finish=finish or wire.finish_reason(wire.LENGTH, length=len(made)),
             weight_version=self.weight_version, text="x" * len(made))

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 from support import async_wait_until
 
+from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.osutil import free_port
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineRejected
@@ -44,7 +45,7 @@ async def engine() -> AsyncIterator[Engine]:
             raise
         if eng.status != 200:
             return web.json_response({"error": "refused"}, status=eng.status)
-        outs = [wire.output_chunk(rid=sub["rid"], output_ids=[len(sub["input_ids"])], prompt_tokens=1,
+        outs = [output_chunk(rid=sub["rid"], output_ids=[len(sub["input_ids"])], prompt_tokens=1,
                                   completion_tokens=1, finish=wire.finish_reason(wire.LENGTH, length=1),
                                   weight_version="0") for sub in wire.split_batch(body)]
         return web.json_response(outs if wire.is_batched(body) else outs[0])
@@ -74,8 +75,8 @@ async def test_calls_that_start_together_share_one_request_and_each_gets_its_own
     async with aiohttp.ClientSession() as s:
         bodies = [body(n) for n in range(1, 8)] + [body(9, return_logprob=True)]
         answers = await asyncio.gather(*(one(co, s, engine.url, b) for b in bodies))
-    assert [a["output_ids"] for a in answers] == [[len(b["input_ids"])] for b in bodies]
-    assert [a["meta_info"]["id"] for a in answers] == [b["rid"] for b in bodies]
+    assert [a.output_ids for a in answers] == [[len(b["input_ids"])] for b in bodies]
+    assert [a.meta_info["id"] for a in answers] == [b["rid"] for b in bodies]
     # At most 3 per request, and the one with another shape alone.
     assert [len(b["rid"]) if isinstance(b["rid"], list) else 1 for b in engine.bodies] == [3, 3, 1, 1]
     assert engine.bodies[-1]["return_logprob"] is True and "return_logprob" not in engine.bodies[0]
@@ -92,7 +93,7 @@ async def test_a_caller_that_leaves_does_not_disturb_the_others_and_when_all_lea
         tasks[0].cancel()
         engine.release.set()
         rest = await asyncio.gather(*tasks[1:])
-        assert [a["output_ids"] for a in rest] == [[2], [3]]
+        assert [a.output_ids for a in rest] == [[2], [3]]
         assert tasks[0].cancelled()
 
         engine.release.clear()

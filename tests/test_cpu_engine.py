@@ -16,10 +16,14 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from support import PY, Proc, async_wait_until, wait_http_ok_sync, wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate, state_dict_checksums, tensor_checksum
+from rollout_manager.rollout.progress import SequenceProgress
 from rollout_manager.sglang import tensor_payload, wire
+from rollout_manager.sglang.sse import SSEDecoder, StreamError
+from rollout_manager.sglang.wire import GenerateChunk
 
 PROMPT = [11, 22, 33, 44, 55]
 GREEDY = {"temperature": 0.0}
@@ -125,7 +129,7 @@ class Stream:
 
     def __init__(self, session: aiohttp.ClientSession, url: str, body: dict[str, Any]):
         self.session, self.url, self.body = session, url, {**body, "stream": True}
-        self.decoder = wire.SSEDecoder()
+        self.decoder = SSEDecoder()
         self.chunks: list[dict[str, Any]] = []
         self.broken = False
 
@@ -158,10 +162,10 @@ async def generate(session, url, input_ids, max_new_tokens, **extra) -> dict[str
     return out
 
 
-def fold(chunks: list[dict[str, Any]]) -> wire.SequenceProgress:
-    p = wire.SequenceProgress()
+def fold(chunks: list[dict[str, Any]]) -> SequenceProgress:
+    p = SequenceProgress()
     for c in chunks:
-        p.apply(c)
+        p.apply(GenerateChunk.of(c))
     return p
 
 
@@ -225,7 +229,8 @@ async def test_weights_match_the_seed_and_server_info(engines, session, ref_mode
     assert (await get(session, e.url + wire.HEALTH_GENERATE))[0] == 200
     assert (await post(session, e.url + wire.FLUSH_CACHE))[0] == 200
     status, text = await get(session, e.url + wire.METRICS)
-    assert status == 200 and wire.METRIC_NUM_RUNNING_REQS in wire.parse_metrics(text)
+    assert status == 200 and wire.METRIC_NUM_RUNNING_REQS in {
+        s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.slow
@@ -568,7 +573,7 @@ async def test_input_too_long_for_the_scheduler_is_an_abort_with_status_code(eng
     # Past the context itself the tokenizer refuses first: an error frame inside a 200 stream.
     body["input_ids"] = list(range(1, 33))
     s = Stream(session, e.url, body)
-    with pytest.raises(wire.StreamError, match="longer than the model's context length"):
+    with pytest.raises(StreamError, match="longer than the model's context length"):
         await s.collect()
 
 

@@ -20,6 +20,7 @@ from fakes import FakeClock, FakeProbe, FakeSGLang, reference, register_active, 
 from fakes import HealthRecorder as Health
 from support import Proc, async_wait_until, wait_http_ok
 
+from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
@@ -28,9 +29,12 @@ from rollout_manager.rollout import sequence
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.progress import BadChunk, SequenceProgress
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang import client as sgl
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.sse import FrameTooLarge, SSEDecoder, sse_frame
+from rollout_manager.sglang.wire import GenerateChunk
 
 PROMPT = [5, 17, 42]
 # A chunk per token, so a test knows where a stream breaks; bounds short enough to run in milliseconds.
@@ -44,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def chunk(ids: list[Any], total: Any = "auto", finish: dict[str, Any] | None = None,
           version: str = "0") -> dict[str, Any]:
-    out = wire.output_chunk(rid="r", output_ids=ids, prompt_tokens=3, completion_tokens=0, finish=finish,
+    out = output_chunk(rid="r", output_ids=ids, prompt_tokens=3, completion_tokens=0, finish=finish,
                             weight_version=version)
     if total is None:
         del out["meta_info"]["completion_tokens"]
@@ -53,11 +57,11 @@ def chunk(ids: list[Any], total: Any = "auto", finish: dict[str, Any] | None = N
     return out
 
 
-def progress(limit: int | None = 4, vocab: int = 256) -> wire.SequenceProgress:
+def progress(limit: int | None = 4, vocab: int = 256) -> SequenceProgress:
     """Two tokens of an earlier segment, then [1] and [1, 2] from this engine (cumulative)."""
-    p = wire.SequenceProgress([9, 9], [], limit=limit, vocab_size=vocab,
+    p = SequenceProgress([9, 9], [], limit=limit, vocab_size=vocab,
                               version_ok=lambda v: None if v == "0" else f"weight_version {v!r}")
-    assert p.apply(chunk([1])) == 1 and p.apply(chunk([1, 2])) == 1
+    assert p.apply(GenerateChunk.of(chunk([1]))) == 1 and p.apply(GenerateChunk.of(chunk([1, 2]))) == 1
     return p
 
 
@@ -82,37 +86,38 @@ def progress(limit: int | None = 4, vocab: int = 256) -> wire.SequenceProgress:
 ])
 def test_a_chunk_breaking_a_rule_is_refused_and_nothing_of_it_is_kept(bad: dict[str, Any], says: str) -> None:
     p = progress()
-    with pytest.raises(wire.BadChunk, match=re.escape(says)):
-        p.apply(bad)
+    with pytest.raises(BadChunk, match=re.escape(says)):
+        p.apply(GenerateChunk.of(bad))
     assert p.output_ids.tolist() == [9, 9, 1, 2] and p.made == 2 and p.finish_reason is None and p.chunks == 2
 
 
 def test_no_tokens_after_the_final_chunk() -> None:
     p = progress()
-    p.apply(chunk([1, 2, 3], finish=wire.finish_reason(wire.STOP)))
-    with pytest.raises(wire.BadChunk, match="1 token.s. after the final chunk"):
-        p.apply(chunk([1, 2, 3, 4]))
+    p.apply(GenerateChunk.of(chunk([1, 2, 3], finish=wire.finish_reason(wire.STOP))))
+    with pytest.raises(BadChunk, match="1 token.s. after the final chunk"):
+        p.apply(GenerateChunk.of(chunk([1, 2, 3, 4])))
     assert p.output_ids.tolist() == [9, 9, 1, 2, 3]
 
 
 def test_chunks_that_keep_the_rules_pass_in_either_mode() -> None:
     p = progress(limit=None)
-    assert p.apply(chunk([3, 4], total=4)) == 2  # a delta after cumulative chunks
-    assert p.apply(chunk([1, 2, 3, 4, 5, 6])) == 2  # and cumulative again
-    assert p.apply(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6))) == 0
+    assert p.apply(GenerateChunk.of(chunk([3, 4], total=4))) == 2  # a delta after cumulative chunks
+    assert p.apply(GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6]))) == 2  # and cumulative again
+    assert p.apply(GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6)))) == 0
     assert p.output_ids.tolist() == [9, 9, 1, 2, 3, 4, 5, 6] and p.finish_reason == {"type": "length", "length": 6}
-    assert p.apply(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6))) == 0  # a repeat
+    last = GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6)))
+    assert p.apply(last) == 0  # a repeat
 
 
 def test_the_decoder_bounds_one_frame() -> None:
-    dec = wire.SSEDecoder(max_frame=200)
-    assert dec.feed(wire.sse_frame(chunk([1]))) and dec.pending == 0
-    with pytest.raises(wire.FrameTooLarge, match="without a frame boundary"):
+    dec = SSEDecoder(max_frame=200)
+    assert dec.feed(sse_frame(chunk([1]))) and dec.pending == 0
+    with pytest.raises(FrameTooLarge, match="without a frame boundary"):
         for _ in range(40):  # endless bytes, never a boundary
             dec.feed(b"data: " + b"x" * 10)
     assert dec.pending <= 200 + 16
-    whole = wire.SSEDecoder(max_frame=200)
-    with pytest.raises(wire.FrameTooLarge, match="a stream frame of"):  # a complete frame, too large
+    whole = SSEDecoder(max_frame=200)
+    with pytest.raises(FrameTooLarge, match="a stream frame of"):  # a complete frame, too large
         whole.feed(b"data: " + b"1" * 300 + b"\n\n")
 
 
@@ -356,7 +361,7 @@ async def test_trickled_bytes_after_good_chunks_are_no_progress() -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
-        await resp.write(wire.sse_frame(chunk([1])) + wire.sse_frame(chunk([1, 2])))
+        await resp.write(sse_frame(chunk([1])) + sse_frame(chunk([1, 2])))
         for _ in range(1000):
             await resp.write(b"x")
             await asyncio.sleep(0.01)
@@ -372,7 +377,7 @@ async def test_trickled_bytes_after_good_chunks_are_no_progress() -> None:
             with pytest.raises(sgl.EngineFailed) as err:
                 async for c in sgl.stream_generate(session, str(server.make_url("")), body(4),
                                                    sgl.CallBounds(connect_timeout_s=2, stall_timeout_s=0.3)):
-                    got.append(c["output_ids"])
+                    got.append(c.output_ids)
         assert got == [[1], [2]]  # the second, cumulative, parsed without the id already seen
         assert re.match(r"no complete chunk for 0\.[3-9]\d*s after 2 chunk\(s\) \(stream_stall_timeout_s=0.3\); "
                         r"\d+ byte\(s\) of an unfinished frame came meanwhile", str(err.value)), str(err.value)

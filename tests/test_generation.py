@@ -12,6 +12,7 @@ import pytest
 from support import async_wait_until
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
+from rollout_manager.sglang.sse import iter_frames
 
 pytestmark = pytest.mark.slow  # every test here starts real processes
 
@@ -383,7 +384,7 @@ async def test_streaming_generate_looks_like_sglang_and_survives_a_death(start_m
     await register(m, healthy)
     await reader
     assert b"".join(raw).endswith(wire.DONE_FRAME)
-    chunks = wire.iter_frames(raw)
+    chunks = iter_frames(raw)
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
     for i, p in enumerate(prompts):
         assert finals[i]["output_ids"] == reference_generate(model, p, 12)[0]

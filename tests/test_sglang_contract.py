@@ -23,6 +23,7 @@ from rollout_manager.cpu_engine.engine import EngineConfig
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.cpu_engine.server import create_app
 from rollout_manager.sglang import tensor_payload, wire
+from rollout_manager.sglang.sse import iter_frames
 from trainer_plugin.proxy import build_generate_body
 from trainer_plugin.streaming import RolloutStream
 
@@ -166,7 +167,7 @@ async def test_the_cpu_engine_accepts_every_body(engine: TestClient) -> None:
         status, raw = await _post(engine, wire.GENERATE, body)
         assert status == 200, (body, raw)
         if body.get("stream"):
-            frames = wire.iter_frames([raw])  # an error frame raises here
+            frames = iter_frames([raw])  # an error frame raises here
             assert frames and frames[-1]["meta_info"]["finish_reason"]["type"] in ("length", "stop"), frames[-1]
     for body in ABORT_BODIES:
         assert (await _post(engine, wire.ABORT_REQUEST, body))[0] == 200

@@ -8,39 +8,45 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollout_manager.cpu_engine.encode import output_chunk
+from rollout_manager.rollout.answers import final_output, partial_output
+from rollout_manager.rollout.progress import SequenceProgress
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.sse import ChunkDecoder, SSEDecoder, StreamError, sse_frame
+from rollout_manager.sglang.wire import GenerateChunk
 
 
 def chunk(ids: list[int], total: int, finish: dict[str, Any] | None = None,
           lps: list[list[Any]] | None = None) -> dict[str, Any]:
-    return wire.output_chunk(rid="r", output_ids=ids, prompt_tokens=3, completion_tokens=total,
+    return output_chunk(rid="r", output_ids=ids, prompt_tokens=3, completion_tokens=total,
                              finish=finish, weight_version="7", logprobs=lps)
 
 
 def test_decoder_handles_frames_split_anywhere_and_done() -> None:
-    frames = wire.sse_frame(chunk([1], 1)) + wire.sse_frame(chunk([1, 2], 2)) + wire.DONE_FRAME
+    frames = sse_frame(chunk([1], 1)) + sse_frame(chunk([1, 2], 2)) + wire.DONE_FRAME
     for cut in range(1, len(frames)):
-        dec = wire.SSEDecoder()
+        dec = SSEDecoder()
         got = dec.feed(frames[:cut]) + dec.feed(frames[cut:])
         assert [c["output_ids"] for c in got] == [[1], [1, 2]] and dec.done
 
 
 def test_error_frame_raises_stream_error_with_the_message() -> None:
-    dec = wire.SSEDecoder()
-    with pytest.raises(wire.StreamError, match="too long"):
-        dec.feed(wire.sse_frame(wire.error_object("input too long")))
+    dec = SSEDecoder()
+    with pytest.raises(StreamError, match="too long"):
+        dec.feed(sse_frame(wire.error_object("input too long")))
 
 
 def test_progress_folds_cumulative_and_incremental_chunks_alike() -> None:
     lp = [[-0.1, 1, None], [-0.2, 2, None], [-0.3, 3, None]]
-    cumulative, incremental = wire.SequenceProgress(), wire.SequenceProgress()
+    cumulative, incremental = SequenceProgress(), SequenceProgress()
     for k in (1, 2, 3):
-        assert cumulative.apply(chunk([1, 2, 3][:k], k, lps=lp[:k])) == 1
-        assert incremental.apply(chunk([[1, 2, 3][k - 1]], k, lps=[lp[k - 1]])) == 1
+        assert cumulative.apply(GenerateChunk.of(chunk([1, 2, 3][:k], k, lps=lp[:k]))) == 1
+        assert incremental.apply(GenerateChunk.of(chunk([[1, 2, 3][k - 1]], k, lps=[lp[k - 1]]))) == 1
     for p in (cumulative, incremental):
         assert p.output_ids.tolist() == [1, 2, 3] and p.logprobs == lp
     # A cumulative chunk that repeats what was seen brings nothing new.
-    assert cumulative.apply(chunk([1, 2, 3], 3, finish=wire.finish_reason(wire.LENGTH, length=3))) == 0
+    last = GenerateChunk.of(chunk([1, 2, 3], 3, finish=wire.finish_reason(wire.LENGTH, length=3)))
+    assert cumulative.apply(last) == 0
     assert cumulative.finish_reason == {"type": "length", "length": 3}
 
 
@@ -90,10 +96,10 @@ def test_update_weight_version_never_aborts_in_flight_requests() -> None:
 
 
 def test_progress_keeps_the_last_reported_weight_version_when_chunks_leave_it_out() -> None:
-    p = wire.SequenceProgress()
-    p.apply(chunk([1], 1))
+    p = SequenceProgress()
+    p.apply(GenerateChunk.of(chunk([1], 1)))
     assert p.weight_version == "7"
-    p.apply({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "finish_reason": None}})
+    p.apply(GenerateChunk.of({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2, "finish_reason": None}}))
     assert p.weight_version == "7" and p.output_ids.tolist() == [1, 2]
 
 
@@ -151,7 +157,7 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     segments = [{"instance": "a", "weight_version": "6", "start": 0, "end": 2},
                 {"instance": "b", "weight_version": "7", "start": 2, "end": 3}]
     lps = [[-0.1, 1, None], [-0.2, 2, None], [-0.5, 9, None]]
-    out = wire.final_output(body, rid="caller", output_ids=[1, 2, 9], logprobs=lps,
+    out = final_output(body, rid="caller", output_ids=[1, 2, 9], logprobs=lps,
                             finish={"type": "length", "length": 3}, engine_meta=engine_meta, segments=segments,
                             text=None, e2e_latency=1.23456789, index=2)
     meta = out["meta_info"]
@@ -163,7 +169,7 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     assert meta["cached_tokens"] == 2  # passed through from the engine
     assert engine_meta["id"] == "r" and "segments" not in engine_meta  # the engine's dict is not changed
     # Without return_logprob the engine's log-probs are dropped; without segments its version stays.
-    plain = wire.final_output({"input_ids": [5]}, rid="x", output_ids=[], logprobs=[], finish=None,
+    plain = final_output({"input_ids": [5]}, rid="x", output_ids=[], logprobs=[], finish=None,
                               engine_meta=engine_meta, segments=[], text="", e2e_latency=0.0, index=None)
     assert "output_token_logprobs" not in plain["meta_info"] and "index" not in plain
     assert plain["meta_info"]["weight_version"] == "7"
@@ -171,11 +177,11 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
 
 def test_partial_output_is_cumulative_and_unfinished() -> None:
     lps = [[-0.1, 1, None]]
-    out = wire.partial_output({"input_ids": [5, 6], "return_logprob": True}, rid="r", output_ids=[1], logprobs=lps,
+    out = partial_output({"input_ids": [5, 6], "return_logprob": True}, rid="r", output_ids=[1], logprobs=lps,
                               weight_version="3", index=None)
-    assert out == wire.output_chunk(rid="r", output_ids=[1], prompt_tokens=2, completion_tokens=1, finish=None,
+    assert out == output_chunk(rid="r", output_ids=[1], prompt_tokens=2, completion_tokens=1, finish=None,
                                     weight_version="3", logprobs=lps)
-    no_lp = wire.partial_output({"input_ids": [5]}, rid="r", output_ids=[1], logprobs=lps, weight_version="3",
+    no_lp = partial_output({"input_ids": [5]}, rid="r", output_ids=[1], logprobs=lps, weight_version="3",
                                 index=1)
     assert "output_token_logprobs" not in no_lp["meta_info"] and no_lp["index"] == 1
 
@@ -184,7 +190,7 @@ def test_read_output_reads_the_managers_answer() -> None:
     body = {"input_ids": [5], "return_logprob": True}
     segments: list[dict[str, Any]] = [{"weight_version": "6", "start": 0, "end": 1},
                                       {"weight_version": None, "start": 1, "end": 2}]
-    answer = wire.final_output(body, rid="q", output_ids=[1, 2], logprobs=[[-0.1, 1, None], [None, 2, None]],
+    answer = final_output(body, rid="q", output_ids=[1, 2], logprobs=[[-0.1, 1, None], [None, 2, None]],
                                finish=wire.finish_reason(wire.STOP), engine_meta={}, segments=segments,
                                text="ab", e2e_latency=0.5, index=None)
     out = wire.read_output(answer)
@@ -221,7 +227,7 @@ def _stream(tokens: list[int], cuts: list[int], *, cumulative: bool, lps: list[l
     frames, sent = [], 0
     for end in cuts:
         lo = 0 if cumulative else sent
-        frames.append(wire.sse_frame(wire.output_chunk(
+        frames.append(sse_frame(output_chunk(
             rid="r", output_ids=tokens[lo:end], prompt_tokens=2, completion_tokens=end,
             finish=wire.finish_reason(wire.LENGTH, length=end) if end == len(tokens) else None,
             weight_version="1", logprobs=None if lps is None else lps[lo:end],
@@ -231,14 +237,15 @@ def _stream(tokens: list[int], cuts: list[int], *, cumulative: bool, lps: list[l
 
 
 def _fold(raw: bytes, pieces: int, *, skip_seen: bool,
-          start: tuple[list[int], list[list[Any]]] = ([], [])) -> tuple[wire.SequenceProgress, list[Any]]:
-    dec = wire.SSEDecoder(skip_seen=skip_seen)
-    progress = wire.SequenceProgress(list(start[0]), list(start[1]))
+          start: tuple[list[int], list[list[Any]]] = ([], [])) -> tuple[SequenceProgress, list[Any]]:
+    dec: ChunkDecoder | SSEDecoder = ChunkDecoder() if skip_seen else SSEDecoder()
+    progress = SequenceProgress(list(start[0]), list(start[1]))
     step = max(1, len(raw) // pieces)
     chunks = []
     for at in range(0, len(raw), step):
         for c in dec.feed(raw[at:at + step]):
-            chunks.append(dict(c))
+            c = c if isinstance(c, GenerateChunk) else GenerateChunk.of(c)
+            chunks.append({"output_ids": c.output_ids, "meta_info": c.meta_info})
             progress.apply(c)
     assert dec.done
     return progress, chunks

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from fakes import FakeSGLang, next_token, reference, register_active
 
+from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -30,6 +31,7 @@ from rollout_manager.rollout.scheduling import (
 )
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import SGLangClient
+from rollout_manager.sglang.sse import sse_frame
 
 # ---------------------------------------------------------------------------- the policy
 
@@ -190,7 +192,7 @@ class PacedFake(FakeSGLang):
         made: list[int] = []
 
         async def send(finish: dict[str, Any] | None) -> None:
-            await resp.write(wire.sse_frame(wire.output_chunk(
+            await resp.write(sse_frame(output_chunk(
                 rid=rid, output_ids=list(made), prompt_tokens=len(prompt), completion_tokens=len(made),
                 finish=finish, weight_version=self.weight_version, text="x" * len(made))))
 

@@ -17,9 +17,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from rollout_manager import jsonutil
+from rollout_manager.rollout.answers import final_output, partial_output
+from rollout_manager.rollout.progress import BadChunk, SequenceProgress, token_array
 from rollout_manager.rollout.sequence import SequenceState
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import CallBounds, stream_generate
+from rollout_manager.sglang.sse import sse_frame
+from rollout_manager.sglang.wire import GenerateChunk
 
 CHUNK = 1000  # ids per frame (the manager asks for a chunk per 64 tokens; larger frames are harsher)
 FRAMES = 200
@@ -29,7 +33,7 @@ HELD = CHUNK * FRAMES  # tokens the stream holds in flight before its last frame
 def _frame(ids: list[int], total: int, last: bool) -> bytes:
     meta = {"id": "m", "finish_reason": wire.finish_reason(wire.LENGTH, length=total) if last else None,
             "prompt_tokens": 3, "weight_version": "0", "completion_tokens": total, "cached_tokens": 0}
-    return wire.sse_frame({"text": None, "output_ids": ids, "meta_info": meta})
+    return sse_frame({"text": None, "output_ids": ids, "meta_info": meta})
 
 
 @pytest.fixture
@@ -63,7 +67,7 @@ async def held_stream() -> AsyncIterator[tuple[str, asyncio.Event]]:
 async def test_tokens_in_flight_cost_about_four_bytes_each(held_stream: tuple[str, asyncio.Event]) -> None:
     url, release = held_stream
     seq = SequenceState(body={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": HELD + 1}}, rid="m")
-    progress = wire.SequenceProgress(seq.output_ids, seq.logprobs, limit=HELD + 1, vocab_size=2**20)
+    progress = SequenceProgress(seq.output_ids, seq.logprobs, limit=HELD + 1, vocab_size=2**20)
 
     async with aiohttp.ClientSession() as session:
         async def consume() -> None:
@@ -98,11 +102,11 @@ async def test_tokens_in_flight_cost_about_four_bytes_each(held_stream: tuple[st
 
 def test_results_and_partial_chunks_are_json_lists() -> None:
     """Callers get lists of ints, whatever the manager keeps inside."""
-    ids = wire.token_array([5, 300, 70_000])
+    ids = token_array([5, 300, 70_000])
     body: dict[str, Any] = {"input_ids": [1, 2], "return_logprob": False}
-    final = wire.final_output(body, rid="r", output_ids=ids, logprobs=[], finish=None, engine_meta={},
+    final = final_output(body, rid="r", output_ids=ids, logprobs=[], finish=None, engine_meta={},
                               segments=[], text=None, e2e_latency=0.0, index=None)
-    partial = wire.partial_output(body, rid="r", output_ids=ids, logprobs=[], weight_version="0", index=None)
+    partial = partial_output(body, rid="r", output_ids=ids, logprobs=[], weight_version="0", index=None)
     cont = wire.continuation_body(body, ids, rid="r~1")
     for out in (final["output_ids"], partial["output_ids"], cont["input_ids"]):
         assert type(out) is list
@@ -111,9 +115,9 @@ def test_results_and_partial_chunks_are_json_lists() -> None:
 
 
 def test_bad_ids_are_refused_before_anything_is_kept() -> None:
-    p = wire.SequenceProgress(wire.token_array([9]), limit=10, vocab_size=100)
+    p = SequenceProgress(token_array([9]), limit=10, vocab_size=100)
     for ids, why in (([1, True], "not an integer"), ([1, -1], "outside the vocabulary"),
                      ([1, 100], "outside the vocabulary"), ([1.0], "not an integer"), ([2**40], "outside")):
-        with pytest.raises(wire.BadChunk, match=why):
-            p.apply({"output_ids": ids, "meta_info": {"completion_tokens": len(ids)}})
+        with pytest.raises(BadChunk, match=why):
+            p.apply(GenerateChunk.of({"output_ids": ids, "meta_info": {"completion_tokens": len(ids)}}))
         assert p.output_ids.tolist() == [9] and p.made == 0

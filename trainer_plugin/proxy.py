@@ -38,7 +38,7 @@ _RENAMED = {"seed": "sampling_seed"}
 
 def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None, *,
                         prompt_length: int, response_length: int, max_model_len: int | None = None,
-                        trajectory_key: str | None = None) -> dict[str, Any]:
+                        trajectory_key: str | None = None, min_weight_version: int | None = None) -> dict[str, Any]:
     """verl's sampling dict -> a manager ``/generate`` body, as verl's own SGLang server does it.
 
     ``max_new_tokens``: the caller's ``max_new_tokens``/``max_tokens``, else
@@ -46,6 +46,8 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
     model context leaves. ``logprobs`` -> ``return_logprob``. ``request_id`` is the engine's ``rid``;
     ``trajectory_key`` (default: ``request_id``) the manager's affinity key, which it strips before the
     engine (see :mod:`trainer_plugin.trajectory_keys` for the key verl's agent loops get).
+    ``min_weight_version`` (the manager's own field, see :func:`weight_floor`): the oldest weight version
+    the sequence may run on.
     """
     params = dict(sampling_params)
     if params.get("max_new_tokens") is not None:
@@ -77,7 +79,18 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
     key = trajectory_key or request_id
     if key:
         body["trajectory_key"] = str(key)
+    if min_weight_version is not None:
+        body["min_weight_version"] = int(min_weight_version)
     return body
+
+
+def weight_floor(published: int | None, max_staleness: int) -> int | None:
+    """The ``min_weight_version`` to ask for: at most ``max_staleness`` versions behind the version the
+    trainer published (``published``: verl's ``global_steps``); None when unbounded (``max_staleness`` < 0)
+    or nothing was published yet."""
+    if max_staleness < 0 or published is None:
+        return None
+    return max(int(published) - max_staleness, 0)
 
 
 def token_output_fields(result: dict[str, Any], return_logprob: bool,
@@ -126,8 +139,10 @@ class ManagerProxyServer:
     def __init__(self, manager_url: str, *, prompt_length: int, response_length: int,
                  max_model_len: int | None = None, timeout_s: float = 30.0,
                  batch_window_s: float = 0.005, max_batch: int = 1024,
-                 client_options: dict[str, Any] | None = None):
-        """``client_options``: more :class:`ManagerClient` arguments (stall and restart bounds)."""
+                 client_options: dict[str, Any] | None = None, max_staleness: int = -1):
+        """``client_options``: more :class:`ManagerClient` arguments (stall and restart bounds);
+        ``max_staleness``: how many versions behind the published one a sample may be made by (-1: any;
+        sent as ``min_weight_version``, see :func:`weight_floor`)."""
         self.manager_url = manager_url
         self.client_options = dict(client_options or {})
         self.prompt_length = prompt_length
@@ -135,6 +150,7 @@ class ManagerProxyServer:
         self.max_model_len = max_model_len
         self.timeout_s = timeout_s
         self.global_steps: int | None = None
+        self.max_staleness = max_staleness
         self.batch_window_s = batch_window_s
         self.max_batch = max_batch
         self._client: ManagerClient | None = None
@@ -172,7 +188,8 @@ class ManagerProxyServer:
         key = self.trajectories.key_for(prompt_ids, str(request_id))
         body = build_generate_body(prompt_ids, sampling_params, request_id,
                                    prompt_length=self.prompt_length, response_length=self.response_length,
-                                   max_model_len=self.max_model_len, trajectory_key=key)
+                                   max_model_len=self.max_model_len, trajectory_key=key,
+                                   min_weight_version=weight_floor(self.global_steps, self.max_staleness))
         batcher = self.batcher
         result = await (batcher.generate(body) if batcher is not None else self.client.generate(body))
         fields = token_output_fields(result, bool(body.get("return_logprob")), self.global_steps)

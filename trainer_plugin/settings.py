@@ -110,6 +110,10 @@ class ManagerSettings:
     # how long a step waits for a restarted, unreachable or frozen manager before it fails naming the
     # unfinished requests; 0: fail at once, no resubmission
     restart_timeout_s: float = 120.0
+    # samples are made by weights at most this many versions behind the one the trainer published (verl's
+    # global_steps): each request asks the manager for min_weight_version = published - max_staleness
+    # (-1: no bound, samples may come from any version)
+    max_staleness: int = -1
 
     def client_options(self) -> dict[str, Any]:
         """Keyword arguments of :class:`trainer_plugin.client.ManagerClient` from these settings."""
@@ -203,6 +207,9 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
     if values.get("batch_window_ms", 0.0) < 0 or values.get("batch_max_requests", 1) < 1:
         raise SettingsError(f"{PREFIX}custom.rollout_manager.batch_window_ms must be >= 0 and batch_max_requests "
                             f">= 1, got {values.get('batch_window_ms')}, {values.get('batch_max_requests')}")
+    if values.get("max_staleness", -1) < -1:
+        raise SettingsError(f"{PREFIX}custom.rollout_manager.max_staleness must be >= -1 (-1: no bound), "
+                            f"got {values['max_staleness']}")
     for key in ("stall_timeout_s", "restart_timeout_s"):
         if values.get(key, 0.0) < 0:
             raise SettingsError(f"{PREFIX}custom.rollout_manager.{key} must be >= 0, got {values[key]}")

@@ -144,7 +144,8 @@ class DisaggregatedReplica(RolloutReplica):
                  max_model_len=self.config.max_model_len, timeout_s=self.settings.manager.request_timeout_s,
                  batch_window_s=self.settings.manager.batch_window_ms / 1000.0,
                  max_batch=self.settings.manager.batch_max_requests,
-                 client_options=self.settings.manager.client_options())
+                 client_options=self.settings.manager.client_options(),
+                 max_staleness=self.settings.manager.max_staleness)
         health = await proxy.health.remote()  # fails fast if the workers cannot reach the manager
         log.info("replica %d -> rollout manager %s (%s)", self.replica_rank, url, health)
         self.servers = [proxy]

@@ -49,6 +49,7 @@ from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.sse import sse_frame
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
     from aiohttp.typedefs import Middleware
@@ -123,6 +124,7 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     generator = manager_of(request).generator
     assert generator is not None
     key = _trajectory_header(request)
+    generator.vocab.check(body.input_ids)  # an id past the model's vocabulary crashes SGLang's scheduler
     if not body.stream:  # validated; the caller's own dict goes on (less the manager's trajectory key)
         return json_response(await generator.generate(data, key))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -130,7 +132,7 @@ async def generate(request: web.Request, body: GenerateRequest, data: Any) -> we
     chunks = generator.generate_stream(data, key)
     try:
         async for ready in chunks:
-            if not await _send(request, resp, b"".join(wire.sse_frame(chunk) for chunk in ready)):
+            if not await _send(request, resp, b"".join(sse_frame(chunk) for chunk in ready)):
                 return resp  # the caller is gone or stopped reading: what still runs is aborted below
     finally:
         await chunks.aclose()
@@ -196,8 +198,12 @@ class GenerateLane:
         """An admitted head's body: what :func:`generate` would run, or None for aiohttp to answer."""
         try:
             data = decode_json(body, self.max_body)
-            if validate(data, GenerateRequest).stream:
+            request = validate(data, GenerateRequest)
+            if request.stream:
                 return None
+            generator = self.manager.generator
+            assert generator is not None
+            generator.vocab.check(request.input_ids)
         except ManagerError:
             return None
         return data, headers.get(self.key_header)

@@ -199,6 +199,10 @@ class GenerateRequest(BaseModel):
     trajectory_key: Annotated[Annotated[TrajectoryKey, Tag(ONE)] | Annotated[list[TrajectoryKey | None], Tag(MANY)],
                               Discriminator(_one_or_list)] | None = None
 
+    # The manager's own (never sent to SGLang): place the sequences only on instances at this weight
+    # version or newer; none such: they wait as for capacity (wait_timeout_s), then 503.
+    min_weight_version: Annotated[int, Strict(), Field(ge=0)] | None = None
+
     @model_validator(mode="before")
     @classmethod
     def _no_text(cls, data: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rollout_manager.cpu_engine.encode import logprob_entry, output_chunk
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.model import (
     COMPUTE_THREADS,
@@ -422,8 +423,8 @@ class Engine:
             text = text[len(before):] if text.startswith(before) else decode_text(ids)
         lps = None
         if s.spec.return_logprob:
-            lps = [wire.logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
-        out = wire.output_chunk(
+            lps = [logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
+        out = output_chunk(
             rid=s.rid,
             output_ids=ids,
             prompt_tokens=len(s.spec.input_ids),

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from rollout_manager.cpu_engine.contract import generate_contract_error
+from rollout_manager.cpu_engine.encode import metrics_text
 from rollout_manager.cpu_engine.engine import Engine, EngineConfig, Group
 from rollout_manager.cpu_engine.http_common import ENGINE_KEY, WEIGHT_SESSION_KEY, WeightSession
 from rollout_manager.cpu_engine.http_common import engine_of as _engine
@@ -31,6 +32,7 @@ from rollout_manager.cpu_engine.weight_routes import (
     update_weights_from_tensor,
 )
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.sse import sse_frame
 
 log = logging.getLogger("rollout_manager.cpu_engine")
 
@@ -107,7 +109,7 @@ async def _refuse(request: web.Request, message: str, *, stream: bool) -> web.St
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
-    await resp.write(wire.sse_frame({"error": error}))
+    await resp.write(sse_frame({"error": error}))
     await resp.write(wire.DONE_FRAME)
     await resp.write_eof()
     return resp
@@ -138,13 +140,13 @@ async def _stream(request: web.Request, engine: Engine, group: Group) -> web.Str
                     if not (final or interval == 1 or unsent >= interval or (sent[i] == 0 and unsent > 0)):
                         continue
                     chunk = engine.chunk(s, k, since=sent[i] if incremental else 0, final=final)
-                    await resp.write(wire.sse_frame(chunk))
+                    await resp.write(sse_frame(chunk))
                     engine.faults.note_emitted(unsent)
                     sent[i] = k
                     closed[i] = final
                 if finished and not closed[i]:  # finished without a new token (abort, max_new_tokens=0)
                     chunk = engine.chunk(s, n, since=sent[i] if incremental else 0, final=True)
-                    await resp.write(wire.sse_frame(chunk))
+                    await resp.write(sse_frame(chunk))
                     closed[i] = True
             if all(closed):
                 break
@@ -263,7 +265,7 @@ async def metrics(request: web.Request) -> web.Response:
     engine = _engine(request)
     running, queued = engine.counts()
     name = engine.config.served_model_name or f"cpu-engine-{engine.config.model_size}"
-    text = wire.metrics_text(
+    text = metrics_text(
         {
             wire.METRIC_NUM_RUNNING_REQS: running,
             wire.METRIC_NUM_QUEUE_REQS: queued,

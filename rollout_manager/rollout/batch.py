@@ -54,6 +54,8 @@ class _BatchRun(Generic[L]):
     async def _one(self, rid: Any, body: dict[str, Any]) -> None:
         accepted_at.set(self.accepted)  # this task's context only
         try:
+            # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
+            self.generator.vocab.check(body.get("input_ids"))
             line = {"id": rid, "success": True, "data": await self.generator.generate(body)}
         except ManagerError as exc:
             line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}

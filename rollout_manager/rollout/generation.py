@@ -22,12 +22,37 @@ from typing import Any, TypeVar
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
+from rollout_manager.rollout.answers import final_output, partial_output
+from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
-from rollout_manager.rollout.sequence import Segment, SequenceState, version_check, within_version
+from rollout_manager.rollout.outcome import (
+    CallerError,
+    Cancelled,
+    EngineFault,
+    Finished,
+    Move,
+    Moved,
+    Outcome,
+    Step,
+    next_step,
+    outcome_of,
+)
+from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
+from rollout_manager.rollout.sequence import (
+    Segment,
+    SequenceState,
+    take_min_version,
+    version_check,
+    version_floor,
+    with_failures,
+    with_floor,
+    within_version,
+)
+from rollout_manager.rollout.vocab import VocabBound
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
@@ -38,17 +63,10 @@ from rollout_manager.sglang.client import (
     stream_generate,
 )
 from rollout_manager.sglang.coalesce import Coalescer
+from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
 T = TypeVar("T")
-
-
-class Preempted(Exception):
-    """The manager took the sequence off a local instance on purpose; not the instance's fault."""
-
-
-class Migrated(Exception):
-    """Tail migration took the sequence off its instance on purpose; not the instance's fault."""
 
 
 class GenerationFailed(ManagerError):
@@ -81,8 +99,9 @@ class Generator:
         self._rid_counter = itertools.count()
         self.stats = new_generation_stats()  # the keys are metrics' (rollout.counters)
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
+        self.vocab = VocabBound(dispatcher.registry, settings.vocab_size)  # input ids are checked against it
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
-                                 bound=lambda seq: self._staleness_bound(seq, restart=False))
+                                 bound=lambda seq: self._allowed(seq, restart=False))
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
@@ -211,7 +230,7 @@ class Generator:
         queue.put_nowait((-1, GenerationFailed(503, "rollout manager is shutting down; the request was aborted")))
 
     def _partial(self, seq: SequenceState, index: int | None) -> dict[str, Any]:
-        return wire.partial_output(
+        return partial_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
             weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
             text=seq.known_text(seq.live_text),
@@ -239,10 +258,12 @@ class Generator:
                             on_tokens: Callable[[SequenceState], None] | None,
                             trajectory_key: str | None = None) -> dict[str, Any]:
         body, (trajectory_key,) = aff.take_keys(body, 1, trajectory_key)
+        body, min_version = take_min_version(body)
         table = self.dispatcher.affinity
         keys = table.keys(body["input_ids"], trajectory_key) if table is not None else None
         caller_rid = body.get("rid")
-        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}"))
+        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}"),
+                            min_version=min_version)
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
@@ -267,7 +288,7 @@ class Generator:
                     f"(limit {self.settings.max_attempts}); instances tried: {', '.join(i.endpoint for i in tried)}; "
                     f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                 )
-            allow = self._staleness_bound(seq)
+            allow = self._allowed(seq)
             if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
                 allow = _excluding(seq.refused[0], allow)
             inst = self.migrator.take_handoff(seq, allow)
@@ -283,7 +304,7 @@ class Generator:
                     if seq.refused is not None:  # nobody could check the refusal: it stands
                         _, status, error = seq.refused
                         raise GenerationFailed(status, wire.error_message(error), error) from None
-                    raise GenerationFailed(503, _with_failures(str(exc), seq)) from None
+                    raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
                 if table is not None and keys is not None and first:
                     self._count_affinity(prefer, inst)
                     table.placed(keys, inst.id)
@@ -323,13 +344,12 @@ class Generator:
         body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                                       keep_caller_interval=on_tokens is not None, stream=not once)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
-        # Each chunk is checked first (wire.SequenceProgress), so the lists hold only tokens it vouches for.
-        progress = wire.SequenceProgress(
+        # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
+        progress = SequenceProgress(
             seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
-            vocab_size=inst.vocab_size or self.settings.vocab_size or wire.TOKEN_ID_BOUND,
+            vocab_size=inst.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
-        segment = Segment(inst.id, inst.endpoint, None, len(seq.output_ids), len(seq.output_ids))
-        seq.segments.append(segment)
+        segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
         reserved = seq.reserve
         loop = asyncio.get_running_loop()
         s = self.settings
@@ -337,18 +357,19 @@ class Generator:
                             activity=lambda: inst.last_chunk_at, limits=self.client.limits,
                             headers=self.client.generate_headers)
 
-        def take(chunk: dict[str, Any]) -> None:
+        def take(chunk: GenerateChunk) -> None:
             try:
                 new = progress.apply(chunk)
-            except wire.BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
+            except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
                 raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
             inst.last_chunk_at = loop.time()
             if new:
                 self.dispatcher.progress(inst, new)
                 if seq.refused is not None:
                     self._refusal_overruled(seq, inst)
-            segment.end = len(seq.output_ids)
-            segment.weight_version = progress.weight_version
+            segments.advance(progress.weight_version, new)
+            if progress.finish_reason is not None and "weight_versions" in progress.meta_info:
+                segments.exact(progress.meta_info["weight_versions"])  # SGLang's exact spans, on the final chunk
             seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
             if new and on_tokens is not None and progress.finish_reason is None:
                 on_tokens(seq)
@@ -364,106 +385,109 @@ class Generator:
 
         # Only a local instance's stream races the local window; remote ones need no extra task.
         stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
-        live = id(segment)
+        live = id(segments)
+        outcome: Outcome = Cancelled()  # until the call comes to something: the caller went away
         try:
             self.migrator.enter(live, seq, inst, rid)
-            cut: EngineFailed | None = None
-            try:
-                if stream is None:
-                    await consume()
-                else:
-                    closed = asyncio.ensure_future(self.local.closed.wait())
-                    await asyncio.wait({stream, closed}, return_when=asyncio.FIRST_COMPLETED)
-                    closed.cancel()
-                    if not stream.done():  # the trainer wants its GPUs back: move the sequence on
-                        raise Preempted("local window closed")
-                    await stream
-            except EngineFailed as exc:
-                # The final chunk (finish_reason) already arrived and only [DONE] was lost: the
-                # sequence is complete; continuing it would generate past its end.
-                last = progress.finish_reason
-                if last is None or (wire.is_abort(last) and wire.abort_caller_status(last) is None):
-                    raise
-                cut = exc
-            finish = progress.finish_reason
-            if seq.migrating and (finish is None or wire.is_abort(finish)):
-                raise Migrated()  # the stream ended because the manager aborted it to move it
-            if finish is None:
-                raise EngineFailed("stream finished without a finish_reason")
-            caller_status = wire.abort_caller_status(finish)
-            if caller_status is not None:
-                # SGLang refused the request itself (e.g. too long for its context): every instance
-                # would, so it is the caller's error, not retried and not held against the instance.
-                raise EngineRejected(caller_status, {"message": wire.abort_message(finish),
-                                                     "type": finish.get("err_type"), "code": caller_status})
-            if wire.is_abort(finish):
-                raise EngineFailed(f"aborted by the instance: {wire.abort_message(finish)}")
-            seq.finish, seq.meta = wire.rebase_finish_reason(finish, segment.start), progress.meta_info
-            seq.texts.append(progress.text)
-            segment.outcome = "finished"
-            if cut is None:
-                self.on_instance_success(inst)
-            else:
-                self.on_instance_failure(inst, f"stream cut after the final chunk: {cut}")
-        except EngineRejected as exc:
-            seq.live_text = None
-            if not self._ask_another(seq, inst, exc):
-                segment.outcome = "rejected"
-                raise GenerationFailed(exc.status, wire.error_message(exc.error), exc.error) from None
-            segment.outcome = (f"rejected: HTTP {exc.status}: {wire.error_message(exc.error)[:200]}; "
-                               f"asking another instance")
-            seq.texts.append("" if progress.made == 0 else None)
-        except Preempted:
-            segment.outcome = "preempted: local window closed"
-            seq.texts.append(None)
-            seq.live_text = None
-            self.stats["preempted"] += 1
-        except Migrated:
-            self._migrated(seq, segment)
-        except EngineFailed as exc:
-            if seq.migrating:  # the abort that moves it cut the stream: not the instance's fault
-                self._migrated(seq, segment)
-                return
-            segment.outcome = f"failed: {exc}"
-            seq.failures.append(f"{inst.endpoint}: {exc}")
-            seq.texts.append(None)
-            seq.live_text = None
-            log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
-                        segment.end - segment.start, exc)
-            self.on_instance_failure(inst, str(exc))
+            outcome = await self._call(consume, stream, progress, seq)
+            self._carry_out(outcome, seq, inst, segments, progress)
         finally:
             if stream is not None and not stream.done():
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
-            self.dispatcher.release(inst, max(reserved - (segment.end - segment.start), 0))
-            self.migrator.leave(live, seq, segment)
-            if segment.outcome in ("running", "preempted: local window closed"):
-                if segment.outcome == "running":  # cancelled: the caller went away
-                    segment.outcome = "cancelled"
+            self.dispatcher.release(inst, max(reserved - segments.made, 0))
+            self.migrator.leave(live, seq, segments.current)
+            if isinstance(outcome, Cancelled) or outcome == Moved(Move.PREEMPTED):  # the engine still runs it
+                if isinstance(outcome, Cancelled):
+                    segments.current.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
 
+    async def _call(self, consume: Callable[[], Awaitable[None]], stream: asyncio.Future[None] | None,
+                    progress: SequenceProgress, seq: SequenceState) -> Outcome:
+        """Run the engine call (``stream``: it already runs, racing the local window); what it came to.
+        A cancellation propagates (the caller went away)."""
+        error: str | None = None
+        try:
+            if stream is None:
+                await consume()
+            else:
+                closed = asyncio.ensure_future(self.local.closed.wait())
+                racing: set[asyncio.Future[Any]] = {stream, closed}
+                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                closed.cancel()
+                if not stream.done():  # the trainer wants its GPUs back: move the sequence on
+                    return Moved(Move.PREEMPTED)
+                await stream
+        except EngineRejected as exc:
+            return CallerError(exc.status, exc.error)
+        except EngineFailed as exc:
+            error = str(exc)
+        return outcome_of(progress.finish_reason, error, migrating=seq.migrating)
+
+    def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segments: AttemptSegments,
+                   progress: SequenceProgress) -> None:
+        """Record ``outcome`` on the sequence and the instance, as :func:`next_step` says; raises
+        :class:`GenerationFailed` when the caller gets a refusal."""
+        used = seq.refused is not None or seq.second_opinion
+        others = isinstance(outcome, CallerError) and not used and self._others_may_take(seq, inst)
+        step = next_step(outcome, second_opinion_used=used, others=others)
+        segment = segments.current
+        if step is Step.DONE:
+            assert isinstance(outcome, Finished)
+            seq.finish, seq.meta = wire.rebase_finish_reason(outcome.finish, segments.start), progress.meta_info
+            seq.texts.append(progress.text)
+            segment.outcome = "finished"
+            if outcome.cut is None:
+                self.on_instance_success(inst)
+            else:
+                self.on_instance_failure(inst, f"stream cut after the final chunk: {outcome.cut}")
+        elif step is Step.ASK_ANOTHER:
+            assert isinstance(outcome, CallerError)
+            seq.live_text = None
+            seq.refused, seq.second_opinion = (inst, outcome.status, outcome.error), True
+            message = wire.error_message(outcome.error)
+            log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request "
+                     "is at fault", seq.rid, inst.endpoint, outcome.status, message[:200])
+            segment.outcome = f"rejected: HTTP {outcome.status}: {message[:200]}; asking another instance"
+            seq.texts.append("" if progress.made == 0 else None)
+        elif step is Step.FAIL:
+            assert isinstance(outcome, CallerError)
+            seq.live_text = None
+            seq.refused = None  # a second refusal: the caller's error after all
+            segment.outcome = "rejected"
+            raise GenerationFailed(outcome.status, wire.error_message(outcome.error), outcome.error)
+        elif step is Step.MOVE:
+            assert isinstance(outcome, Moved)
+            if outcome.why is Move.PREEMPTED:
+                segment.outcome = "preempted: local window closed"
+                seq.texts.append(None)
+                seq.live_text = None
+                self.stats["preempted"] += 1
+            else:
+                self._migrated(seq, segment)
+        elif step is Step.FAULT:
+            assert isinstance(outcome, EngineFault)
+            segment.outcome = f"failed: {outcome.error}"
+            seq.failures.append(f"{inst.endpoint}: {outcome.error}")
+            seq.texts.append(None)
+            seq.live_text = None
+            log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
+                        segments.made, outcome.error)
+            self.on_instance_failure(inst, outcome.error)
+
     # ------------------------------------------------------------ refusals
-    def _ask_another(self, seq: SequenceState, inst: Instance, exc: EngineRejected) -> bool:
-        """Whether to ask one other instance about a request ``inst`` refused (recorded on ``seq``).
+    def _others_may_take(self, seq: SequenceState, inst: Instance) -> bool:
+        """Whether another instance could take ``seq`` and settle a refusal by ``inst``.
 
         SGLang refuses with 400 what its contract forbids, and the manager checked the body against that
         contract already; so a refusal may be a broken engine's, which would otherwise swallow requests
         without ever being counted against. One other instance settles it: if it accepts, ``inst`` is at
         fault (:meth:`_refusal_overruled`); if it refuses too, the caller gets the refusal. Never more
-        than one extra try per sequence, and none when no other instance could take it.
+        than one extra try per sequence (:func:`.outcome.next_step`).
         """
-        if seq.refused is not None or seq.second_opinion:
-            seq.refused = None  # a second refusal: the caller's error after all
-            return False
-        bound = self._staleness_bound(seq, restart=False)
-        others = [i for i in self.dispatcher.registry.in_state(State.ACTIVE)
-                  if i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))]
-        if not others:
-            return False
-        seq.refused, seq.second_opinion = (inst, exc.status, exc.error), True
-        log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request is at fault",
-                 seq.rid, inst.endpoint, exc.status, wire.error_message(exc.error)[:200])
-        return True
+        bound = self._allowed(seq, restart=False)
+        return any(i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))
+                   for i in self.dispatcher.registry.in_state(State.ACTIVE))
 
     def _refusal_overruled(self, seq: SequenceState, accepted_by: Instance) -> None:
         """Another instance made tokens for a request the refuser called malformed: the refuser is at fault."""
@@ -505,6 +529,15 @@ class Generator:
             reason = aff.fallback_reason(self.dispatcher.registry.get(prefer), inst)
             self.affinity_fallbacks[reason] = self.affinity_fallbacks.get(reason, 0) + 1
 
+    def _allowed(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
+        """Which instances may take ``seq`` next (None: any): within the staleness bound
+        (:meth:`_staleness_bound`) and at :func:`version_floor` or newer."""
+        bound = self._staleness_bound(seq, restart)
+        floor = version_floor(seq)
+        if floor <= 0:
+            return bound
+        return lambda i: i.weight_version >= floor and (bound is None or bound(i))
+
     def _staleness_bound(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
         """Which instances may continue ``seq`` without its segments spanning more than
         ``max_staleness`` versions (None: any). With ``restart``, a sequence that cannot continue within
@@ -543,7 +576,7 @@ class Generator:
         # The text is known only if every segment's engine sent its part (a cut segment's is lost).
         texts = [t for t in seq.texts if t is not None]
         text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
-        out = wire.final_output(
+        out = final_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
             engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
             e2e_latency=latency, index=index, per_token=seq.per_token,
@@ -551,15 +584,6 @@ class Generator:
         if seq.discarded:  # a staleness restart: what was thrown away stays visible
             out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
         return out
-
-
-def _with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
-    """``message``, and what the sequence's attempts failed with (the last ``shown`` of them)."""
-    if not seq.failures:
-        return message
-    last = "; ".join(seq.failures[-shown:])
-    more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
-    return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang import wire
 
 
@@ -35,7 +36,7 @@ class SequenceState:
 
     body: dict[str, Any]
     rid: str
-    output_ids: array[int] = field(default_factory=wire.token_array)  # 4 bytes a token, for as long as it runs
+    output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
     # The other per-token meta_info lists (wire.PER_TOKEN_META_KEYS: top log-probs, ...), gathered over chunks.
     per_token: dict[str, list[Any]] = field(default_factory=dict)
@@ -59,6 +60,8 @@ class SequenceState:
     # status, the error); and whether that one extra try was used.
     refused: tuple[Instance, int, Any] | None = None
     second_opinion: bool = False
+    # The caller's min_weight_version (0: none): the sequence runs only on instances at that version or newer.
+    min_version: int = 0
 
     # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
     # the body once: it never changes, and what is left is asked several times per attempt.
@@ -83,6 +86,28 @@ class SequenceState:
         """The finished segments' text plus ``current``; None when any part of it is unknown."""
         parts = [*self.texts, current]
         return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
+
+
+# The manager's own top-level /generate field (never sent to SGLang), see docs/http-api.md.
+MIN_VERSION_FIELD = "min_weight_version"
+
+
+def take_min_version(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``body`` without ``min_weight_version`` (copied only when it had one), and its value (0: none)."""
+    if MIN_VERSION_FIELD not in body:
+        return body, 0
+    body = dict(body)
+    value = body.pop(MIN_VERSION_FIELD)
+    return body, int(value or 0)
+
+
+def version_floor(seq: SequenceState) -> int:
+    """The oldest weight version ``seq`` may run on next (0: any): for a caller that asked for a
+    ``min_weight_version``, that version, and never one older than a version the sequence already ran on
+    (its tokens would go back in time). Without one, versions are bounded by ``max_staleness`` only."""
+    if seq.min_version <= 0:
+        return 0
+    return max(seq.min_version, max(seq.versions, default=0))
 
 
 def within_version(lo: int, hi: int, version: int, bound: int) -> bool:
@@ -135,3 +160,21 @@ def with_sampling_seed(body: dict[str, Any]) -> dict[str, Any]:
     if params is not None and params.get("sampling_seed") is not None:
         return body
     return {**body, "sampling_params": {**(params or {}), "sampling_seed": secrets.randbits(SEED_BITS)}}
+
+
+def with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:
+    """``message``, and what the sequence's attempts failed with (the last ``shown`` of them)."""
+    if not seq.failures:
+        return message
+    last = "; ".join(seq.failures[-shown:])
+    more = f" (the last {shown} shown)" if len(seq.failures) > shown else ""
+    return f"{message}; sequence {seq.rid} failed on {len(seq.failures)} attempt(s){more}: {last}"
+
+
+def with_floor(message: str, seq: SequenceState) -> str:
+    """``message``, and the version the sequence needed when it needed one."""
+    floor = version_floor(seq)
+    if floor <= 0:
+        return message
+    why = f"min_weight_version={seq.min_version}" if floor == seq.min_version else "its tokens' version"
+    return f"{message}; it may run only on weight version {floor} or newer ({why})"

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 
@@ -14,6 +14,8 @@ from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
+from rollout_manager.sglang.sse import ChunkDecoder, StreamError
+from rollout_manager.sglang.wire import GenerateChunk
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -220,7 +222,7 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, deadline: _Deadline) -
     raise refusal(resp.status, error, text)
 
 
-def _frame_error(exc: wire.StreamError) -> EngineRejected | EngineFailed:
+def _frame_error(exc: StreamError) -> EngineRejected | EngineFailed:
     """An error frame carries its own status (``code``); SGLang's are 400s."""
     code = exc.error.get("code") if isinstance(exc.error, dict) else None
     return refusal(code if isinstance(code, int) and not isinstance(code, bool) and code >= 400 else 400,
@@ -387,7 +389,7 @@ async def stream_generate(
     base_url: str,
     body: dict[str, Any],
     bounds: CallBounds,
-) -> AsyncGenerator[dict[str, Any], None]:
+) -> AsyncGenerator[GenerateChunk, None]:
     """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
 
     Under :class:`CallBounds`: the instance owes the first chunk within ``first_byte_timeout_s``, longer
@@ -399,14 +401,14 @@ async def stream_generate(
     the instance is not blamed.
     """
     # One sequence per stream: cumulative chunks parse their news only.
-    decoder = wire.SSEDecoder(skip_seen=True, max_frame=bounds.max_frame_bytes)
+    decoder = ChunkDecoder(max_frame=bounds.max_frame_bytes)
     async with _generate_call(session, base_url, body, bounds) as (resp, deadline):
         deadline.pending = lambda: decoder.pending
         async for data in resp.content.iter_any():
             deadline.taken += len(data)
             try:
                 chunks = decoder.feed(data)
-            except wire.StreamError as exc:
+            except StreamError as exc:
                 raise _frame_error(exc) from None
             except ValueError as exc:
                 raise EngineFailed(f"undecodable stream: {exc}") from None
@@ -427,7 +429,7 @@ async def generate_once(
     base_url: str,
     body: dict[str, Any],
     bounds: CallBounds,
-) -> dict[str, Any]:
+) -> GenerateChunk:
     """POST a non-streaming ``/generate`` and return its one answer (what a stream's final chunk holds).
 
     For short sequences: one answer costs both ends far less than a stream, and what a failure loses
@@ -441,7 +443,7 @@ async def generate_once(
     answer = _decode(raw)
     if not _is_output(answer):
         raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
-    return cast(dict[str, Any], answer)
+    return GenerateChunk.of(answer)
 
 
 async def generate_batch_once(
@@ -449,7 +451,7 @@ async def generate_batch_once(
     base_url: str,
     bodies: list[dict[str, Any]],
     bounds: CallBounds,
-) -> list[dict[str, Any]]:
+) -> list[GenerateChunk]:
     """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`wire.join_batch`);
     returns each body's answer, in order, as :func:`generate_once` would.
 
@@ -464,7 +466,7 @@ async def generate_batch_once(
     if not (isinstance(answers, list) and len(answers) == len(bodies)
             and all(_is_output(a) and a["meta_info"].get("id") == b["rid"] for a, b in zip(answers, bodies))):
         raise EngineFailed(f"unexpected answer to a batch of {len(bodies)}: {raw[:200]!r}")
-    return answers
+    return [GenerateChunk.of(a) for a in answers]
 
 
 async def _answer(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], bounds: CallBounds,

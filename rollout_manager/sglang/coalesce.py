@@ -26,6 +26,7 @@ from rollout_manager.sglang.client import (
     generate_batch_once,
     generate_once,
 )
+from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.sglang.coalesce")
 
@@ -50,7 +51,7 @@ class _Batch:
 @dataclass
 class _Call:
     body: dict[str, Any]
-    answer: asyncio.Future[dict[str, Any]]
+    answer: asyncio.Future[GenerateChunk]
     batch: _Batch | None = None
 
 
@@ -73,7 +74,7 @@ class Coalescer:
         self._sending: set[asyncio.Task[None]] = set()
 
     async def generate_once(self, session: aiohttp.ClientSession, base_url: str, body: dict[str, Any],
-                            bounds: CallBounds) -> dict[str, Any]:
+                            bounds: CallBounds) -> GenerateChunk:
         """:func:`client.generate_once`, through a batch when others start for ``base_url`` now."""
         if self.max_items == 1 or not wire.joinable(body):
             self.stats.engine_calls += 1
@@ -160,7 +161,7 @@ class Coalescer:
             _settle(call.answer, exc=exc)
 
 
-def _settle(answer: asyncio.Future[dict[str, Any]], result: dict[str, Any] | None = None, *,
+def _settle(answer: asyncio.Future[GenerateChunk], result: GenerateChunk | None = None, *,
             exc: BaseException | None = None) -> None:
     if answer.done():
         return

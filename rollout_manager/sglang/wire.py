@@ -1,8 +1,9 @@
-"""SGLang's HTTP wire format, and nothing else.
+"""SGLang's HTTP contract, and nothing else: paths, typed messages, body builders.
 
-This is the one module that knows how SGLang (0.5.x) spells its endpoints, request bodies, streaming
-frames and ``meta_info``. The manager's client decodes with it; the CPU engine encodes with it, so the
-stand-in and the real server are held to the same contract.
+This is the one module that knows how SGLang (0.5.x) spells its endpoints, request bodies and
+``meta_info`` (like SGLang's own ``io_struct.py``). How a stream is framed and decoded lives in
+:mod:`.sse`; what the manager checks per chunk in ``rollout.progress``; the CPU engine's encoders in
+``cpu_engine.encode``.
 
 Streaming replies are server-sent events: ``data: {json}\\n\\n`` frames ending with ``data: [DONE]``.
 By default each chunk is cumulative (``output_ids`` and ``text`` are the whole output so far); with
@@ -14,12 +15,9 @@ A batch request's chunks carry ``index``. An error inside the stream is a frame
 from __future__ import annotations
 
 import dataclasses
-from array import array
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
-
-from rollout_manager import jsonutil
 
 # Paths (SGLang's http_server.py).
 GENERATE = "/generate"
@@ -47,8 +45,6 @@ METRIC_NUM_QUEUE_REQS = "sglang:num_queue_reqs"
 METRIC_GEN_THROUGHPUT = "sglang:gen_throughput"
 
 DONE_FRAME = b"data: [DONE]\n\n"
-_DATA_PREFIX = b"data: "
-_DATA_FIELD = b"data:"
 
 # finish_reason types.
 STOP = "stop"
@@ -56,12 +52,7 @@ LENGTH = "length"
 ABORT = "abort"
 
 
-# ---------------------------------------------------------------- encoding (the engine, and the manager's answers)
-
-
-def sse_frame(obj: Any) -> bytes:
-    """One server-sent-event frame carrying a JSON object."""
-    return _DATA_PREFIX + jsonutil.dumps(obj) + b"\n\n"
+# ---------------------------------------------------------------- finish reasons and errors
 
 
 def finish_reason(kind: str | None, **extra: Any) -> dict[str, Any] | None:
@@ -77,117 +68,11 @@ def finish_reason(kind: str | None, **extra: Any) -> dict[str, Any] | None:
     return reason
 
 
-def logprob_entry(logprob: float, token_id: int) -> list[Any]:
-    """One ``output_token_logprobs`` entry: ``[logprob, token_id, text_or_null]``."""
-    return [float(logprob), int(token_id), None]
-
-
-def output_chunk(
-    *,
-    rid: str,
-    output_ids: list[int],
-    prompt_tokens: int,
-    completion_tokens: int,
-    finish: dict[str, Any] | None,
-    weight_version: str,
-    logprobs: list[list[Any]] | None = None,
-    text: str | None = None,
-    index: int | None = None,
-    e2e_latency: float | None = None,
-) -> dict[str, Any]:
-    """One ``/generate`` output object (a stream chunk, or the whole non-streaming answer)."""
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": prompt_tokens,
-        "weight_version": weight_version,
-        "completion_tokens": completion_tokens,
-        "cached_tokens": 0,
-    }
-    if logprobs is not None:
-        meta["output_token_logprobs"] = logprobs
-    if e2e_latency is not None:
-        meta["e2e_latency"] = e2e_latency
-    out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}
-    if index is not None:
-        out["index"] = index
-    return out
-
-
 def error_object(message: str, status_code: int = 400, err_type: str = "BadRequest") -> dict[str, Any]:
     """SGLang's error body, also sent inside a stream as ``data: {"error": ...}``."""
     return {"error": {"message": message, "type": err_type, "code": status_code}}
 
 
-def partial_output(
-    body: dict[str, Any],
-    *,
-    rid: str,
-    output_ids: Sequence[int],
-    logprobs: list[list[Any]],
-    weight_version: str,
-    index: int | None,
-    text: str | None = None,
-) -> dict[str, Any]:
-    """A cumulative, unfinished stream chunk of a sequence run from the single-sequence ``body``.
-
-    Log-probs appear only when ``body`` asked for them, as SGLang does; ``text`` is the text so far
-    (SGLang fills it in every cumulative chunk), null when it is not known.
-    """
-    return output_chunk(
-        rid=rid, output_ids=as_list(output_ids), prompt_tokens=len(body["input_ids"]),
-        completion_tokens=len(output_ids), finish=None, weight_version=weight_version,
-        logprobs=list(logprobs) if wants_logprobs(body) else None, index=index, text=text,
-    )
-
-
-def final_output(
-    body: dict[str, Any],
-    *,
-    rid: str,
-    output_ids: Sequence[int],
-    logprobs: list[list[Any]],
-    finish: dict[str, Any] | None,
-    engine_meta: dict[str, Any],
-    segments: list[dict[str, Any]],
-    text: str | None,
-    e2e_latency: float,
-    index: int | None,
-    per_token: dict[str, list[Any]] | None = None,
-) -> dict[str, Any]:
-    """The manager's final ``/generate`` answer for one sequence that may span several engines.
-
-    Starts from the ``meta_info`` of the engine that finished the sequence, so fields the manager does
-    not interpret pass through, then overwrites what is a property of the whole sequence rather than
-    of its last request. ``meta_info.segments`` (``instance``, ``endpoint``, ``weight_version``,
-    ``start``, ``end``, ``outcome`` per engine) is the manager's addition to SGLang's format; the
-    top-level ``weight_version`` is the last segment's.
-    """
-    meta = dict(engine_meta)
-    meta.update({
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": len(body.get("input_ids") or []),
-        "completion_tokens": len(output_ids),
-        "weight_version": segments[-1]["weight_version"] if segments else meta.get("weight_version"),
-        "e2e_latency": round(e2e_latency, 6),
-        "segments": segments,
-    })
-    if wants_logprobs(body):
-        meta["output_token_logprobs"] = logprobs
-    else:
-        meta.pop("output_token_logprobs", None)
-    meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
-    seed = (body.get("sampling_params") or {}).get("sampling_seed")
-    if seed is not None:
-        meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
-    out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
-    if index is not None:
-        out["index"] = index
-    return out
-
-
-# ---------------------------------------------------------------- decoding (the manager side)
 
 
 def is_abort(finish: Any) -> bool:
@@ -314,371 +199,37 @@ def read_output(obj: dict[str, Any]) -> GenerateOutput:
     )
 
 
-class FrameTooLarge(ValueError):
-    """One stream frame (or the bytes without a frame boundary so far) is over the decoder's bound."""
-
-
-class StreamError(Exception):
-    """The engine reported an error inside the stream (a ``data: {"error": ...}`` frame)."""
-
-    def __init__(self, error: Any):
-        self.error = error
-        message = error.get("message") if isinstance(error, dict) else None
-        super().__init__(message or str(error))
-
-
-def _frame_end(buf: bytes | bytearray, start: int) -> int:
-    """Where the next ``\\n\\n`` begins, or -1. A one-byte find is a memchr, several times faster than
-    a two-byte one, and JSON payloads hold no raw newline, so this rarely loops."""
-    at = buf.find(b"\n", start)
-    while at >= 0 and buf[at + 1:at + 2] != b"\n":
-        at = buf.find(b"\n", at + 1)
-    return at
-
-
 # The meta_info lists with one entry per output token besides ``output_token_logprobs``: with
 # ``--incremental-streaming-output`` SGLang sends each chunk's own entries (tokenizer_manager.py,
 # _INCREMENTAL_STREAMING_META_INFO_KEYS), so they are gathered chunk by chunk like the tokens.
 PER_TOKEN_META_KEYS = ("output_top_logprobs", "output_token_ids_logprobs", "output_token_sampling_mask",
                        "output_token_sampling_logprobs")
 
-# Set by SSEDecoder(skip_seen=True) on a cumulative chunk whose already-seen ids it left unparsed:
-# that chunk's ``output_ids`` (and ``output_token_logprobs``) start after that many tokens.
-SKIPPED_IDS = "rm_skipped_ids"
-SKIPPED_LOGPROBS = "rm_skipped_logprobs"
-
-
-class _SeenPrefix:
-    """The raw bytes of one JSON array's content as the last cumulative chunk had it.
-
-    SGLang serializes with orjson, so the next cumulative chunk's array starts with exactly these
-    bytes; cutting them out before parsing makes a chunk cost what it adds, not the sequence's length.
-    """
-
-    def __init__(self, key: bytes, closer: bytes):
-        self.key = key  # '"output_ids":[' ; cannot occur inside a JSON string (its quotes are escaped)
-        self.closer = closer  # where the content ends: b"]" for ints, b"]]" for lists of number lists
-        self.raw = b""
-        self.count = 0
-        self.enabled = True
-
-    def locate(self, payload: bytes) -> tuple[int, int] | None:
-        """(start, end) of the array's content in ``payload``, or None."""
-        at = payload.find(self.key)
-        if at < 0:
-            return None
-        start = at + len(self.key)
-        if payload.startswith(b"]", start):
-            return start, start
-        end = payload.find(self.closer, start)
-        if end < 0:
-            return None
-        return start, end + len(self.closer) - 1
-
-    def cut(self, payload: bytes) -> tuple[int, int] | None:
-        """The byte range to drop from ``payload`` (the seen prefix and its comma), or None."""
-        if not (self.enabled and self.count):
-            return None
-        where = self.locate(payload)
-        if where is None:
-            return None
-        start = where[0]
-        stop = start + len(self.raw)
-        if not payload.startswith(self.raw, start) or payload[stop:stop + 1] not in (b",", b"]"):
-            return None
-        return start, stop + (payload[stop:stop + 1] == b",")
-
-    def remember(self, payload: bytes, count: int) -> None:
-        where = self.locate(payload)
-        if where is None:
-            self.enabled = False
-            return
-        raw = payload[where[0]:where[1]]
-        if b'"' in raw:  # strings inside (text in log-probs): a bracket may hide in them, so stop here
-            self.enabled = False
-            return
-        self.raw, self.count = raw, count
-
-
-class SSEDecoder:
-    """Incremental decoder of SGLang's event stream: feed bytes, get JSON objects.
-
-    ``done`` turns true at ``data: [DONE]``; a stream that ends before it is a broken stream. Bytes are
-    scanned once: a frame split over many reads is not searched again from its start.
-
-    With ``skip_seen=True`` (one sequence per stream, as the manager sends), cumulative chunks are
-    parsed without the ids and log-probs already seen; :class:`SequenceProgress` reads the
-    ``SKIPPED_*`` counts it leaves. A chunk that does not fit (an incremental stream, a format
-    surprise) is parsed whole, and skipping stops for that stream.
-
-    ``max_frame`` bounds one frame's bytes (None: no bound): an engine that sends bytes without a frame
-    boundary would otherwise grow the buffer for as long as it sends. ``pending`` is the bytes of the
-    unfinished frame held now.
-    """
-
-    def __init__(self, *, skip_seen: bool = False, max_frame: int | None = None) -> None:
-        self._buf = bytearray()
-        self._scanned = 0  # bytes of _buf already searched for a frame end
-        self.done = False
-        self.max_frame = max_frame
-        self._seen: tuple[_SeenPrefix, _SeenPrefix] | None = (
-            (_SeenPrefix(b'"output_ids":[', b"]"), _SeenPrefix(b'"output_token_logprobs":[', b"]]"))
-            if skip_seen else None)
-
-    @property
-    def pending(self) -> int:
-        return len(self._buf)
-
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        limit = self.max_frame
-        if not self._buf:  # the usual read: exactly one whole one-line frame
-            end = _frame_end(data, 0)
-            if end == len(data) - 2 and data.startswith(_DATA_PREFIX) and data.find(b"\n", 0, end) < 0 \
-                    and (limit is None or end <= limit):
-                obj = self._payload(data[len(_DATA_PREFIX):end])
-                return [] if obj is None else [obj]
-        buf = self._buf
-        buf += data
-        out: list[dict[str, Any]] = []
-        begin = 0
-        while True:
-            cut = _frame_end(buf, max(begin, self._scanned - 1))
-            if cut < 0:
-                break
-            if limit is not None and cut - begin > limit:
-                raise FrameTooLarge(f"a stream frame of {cut - begin} bytes, over the bound of {limit} "
-                                    f"(engine_max_frame_mb)")
-            start, begin = begin, cut + 2
-            if buf.startswith(_DATA_PREFIX, start) and buf.find(b"\n", start, cut) < 0:  # one data line
-                payloads = [bytes(buf[start + len(_DATA_PREFIX):cut])]
-            else:
-                lines = (line.strip() for line in bytes(buf[start:cut]).split(b"\n"))
-                payloads = [line[len(_DATA_FIELD):] for line in lines if line.startswith(_DATA_FIELD)]
-            for payload in payloads:
-                obj = self._payload(payload)
-                if obj is not None:
-                    out.append(obj)
-        if begin:
-            del buf[:begin]
-        self._scanned = len(buf)
-        if limit is not None and len(buf) > limit:
-            raise FrameTooLarge(f"{len(buf)} bytes without a frame boundary, over the bound of {limit} for "
-                                f"one frame (engine_max_frame_mb)")
-        return out
-
-    def _payload(self, payload: bytes) -> Any:
-        """One ``data:`` field's JSON; None for ``[DONE]``; raises on an error frame."""
-        if payload[:2] != b"{\"" and payload.strip() == b"[DONE]":
-            self.done = True
-            return None
-        obj = self._decode(payload)
-        if isinstance(obj, dict) and "error" in obj and "meta_info" not in obj:
-            raise StreamError(obj["error"])
-        return obj
-
-    def _decode(self, payload: bytes) -> Any:
-        if self._seen is None or not self._seen[0].enabled:  # incremental streams end up here at once
-            return jsonutil.loads(payload)
-        ids, lps = self._seen
-        cuts = [(seen, c) for seen in (ids, lps) if (c := seen.cut(payload)) is not None]
-        if not cuts:
-            obj = jsonutil.loads(payload)
-            skipped = {}
-        else:
-            cuts.sort(key=lambda sc: sc[1][0])
-            pieces, pos = [], 0
-            for _, (a, b) in cuts:
-                pieces.append(payload[pos:a])
-                pos = b
-            pieces.append(payload[pos:])
-            obj = jsonutil.loads(b"".join(pieces))
-            skipped = {seen.key: seen.count for seen, _ in cuts}
-        if not isinstance(obj, dict):
-            return obj
-        meta = obj.get("meta_info")
-        total = meta.get("completion_tokens") if isinstance(meta, dict) else None
-        n_ids = len(obj.get("output_ids") or []) + skipped.get(ids.key, 0)
-        if not isinstance(total, int) or n_ids != total:
-            if skipped:  # it was not the cumulative chunk it looked like: parse it whole, skip no more
-                obj = jsonutil.loads(payload)
-            ids.enabled = lps.enabled = False
-            return obj
-        if skipped.get(ids.key):
-            obj[SKIPPED_IDS] = skipped[ids.key]
-        ids.remember(payload, n_ids)
-        lp_list = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
-        if isinstance(lp_list, list):
-            n_lps = len(lp_list) + skipped.get(lps.key, 0)
-            if skipped.get(lps.key):
-                obj[SKIPPED_LOGPROBS] = skipped[lps.key]
-            lps.remember(payload, n_lps)
-        elif lps.key in skipped:  # cannot happen with a well-formed chunk; never guess
-            obj = jsonutil.loads(payload)
-            ids.enabled = lps.enabled = False
-        return obj
-
-
-# Token ids at or above this are no model's (every vocabulary fits 32 bits): the bound when an instance's
-# vocabulary size is not known.
-TOKEN_ID_BOUND = 2**32
-_UINT = "I" if array("I").itemsize == 4 else "L"  # a C array type holding exactly [0, TOKEN_ID_BOUND)
-
-
-class BadChunk(ValueError):
-    """A chunk the manager cannot vouch for: the engine broke its contract (not the caller's error)."""
-
-
-def token_array(ids: Iterable[int] = ()) -> array[int]:
-    """A sequence's token ids as the manager keeps them: 4 bytes each (a list of ints costs about 40)."""
-    return array(_UINT, ids)
-
-
-def as_list(ids: Sequence[int]) -> list[int]:
-    """Token ids as the JSON list callers get (a C conversion for the manager's own arrays)."""
-    return ids.tolist() if isinstance(ids, array) else list(ids)
-
-
-def checked_token_ids(ids: list[Any], vocab_size: int) -> array[int] | str:
-    """``ids`` as a :func:`token_array` when they are token ids of a ``vocab_size`` vocabulary (ints,
-    not bools); otherwise why they are not.
-
-    Built for the relay: the common case costs the C conversion to the unsigned 32-bit array the
-    sequence keeps anyway (it refuses floats, strings, nulls, negatives and ids past 32 bits), a scan
-    for bools and, when the vocabulary is known, a ``max``; the offending id is looked for only when
-    something is wrong.
-    """
-    try:
-        out = array(_UINT, ids)
-    except (TypeError, OverflowError, ValueError):
-        pass
-    else:
-        if bool not in map(type, ids) and (vocab_size >= TOKEN_ID_BOUND or not ids or max(out) < vocab_size):
-            return out
-    return bad_token_ids(ids, vocab_size) or f"token ids {str(ids)[:200]} are not a vocabulary's"
-
-
-def bad_token_ids(ids: list[Any], vocab_size: int) -> str | None:
-    """Why ``ids`` are not token ids of a ``vocab_size`` vocabulary (ints, not bools), or None."""
-    for t in ids:
-        if type(t) is not int:
-            return f"token id {t!r} is not an integer"
-        if not 0 <= t < vocab_size:
-            return f"token id {t} is outside the vocabulary [0, {vocab_size})"
-    return None
-
 
 @dataclass(slots=True)
-class SequenceProgress:
-    """What one sequence has produced so far on one engine, whatever the chunk mode, checked.
+class GenerateChunk:
+    """One ``/generate`` output object as an engine sent it (a stream chunk, or a whole answer).
 
-    Chunks are classified by ``meta_info.completion_tokens`` (always cumulative): if ``output_ids``
-    is as long as that count the chunk is cumulative, otherwise it is a delta.
-
-    ``output_ids`` (a :func:`token_array`: 4 bytes a token, however long the sequence runs; a list handed
-    in is copied into one) and ``logprobs`` may be handed in already holding what earlier segments made
-    (the sequence's own): the engine's tokens are appended to them in place, so folding a chunk costs
-    what the chunk brings, never the length of the sequence. ``made`` is this engine's share.
-
-    Every chunk is checked before anything of it is kept, so the lists only ever hold tokens the manager
-    can vouch for; :meth:`apply` raises :class:`BadChunk` (and changes nothing) for a chunk whose
-    ``completion_tokens`` is missing, goes back or does not match its ids, whose cumulative ids rewrite
-    what was sent, whose new ids are not in ``[0, vocab_size)``, that goes past ``limit`` tokens (the
-    request's ``max_new_tokens``; None: no limit), that brings tokens after the final chunk, or whose
-    ``weight_version`` ``version_ok`` refuses (None: any).
+    The fields are the JSON values, unchecked: the rollout flow checks them (``rollout.progress``).
+    ``skipped_ids`` and ``skipped_logprobs`` say how many leading ``output_ids`` and
+    ``output_token_logprobs`` entries of a cumulative chunk the decoder left unparsed because the
+    previous chunk had them already (:class:`.sse.ChunkDecoder`): those lists start after that many.
     """
 
-    output_ids: array[int] = field(default_factory=token_array)
-    logprobs: list[list[Any]] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    meta_info: dict[str, Any] = field(default_factory=dict)
-    text: str | None = None
-    weight_version: str | None = None  # the latest a chunk reported (chunks may leave it out)
-    limit: int | None = None
-    vocab_size: int = TOKEN_ID_BOUND
-    version_ok: Callable[[Any], str | None] | None = None  # why a reported version is wrong, or None
-    per_token: dict[str, list[Any]] = field(default_factory=dict)  # PER_TOKEN_META_KEYS' lists, gathered
-    chunks: int = 0  # chunks folded in
-    _ids_start: int = field(init=False, repr=False)
-    _lps_start: int = field(init=False, repr=False)
-    _per_token_start: dict[str, int] = field(init=False, repr=False)
+    output_ids: Any
+    text: Any
+    meta_info: Any
+    index: Any = None
+    skipped_ids: int = 0
+    skipped_logprobs: int = 0
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.output_ids, array) or self.output_ids.typecode != _UINT:
-            self.output_ids = token_array(self.output_ids)
-        self._ids_start, self._lps_start = len(self.output_ids), len(self.logprobs)
-        self._per_token_start = {k: len(v) for k, v in self.per_token.items()}
-
-    @property
-    def made(self) -> int:
-        """Tokens this engine produced (not counting what the lists held at the start)."""
-        return len(self.output_ids) - self._ids_start
-
-    def apply(self, chunk: dict[str, Any]) -> int:
-        """Fold one chunk in; return how many new tokens it brought. Raises :class:`BadChunk`."""
-        meta = chunk.get("meta_info")
-        ids = chunk.get("output_ids")
-        if ids is None:
-            ids = []
-        if not isinstance(meta, dict) or not isinstance(ids, list):
-            raise BadChunk(f"a chunk without the meta_info object or the output_ids list: {str(chunk)[:200]}")
-        skipped = chunk.pop(SKIPPED_IDS, 0)  # ids the decoder left unparsed: they were seen already
-        skipped_lps = chunk.pop(SKIPPED_LOGPROBS, 0)
-        total = meta.get("completion_tokens")
-        before = self.made
-        if type(total) is not int:
-            raise BadChunk(f"completion_tokens is {total!r}, not a count (after {before} token(s))")
-        if total < before:
-            raise BadChunk(f"completion_tokens went back from {before} to {total}")
-        if skipped > before or skipped_lps > len(self.logprobs) - self._lps_start:
-            raise BadChunk("a chunk skipped tokens this sequence never saw")
-        cumulative = len(ids) + skipped == total
-        if cumulative:  # it repeats what was seen: only its tail is new, and the rest must be what was seen
-            seen = before - skipped
-            start = self._ids_start + skipped
-            if seen and ids[:seen] != self.output_ids[start:start + seen].tolist():
-                raise BadChunk(f"a cumulative chunk of {total} token(s) changed some of the {before} already sent")
-            new = ids[seen:] if seen else ids
-        elif before + len(ids) == total:
-            new = ids
-        else:
-            raise BadChunk(f"completion_tokens {total} fits neither a cumulative nor a delta chunk of "
-                           f"{len(ids)} id(s) after {before} token(s)")
-        checked: array[int] | str | None = None
-        if new:
-            if self.finish_reason is not None:
-                raise BadChunk(f"{len(new)} token(s) after the final chunk")
-            if self.limit is not None and total > self.limit:
-                raise BadChunk(f"{total} tokens for a request of max_new_tokens={self.limit}")
-            checked = checked_token_ids(new, self.vocab_size)
-            if isinstance(checked, str):
-                raise BadChunk(checked)
-        version = meta.get("weight_version")
-        if version is not None and version != self.weight_version and self.version_ok is not None:
-            why = self.version_ok(version)  # asked when it changes: chunks repeat the version they run on
-            if why is not None:
-                raise BadChunk(why)
-        lps = meta.get("output_token_logprobs")
-        if lps is not None and not isinstance(lps, list):
-            raise BadChunk(f"output_token_logprobs is {type(lps).__name__}, not a list")
-        if isinstance(checked, array):
-            self.output_ids.extend(checked)
-        if lps is not None:
-            seen_lps = len(self.logprobs) - self._lps_start - skipped_lps
-            self.logprobs.extend(lps[seen_lps:] if cumulative else lps)
-        for key in PER_TOKEN_META_KEYS:
-            entries = meta.get(key)
-            if isinstance(entries, list):
-                gathered = self.per_token.setdefault(key, [])
-                seen = len(gathered) - self._per_token_start.setdefault(key, 0)
-                gathered.extend(entries[seen:] if cumulative else entries)
-        if chunk.get("text") is not None:
-            self.text = chunk["text"] if cumulative else (self.text or "") + chunk["text"]
-        self.meta_info = meta
-        self.finish_reason = meta.get("finish_reason")
-        if version is not None:
-            self.weight_version = version
-        self.chunks += 1
-        return len(new)
+    @classmethod
+    def of(cls, obj: Any, skipped_ids: int = 0, skipped_logprobs: int = 0) -> GenerateChunk:
+        """The chunk of a decoded JSON value (one that is not an object reads as a chunk of nothing)."""
+        if type(obj) is not dict:
+            return cls(None, None, None)
+        get = obj.get
+        return cls(get("output_ids"), get("text"), get("meta_info"), get("index"), skipped_ids, skipped_logprobs)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -783,7 +334,7 @@ def continuation_body(
     ``stream=False`` the engine answers once, at the end (no interval is set).
     """
     new = dict(body)
-    new["input_ids"] = list(body["input_ids"]) + as_list(made)
+    new["input_ids"] = [*body["input_ids"], *made]
     params = dict(body.get("sampling_params") or {})
     budget = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if budget is not None:
@@ -949,45 +500,3 @@ def abort_body(rid: str | None = None, *, abort_all: bool = False) -> dict[str, 
     return {"rid": rid or "", "abort_all": abort_all}
 
 
-def iter_frames(chunks: Iterable[bytes]) -> list[dict[str, Any]]:
-    """Decode a whole stream at once (tests, tools)."""
-    dec = SSEDecoder()
-    out: list[dict[str, Any]] = []
-    for c in chunks:
-        out.extend(dec.feed(c))
-    return out
-
-
-# ---------------------------------------------------------------- /metrics
-
-
-def metrics_text(values: dict[str, float], *, model_name: str) -> str:
-    """Prometheus text exposition of gauges named like SGLang's (``sglang:...``)."""
-    label = model_name.replace("\\", "\\\\").replace('"', '\\"')
-    lines = []
-    for name, value in values.items():
-        lines.append(f"# TYPE {name} gauge")
-        lines.append(f'{name}{{model_name="{label}"}} {float(value)}')
-    return "\n".join(lines) + "\n"
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sum each metric's samples over its labels (``sglang:num_running_reqs`` -> 3.0, ...)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, rest = line.partition(" ")
-        if "{" in line:
-            name_part = line[: line.index("{")]
-            rest = line[line.rindex("}") + 1 :]
-        fields_ = rest.split()
-        if not fields_:
-            continue
-        try:
-            value = float(fields_[0])
-        except ValueError:
-            continue
-        out[name_part] = out.get(name_part, 0.0) + value
-    return out

@@ -1,0 +1,98 @@
+"""The manager's ``/generate`` answers for its sequences, in SGLang's output format.
+
+A sequence may span several engines, so these are built from the sequence's own state, not relayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_manager.rollout.progress import as_list
+from rollout_manager.sglang import wire
+
+
+def partial_output(
+    body: dict[str, Any],
+    *,
+    rid: str,
+    output_ids: Sequence[int],
+    logprobs: list[list[Any]],
+    weight_version: str,
+    index: int | None,
+    text: str | None = None,
+) -> dict[str, Any]:
+    """A cumulative, unfinished stream chunk of a sequence run from the single-sequence ``body``.
+
+    Log-probs appear only when ``body`` asked for them, as SGLang does; ``text`` is the text so far
+    (SGLang fills it in every cumulative chunk), null when it is not known.
+    """
+    meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(body["input_ids"]),
+                            "weight_version": weight_version, "completion_tokens": len(output_ids),
+                            "cached_tokens": 0}
+    if wire.wants_logprobs(body):
+        meta["output_token_logprobs"] = list(logprobs)
+    out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def final_output(
+    body: dict[str, Any],
+    *,
+    rid: str,
+    output_ids: Sequence[int],
+    logprobs: list[list[Any]],
+    finish: dict[str, Any] | None,
+    engine_meta: dict[str, Any],
+    segments: list[dict[str, Any]],
+    text: str | None,
+    e2e_latency: float,
+    index: int | None,
+    per_token: dict[str, list[Any]] | None = None,
+) -> dict[str, Any]:
+    """The manager's final ``/generate`` answer for one sequence that may span several engines.
+
+    Starts from the ``meta_info`` of the engine that finished the sequence, so fields the manager does
+    not interpret pass through, then overwrites what is a property of the whole sequence rather than
+    of its last request. ``meta_info.segments`` (``instance``, ``endpoint``, ``weight_version``,
+    ``start``, ``end``, ``outcome`` per engine) is the manager's addition to SGLang's format; the
+    top-level ``weight_version`` is the last segment's.
+    """
+    meta = dict(engine_meta)
+    meta.update({
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(body.get("input_ids") or []),
+        "completion_tokens": len(output_ids),
+        "weight_version": segments[-1]["weight_version"] if segments else meta.get("weight_version"),
+        "e2e_latency": round(e2e_latency, 6),
+        "segments": segments,
+    })
+    if "weight_versions" in meta:  # SGLang's spans are its last request's: say them for the whole sequence
+        meta["weight_versions"] = version_spans(segments)
+    if wire.wants_logprobs(body):
+        meta["output_token_logprobs"] = logprobs
+    else:
+        meta.pop("output_token_logprobs", None)
+    meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
+    seed = (body.get("sampling_params") or {}).get("sampling_seed")
+    if seed is not None:
+        meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
+    out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def version_spans(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """SGLang's ``weight_versions`` spans (``{"version", "start", "end"}``, adjacent equal versions joined)
+    over a whole sequence, from its segments."""
+    spans: list[dict[str, Any]] = []
+    for s in segments:
+        if spans and spans[-1]["version"] == s["weight_version"] and spans[-1]["end"] == s["start"]:
+            spans[-1]["end"] = s["end"]
+        else:
+            spans.append({"version": s["weight_version"], "start": s["start"], "end": s["end"]})
+    return spans
