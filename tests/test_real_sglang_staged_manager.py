@@ -204,3 +204,37 @@ async def test_sequences_crossing_a_staged_version_keep_their_box_and_every_toke
         assert metric(metrics, f"rollout_manager_{name}_total") == 0, name
     assert metric(metrics, "rollout_manager_instance_weight_version_staged") is None
     assert metric(metrics, "rollout_manager_instance_weight_version_activating") is None
+
+
+async def test_a_min_weight_version_request_alone_runs_once_a_box_serves_the_version(rig: Rig) -> None:
+    """Nothing else in flight: the request waits for the version, and only the activation can tell the
+    manager's queue that a box now qualifies (a box stays ``active`` when staged, so there is no state change).
+    Before the fix it was placed only when its wait timed out (``no_instance_wait_timeout_s``, 600 s)."""
+    checkpoint = load_file(str(rig.model_dir / "model.safetensors"))
+    new = perturbed(checkpoint, seed=11)
+    pusher = WeightPusher(rig.manager.url, SENDER_IPS, rig.sender_port, protocol="tcp", wait_for=None,
+                          timeout_s=180, groups_per_sender=2, engines_per_group=2)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s, \
+            ManagerClient(rig.manager.url) as client:
+        try:
+            await pusher.start(client)
+            version = int((await client.health())["weight_version"]) + 1
+            await asyncio.to_thread(pusher.stage, new, version)
+            await pusher.publish(client, version)
+            floor = asyncio.create_task(generate(s, rig.manager.url, body(FLOOR_PROMPT, FLOOR_TOKENS, False,
+                                                                          min_weight_version=version), []))
+            deadline = time.monotonic() + 120
+            while not any(i["weight_versions"]["active"] == version and i["weight_versions"]["activating"] is None
+                          for i in (await client.get_instances_status())["instances"]):
+                assert time.monotonic() < deadline and not floor.done(), "a box to serve the new version"
+                await asyncio.sleep(0.05)
+            served = time.monotonic()
+            done, _ = await asyncio.wait([floor], timeout=60)
+            assert done, "the request was not placed within 60 s of a box serving its min_weight_version"
+            out = floor.result()
+            waited = time.monotonic() - served
+        finally:
+            pusher.stop()
+    assert waited < 30, waited
+    assert [s_["weight_version"] for s_ in out["meta_info"]["segments"]] == [str(version)], out["meta_info"]
+    assert out["output_ids"] == transformers_greedy(rig.model_dir, new, [FLOOR_PROMPT], FLOOR_TOKENS)[0]
