@@ -90,7 +90,8 @@ class Manager:
         self.senders = SenderPlan(self.registry, cfg)
         self.weights = WeightSync(self.registry, self.version, self.senders,
                                   AgentClient(self.session, cfg.auth_token, cfg.weight_push_timeout_s),
-                                  SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict)
+                                  SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
+                                  on_serving=self.dispatcher.recovered)  # place requests waiting for the version
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
                                       self.local_budget, self.sglang.limits, self.started_at)
 

@@ -237,3 +237,20 @@ async def test_a_box_that_dies_while_activating_is_removed_and_the_others_serve_
             (other.endpoint, "active", 1)]
 
     await async_wait_until(settled, timeout_s=60, message="the dead box removed, the other serving version 1")
+
+
+async def test_a_request_waiting_for_a_min_weight_version_runs_once_a_box_activates_it(fleet) -> None:
+    """A staged box stays active, so no state change tells the dispatcher's queue that it now qualifies for a
+    request waiting with ``min_weight_version``; the activation must. Before, such a request with nothing
+    else in flight was placed only when its wait expired (``no_instance_wait_timeout_s``, 600 s by default)."""
+    m, sender, add_box = fleet
+    box = await add_box()
+    await set_faults(box.url, load_delay_s=1.0)  # the request is queued well before the box serves version 1
+    await asyncio.to_thread(sender.stage, weights(1), 1)
+    status, res = await m.post("/update_weight_version", {})
+    assert status == 200, res
+    body = {"input_ids": PROMPT, "min_weight_version": 1,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+    status, out = await asyncio.wait_for(m.post("/generate", body), 30)
+    assert status == 200, out
+    assert [s["weight_version"] for s in out["meta_info"]["segments"]] == ["1"]

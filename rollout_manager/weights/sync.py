@@ -112,11 +112,15 @@ class WeightSync:
 
     def __init__(self, registry: Registry, version: WeightVersion, senders: SenderPlan, agents: AgentClient,
                  settings: SyncSettings, load_changed: Signal,
-                 evict: Callable[[Instance, str], int] | None = None) -> None:
+                 evict: Callable[[Instance, str], int] | None = None,
+                 on_serving: Callable[[Instance], None] | None = None) -> None:
         """``evict(inst, reason)`` moves the sequences still running on ``inst`` elsewhere (the rollout
-        side's; this package does not import it)."""
+        side's; this package does not import it). ``on_serving(inst)``: ``inst`` serves a newer version
+        without a state change (staged activation), so requests queued for that version (``min_weight_version``)
+        may be placed there now; nothing else would tell the dispatcher's queue."""
         self.registry = registry
         self.evict = evict
+        self.on_serving = on_serving
         self.version = version
         self.senders = senders
         self.agents = agents
@@ -356,6 +360,8 @@ class WeightSync:
             bv.record_pause(version, answer.paused_s)
             inst.clear_error()
             self.load_changed.notify()
+            if self.on_serving is not None:
+                self.on_serving(inst)
             log.info("instance %s activated version %d (%s): paused %.3fs, loaded %d tensors", inst.endpoint,
                      version, answer.mode, answer.paused_s, answer.reloaded)
         if self._tasks.get(inst.id) is asyncio.current_task():
