@@ -23,6 +23,7 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
     .venv/bin/python benchmarks/bench_scale.py --hard 1024          # the daemon cannot raise its limit
     .venv/bin/python benchmarks/bench_scale.py --instances 50 --sequences 400   # development
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold             # bytes per token in flight
+    .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --instances 100 --sequences 800
 """
 
 from __future__ import annotations
@@ -135,6 +136,33 @@ def sockets(pid: int, ports: set[int]) -> tuple[int, int, dict[int, int]]:
 
 
 # ---------------------------------------------------------------- the run
+# What holds a sequence's bytes, by the source file that allocated them (first match wins).
+OWNERS = (
+    ("its tokens (array) and progress", ("rollout_manager/rollout/progress.py",)),
+    ("the caller's body, parsed and validated", ("pydantic/", "rollout_manager/jsonutil.py",
+                                                 "rollout_manager/api/")),
+    ("aiohttp client: connection, parser, response, stream reader", ("aiohttp/", "aiohappyeyeballs/", "yarl/",
+                                                                      "multidict/")),
+    ("the rollout flow's state and coroutines", ("rollout_manager/",)),
+    ("asyncio tasks and the standard library", ("/lib/python3",)),
+)
+
+
+def print_memory_owners(probe: dict[str, Any], sequences: int) -> None:
+    """Bytes per held sequence by owner, from benchmarks/memprobe's snapshot diff (Python allocations
+    only: what C code allocates outside Python's allocator, such as kernel socket buffers, is not here)."""
+    totals: dict[str, int] = {}
+    for filename, size in probe["files"].items():
+        owner = next((name for name, parts in OWNERS if any(p in filename for p in parts)), "other")
+        totals[owner] = totals.get(owner, 0) + size
+    n = max(sequences, 1)
+    print(f"  traced Python allocations per held sequence: {sum(totals.values()) / n:,.0f} bytes")
+    for owner, size in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"    {size / n:8,.0f} B  {owner}")
+    for where, size in probe["lines"][:5]:
+        print(f"    biggest line: {where} {size / n:,.0f} B per sequence")
+
+
 async def get_status(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     for _ in range(100):  # the manager may briefly fail to accept while it is out of descriptors
         try:
@@ -179,8 +207,14 @@ async def run(args: argparse.Namespace) -> None:
         sets = [a for kv in args.set for a in ("--set", kv)]
         cmd = ["prlimit", f"--nofile={args.soft}:{hard}", PY, "-m", "rollout_manager", "serve",
                "--bind", f"127.0.0.1:{mport}", "--log-level", "warning", *sets]
+        env = dict(os.environ)
+        probe_out = str(logs / "memprobe.json")
+        if args.trace_memory:  # benchmarks/memprobe/sitecustomize.py traces the manager's allocations
+            env.update(MEMPROBE_OUT=probe_out, PYTHONPATH=os.pathsep.join(
+                [str(ROOT / "benchmarks" / "memprobe"), env.get("PYTHONPATH", "")]))
+            Path(probe_out + ".done").unlink(missing_ok=True)
         manager = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / "manager.log", "wb"),
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, start_new_session=True, env=env)
         procs.append(manager)
         url = f"http://127.0.0.1:{mport}"
         await wait_health(url, manager)
@@ -221,6 +255,8 @@ async def run(args: argparse.Namespace) -> None:
                   f"{fds} descriptors, {socks} sockets, {sum(per_port.values())} to instances; "
                   f"RSS {status_kb(pid, 'VmRSS') / 1024:.0f} MB", flush=True)
             idle_rss_kb = status_kb(pid, "VmRSS")
+            if args.trace_memory:
+                os.kill(pid, signal.SIGUSR1)  # the baseline: every instance registered, nothing run
 
             # 3. the load
             per_batch = args.sequences // args.batches
@@ -296,6 +332,10 @@ async def run(args: argparse.Namespace) -> None:
                         break
                 rss = status_kb(pid, "VmRSS")
                 hold_result.update(held, rss_kb=rss)
+                if args.trace_memory:
+                    os.kill(pid, signal.SIGUSR2)
+                    while not Path(probe_out + ".done").exists():
+                        await asyncio.sleep(0.2)
                 for some in helper_ports:
                     async with s.post(f"http://127.0.0.1:{some[0]}/fake_release") as r:
                         await r.read()
@@ -341,6 +381,8 @@ async def run(args: argparse.Namespace) -> None:
                       f"peak {peak_kb / 1024:.0f} MB: "
                       f"{1024 * (hold_result['rss_kb'] - idle_rss_kb) / max(tokens, 1):.1f} bytes per token held, "
                       f"{1024 * (peak_kb - idle_rss_kb) / max(tokens, 1):.1f} bytes per token at the peak")
+                if args.trace_memory:
+                    print_memory_owners(json.loads(Path(probe_out).read_text()), hold_result["sequences"])
             for line in bad[:5]:
                 print("  BAD:", line)
             if bad or removed:
@@ -366,6 +408,9 @@ def main() -> None:
                         help="fakes hold each stream's final chunk until every sequence is in flight; report "
                              "the manager's bytes per token in flight")
     parser.add_argument("--hold-timeout-s", type=float, default=600.0)
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="with --hold: trace the manager's Python allocations (tracemalloc, which slows it) "
+                             "and print what a held sequence costs, by owner")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="manager config")
     parser.add_argument("--logs", default="/tmp/bench-scale")
     parser.add_argument("--serve-fake", type=int, default=0, help=argparse.SUPPRESS)

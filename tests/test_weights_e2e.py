@@ -226,3 +226,29 @@ async def test_a_sequence_still_running_at_the_drain_timeout_moves_on_and_the_pu
         sender.stop()
         for box in boxes:
             box.stop()
+
+
+async def test_the_receivers_load_timeout_is_set_from_its_command_line(start_manager, tmp_path):
+    """--load-timeout-s bounds one load into SGLang: a load that outlasts it fails the push, and says so,
+    instead of holding the box for the default ten minutes."""
+    port = free_port()
+    m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8",
+                            weight_activation="drain")
+    sender = SenderAgent(SENDER_IPS, port).start()
+    box = Box(tmp_path, MODEL_JSON, "--load-timeout-s", "0.5")
+    try:
+        await box.ready()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(box.url + "/debug/faults", json={"load_delay_s": 5.0}) as r:
+                assert r.status == 200, await r.text()
+        await m.register(box)
+        await m.put_senders([SENDER_IPS], 1)
+        await asyncio.to_thread(sender.stage, trainer_weights(1), 1)
+        status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 4})
+        assert status == 200 and res["instances_at_version"] == 0, res
+        inst, = (await m.status())["instances"]
+        error = inst["last_error"] or ""
+        assert inst["weight_version"] == 0 and "load timeout (--load-timeout-s): 0.5 s" in error, error
+    finally:
+        sender.stop()
+        box.stop()

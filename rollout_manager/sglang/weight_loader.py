@@ -180,12 +180,8 @@ class SGLangWeights:
         await self._post_ok(wire.CONTINUE_GENERATION, {}, "continue_generation")
 
     async def _post_ok(self, path: str, body: dict[str, Any], what: str) -> None:
-        try:
-            async with self.session.post(self.url + path, json=body, headers=self.auth.admin_headers(),
-                                         timeout=aiohttp.ClientTimeout(total=self.settings.load_timeout_s)) as r:
-                status, text = r.status, (await r.text())[:300]
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise LoadRefused(502, f"SGLang's {what} failed: {type(exc).__name__}: {exc}") from None
+        status, text = await self._admin_post(path, body, what)
+        text = text[:300]
         if status != 200:
             raise LoadRefused(502, f"SGLang refused {what}: HTTP {status} {text.strip()}{_key_hint(status)}")
 
@@ -214,10 +210,8 @@ class SGLangWeights:
         rows = max(self.settings.readback_rows, 1)
         checked = 0
         for name, tensor in sample:
-            async with self.session.post(self.url + GET_WEIGHTS_BY_NAME, headers=self.auth.admin_headers(),
-                                         json={"name": name, "truncate_size": rows},
-                                         timeout=aiohttp.ClientTimeout(total=60)) as r:
-                status, text = r.status, await r.text()
+            status, text = await self._admin_post(GET_WEIGHTS_BY_NAME, {"name": name, "truncate_size": rows},
+                                                  f"read-back of {name!r}", timeout_s=60.0)
             answer = _parse_json(text) if status == 200 else None
             if answer is None:
                 if status in (401, 403):
@@ -241,11 +235,26 @@ class SGLangWeights:
         return checked
 
     # ------------------------------------------------------------ calls
+    async def _admin_post(self, path: str, body: dict[str, Any], what: str,
+                          timeout_s: float | None = None) -> tuple[int, str]:
+        """(status, text) of a POST to an admin endpoint. No answer within ``timeout_s`` (default: the
+        load timeout) is a :class:`LoadRefused` (504) that names the call and the bound; a lost
+        connection is one too (502): never a bare exception the agent would answer without a word."""
+        limit = self.settings.load_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with self.session.post(self.url + path, json=body, headers=self.auth.admin_headers(),
+                                         timeout=aiohttp.ClientTimeout(total=limit)) as r:
+                return r.status, await r.text()
+        except asyncio.TimeoutError:
+            bound = "the receiver's load timeout (--load-timeout-s)" if timeout_s is None else "its bound"
+            raise LoadRefused(504, f"SGLang's {what} did not answer within {bound}: {limit:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise LoadRefused(502, f"SGLang's {what} failed: {type(exc).__name__}: {exc}") from None
+
     async def _call(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
         """POST to an admin endpoint; anything but 200 with ``success`` true is a :class:`LoadRefused`."""
-        async with self.session.post(self.url + path, json=body, headers=self.auth.admin_headers(),
-                                     timeout=aiohttp.ClientTimeout(total=self.settings.load_timeout_s)) as r:
-            status, answer = r.status, _answer(await r.text())
+        status, text = await self._admin_post(path, body, what)
+        answer = _answer(text)
         if status != 200 or not answer.get("success", False):
             raise LoadRefused(502, f"SGLang refused {what}: HTTP {status} {answer}{_key_hint(status)}")
         return answer
@@ -256,10 +265,9 @@ class SGLangWeights:
         if sessions is False:
             return False
         for attempt in range(2):
-            async with self.session.post(self.url + wire.BEGIN_WEIGHT_UPDATE, json=wire.begin_weight_update_body(),
-                                         headers=self.auth.admin_headers(),
-                                         timeout=aiohttp.ClientTimeout(total=self.settings.load_timeout_s)) as r:
-                status, answer = r.status, _answer(await r.text())
+            status, text = await self._admin_post(wire.BEGIN_WEIGHT_UPDATE, wire.begin_weight_update_body(),
+                                                  "begin_weight_update")
+            answer = _answer(text)
             if status == 200 and answer.get("success", False):
                 return True
             if status == 404 and sessions is None:

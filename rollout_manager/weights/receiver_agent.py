@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
@@ -74,6 +73,7 @@ from rollout_manager.weights.protocol import (
     parse_body,
 )
 from rollout_manager.weights.pusher import PushResult, push_buffer
+from rollout_manager.weights.receiver_faults import NO_FAULTS, ReceiverFaults
 from rollout_manager.weights.refused import CommitRefused
 from rollout_manager.weights.shards import Shard, verify_shards
 from rollout_manager.weights.tcp_transport import TcpEngine
@@ -87,9 +87,8 @@ AGENT: web.AppKey[ReceiverAgent] = web.AppKey("agent", object)  # type: ignore[a
 class ReceiverAgent:
     def __init__(self, host: str, sglang_url: str, *, protocol: str = "tcp", device_name: str = "",
                  num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
-                 flush_wait_s: float = 30.0, fault_corrupt: bool = False, fault_die_after_prepare: bool = False,
-                 fault_corrupt_delta: bool = False, fault_die_mid_serve: bool = False,
-                 fault_corrupt_serve: bool = False, auth: SGLangAuth | None = None, readback_tensors: int = 4,
+                 flush_wait_s: float = 30.0, faults: ReceiverFaults = NO_FAULTS,
+                 auth: SGLangAuth | None = None, readback_tensors: int = 4,
                  readback_rows: int = 4):
         self.host = host
         self.auth = auth or SGLangAuth()  # SGLang's --api-key/--admin-api-key, where it runs with them
@@ -117,12 +116,7 @@ class ReceiverAgent:
         # full load succeeds); None: no such failure.
         self.failed: str | None = None
         self.busy = asyncio.Lock()
-        # Test faults: flip a byte of what landed before verifying; exit once the sender may write.
-        self.fault_corrupt = fault_corrupt
-        self.fault_die_after_prepare = fault_die_after_prepare
-        self.fault_corrupt_delta = fault_corrupt_delta  # flip a byte of every delta before applying it
-        self.fault_die_mid_serve = fault_die_mid_serve  # exit after serving the first shard to a peer
-        self.fault_corrupt_serve = fault_corrupt_serve  # serve peers one wrong byte
+        self.faults = faults  # what a test told it to get wrong (nothing, outside tests)
         # Serving peers: the trainer's (shards, checksums) of the held version; serves in flight.
         self.sums: tuple[list[Shard], list[str]] | None = None
         self.served_bytes = 0
@@ -206,11 +200,11 @@ class ReceiverAgent:
     def _write_to_peer(self, req: ServeRequest, addr: int, total: int, engines: list[Transport]) -> PushResult:
         assert self.buffer is not None
         sessions = list(req.session_ids)
-        if self.fault_die_mid_serve:  # the first shard lands, then this box is gone
+        if self.faults.serving_stops_after_first_shard():  # the first shard lands, then this box is gone
             push_buffer(engines, addr, total, sessions, req.buffer_addr, req.num_engines, compute_checksums=False,
                         only=[0])
-            os._exit(1)
-        flip = total // 2 if self.fault_corrupt_serve and total else None
+            self.faults.died_serving()
+        flip = self.faults.serve_flip(total)
         if flip is not None:
             self.buffer.array[flip] ^= 0xFF
         try:
@@ -278,8 +272,7 @@ class ReceiverAgent:
             raise CommitRefused(409, f"no delta from version {req.delta_base} was prepared here; call /prepare first")
         self.held = None  # the buffer is being rewritten
         blob = area.array[: req.delta_bytes]
-        if self.fault_corrupt_delta and req.delta_bytes:
-            blob[-1] ^= 0xFF
+        self.faults.delta_landed(blob)
         t0 = time.perf_counter()
         try:
             applied = delta.apply(memoryview(blob), self.buffer.array, fingerprint=fingerprint,  # type: ignore[arg-type]
@@ -309,8 +302,7 @@ class ReceiverAgent:
             apply_s = round(await asyncio.to_thread(self._apply_delta, req, layout), 6)
         else:
             self.held = None
-        if self.fault_corrupt and layout.total_bytes:
-            self.buffer.array[layout.total_bytes // 2] ^= 0xFF
+        self.faults.landed(self.buffer.array, layout.total_bytes)
         t0 = time.perf_counter()
         bad = await asyncio.to_thread(verify_shards, self.buffer.array, list(req.shards), list(req.checksums))
         verify_s = time.perf_counter() - t0
@@ -438,8 +430,7 @@ async def handle_prepare(request: web.Request) -> web.Response:
     async with agent.busy:
         await agent.writable()
         answer = await asyncio.to_thread(agent.prepare, layout, req.transport, req.delta_base, req.delta_bytes)
-    if agent.fault_die_after_prepare:
-        asyncio.get_running_loop().call_later(0.05, os._exit, 1)
+    agent.faults.prepared()
     return web.json_response(answer.model_dump())
 
 
@@ -559,20 +550,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="after a load, how long to wait for SGLang to go idle so it can flush its cache")
     parser.add_argument("--readback-tensors", type=int, default=4,
                         help="tensors read back from SGLang after each load and compared (0: none)")
+    parser.add_argument("--load-timeout-s", type=float, default=600.0,
+                        help="longest one weight load into SGLang (or one transfer to a peer) may take")
     parser.add_argument("--log-level", default="info")
-    parser.add_argument("--fault-corrupt", action="store_true", help="test: corrupt every transfer")
-    parser.add_argument("--fault-die-after-prepare", action="store_true", help="test: exit mid-transfer")
-    parser.add_argument("--fault-corrupt-delta", action="store_true", help="test: corrupt every delta that lands")
-    parser.add_argument("--fault-die-mid-serve", action="store_true", help="test: exit while serving a peer")
-    parser.add_argument("--fault-corrupt-serve", action="store_true", help="test: serve peers a wrong byte")
+    ReceiverFaults.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = ReceiverAgent(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
                           num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
-                          flush_wait_s=args.flush_wait_s, fault_corrupt=args.fault_corrupt,
-                          fault_die_after_prepare=args.fault_die_after_prepare,
-                          fault_corrupt_delta=args.fault_corrupt_delta, fault_die_mid_serve=args.fault_die_mid_serve,
-                          fault_corrupt_serve=args.fault_corrupt_serve, auth=SGLangAuth.from_env(),
+                          flush_wait_s=args.flush_wait_s, faults=ReceiverFaults.from_args(args),
+                          load_timeout_s=args.load_timeout_s, auth=SGLangAuth.from_env(),
                           readback_tensors=args.readback_tensors)
     asyncio.run(serve(agent, args.bind or args.host, args.port))
     return 0
