@@ -12,16 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 from support import async_wait_until
 from test_min_weight_version import activate, body, fleet, versions  # noqa: F401 (fleet: the fixture)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: rollout/generation.py Generator._allowed compares Instance.weight_version with the floor, and "
-    "weights/sync.py _stage_and_activate sets it to the new version before the receiver pauses SGLang, so a "
-    "min_weight_version sequence is placed on a box that still serves the old weights; it should compare "
-    "inst.versions.serving(inst.weight_version)"))
 async def test_a_box_still_loading_the_version_does_not_take_a_request_that_needs_it(fleet: Any) -> None:  # noqa: F811
     generator, registry, fakes = fleet
     (inst,) = activate(registry, fakes[:1], [0])

@@ -536,7 +536,9 @@ class Generator:
         floor = version_floor(seq)
         if floor <= 0:
             return bound
-        return lambda i: i.weight_version >= floor and (bound is None or bound(i))
+        # What the box serves, not what it is named at: from an activation's pause until its load is done
+        # the registry already names the new version, and a request placed then would run on the old one.
+        return lambda i: i.versions.serving(i.weight_version) >= floor and (bound is None or bound(i))
 
     def _staleness_bound(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
         """Which instances may continue ``seq`` without its segments spanning more than
