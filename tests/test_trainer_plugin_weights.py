@@ -126,7 +126,8 @@ async def test_verl_adapter_pushes_through_the_default_hook(pool):
         assert result["pushed"] and result["new_weight_version"] == 1 and result["instances_at_version"] == 2
 
         async def serving() -> bool:  # the hook returns once both boxes have it staged; they then activate it
-            return {i["weight_version"] for i in (await m.status())["instances"]} == {1}
+            # weight_versions' "active": what a box serves (its weight_version names the new one from the pause)
+            return {i["weight_versions"]["active"] for i in (await m.status())["instances"]} == {1}
 
         await async_wait_until(serving, timeout_s=30, message="both boxes serving version 1")
         out = await greedy(m, [5, 5, 5])

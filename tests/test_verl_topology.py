@@ -126,7 +126,16 @@ async def senders(m: ManagerHandle) -> list[list[str]]:
     return sorted(s["ips"] for s in (await m.status())["weight_senders"]["senders"])
 
 
-async def serve_exactly(boxes: list[Any], seed: int) -> None:
+async def until_serving(m: ManagerHandle, version: int) -> None:
+    """``update_weights`` returns once every box has the version staged (the plugin's default
+    ``weight_push_wait_until``); each box then pauses only to load it. Wait until all serve it."""
+    async def serving() -> bool:
+        return all(i["weight_versions"]["active"] == version for i in (await m.status())["instances"])
+    await async_wait_until(serving, timeout_s=30, message=f"every box serving version {version}")
+
+
+async def serve_exactly(m: ManagerHandle, boxes: list[Any], seed: int, version: int) -> None:
+    await until_serving(m, version)
     want = expected_checksums(build_model(seed).state_dict())
     for box in boxes:
         assert await engine_checksums(box.url) == want, f"box {box.endpoint} does not hold build_model({seed})"
@@ -153,7 +162,7 @@ async def test_one_sender_per_node_with_four_ranks_on_it(cluster, start_manager,
                 [(0, True, None), (1, False, False), (2, False, False), (3, False, False)]
             assert out[0]["senders"] == 1 and out[0]["instances_at_version"] == 1
             assert await senders(m) == [[NODE_A]]
-            await serve_exactly([box], seed)
+            await serve_exactly(m, [box], seed, steps)
     finally:
         group.stop()
         box.stop()
@@ -203,7 +212,7 @@ async def test_two_trainer_nodes_and_a_task_runner_elsewhere_find_the_published_
             assert await senders(m) == [[NODE_A], [NODE_B]]
             st = await m.status()
             assert sorted(i["sender"] for i in st["instances"]) == [0, 1]  # each node's sender feeds one box
-            await serve_exactly(boxes, seed)
+            await serve_exactly(m, boxes, seed, steps)
     finally:
         await session.close()
         group.stop()
@@ -255,6 +264,7 @@ async def test_unmerged_lora_keeps_one_base_per_node_and_merges_each_step_bit_ex
             assert sorted(i["sender"] for i in (await m.status())["instances"]) == [0, 1]  # one box per node
             want = expected_checksums(merged_reference(4, adapter_seed))
             assert want != expected_checksums(build_model(4).state_dict())
+            await until_serving(m, steps)
             for box in boxes:
                 assert await engine_checksums(box.url) == want, f"box {box.endpoint} after step {steps}"
     finally:
@@ -294,7 +304,7 @@ async def test_a_resumed_run_publishes_its_checkpoint_step_from_every_rank(clust
             out = await group.push(steps, seed)
             assert [r["pushed"] for r in out] == [True, False] and out[0]["instances_at_version"] == 1
             await async_wait_until(lambda s=steps: _at(m, s), timeout_s=30, message=f"version {steps}")
-            await serve_exactly([box], seed)
+            await serve_exactly(m, [box], seed, steps)
     finally:
         group.stop()
         box.stop()

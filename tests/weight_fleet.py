@@ -48,9 +48,9 @@ async def weight_fleet(start_manager: Callable[..., Awaitable[Any]], tmp_path: P
     """A manager (fast retries, ``settings`` on top), one sender on 127.0.0.1 with 4 engines, and
     ``add_box(*receiver_flags)``, which starts a box and waits until it is active. All stopped at the end."""
     sender_port = free_port()
+    fast = {"weight_push_retry_s": "0.2", "weight_push_max_attempts": "2"}  # ``settings`` may override them
     m = await start_manager(weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_push_retry_s="0.2", weight_push_max_attempts="2", weight_transport=transport,
-                            **settings)
+                            weight_transport=transport, **{**fast, **settings})
     sender = SenderAgent(SENDER_IPS, sender_port).start()
     boxes: list[Box] = []
 
