@@ -1,7 +1,7 @@
 """The segments of one attempt on one instance: one per weight version the engine made tokens with.
 
-An instance may change weights under a running sequence (a staged version activated with a short pause,
-issue 31): the sequence keeps every token, and a new segment starts at the token where the version
+An instance may change weights under a running sequence (a staged version activated with a short
+pause): the sequence keeps every token, and a new segment starts at the token where the version
 changed, on the same instance, so every segment has one version and the caller sees the boundary.
 Two sources say where: each chunk's ``meta_info.weight_version`` (to the chunk: the new segment starts at
 the first token of the first chunk reporting the new version), and SGLang's (0.5.23) exact
