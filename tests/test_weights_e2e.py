@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -158,30 +161,39 @@ async def test_a_dead_sender_keeps_instances_out_of_service_without_removing_the
         revived.stop()
 
 
-async def test_a_weight_load_longer_than_the_health_interval_is_not_taken_for_death(start_manager, tmp_path):
-    """Health answers 503 for 2 s while the box loads; checks every 0.2 s, 2 failures would evict."""
+@contextlib.asynccontextmanager
+async def slow_loading_box(start_manager: Any, tmp_path: Any, load_delay_s: float,
+                           *receiver_flags: str) -> AsyncIterator[Any]:
+    """A drain-mode manager, one box whose every weight load takes ``load_delay_s``, registered, and a
+    sender with version 1 staged; yields the manager."""
     port = free_port()
     m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8",
                             weight_activation="drain")
     sender = SenderAgent(SENDER_IPS, port).start()
-    box = Box(tmp_path, MODEL_JSON)
+    box = Box(tmp_path, MODEL_JSON, *receiver_flags)
     try:
         await box.ready()
         async with aiohttp.ClientSession() as s:
-            async with s.post(box.url + "/debug/faults", json={"load_delay_s": 2.0}) as r:
+            async with s.post(box.url + "/debug/faults", json={"load_delay_s": load_delay_s}) as r:
                 assert r.status == 200, await r.text()
         await m.register(box)
         await m.put_senders([SENDER_IPS], 1)
         await asyncio.to_thread(sender.stage, trainer_weights(1), 1)
+        yield m
+    finally:
+        sender.stop()
+        box.stop()
+
+
+async def test_a_weight_load_longer_than_the_health_interval_is_not_taken_for_death(start_manager, tmp_path):
+    """Health answers 503 for 2 s while the box loads; checks every 0.2 s, 2 failures would evict."""
+    async with slow_loading_box(start_manager, tmp_path, 2.0) as m:
         status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 60})
         assert status == 200 and not res["timed_out"] and res["instances_at_version"] == 1
         st = await m.status()
         assert [e["to"] for e in st["recent_events"]] == ["pending", "active", "syncing", "active"]
         push = st["recent_weight_pushes"][-1]
         assert push["load_s"] >= 2.0  # the load really outlasted ten health intervals
-    finally:
-        sender.stop()
-        box.stop()
 
 
 async def test_a_sequence_still_running_at_the_drain_timeout_moves_on_and_the_push_succeeds(start_manager, tmp_path):
@@ -231,24 +243,9 @@ async def test_a_sequence_still_running_at_the_drain_timeout_moves_on_and_the_pu
 async def test_the_receivers_load_timeout_is_set_from_its_command_line(start_manager, tmp_path):
     """--load-timeout-s bounds one load into SGLang: a load that outlasts it fails the push, and says so,
     instead of holding the box for the default ten minutes."""
-    port = free_port()
-    m = await start_manager(weight_sender_base_port=str(port), allowed_sender_ips="127.0.0.0/8",
-                            weight_activation="drain")
-    sender = SenderAgent(SENDER_IPS, port).start()
-    box = Box(tmp_path, MODEL_JSON, "--load-timeout-s", "0.5")
-    try:
-        await box.ready()
-        async with aiohttp.ClientSession() as s:
-            async with s.post(box.url + "/debug/faults", json={"load_delay_s": 5.0}) as r:
-                assert r.status == 200, await r.text()
-        await m.register(box)
-        await m.put_senders([SENDER_IPS], 1)
-        await asyncio.to_thread(sender.stage, trainer_weights(1), 1)
+    async with slow_loading_box(start_manager, tmp_path, 5.0, "--load-timeout-s", "0.5") as m:
         status, res = await m.post("/update_weight_version", {"wait_for_instances": "all", "timeout_s": 4})
         assert status == 200 and res["instances_at_version"] == 0, res
         inst, = (await m.status())["instances"]
         error = inst["last_error"] or ""
         assert inst["weight_version"] == 0 and "load timeout (--load-timeout-s): 0.5 s" in error, error
-    finally:
-        sender.stop()
-        box.stop()

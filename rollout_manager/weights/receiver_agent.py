@@ -412,6 +412,17 @@ def bad_body(what: str, message: str) -> web.Response:
     return web.json_response({"error": f"bad {what} body: {message}"}, status=400)
 
 
+def refused(exc: CommitRefused, what: str | None = None, version: int | None = None) -> web.Response:
+    """The agent's answer to a refusal: its status, ``{"error", "bad_shards"?}``; logged as ``what`` of
+    ``version`` was refused when ``what`` is given."""
+    if what is not None:
+        log.warning("%s of version %d refused: %s", what, version, exc)
+    body: dict[str, Any] = {"error": str(exc)}
+    if exc.bad_shards is not None:
+        body["bad_shards"] = exc.bad_shards
+    return web.json_response(body, status=exc.status)
+
+
 async def handle_prepare(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     try:
@@ -425,8 +436,7 @@ async def handle_prepare(request: web.Request) -> web.Response:
     try:
         await agent.check_layout(layout, strict=False)  # checked again, strictly, before the load
     except CommitRefused as exc:
-        log.warning("prepare of version %d refused: %s", req.version, exc)
-        return web.json_response({"error": str(exc)}, status=exc.status)
+        return refused(exc, "prepare", req.version)
     async with agent.busy:
         await agent.writable()
         answer = await asyncio.to_thread(agent.prepare, layout, req.transport, req.delta_base, req.delta_bytes)
@@ -445,11 +455,7 @@ async def handle_commit(request: web.Request) -> web.Response:
         try:
             result = await agent.commit(req)
         except CommitRefused as exc:
-            log.warning("commit of version %d refused: %s", req.version, exc)
-            body: dict[str, Any] = {"error": str(exc)}
-            if exc.bad_shards is not None:
-                body["bad_shards"] = exc.bad_shards
-            return web.json_response(body, status=exc.status)
+            return refused(exc, "commit", req.version)
     log.info("version %d loaded into SGLang (verify %.3fs, load %.3fs)", req.version, result.verify_s,
              result.load_s)
     return web.json_response(result.model_dump())
@@ -465,8 +471,7 @@ async def handle_activate(request: web.Request) -> web.Response:
         try:
             answer = await activation.activate(agent, req)
         except CommitRefused as exc:
-            log.warning("activation of version %d refused: %s", req.version, exc)
-            return web.json_response({"error": str(exc)}, status=exc.status)
+            return refused(exc, "activation", req.version)
     log.info("version %d activated (%s): paused %.3fs, load %.3fs, %d tensors", req.version, req.mode,
              answer.paused_s, answer.load_s, answer.reloaded)
     return web.json_response(answer.model_dump())
@@ -492,7 +497,7 @@ async def handle_serve(request: web.Request) -> web.Response:
     try:
         answer = await agent.serve_peer(req)
     except CommitRefused as exc:
-        return web.json_response({"error": str(exc)}, status=exc.status)
+        return refused(exc)
     except Exception as exc:  # a transfer failure: report it, the manager falls back to the sender
         log.warning("serving version %d to %s failed: %s", req.version, req.session_ids[0], exc)
         return web.json_response({"error": f"transfer failed: {exc}"}, status=502)
