@@ -27,10 +27,12 @@ Every process that imports SGLang gets ``SGLANG_USE_CPU_ENGINE=1`` (its CPU path
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +196,37 @@ def _active(box: RealBox) -> bool:
     except OSError:
         return False
     return any(i["endpoint"] == box.endpoint and i["state"] == "active" for i in status["instances"])
+
+
+@dataclass
+class PushFleet:
+    """A manager that takes weight pushes over Mooncake from a sender agent the test runs on
+    ``sender_port``, and real SGLang boxes registered with it."""
+
+    manager: Daemon
+    boxes: list[RealBox]
+    model_dir: Path
+    sender_port: int
+
+
+@contextlib.contextmanager
+def push_fleet(model_dir: Path, log_dir: Path, names: list[str], *sglang_flags: str,
+               **settings: str) -> Iterator[PushFleet]:
+    """:class:`PushFleet` with ``settings`` for the manager (on top of Mooncake pushes from 127.0.0.0/8 with
+    half-second retries); everything stopped at the end, boxes first."""
+    sender_port = free_port()
+    manager = start_manager(log_dir, **{"weight_sender_base_port": str(sender_port),
+                                        "allowed_sender_ips": "127.0.0.0/8", "weight_transport": "mooncake",
+                                        "weight_push_retry_s": "0.5", **settings})
+    try:
+        boxes = start_boxes(model_dir, manager.url, log_dir, names, *sglang_flags)
+        try:
+            yield PushFleet(manager, boxes, model_dir, sender_port)
+        finally:
+            for box in boxes:
+                box.stop()
+    finally:
+        manager.stop()
 
 
 @dataclass

@@ -16,15 +16,13 @@ values drift: several sub-resolution steps add up to a changed bf16 value that S
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
-from real_sglang import Daemon, RealBox, start_box, start_manager
+from real_sglang import PushFleet, RealBox, push_fleet
 from safetensors.torch import load_file
-from support import free_port
 from test_real_sglang_pushes import model_info_version, perturbed, post
 
 from trainer_plugin.client import ManagerClient
@@ -36,28 +34,11 @@ MOVED = ("model.layers.1.",)  # push 2 moves these by a large step
 CREPT = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")  # pushes 2 and 3 move these by 0.4 bf16 ulp
 
 
-@dataclass
-class Bf16Rig:
-    manager: Daemon
-    box: RealBox
-    model_dir: Path
-    sender_port: int
-
-
 @pytest.fixture(scope="module")
-def bf16_rig(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bf16Rig]:
-    log_dir = tmp_path_factory.mktemp("bf16")
-    sender_port = free_port()
-    manager = start_manager(log_dir, weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_transport="mooncake", weight_push_mode="delta", weight_push_retry_s="0.5")
-    try:
-        box = start_box(real_sglang_model, manager.url, log_dir, "--dtype", "bfloat16", name="bf16")
-        try:
-            yield Bf16Rig(manager, box, real_sglang_model, sender_port)
-        finally:
-            box.stop()
-    finally:
-        manager.stop()
+def bf16_rig(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PushFleet]:
+    with push_fleet(real_sglang_model, tmp_path_factory.mktemp("bf16"), ["bf16"], "--dtype", "bfloat16",
+                    weight_push_mode="delta") as fleet:
+        yield fleet
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
@@ -91,14 +72,15 @@ async def assert_serves_the_bf16_cast(s: aiohttp.ClientSession, box: RealBox, st
     assert out["meta_info"]["weight_version"] == version
 
 
-async def test_float32_pushes_leave_bf16_sglang_holding_the_cast_of_the_trainers_tensors(bf16_rig: Bf16Rig) -> None:
+async def test_float32_pushes_leave_bf16_sglang_holding_the_cast_of_the_trainers_tensors(bf16_rig: PushFleet) -> None:
     rig = bf16_rig
+    (box,) = rig.boxes
     checkpoint = load_file(str(rig.model_dir / "model.safetensors"))
     assert {t.dtype for t in checkpoint.values()} == {torch.float32}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-        async with s.get(rig.box.url + "/server_info") as r:
+        async with s.get(box.url + "/server_info") as r:
             assert (await r.json(content_type=None))["dtype"] == "bfloat16"
-        await assert_serves_the_bf16_cast(s, rig.box, checkpoint, "0")  # SGLang's own cast of the checkpoint
+        await assert_serves_the_bf16_cast(s, box, checkpoint, "0")  # SGLang's own cast of the checkpoint
 
         pusher = WeightPusher(rig.manager.url, ["127.0.0.1"], rig.sender_port, protocol="tcp", wait_for="all",
                               timeout_s=180)
@@ -118,7 +100,7 @@ async def test_float32_pushes_leave_bf16_sglang_holding_the_cast_of_the_trainers
                     answer = await pusher.push(client, state, version)
                     assert answer["new_weight_version"] == version and not answer["timed_out"], answer
                     assert answer["instances_at_version"] == 1, answer
-                    await assert_serves_the_bf16_cast(s, rig.box, state, str(version))
+                    await assert_serves_the_bf16_cast(s, box, state, str(version))
                     st = await client.get_instances_status()
                     record = [p for p in st["recent_weight_pushes"] if p["version"] == version]
                     assert [(p["mode"], p["reloaded"]) for p in record] == [(mode, reloaded)]

@@ -20,16 +20,15 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import torch
-from real_sglang import SGLANG_PY, Daemon, RealBox, start_boxes, start_manager
+from real_sglang import SGLANG_PY, PushFleet, RealBox, push_fleet
 from safetensors.torch import load_file
-from support import ROOT, free_port
+from support import ROOT
 from test_demo import processes_with
 
 from trainer_plugin.client import ManagerClient
@@ -43,29 +42,11 @@ NEW_TOKENS = 24
 DELTA_TENSORS = ("model.layers.1.", "lm_head.", "model.norm.")  # what push 2 changes
 
 
-@dataclass
-class Rig:
-    manager: Daemon
-    boxes: list[RealBox]
-    model_dir: Path
-    sender_port: int
-
-
 @pytest.fixture(scope="module")
-def rig(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("pushes")
-    sender_port = free_port()
-    manager = start_manager(log_dir, weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_transport="mooncake", weight_push_mode="delta", weight_push_retry_s="0.5")
-    try:
-        boxes = start_boxes(real_sglang_model, manager.url, log_dir, ["a", "b"])
-        try:
-            yield Rig(manager, boxes, real_sglang_model, sender_port)
-        finally:
-            for box in boxes:
-                box.stop()
-    finally:
-        manager.stop()
+def rig(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PushFleet]:
+    with push_fleet(real_sglang_model, tmp_path_factory.mktemp("pushes"), ["a", "b"],
+                    weight_push_mode="delta") as fleet:
+        yield fleet
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int, only: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -119,7 +100,7 @@ async def model_info_version(s: aiohttp.ClientSession, box: RealBox) -> str:
         return str((await r.json(content_type=None))["weight_version"])
 
 
-async def test_two_pushes_leave_sglang_serving_exactly_the_trainers_weights(rig: Rig) -> None:
+async def test_two_pushes_leave_sglang_serving_exactly_the_trainers_weights(rig: PushFleet) -> None:
     checkpoint = load_file(str(rig.model_dir / "model.safetensors"))
     before = transformers_greedy(rig.model_dir, checkpoint, PROMPTS, NEW_TOKENS)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:

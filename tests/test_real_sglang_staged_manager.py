@@ -23,9 +23,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from real_sglang import Daemon, RealBox, start_boxes, start_manager
+from real_sglang import PushFleet, push_fleet
 from safetensors.torch import load_file
-from support import free_port
 from test_real_sglang_pushes import perturbed, transformers_greedy
 
 from trainer_plugin.client import ManagerClient
@@ -41,31 +40,13 @@ CROSSING = [([5, 6, 7, 8], 1000, True), ([9, 10, 11], 1000, True), ([300, 200, 1
 FLOOR_PROMPT, FLOOR_TOKENS = [40, 41, 42], 32
 
 
-@dataclass
-class Rig:
-    manager: Daemon
-    boxes: list[RealBox]
-    model_dir: Path
-    sender_port: int
-
-
 @pytest.fixture(scope="module")
-def rig(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("staged_manager")
-    sender_port = free_port()
+def rig(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PushFleet]:
     # weight_activation is left at its default ("staged"); tail migration is off so that no sequence moves for
     # a reason other than the weight update (it never should for that reason either)
-    manager = start_manager(log_dir, weight_sender_base_port=str(sender_port), allowed_sender_ips="127.0.0.0/8",
-                            weight_transport="mooncake", weight_push_retry_s="0.5", tail_migration="false")
-    try:
-        boxes = start_boxes(real_sglang_model, manager.url, log_dir, ["a", "b"])
-        try:
-            yield Rig(manager, boxes, real_sglang_model, sender_port)
-        finally:
-            for box in boxes:
-                box.stop()
-    finally:
-        manager.stop()
+    with push_fleet(real_sglang_model, tmp_path_factory.mktemp("staged_manager"), ["a", "b"],
+                    tail_migration="false") as fleet:
+        yield fleet
 
 
 def body(prompt: list[int], n: int, stream: bool, **extra: Any) -> dict[str, Any]:
@@ -117,7 +98,7 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-async def test_sequences_crossing_a_staged_version_keep_their_box_and_every_token(rig: Rig) -> None:
+async def test_sequences_crossing_a_staged_version_keep_their_box_and_every_token(rig: PushFleet) -> None:
     checkpoint = load_file(str(rig.model_dir / "model.safetensors"))
     new = perturbed(checkpoint, seed=VERSION)
     endpoints = {b.endpoint for b in rig.boxes}
@@ -206,7 +187,7 @@ async def test_sequences_crossing_a_staged_version_keep_their_box_and_every_toke
     assert metric(metrics, "rollout_manager_instance_weight_version_activating") is None
 
 
-async def test_a_min_weight_version_request_alone_runs_once_a_box_serves_the_version(rig: Rig) -> None:
+async def test_a_min_weight_version_request_alone_runs_once_a_box_serves_the_version(rig: PushFleet) -> None:
     """Nothing else in flight: the request waits for the version, and only the activation can tell the
     manager's queue that a box now qualifies (a box stays ``active`` when staged, so there is no state change).
     Before the fix it was placed only when its wait timed out (``no_instance_wait_timeout_s``, 600 s)."""
