@@ -106,7 +106,7 @@ class Manager:
         self.dispatcher.close()
 
         def busy() -> int:
-            return sum(i.in_flight for i in self.registry)
+            return sum(i.load.in_flight for i in self.registry)
 
         if busy():
             log.info("shutting down: waiting up to %gs for %d in-flight sequence(s)", grace_s, busy())
@@ -127,12 +127,11 @@ class Manager:
 
     def register_remote(self, host: str, port: int, handshake_port: int | None,
                         receiver_port: int | None = None, vocab_size: int | None = None) -> dict[str, Any]:
-        inst = self.registry.add(host, port, Kind.REMOTE, handshake_port, receiver_port)
-        inst.declared_vocab_size = inst.vocab_size = vocab_size
         # The box's own credential: with it (and without the shared token) its launcher can remove
         # this instance and nothing else. Only its digest is kept; it is never shown again.
         box_token = secrets.token_urlsafe(32)
-        inst.box_token_digest = token_digest(box_token)
+        inst = self.registry.add(host, port, Kind.REMOTE, handshake_port, receiver_port,
+                                 declared_vocab_size=vocab_size, box_token_digest=token_digest(box_token))
         return {
             "id": inst.id,
             "endpoint": inst.endpoint,
@@ -186,7 +185,7 @@ class Manager:
     # ------------------------------------------------------------ local + remote balance
     def abort_local_requests(self) -> dict[str, Any]:
         """The trainer needs its GPUs: sequences on local instances continue on remote ones now."""
-        moving = sum(i.in_flight for i in self.registry.in_state(*State, kind=Kind.LOCAL))
+        moving = sum(i.load.in_flight for i in self.registry.in_state(*State, kind=Kind.LOCAL))
         closed = self.dispatcher.local.close("trainer called /abort_local_requests")
         return {"local_window_was_open": closed, "moved_sequences": moving if closed else 0}
 
@@ -245,13 +244,13 @@ class Manager:
         drained = await asyncio.gather(*(self._wait_idle(i, self.config.drain_timeout_s) for i in targets))
         for inst, idle in zip(targets, drained):
             by = "removed by request of its box (box token)" if box_token is not None else "removed by request"
-            reason = by if idle else f"{by} after drain timeout ({inst.in_flight} request(s) still in flight)"
+            reason = by if idle else f"{by} after drain timeout ({inst.load.in_flight} request(s) still in flight)"
             if self.registry.transition(inst, State.DEAD, reason):
                 removed.append(inst.endpoint)
         return {"removed": removed, "not_found": not_found, "skipped": skipped}
 
     async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
-        return await self.dispatcher.changed.wait_for(lambda: inst.in_flight == 0, timeout_s)
+        return await self.dispatcher.changed.wait_for(lambda: inst.load.in_flight == 0, timeout_s)
 
 
 def token_digest(token: str) -> str:

@@ -136,11 +136,11 @@ class StateCollector(Collector):
             ep = [inst.endpoint]
             info.add_metric([inst.endpoint, inst.id, inst.kind.value, inst.state.value, _label(inst.sender),
                              _label(inst.group)], 1)
-            in_flight.add_metric(ep, inst.in_flight)
-            in_flight_tokens.add_metric(ep, inst.in_flight_tokens)
+            in_flight.add_metric(ep, inst.load.in_flight)
+            in_flight_tokens.add_metric(ep, inst.load.in_flight_tokens)
             version.add_metric(ep, inst.weight_version)
             lag.add_metric(ep, m.version.current - inst.weight_version)
-            failures.add_metric(ep, inst.consecutive_failures)
+            failures.add_metric(ep, inst.health.consecutive_failures)
             bv = inst.versions
             if bv.staged is not None:
                 staged.add_metric(ep, bv.staged)

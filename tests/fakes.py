@@ -306,11 +306,11 @@ class HealthRecorder:
 
     def failure(self, inst: Instance, reason: str) -> None:
         if self.marks:
-            inst.consecutive_failures += 1
+            inst.health.consecutive_failures += 1
         self.failures.append((inst.id, reason))
 
     def success(self, inst: Instance) -> None:
-        inst.consecutive_failures = 0
+        inst.health.consecutive_failures = 0
         self.successes.append(inst.id)
 
 

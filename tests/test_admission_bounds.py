@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -40,7 +41,7 @@ def pool(*max_running: int | None, per_instance: int = 0,
     insts = []
     for k, running in enumerate(max_running):
         inst = registry.add("127.0.0.1", 30000 + k, Kind.REMOTE)
-        inst.max_running_requests = running  # as the health monitor records it from /server_info
+        inst.engine = replace(inst.engine, max_running_requests=running)  # as the health monitor records it
         assert registry.transition(inst, State.ACTIVE, "test: healthy")
         insts.append(inst)
     return registry, d, insts
@@ -74,10 +75,10 @@ def test_server_info_max_running_requests_prefers_the_schedulers_value() -> None
 # ------------------------------------------------------------------ the bounds
 async def test_an_instance_gets_at_most_its_max_running_requests() -> None:
     _, d, (a, b) = pool(2, None)
-    assert (a.max_in_flight, b.max_in_flight) == (2, DEFAULT_INSTANCE_MAX_IN_FLIGHT)
+    assert (a.load.max_in_flight, b.load.max_in_flight) == (2, DEFAULT_INSTANCE_MAX_IN_FLIGHT)
     placed = [d.try_acquire(1) for _ in range(6)]
     assert placed.count(a) == 2 and placed.count(b) == 4  # least-in-flight would have given a three
-    assert a.in_flight == 2 and d.in_flight == 6
+    assert a.load.in_flight == 2 and d.in_flight == 6
 
 
 async def test_a_configured_bound_caps_every_instance() -> None:
@@ -112,7 +113,7 @@ async def test_waiters_are_placed_in_order_as_the_bound_frees() -> None:
         d.release(a, 0)
         await run_pending()
         assert [w.done() for w in waiters] == [j <= k for j in range(3)]
-        assert a.in_flight == 1
+        assert a.load.in_flight == 1
     assert d.waiting == 0
 
 

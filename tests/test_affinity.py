@@ -113,11 +113,11 @@ class Rig:
 
 
 def _failure(inst: Instance, reason: str) -> None:
-    inst.consecutive_failures += 1
+    inst.health.consecutive_failures += 1
 
 
 def _success(inst: Instance) -> None:
-    inst.consecutive_failures = 0
+    inst.health.consecutive_failures = 0
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ async def test_a_repeated_key_returns_to_its_instance_and_never_reaches_the_engi
         assert (st["affinity_hits"], st["affinity_misses"], st["affinity_fallbacks"]) == (2, 2, 0)
         sent = [r for f in rig.fakes for r in f.requests]
         assert len(sent) == 4 and not [r for r in sent if "trajectory_key" in r]
-        assert a.in_flight == b.in_flight == c.in_flight == 0
+        assert a.load.in_flight == b.load.in_flight == c.load.in_flight == 0
     finally:
         await close(rig)
 
@@ -231,12 +231,12 @@ async def test_affinity_falls_back_when_its_instance_is_failing_or_overloaded(se
     a, b = rig.insts
     try:
         assert where(await one(rig, body(PROMPT, 3, trajectory_key="x"))) == [a.id]
-        a.consecutive_failures = 1
+        a.health.consecutive_failures = 1
         assert where(await one(rig, body(PROMPT, 3, trajectory_key="x"))) == [b.id]  # -> b
-        b.in_flight = 3  # three sequences there already, none on a: 4 > 2 x 1
-        a.consecutive_failures = 0
+        b.load.in_flight = 3  # three sequences there already, none on a: 4 > 2 x 1
+        a.health.consecutive_failures = 0
         assert where(await one(rig, body(PROMPT, 3, trajectory_key="x"))) == [a.id]
-        b.in_flight = 0
+        b.load.in_flight = 0
         assert rig.generator.affinity_fallbacks["failing"] == 1
         assert rig.generator.affinity_fallbacks["overloaded"] == 1
     finally:
@@ -281,7 +281,7 @@ async def test_a_continuation_past_the_bound_restarts_on_the_current_version(ses
         (dropped,) = out["meta_info"]["discarded_segments"]
         assert dropped["instance"] == a.id and dropped["end"] == 4
         assert rig.generator.stats["stale_restarts"] == 1
-        assert b.in_flight == 0 and b.in_flight_tokens == 0
+        assert b.load.in_flight == 0 and b.load.in_flight_tokens == 0
     finally:
         await close(rig)
 
@@ -320,7 +320,7 @@ async def test_the_bound_holds_and_every_id_is_answered_once(session, action: st
             assert max(vs) - min(vs) <= 1, out["meta_info"]["segments"]
             prompt = dict(items)[line["id"]]["input_ids"]
             assert out["output_ids"] == reference(prompt, 8)
-        assert all(i.in_flight == 0 and i.in_flight_tokens == 0 for i in rig.insts)
+        assert all(i.load.in_flight == 0 and i.load.in_flight_tokens == 0 for i in rig.insts)
     finally:
         await close(rig)
 

@@ -35,15 +35,15 @@ async def test_acquire_and_release_account_requests_and_tokens() -> None:
     first = d.try_acquire(100)
     second = d.try_acquire(50)
     assert (first, second) == (a, b)  # least in flight: the second goes to the idle one
-    assert (a.in_flight, a.in_flight_tokens) == (1, 100)
-    d.progress(a, 30)  # 30 tokens streamed: 70 of the budget still outstanding
-    assert a.in_flight_tokens == 70
+    assert (a.load.in_flight, a.load.in_flight_tokens) == (1, 100)
+    d.progress(a, 30, 0.0)  # 30 tokens streamed: 70 of the budget still outstanding
+    assert a.load.in_flight_tokens == 70
     d.release(a, 100 - 30)  # finished early (a stop token): the unused budget is returned
-    assert (a.in_flight, a.in_flight_tokens) == (0, 0)
+    assert (a.load.in_flight, a.load.in_flight_tokens) == (0, 0)
     d.release(b, 50)
-    assert (b.in_flight, b.in_flight_tokens) == (0, 0)
+    assert (b.load.in_flight, b.load.in_flight_tokens) == (0, 0)
     d.release(b, 50)  # an extra release never goes negative
-    assert (b.in_flight, b.in_flight_tokens) == (0, 0)
+    assert (b.load.in_flight, b.load.in_flight_tokens) == (0, 0)
 
 
 def test_registry_counts_follow_every_transition() -> None:
@@ -66,7 +66,7 @@ async def test_only_active_instances_take_work() -> None:
     pending = registry.add("127.0.0.1", 29999, Kind.REMOTE)
     (a,) = active(registry, 1)
     assert registry.transition(a, State.SYNCING, "test")
-    assert d.try_acquire(10) is None and pending.in_flight == 0
+    assert d.try_acquire(10) is None and pending.load.in_flight == 0
     assert registry.transition(a, State.ACTIVE, "test")
     assert d.try_acquire(10) is a
 
@@ -102,19 +102,19 @@ async def test_full_local_instances_spill_to_remote_ones() -> None:
 async def test_an_instance_the_sequence_failed_on_is_avoided_unless_it_recovered() -> None:
     registry, d = make()
     a, b = active(registry, 2)
-    a.consecutive_failures = 1
+    a.health.consecutive_failures = 1
     assert d.try_acquire(10, avoid={a.id}) is b
     d.release(b, 10)
     assert registry.transition(b, State.DEAD, "test")
     assert d.try_acquire(10, avoid={a.id}) is None  # the only one left still fails
-    a.consecutive_failures = 0  # a health check or another request succeeded there
+    a.health.consecutive_failures = 0  # a health check or another request succeeded there
     assert d.try_acquire(10, avoid={a.id}) is a
 
 
 async def test_instances_with_failures_are_used_only_when_no_clean_one_is_there() -> None:
     registry, d = make()
     a, b = active(registry, 2)
-    a.consecutive_failures = 1
+    a.health.consecutive_failures = 1
     assert [d.try_acquire(10) for _ in range(3)] == [b, b, b]  # b is busier, but clean
     assert registry.transition(b, State.DEAD, "test")
     assert d.try_acquire(10) is a  # a sequence that never failed there may still use it
@@ -129,7 +129,7 @@ async def test_acquire_waits_for_a_release() -> None:
     assert not waiter.done()  # parked: the only instance is full
     d.release(a, 10)
     assert await asyncio.wait_for(waiter, 2) is a
-    assert (a.in_flight, a.in_flight_tokens) == (1, 20)
+    assert (a.load.in_flight, a.load.in_flight_tokens) == (1, 20)
 
 
 async def test_acquire_waits_for_an_instance_to_become_active() -> None:
@@ -172,8 +172,8 @@ async def test_streamed_tokens_are_counted_as_they_arrive() -> None:
     registry, d = make()
     (a,) = active(registry, 1)
     assert d.try_acquire(100) is a and d.streamed_tokens == 0
-    d.progress(a, 30)
-    d.progress(a, 12)
+    d.progress(a, 30, 0.0)
+    d.progress(a, 12, 0.0)
     assert d.streamed_tokens == 42  # nothing finished yet
     d.release(a, 58)
     assert d.streamed_tokens == 42
@@ -285,5 +285,5 @@ async def test_a_waiter_cancelled_as_it_is_placed_gives_its_instance_back() -> N
     d.release(a, 10)  # placed: the future holds a, but the caller has not run yet
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
-    assert a.in_flight == 0 and a.in_flight_tokens == 0 and d.waiting == 0
+    assert a.load.in_flight == 0 and a.load.in_flight_tokens == 0 and d.waiting == 0
     assert d.try_acquire(10) is a

@@ -22,6 +22,7 @@ from support import Proc, async_wait_until, wait_http_ok
 
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
+from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.osutil import free_port
@@ -126,7 +127,8 @@ def test_the_decoder_bounds_one_frame() -> None:
 
 def remote(version: int = 0, joined: str | None = "0", state: State = State.ACTIVE,
            kind: Kind = Kind.REMOTE) -> Instance:
-    return Instance("inst-1", "127.0.0.1", 1, kind, 1, weight_version=version, joined_version=joined, state=state)
+    return Instance("inst-1", "127.0.0.1", 1, kind, 1, weight_version=version,
+                    engine=EngineFacts(joined_version=joined), state=state)
 
 
 def test_a_chunk_reports_the_version_the_manager_gave_the_instance() -> None:
@@ -244,7 +246,7 @@ async def test_wrong_tokens_never_reach_the_caller_and_count_against_the_instanc
     bad, good = rig.fakes
     a, b = rig.insts
     for inst in rig.insts:  # as health records them from /model_info at registration
-        inst.vocab_size, inst.joined_version = 251, "0"
+        inst.engine = EngineFacts(vocab_size=251, joined_version="0")
     bad.rewrite = garble(2, BROKEN[name])
     out = await generate(rig, body(6))
     assert out["output_ids"] == reference(PROMPT, 6)  # only vouched tokens, nothing lost, nothing twice
@@ -252,7 +254,7 @@ async def test_wrong_tokens_never_reach_the_caller_and_count_against_the_instanc
     assert (first["instance"], first["start"], first["end"]) == (a.id, 0, 2) and "bad chunk" in first["outcome"]
     assert (second["instance"], second["start"], second["end"]) == (b.id, 2, 6)
     assert good.requests[0]["input_ids"] == PROMPT + reference(PROMPT, 2)  # continued from the last good token
-    assert [i for i, _ in rig.health.failures] == [a.id] and a.consecutive_failures == 1
+    assert [i for i, _ in rig.health.failures] == [a.id] and a.health.consecutive_failures == 1
 
 
 async def test_too_many_tokens_are_the_instances_failure(make_rig) -> None:
@@ -437,7 +439,7 @@ async def test_health_records_vocabulary_and_joined_version_at_the_first_ready_p
     try:
         inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
         await yield_until(lambda: inst.state == State.ACTIVE)
-        assert inst.vocab_size == 1000 and inst.joined_version == "7"
+        assert inst.engine.vocab_size == 1000 and inst.engine.joined_version == "7"
     finally:
         await health.close()
 

@@ -72,7 +72,7 @@ async def test_a_sequence_runs_on_one_instance(rig: Rig) -> None:
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert [(s["instance"], s["start"], s["end"], s["outcome"]) for s in meta["segments"]] == \
         [(a.id, 0, 6, "finished")]
-    assert rig.health.successes == [a.id] and a.in_flight == 0 and a.in_flight_tokens == 0
+    assert rig.health.successes == [a.id] and a.load.in_flight == 0 and a.load.in_flight_tokens == 0
     assert rig.fakes[0].requests[0]["rid"] == "r1" and rig.fakes[0].requests[0]["stream"] is True
 
 
@@ -97,7 +97,7 @@ async def test_a_sequence_that_dies_midway_continues_with_the_exact_tokens(rig: 
     assert meta["segments"][1]["outcome"] == "finished"
     assert [iid for iid, _ in rig.health.failures] == [a.id] and rig.health.successes == [b.id]
     assert rig.generator.stats["continuations"] == 1
-    assert (a.in_flight, a.in_flight_tokens, b.in_flight, b.in_flight_tokens) == (0, 0, 0, 0)
+    assert (a.load.in_flight, a.load.in_flight_tokens, b.load.in_flight, b.load.in_flight_tokens) == (0, 0, 0, 0)
     assert out["text"] is None  # the dead segment's text is unknown
 
 
@@ -108,8 +108,8 @@ async def test_a_4xx_goes_back_to_the_caller_and_is_not_held_against_the_instanc
         await rig.generator.generate(body(5))
     assert err.value.status == 400 and "fake engine refuses with 400" in str(err.value)
     assert [len(f.requests) for f in rig.fakes] == [1, 1]  # one other instance asked, no more
-    assert rig.health.failures == [] and a.consecutive_failures == 0
-    assert a.in_flight == 0 and a.in_flight_tokens == 0
+    assert rig.health.failures == [] and a.health.consecutive_failures == 0
+    assert a.load.in_flight == 0 and a.load.in_flight_tokens == 0
     assert rig.fakes[0].aborted == []
 
 
@@ -178,8 +178,8 @@ async def test_an_abort_with_a_4xx_status_is_the_callers_error_not_the_instances
             await rig.generator.generate(body(5))
         assert err.value.status == 400 and "exceeds the maximum allowed length" in str(err.value)
     assert [len(f.requests) for f in rig.fakes] == [3, 3]  # each once asked a second instance, no more
-    assert rig.health.failures == [] and a.consecutive_failures == 0
-    assert a.in_flight == 0 and a.in_flight_tokens == 0
+    assert rig.health.failures == [] and a.health.consecutive_failures == 0
+    assert a.load.in_flight == 0 and a.load.in_flight_tokens == 0
 
 
 @pytest.mark.parametrize("status", [None, 503])
@@ -304,4 +304,4 @@ async def test_a_short_sequence_the_scheduler_refuses_is_the_callers_error(rig: 
     with pytest.raises(GenerationFailed) as info:
         await generate_one(short_rig(rig), body(8))
     assert info.value.status == 400 and "exceeds the maximum allowed length" in str(info.value)
-    assert rig.health.failures == [] and a.consecutive_failures == 0 and len(fake.requests) == 1
+    assert rig.health.failures == [] and a.health.consecutive_failures == 0 and len(fake.requests) == 1

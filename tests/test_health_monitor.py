@@ -114,7 +114,7 @@ async def test_the_managers_own_limits_neither_end_the_grace_period_nor_count_as
     world.probe.local = True
     for _ in range(SETTINGS.failure_threshold + 1):
         await world.clock.step(SETTINGS.check_interval_s)
-    assert state(inst) == State.ACTIVE and inst.consecutive_failures == 0
+    assert state(inst) == State.ACTIVE and inst.health.consecutive_failures == 0
 
 
 async def test_failures_count_to_the_threshold_then_the_instance_is_removed(world: World) -> None:
@@ -123,7 +123,7 @@ async def test_failures_count_to_the_threshold_then_the_instance_is_removed(worl
     world.probe.status = 500
     for n in range(1, SETTINGS.failure_threshold):
         await world.clock.step(SETTINGS.check_interval_s)
-        assert inst.consecutive_failures == n and inst.state == State.ACTIVE
+        assert inst.health.consecutive_failures == n and inst.state == State.ACTIVE
     task = watch_task(inst)
     world.clock.advance(SETTINGS.check_interval_s)
     await finished(task)
@@ -137,7 +137,7 @@ async def test_a_4xx_probe_is_not_a_failure(world: World) -> None:
     world.probe.status = 404
     for _ in range(SETTINGS.failure_threshold + 1):
         await world.clock.step(SETTINGS.check_interval_s)
-    assert inst.state == State.ACTIVE and inst.consecutive_failures == 0
+    assert inst.state == State.ACTIVE and inst.health.consecutive_failures == 0
 
 
 async def test_a_success_resets_the_count(world: World) -> None:
@@ -146,10 +146,10 @@ async def test_a_success_resets_the_count(world: World) -> None:
     world.probe.status = 503
     for _ in range(SETTINGS.failure_threshold - 1):
         await world.clock.step(SETTINGS.check_interval_s)
-    assert inst.consecutive_failures == SETTINGS.failure_threshold - 1
+    assert inst.health.consecutive_failures == SETTINGS.failure_threshold - 1
     world.probe.status = 200
     await world.clock.step(SETTINGS.check_interval_s)
-    assert inst.consecutive_failures == 0
+    assert inst.health.consecutive_failures == 0
     world.probe.status = 503
     for _ in range(SETTINGS.failure_threshold - 1):  # the count starts again from zero
         await world.clock.step(SETTINGS.check_interval_s)
@@ -162,12 +162,12 @@ async def test_request_failures_and_successes_count_like_probes(world: World) ->
     world.health.report_failure(inst, "stream cut")
     world.health.report_failure(inst, "stream cut")
     world.health.report_success(inst)
-    assert inst.consecutive_failures == 0
+    assert inst.health.consecutive_failures == 0
     for _ in range(SETTINGS.failure_threshold):
         world.health.report_failure(inst, "HTTP 502")
     assert world.registry.get(inst.id) is None
     world.health.report_failure(inst, "late report")  # about an instance already gone: ignored
-    assert inst.consecutive_failures == SETTINGS.failure_threshold
+    assert inst.health.consecutive_failures == SETTINGS.failure_threshold
 
 
 async def test_a_syncing_instance_is_not_probed(world: World) -> None:
@@ -179,7 +179,7 @@ async def test_a_syncing_instance_is_not_probed(world: World) -> None:
     for _ in range(SETTINGS.failure_threshold + 2):
         await world.clock.step(SETTINGS.check_interval_s)
     assert len(world.probe.calls) == before
-    assert inst.state == State.SYNCING and inst.consecutive_failures == 0
+    assert inst.state == State.SYNCING and inst.health.consecutive_failures == 0
 
 
 async def test_a_probe_answer_that_arrives_after_syncing_began_is_ignored(world: World) -> None:
@@ -191,7 +191,7 @@ async def test_a_probe_answer_that_arrives_after_syncing_began_is_ignored(world:
     assert world.registry.transition(inst, State.SYNCING, "test: loading weights")
     world.probe.hold.set()
     await world.clock.parked()
-    assert inst.consecutive_failures == 0 and inst.state == State.SYNCING
+    assert inst.health.consecutive_failures == 0 and inst.state == State.SYNCING
 
 
 async def test_removal_cancels_the_watch_task(world: World) -> None:
@@ -234,7 +234,7 @@ async def test_a_successful_check_after_failures_clears_the_last_error(world: Wo
     assert inst.last_error == "health check: HTTP 503" and inst.last_error_at is not None
     world.probe.status = 200
     await world.clock.step(SETTINGS.check_interval_s)
-    assert inst.consecutive_failures == 0 and inst.last_error is None and inst.last_error_at is None
+    assert inst.health.consecutive_failures == 0 and inst.last_error is None and inst.last_error_at is None
     world.health.report_failure(inst, "stream cut")
     assert inst.last_error == "stream cut"
     world.health.report_success(inst)  # a request that went through: recovered as well

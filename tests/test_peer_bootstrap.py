@@ -157,7 +157,7 @@ async def test_peer_bootstrap_off_bootstraps_from_the_sender(fleet) -> None:
 
 
 def _inst(n: int, host: str, group: tuple[int, int], version: int = 3, state: State = State.ACTIVE) -> Instance:
-    inst = Instance(id=f"inst-{n}", host=host, port=30000 + n, kind=Kind.REMOTE, seq=n, weight_receiver_port=18000)
+    inst = Instance(id=f"inst-{n}", host=host, port=30000 + n, kind=Kind.REMOTE, order=n, weight_receiver_port=18000)
     inst.sender, inst.group, inst.weight_version, inst.state = group[0], group[1], version, state
     return inst
 

@@ -134,7 +134,7 @@ class NotJson(FakeSGLang):
 @pytest.mark.parametrize("name", [*BROKEN, NOT_JSON])
 async def test_a_sequence_failing_on_the_only_instance_ends_with_a_503_naming_the_failures(rig: Rig,
                                                                                          name: str) -> None:
-    rig.inst.vocab_size = 1000  # as health records it from /model_info
+    rig.inst.engine = replace(rig.inst.engine, vocab_size=1000)  # as health records it from /model_info
     if name in BROKEN:
         rig.fake.rewrite = BROKEN[name]
     t0 = time.monotonic()
@@ -146,8 +146,8 @@ async def test_a_sequence_failing_on_the_only_instance_ends_with_a_503_naming_th
     assert rig.inst.endpoint in message and "failed on" in message, message
     assert took < WAIT_S + 2, took  # the wait, and a little for the attempts
     assert rig.failures and all(f in message for f in rig.failures[-1:])
-    assert rig.inst.failures_total == len(rig.failures)  # each counted, though every probe passed since
-    assert rig.inst.in_flight == 0 and rig.generator.dispatcher.waiting == 0
+    assert rig.inst.health.failures_total == len(rig.failures)  # each counted, though every probe passed since
+    assert rig.inst.load.in_flight == 0 and rig.generator.dispatcher.waiting == 0
 
 
 async def test_a_sequence_failing_after_progress_each_time_ends_at_the_attempt_limit(rig: Rig) -> None:
@@ -220,15 +220,15 @@ async def test_the_dispatcher_places_on_a_recovered_instance_within_the_wait_and
     d = Dispatcher(registry, LeastInFlight())
     a = registry.add("127.0.0.1", 30000, Kind.REMOTE)
     assert registry.transition(a, State.ACTIVE, "test: healthy")
-    a.consecutive_failures = 1  # the sequence just failed there
+    a.health.consecutive_failures = 1  # the sequence just failed there
     waiter = asyncio.ensure_future(d.acquire(1, timeout_s=5, avoid={a.id}, since=d.clock()))
     await asyncio.sleep(0)
     assert not waiter.done() and d.waiting == 1
-    a.consecutive_failures = 0
+    a.health.consecutive_failures = 0
     d.recovered(a)  # a probe passed: it may try there again, at once
     assert await asyncio.wait_for(waiter, 1) is a
     d.release(a, 1)
     # Its wait is over and only the instance that failed it is left, recovered or not: no more tries.
     with pytest.raises(Unavailable, match="within 5s"):
         await d.acquire(1, timeout_s=5, avoid={a.id}, since=d.clock() - 5)
-    assert d.waiting == 0 and a.in_flight == 0
+    assert d.waiting == 0 and a.load.in_flight == 0

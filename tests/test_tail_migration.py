@@ -284,7 +284,7 @@ async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig:
     task = asyncio.ensure_future(rig.generator.generate(body(100, "m")))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
     assert rig.generator.migrate_now() == 1
-    assert rig.b.in_flight == 1  # reserved for it at once
+    assert rig.b.load.in_flight == 1  # reserved for it at once
     out = await task
     assert isinstance(out, dict)
     assert out["output_ids"] == reference(PROMPT, 100)  # nothing lost, nothing made twice
@@ -297,7 +297,8 @@ async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig:
     assert slow.aborted == ["m"] and rig.failures == []
     st = rig.generator.stats
     assert (st["migrated"], st["continuations"], st["failed"]) == (1, 1, 0)
-    assert (rig.a.in_flight, rig.a.in_flight_tokens, rig.b.in_flight, rig.b.in_flight_tokens) == (0, 0, 0, 0)
+    a, b = rig.a.load, rig.b.load
+    assert (a.in_flight, a.in_flight_tokens, b.in_flight, b.in_flight_tokens) == (0, 0, 0, 0)
 
 
 async def test_a_migrated_sequence_never_moves_back(rig: Rig) -> None:
@@ -320,14 +321,14 @@ async def test_a_sequence_that_finishes_before_the_abort_lands_frees_its_reserve
     slow.hold_after, slow.ignore_abort = 30, True
     task = asyncio.ensure_future(rig.generator.generate(body(60, "r")))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 30)
-    assert rig.generator.migrate_now() == 1 and rig.b.in_flight == 1
+    assert rig.generator.migrate_now() == 1 and rig.b.load.in_flight == 1
     await wait_for(lambda: slow.aborted == ["r"])
     slow.release.set()  # it ends where it was, normally
     out = await task
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 60)
     assert [s["outcome"] for s in out["meta_info"]["segments"]] == ["finished"]
     assert fast.requests == [] and rig.generator.stats["migrated"] == 0
-    assert (rig.b.in_flight, rig.b.in_flight_tokens, rig.a.in_flight) == (0, 0, 0)
+    assert (rig.b.load.in_flight, rig.b.load.in_flight_tokens, rig.a.load.in_flight) == (0, 0, 0)
 
 
 async def test_a_reserved_target_that_dies_meanwhile_falls_back_to_the_dispatcher(rig: Rig) -> None:
@@ -344,7 +345,7 @@ async def test_a_reserved_target_that_dies_meanwhile_falls_back_to_the_dispatche
     out = await task
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 40)
     assert [s["instance"] for s in out["meta_info"]["segments"]] == [rig.a.id, rig.a.id]
-    assert rig.failures == [] and rig.a.in_flight == 0
+    assert rig.failures == [] and rig.a.load.in_flight == 0
 
 
 async def test_every_id_answered_once_with_the_timer_moving_sequences() -> None:
@@ -363,7 +364,7 @@ async def test_every_id_answered_once_with_the_timer_moving_sequences() -> None:
                 assert line["success"], line
                 assert line["data"]["output_ids"] == reference(PROMPT, 30 + line["id"])
             assert rig.generator.stats["migrated"] >= 1 and rig.failures == []
-            assert all(i.in_flight == 0 and i.in_flight_tokens == 0 for i in rig.registry)
+            assert all(i.load.in_flight == 0 and i.load.in_flight_tokens == 0 for i in rig.registry)
             await wait_for(lambda: not rig.generator.migrator.running)
     finally:
         for f in fakes:
@@ -385,7 +386,7 @@ async def test_no_move_while_the_managers_own_event_loop_lags() -> None:
             watch = rig.generator.client.limits.loop
             watch.ensure_started()
             time.sleep(0.5)  # the manager's loop is blocked (this is what is being tested, not a wait)
-            assert rig.generator.migrate_now() == 0 and rig.b.in_flight == 0
+            assert rig.generator.migrate_now() == 0 and rig.b.load.in_flight == 0
             fakes[0].release.set()
             out = await task
             assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 100)

@@ -4,6 +4,7 @@ anything is placed: real SGLang's scheduler crashes on them (docs/http-api.md)."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,10 +21,10 @@ def test_the_bound_is_the_smallest_known_vocabulary_and_follows_the_registry() -
     assert vocab.bound() is None
     vocab.check([10**9])  # nothing known: nothing refused here
     a, b = reg.add("127.0.0.1", 1, Kind.REMOTE), reg.add("127.0.0.1", 2, Kind.REMOTE)
-    a.vocab_size = 1000
+    a.engine = replace(a.engine, vocab_size=1000)
     reg.transition(a, State.ACTIVE, "ready")
     assert vocab.bound() == 1000
-    b.vocab_size = 500
+    b.engine = replace(b.engine, vocab_size=500)
     reg.transition(b, State.ACTIVE, "ready")
     assert vocab.bound() == 500
     vocab.check([0, 499])

@@ -399,7 +399,7 @@ async def test_a_trainer_waiting_for_staged_instances_goes_on_before_they_load(s
     assert a.versions.activating == b.versions.activating == 1  # loading, still serving version 0:
     assert a.versions.serving(a.weight_version) == b.versions.serving(b.weight_version) == 0
     # SGLang sends version-1 chunks as soon as it continues, before the activation's answer: they are accepted.
-    a.joined_version = "0"
+    a.engine = dataclasses.replace(a.engine, joined_version="0")
     check = version_check(a, 0)
     assert check is not None and check("1") is None and check("0") is None
     assert (await rig.sync.wait(1, None, 0.05))["timed_out"]  # not serving it yet

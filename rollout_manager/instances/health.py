@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from rollout_manager.config import Config
+from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Event, Instance, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.sglang import wire
@@ -64,18 +65,19 @@ class HealthMonitor:
         """A request or probe failed through ``inst``'s fault; removed at the threshold."""
         if self.registry.get(inst.id) is not inst:
             return
-        inst.consecutive_failures += 1
-        inst.failures_total += 1  # a probe that passes clears the above, not this
-        inst.set_error(reason)
-        if inst.consecutive_failures >= self.settings.failure_threshold:
+        health = inst.health
+        health.consecutive_failures += 1
+        health.failures_total += 1  # a probe that passes clears the above, not this
+        self.registry.set_error(inst, reason)
+        if health.consecutive_failures >= self.settings.failure_threshold:
             self.registry.transition(
-                inst, State.DEAD, f"{inst.consecutive_failures} consecutive failures; last: {reason}"
+                inst, State.DEAD, f"{health.consecutive_failures} consecutive failures; last: {reason}"
             )
 
     def report_success(self, inst: Instance) -> None:
-        if inst.consecutive_failures:  # recovered: the error it had is history (push errors stay theirs)
-            inst.consecutive_failures = 0
-            inst.clear_error()
+        if inst.health.consecutive_failures:  # recovered: the error it had is history (push errors stay theirs)
+            inst.health.consecutive_failures = 0
+            self.registry.clear_error(inst)
             for listener in self.recovery_listeners:
                 listener(inst)
 
@@ -104,7 +106,7 @@ class HealthMonitor:
         cfg = self.settings
         deadline = self.registry.clock() + cfg.startup_grace_period_s
         if inst.state == State.PENDING:
-            inst.wait_for(f"first successful {wire.HEALTH_GENERATE}")
+            self.registry.wait_for(inst, f"first successful {wire.HEALTH_GENERATE}")
         while inst.state == State.PENDING:
             probe = await self.probe(inst.url, wire.HEALTH_GENERATE, cfg.check_timeout_s)
             if inst.state != State.PENDING:
@@ -116,14 +118,14 @@ class HealthMonitor:
                 if refusal is not None:
                     self.registry.transition(inst, State.DEAD, refusal)
                     return False
-                inst.clear_error()  # start-up probe errors are over
+                self.registry.clear_error(inst)  # start-up probe errors are over
                 if self.version.behind(inst):
                     self.registry.transition(inst, State.SYNCING,
                                              f"bootstrap to weight version {self.version.current}")
                 else:
                     self.registry.transition(inst, State.ACTIVE, "healthy")
                 break
-            inst.set_error(probe.describe())
+            self.registry.set_error(inst, probe.describe())
             if probe.local:  # the manager could not even ask: its own limit, not the instance's time
                 deadline += cfg.pending_poll_interval_s
             elif self.registry.clock() >= deadline:
@@ -150,10 +152,11 @@ class HealthMonitor:
             log.warning("instance %s %s: cannot read %s (%s); not checking its parallelism", inst.id,
                         inst.endpoint, wire.SERVER_INFO, exc)
             return None
-        _note_streaming(inst, info)
-        inst.vocab_size = min((v for v in (info.vocab_size, inst.declared_vocab_size) if v is not None), default=None)
-        inst.joined_version = info.weight_version
-        inst.max_running_requests = info.max_running_requests  # the dispatcher's bound on it
+        inst.engine = engine_facts(info, inst.declared_vocab_size)
+        if inst.engine.streaming == "cumulative":
+            log.warning("instance %s %s streams cumulative chunks (every chunk repeats the whole output so far, "
+                        "so relaying costs more CPU per token); start SGLang with --incremental-streaming-output "
+                        "(scripts/launch_sglang.sh does)", inst.id, inst.endpoint)
         if info.dp_size > 1:
             return wire.dp_refusal(inst.endpoint, info.dp_size)
         return None
@@ -171,7 +174,7 @@ class HealthMonitor:
                 self.report_success(inst)
                 continue
             log.warning("instance %s %s failed a health check (%d/%d before removal): %s", inst.id,
-                        inst.endpoint, inst.consecutive_failures + 1, cfg.failure_threshold, probe.describe())
+                        inst.endpoint, inst.health.consecutive_failures + 1, cfg.failure_threshold, probe.describe())
             self.report_failure(inst, f"health check: {probe.describe()}")
 
 
@@ -180,15 +183,15 @@ def _loading(inst: Instance) -> bool:
     return inst.state == State.SYNCING or inst.versions.activating is not None
 
 
-def _note_streaming(inst: Instance, info: wire.ServerInfo) -> None:
-    """Record the instance's chunk mode; warn (once: this runs at its first ready probe) when chunks are
-    cumulative, since each then repeats the whole output and costs the relay more per token."""
-    if info.incremental_streaming_output is None:
-        return
-    first = inst.streaming is None
-    inst.streaming = "incremental" if info.incremental_streaming_output else "cumulative"
-    inst.server_stream_interval = info.stream_interval
-    if first and not info.incremental_streaming_output:
-        log.warning("instance %s %s streams cumulative chunks (every chunk repeats the whole output so far, "
-                    "so relaying costs more CPU per token); start SGLang with --incremental-streaming-output "
-                    "(scripts/launch_sglang.sh does)", inst.id, inst.endpoint)
+def engine_facts(info: wire.ServerInfo, declared_vocab_size: int | None) -> EngineFacts:
+    """What ``/server_info`` (and ``/model_info``) said, as one value: how it streams, what it runs at once
+    (the dispatcher's bound on it), its vocabulary size (the smaller of what it says and what its launcher
+    declared) and the weight version it reports before any push from here."""
+    incremental = info.incremental_streaming_output
+    return EngineFacts(
+        streaming=None if incremental is None else "incremental" if incremental else "cumulative",
+        server_stream_interval=None if incremental is None else info.stream_interval,
+        max_running_requests=info.max_running_requests,
+        vocab_size=min((v for v in (info.vocab_size, declared_vocab_size) if v is not None), default=None),
+        joined_version=info.weight_version,
+    )

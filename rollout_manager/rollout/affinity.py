@@ -187,7 +187,7 @@ def fallback_reason(preferred: Instance | None, chosen: Instance) -> str:
         return "draining"
     if preferred.state in (State.SYNCING, State.PENDING):
         return "syncing"
-    if preferred.consecutive_failures > 0:
+    if preferred.health.consecutive_failures > 0:
         return "failing"
     if chosen.kind == Kind.LOCAL and preferred.kind == Kind.REMOTE:
         return "local_first"

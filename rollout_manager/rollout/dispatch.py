@@ -115,7 +115,7 @@ class Dispatcher:
         return self.affinity
 
     def _on_event(self, inst: Instance, event: Event) -> None:
-        inst.max_in_flight = self.bound_of(inst)
+        inst.load.max_in_flight = self.bound_of(inst)
         if event.new == State.ACTIVE:
             self._none_since = None
         elif event.old == State.ACTIVE and not self.registry.in_state(State.ACTIVE):
@@ -128,7 +128,7 @@ class Dispatcher:
             self._idle_s.pop(inst.id, None)
             if self.affinity is not None:
                 self.affinity.forget_instance(inst.id)
-        elif event.new == State.ACTIVE and inst.in_flight == 0:
+        elif event.new == State.ACTIVE and inst.load.in_flight == 0:
             self._idle_since.setdefault(inst.id, self.clock())
         elif event.old == State.ACTIVE:  # syncing or draining: no work is possible, so none is idle time
             since = self._idle_since.pop(inst.id, None)
@@ -143,7 +143,7 @@ class Dispatcher:
 
     def bound_of(self, inst: Instance) -> int:
         """The most sequences ``inst`` may have in flight from here (see ``__init__``)."""
-        own = inst.max_running_requests
+        own = inst.engine.max_running_requests
         cap = self.max_in_flight_per_instance
         if own is None:
             return cap or DEFAULT_INSTANCE_MAX_IN_FLIGHT
@@ -169,7 +169,7 @@ class Dispatcher:
         local ones only while the local window is open."""
         local_ok = self.local.is_open
         return [i for i in self.registry.in_state(State.ACTIVE)
-                if (i.id not in avoid or i.consecutive_failures == 0) and (allow is None or allow(i))
+                if (i.id not in avoid or i.health.consecutive_failures == 0) and (allow is None or allow(i))
                 and (local_ok or i.kind == Kind.REMOTE)]
 
     def meter(self, inst: Instance) -> TokenRateMeter:
@@ -184,8 +184,9 @@ class Dispatcher:
         load = self._loads.get(inst.id)
         if load is None:
             load = self._loads[inst.id] = InstanceLoad(inst.id, inst.kind.value, 0, 0)
-        load.in_flight_requests = inst.in_flight
-        load.in_flight_tokens = inst.in_flight_tokens
+        own = inst.load
+        load.in_flight_requests = own.in_flight
+        load.in_flight_tokens = own.in_flight_tokens
         load.token_rate = self._rate(inst, now)
         load.lone_rate = None
         return load
@@ -225,16 +226,16 @@ class Dispatcher:
         remote_kind = Kind.REMOTE
         # One pass over the pool (this runs for every sequence): what _usable admits, less the full ones.
         for i in self.registry.in_state(State.ACTIVE):
-            if (i.id in avoid and i.consecutive_failures != 0) or (allow is not None and not allow(i)):
+            if (i.id in avoid and i.health.consecutive_failures != 0) or (allow is not None and not allow(i)):
                 continue
             if i.kind is remote_kind:
-                if i.in_flight < bound_of(i):
+                if i.load.in_flight < bound_of(i):
                     remote.append(i)
-            elif local_ok and i.in_flight < bound_of(i):
+            elif local_ok and i.load.in_flight < bound_of(i):
                 local.append(i)
         now = self.clock()
         for group in (local, remote) if local else (remote,):
-            clean = [i for i in group if i.consecutive_failures == 0]
+            clean = [i for i in group if i.health.consecutive_failures == 0]
             candidates = clean or group
             loads = [self.load_of(i, now) for i in candidates]  # once per group, for both decisions
             inst = self._preferred(clean, loads, prefer, tokens, now) if prefer is not None and clean else None
@@ -266,8 +267,9 @@ class Dispatcher:
         return inst
 
     def _reserve(self, inst: Instance, tokens: int, now: float) -> None:
-        inst.in_flight += 1
-        inst.in_flight_tokens += tokens
+        load = inst.load
+        load.in_flight += 1
+        load.in_flight_tokens += tokens
         self.in_flight += 1
         self._busy_changed(inst, now)
 
@@ -403,23 +405,34 @@ class Dispatcher:
         self.closing = True
         self._changed()
 
-    def progress(self, inst: Instance, tokens: int) -> None:
-        """``tokens`` new tokens streamed from ``inst``."""
+    def progress(self, inst: Instance, tokens: int, chunk_at: float) -> None:
+        """A chunk with ``tokens`` new tokens (0 or more) came from ``inst`` at event-loop time ``chunk_at``.
+        One call per chunk: the chunk's time and its tokens' load in one place."""
+        load = inst.load
+        load.last_chunk_at = chunk_at
+        if not tokens:
+            return
         iid = inst.id
         self.streamed_tokens += tokens
-        inst.in_flight_tokens = max(inst.in_flight_tokens - tokens, 0)
+        load.in_flight_tokens = max(load.in_flight_tokens - tokens, 0)
         now = self.clock()
         self._rates.pop(iid, None)
         (self.meters.get(iid) or self.meter(inst)).observe(tokens, now)
         (self.lone_meters.get(iid) or self.lone_meter(inst)).observe(
-            tokens * lone_rate_weight(inst.in_flight, self.batch_half), now)
+            tokens * lone_rate_weight(load.in_flight, self.batch_half), now)
+
+    def unreserve(self, inst: Instance, tokens: int) -> None:
+        """``tokens`` of what a sequence reserved on ``inst`` will not be made there after all."""
+        load = inst.load
+        load.in_flight_tokens = max(load.in_flight_tokens - tokens, 0)
 
     def release(self, inst: Instance, tokens_left: int) -> None:
         """A sequence left ``inst`` (finished or failed) with ``tokens_left`` of its budget unused."""
-        if inst.in_flight > 0:
+        load = inst.load
+        if load.in_flight > 0:
             self.in_flight = max(self.in_flight - 1, 0)
-        inst.in_flight = max(inst.in_flight - 1, 0)
-        inst.in_flight_tokens = max(inst.in_flight_tokens - tokens_left, 0)
+        load.in_flight = max(load.in_flight - 1, 0)
+        load.in_flight_tokens = max(load.in_flight_tokens - tokens_left, 0)
         self._busy_changed(inst, self.clock())
         self._changed()
 
@@ -439,10 +452,11 @@ class Dispatcher:
         migration policy chose it); False if it cannot take work now, or is at its bound."""
         if self.closing or inst.state != State.ACTIVE or self.registry.get(inst.id) is not inst:
             return False
-        if inst.in_flight >= self.bound_of(inst) or self.in_flight >= self.max_in_flight_total:
+        load = inst.load
+        if load.in_flight >= self.bound_of(inst) or self.in_flight >= self.max_in_flight_total:
             return False
-        inst.in_flight += 1
-        inst.in_flight_tokens += tokens
+        load.in_flight += 1
+        load.in_flight_tokens += tokens
         self.in_flight += 1
         self._busy_changed(inst, self.clock())
         return True
@@ -451,7 +465,7 @@ class Dispatcher:
     def _busy_changed(self, inst: Instance, now: float) -> None:
         """``inst``'s in-flight count moved by one. Its busy time starts or ends only between 0 and 1;
         above that its meters and idle time have nothing to learn."""
-        iid, n = inst.id, inst.in_flight
+        iid, n = inst.id, inst.load.in_flight
         if n > 1:
             return
         self._rates.pop(iid, None)
@@ -476,7 +490,7 @@ class Dispatcher:
             if inst.id in self._idle_since:
                 idle += now - self._idle_since[inst.id]
                 self._idle_since[inst.id] = now
-            elif inst.in_flight == 0:
+            elif inst.load.in_flight == 0:
                 self._idle_since[inst.id] = now
             total += idle
         return total / len(insts) if insts else 0.0

@@ -347,14 +347,14 @@ class Generator:
         # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = SequenceProgress(
             seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
-            vocab_size=inst.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
+            vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
         segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
         reserved = seq.reserve
         loop = asyncio.get_running_loop()
         s = self.settings
         bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
-                            activity=lambda: inst.last_chunk_at, limits=self.client.limits,
+                            activity=lambda: inst.load.last_chunk_at, limits=self.client.limits,
                             headers=self.client.generate_headers)
 
         def take(chunk: GenerateChunk) -> None:
@@ -362,11 +362,9 @@ class Generator:
                 new = progress.apply(chunk)
             except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
                 raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
-            inst.last_chunk_at = loop.time()
-            if new:
-                self.dispatcher.progress(inst, new)
-                if seq.refused is not None:
-                    self._refusal_overruled(seq, inst)
+            self.dispatcher.progress(inst, new, loop.time())
+            if new and seq.refused is not None:
+                self._refusal_overruled(seq, inst)
             segments.advance(progress.weight_version, new)
             if progress.finish_reason is not None and "weight_versions" in progress.meta_info:
                 segments.exact(progress.meta_info["weight_versions"])  # SGLang's exact spans, on the final chunk
@@ -558,7 +556,7 @@ class Generator:
         if self.settings.staleness_action == "restart":  # the fleet's newest version, or start over
             stale = not within_version(lo, hi, max((i.weight_version for i in active), default=hi), bound)
         else:
-            stale = not any(within(i) and i.consecutive_failures == 0 for i in active)  # a clean one, that is
+            stale = not any(within(i) and i.health.consecutive_failures == 0 for i in active)  # a clean one, that is
         if not stale:
             return within
         log.info("restarting %s from its prompt: %d token(s) on weight version(s) %d..%d would span more than "

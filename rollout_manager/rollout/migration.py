@@ -94,7 +94,7 @@ class Migrator:
             self.dispatcher.release(inst, seq.move_reserved)
             return None
         # Tokens made between the decision and the abort shrink what the new segment reserves.
-        inst.in_flight_tokens = max(inst.in_flight_tokens - max(seq.move_reserved - seq.reserve, 0), 0)
+        self.dispatcher.unreserve(inst, max(seq.move_reserved - seq.reserve, 0))
         return inst
 
     def _drop_handoff(self, seq: SequenceState) -> None:
@@ -131,7 +131,7 @@ class Migrator:
         registry = self.dispatcher.registry
         # Remote instances only: the local window alone decides when sequences leave local instances
         # (Preempted), and a sequence moved onto one would be moved again when the window closes.
-        targets = [i for i in registry.in_state(State.ACTIVE, kind=Kind.REMOTE) if i.consecutive_failures == 0]
+        targets = [i for i in registry.in_state(State.ACTIVE, kind=Kind.REMOTE) if i.health.consecutive_failures == 0]
         loads = []
         for i in targets:
             load = self.dispatcher.load_of(i, now)

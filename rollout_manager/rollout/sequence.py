@@ -125,9 +125,9 @@ def version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | N
     both are right. A local instance's weights are the trainer's to name, and an instance whose version
     before any push is unknown (its ``/model_info`` unreadable) is not checked until a push.
     """
-    if inst.kind == Kind.LOCAL or (start == 0 and inst.joined_version is None):
+    joined = inst.engine.joined_version
+    if inst.kind == Kind.LOCAL or (start == 0 and joined is None):
         return None
-    joined = inst.joined_version
 
     def why(version: Any) -> str | None:
         text = version if isinstance(version, str) else str(version)

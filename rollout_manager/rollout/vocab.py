@@ -3,7 +3,7 @@
 Real SGLang (0.5.23) does not refuse an input id at or past its model's vocabulary: its scheduler
 crashes on it, and the box with it. So a ``/generate`` (single, batched, NDJSON, fast lane) is refused
 with 400 at the door when its ``input_ids`` hold such an id, before anything is placed. The bound is the
-smallest vocabulary size known: each registered instance's (``Instance.vocab_size``) and the configured
+smallest vocabulary size known: each registered instance's (``Instance.engine.vocab_size``) and the configured
 ``engine_vocab_size``; with none known nothing is refused here.
 """
 
@@ -35,7 +35,7 @@ class VocabBound:
     def bound(self) -> int | None:
         """Every input id must be below this (None: no vocabulary known)."""
         if self._stale:
-            sizes = [i.vocab_size for i in self.registry if i.vocab_size]
+            sizes = [i.engine.vocab_size for i in self.registry if i.engine.vocab_size]
             if self.configured is not None:
                 sizes.append(self.configured)
             self._bound = min(sizes, default=None)

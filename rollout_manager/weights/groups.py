@@ -167,4 +167,4 @@ class SenderPlan:
         mapping = assign([i.id for i in remote], self.plan)
         for inst in remote:
             group = mapping.get(inst.id)
-            inst.sender, inst.group = (group.sender, group.group) if group else (None, None)
+            self.registry.assign_sender(inst, group.sender if group else None, group.group if group else None)

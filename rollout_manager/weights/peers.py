@@ -41,5 +41,5 @@ def holders(instances: Iterable[Instance], puller: Instance, version: int) -> li
 
 def choose_peer(puller: Instance, candidates: Iterable[Instance], serving: Mapping[str, int]) -> Instance | None:
     """The nearest candidate, the least busy among equals (``serving``: pulls in flight per instance id)."""
-    ranked = sorted(candidates, key=lambda p: (distance(puller, p), serving.get(p.id, 0), p.seq))
+    ranked = sorted(candidates, key=lambda p: (distance(puller, p), serving.get(p.id, 0), p.order))
     return ranked[0] if ranked else None

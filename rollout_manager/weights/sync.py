@@ -163,7 +163,7 @@ class WeightSync:
         self.version.current = version
         for inst in self.registry:
             if inst.kind == Kind.LOCAL:
-                inst.weight_version = version  # the trainer updates its own instances
+                self.registry.set_weight_version(inst, version)  # the trainer updates its own instances
             elif inst.state == State.ACTIVE and self.settings.activation == "staged":
                 self._ensure_sync(inst)  # stays active: stages, then pauses only to load
             elif inst.state == State.ACTIVE:
@@ -230,39 +230,40 @@ class WeightSync:
         failures = 0
         while self.registry.get(inst.id) is inst and inst.weight_version < self.version.current:
             version = self.version.current
-            if inst.in_flight:
-                inst.wait_for(f"in-flight requests to drain ({inst.in_flight} left)")
-            drained = await self.load_changed.wait_for(lambda: inst.in_flight == 0, cfg.drain_timeout_s)
+            if inst.load.in_flight:
+                self.registry.wait_for(inst, f"in-flight requests to drain ({inst.load.in_flight} left)")
+            drained = await self.load_changed.wait_for(lambda: inst.load.in_flight == 0, cfg.drain_timeout_s)
             if not drained:
                 # SGLang >= 0.5.21 refuses to flush its prefix cache while requests run, and serving from
                 # the old weights' cache would mix versions: move them on (they continue elsewhere from
                 # the tokens made), then push.
                 moved = self.evict(inst, "weight push") if self.evict is not None else 0
                 log.warning("instance %s still has %d request(s) in flight after %gs; moved %d to other "
-                            "instances before the push", inst.endpoint, inst.in_flight, cfg.drain_timeout_s, moved)
-                if not await self.load_changed.wait_for(lambda: inst.in_flight == 0, EVICT_WAIT_S):
+                            "instances before the push", inst.endpoint, inst.load.in_flight, cfg.drain_timeout_s, moved)
+                if not await self.load_changed.wait_for(lambda: inst.load.in_flight == 0, EVICT_WAIT_S):
                     log.warning("instance %s: %d request(s) still in flight; pushing anyway (the receiver waits "
-                                "for SGLang to go idle before it flushes the cache)", inst.endpoint, inst.in_flight)
+                                "for SGLang to go idle before it flushes the cache)", inst.endpoint,
+                                inst.load.in_flight)
             group = self.senders.group_of(inst)
             if group is None:  # no sender has reported yet: wait for one, out of service but not failing
-                inst.wait_for("the trainer's weight senders (PUT /update_weight_senders)")
+                self.registry.wait_for(inst, "the trainer's weight senders (PUT /update_weight_senders)")
                 await self.senders.changed.wait(None)
                 continue
-            inst.wait_for(f"weight push of version {version}")
+            self.registry.wait_for(inst, f"weight push of version {version}")
             try:
                 result = await self._deliver(inst, version, group, failures)
             except SenderUnavailable as exc:
                 if inst.last_error != f"weight push: {exc}":
                     log.warning("weight push of version %d to %s waits for its sender: %s", version,
                                 inst.endpoint, exc)
-                    inst.set_error(f"weight push: {exc}")
-                inst.wait_for(f"its sender to stage version {version}")  # or to be back: last_error says
+                    self.registry.set_error(inst, f"weight push: {exc}")
+                self.registry.wait_for(inst, f"its sender to stage version {version}")  # or to be back: last_error says
                 await self.load_changed.wait(cfg.retry_s)
                 continue
             except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 failures += 1
                 reason = str(exc) or type(exc).__name__
-                inst.set_error(f"weight push: {reason}")
+                self.registry.set_error(inst, f"weight push: {reason}")
                 log.warning("weight push of version %d to %s failed (%d/%d): %s", version, inst.endpoint,
                             failures, cfg.max_attempts, reason)
                 if failures >= cfg.max_attempts:
@@ -273,7 +274,7 @@ class WeightSync:
             except Exception as exc:  # a bug must not leave the instance syncing for good: count it as a failure
                 log.exception("weight push of version %d to %s failed unexpectedly", version, inst.endpoint)
                 failures += 1
-                inst.set_error(f"weight push: internal error: {exc!r}")
+                self.registry.set_error(inst, f"weight push: internal error: {exc!r}")
                 if failures >= cfg.max_attempts:
                     self.registry.transition(inst, State.DEAD, f"weight push failed {failures} times; last: {exc!r}")
                     return
@@ -281,8 +282,8 @@ class WeightSync:
                 continue
             failures = 0
             self._synced.add(inst.id)
-            inst.weight_version = version
-            inst.clear_error()
+            self.registry.set_weight_version(inst, version)
+            self.registry.clear_error(inst)
             self._note_push(result)
             if version == self.version.current:
                 out_since = self._out_since.pop(inst.id, None)
@@ -310,13 +311,13 @@ class WeightSync:
             try:
                 result = await self._deliver(inst, version, group, failures, stage=True)
             except SenderUnavailable as exc:
-                inst.set_error(f"weight staging: {exc}")
+                self.registry.set_error(inst, f"weight staging: {exc}")
                 await self.load_changed.wait(cfg.retry_s)
                 continue
             except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 failures += 1
                 reason = str(exc) or type(exc).__name__
-                inst.set_error(f"weight staging: {reason}")
+                self.registry.set_error(inst, f"weight staging: {reason}")
                 log.warning("staging version %d on %s failed (%d/%d): %s", version, inst.endpoint, failures,
                             cfg.max_attempts, reason)
                 if failures >= cfg.max_attempts:
@@ -335,17 +336,17 @@ class WeightSync:
             # instance is named at the new version from the pause on (BoxVersions.serving says what it serves).
             before = inst.weight_version
             bv.activating, bv.serving_before = version, before
-            inst.weight_version = version
+            self.registry.set_weight_version(inst, version)
             receiver_url = f"http://{format_endpoint(inst.host, inst.weight_receiver_port or 0)}"
             try:
                 answer = await bounded(self.agents.activate(receiver_url, ActivateRequest(
                     version=version, mode=cfg.pause_mode)), cfg.push_timeout_s)
             except (PushFailed, asyncio.TimeoutError, aiohttp.ClientError) as exc:
-                inst.weight_version = before  # not loaded (or not known to be)
+                self.registry.set_weight_version(inst, before)  # not loaded (or not known to be)
                 reason = str(exc) or type(exc).__name__
                 if isinstance(exc, PushFailed) and exc.status == 409 and failures + 1 < cfg.max_attempts:
                     failures += 1  # not staged there (its agent restarted?): stage it again
-                    inst.set_error(f"weight activation: {reason}")
+                    self.registry.set_error(inst, f"weight activation: {reason}")
                     continue
                 self._activation_failed(inst, version, reason)
                 return
@@ -356,9 +357,9 @@ class WeightSync:
             self._note_push(dataclasses.replace(result, load_s=answer.load_s, reloaded=answer.reloaded,
                                                 total_s=round(result.total_s + answer.paused_s, 6)))
             self._synced.add(inst.id)
-            inst.weight_version = version
+            self.registry.set_weight_version(inst, version)
             bv.record_pause(version, answer.paused_s)
-            inst.clear_error()
+            self.registry.clear_error(inst)
             self.load_changed.notify()
             if self.on_serving is not None:
                 self.on_serving(inst)
@@ -372,7 +373,7 @@ class WeightSync:
         instance out of service, move its sequences on, and give it a full push as in "drain"."""
         log.error("activation of version %d on %s failed after the pause: %s; out of service until a full push",
                   version, inst.endpoint, reason)
-        inst.set_error(f"weight activation of version {version} failed: {reason}")
+        self.registry.set_error(inst, f"weight activation of version {version} failed: {reason}")
         if self._tasks.get(inst.id) is asyncio.current_task():
             del self._tasks[inst.id]  # so the transition below starts the drain-mode sync
         if self.registry.transition(inst, State.SYNCING, f"activation of version {version} failed"):

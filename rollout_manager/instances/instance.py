@@ -1,0 +1,140 @@
+"""One rollout instance, in parts by who writes them.
+
+Many modules read an instance; each part has one writer, so a field's value has one explanation:
+
+- the :class:`Instance` itself: identity (what it registered as; never changes) and lifecycle (state, what
+  it waits for, its last error, the weight version it is named at, its sender group): the registry's
+  (``registry.py``), the only module that assigns them. Weight sync and the sender plan change the
+  version and the group through the registry's methods.
+- :class:`Load`: the dispatcher's (``rollout/dispatch.py``): sequences and tokens it placed there.
+- :class:`Health`: the health monitor's (``health.py``): failures counted towards removal.
+- :class:`EngineFacts`: the health monitor's, frozen: what the engine said about itself when it became
+  ready, replaced whole, never edited field by field.
+- ``versions`` (:class:`BoxVersions`): weight sync's (``weights/sync.py``): staged and activating versions.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_manager.osutil import format_endpoint
+from rollout_manager.weights.box_versions import BoxVersions
+
+
+class State(str, enum.Enum):
+    PENDING = "pending"  # registered, waiting for its first successful /health_generate
+    SYNCING = "syncing"  # receiving weights; takes no new requests
+    ACTIVE = "active"  # serving
+    DRAINING = "draining"  # finishing in-flight work before removal; takes no new requests
+    DEAD = "dead"  # failed or removed; gone from the registry
+
+
+class Kind(str, enum.Enum):
+    REMOTE = "remote"  # a rollout box: gets weights pushed by the manager's senders
+    LOCAL = "local"  # trainer-side: the trainer updates its weights itself
+
+
+@dataclass(slots=True)
+class Load:
+    """What the dispatcher placed on the instance. Written on every placement, release and chunk, so
+    plain slots: reading or bumping one costs what a field of the instance itself did."""
+
+    in_flight: int = 0  # sequences placed here and not yet released
+    in_flight_tokens: int = 0  # tokens those sequences may still make here (their reserved budgets)
+    max_in_flight: int | None = None  # the most it may hold (its own bound within the configured one)
+    last_chunk_at: float = 0.0  # event-loop time of the last chunk it sent any request (0: none yet)
+
+
+@dataclass(slots=True)
+class Health:
+    """Failures counted against the instance: the health monitor's, as it alone removes an instance at
+    ``health_failure_threshold`` and clears the count when a probe or request succeeds. The error text
+    shown with them is not here: probes, requests and weight pushes all report one, so it lives with the
+    lifecycle (``Instance.last_error``), where the registry records whoever reported it last."""
+
+    consecutive_failures: int = 0  # cleared by a success
+    failures_total: int = 0  # every failure counted against it; no success clears it
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the engine said about itself (``/server_info``, ``/model_info``) when it became ready.
+    Replaced whole by the health monitor, so a reader never sees half of one answer."""
+
+    # How its /generate streams: "incremental" (deltas), "cumulative" (every chunk repeats the whole
+    # output: more manager CPU per token), None (unknown).
+    streaming: str | None = None
+    server_stream_interval: int | None = None  # its --stream-interval (requests from here set their own)
+    max_running_requests: int | None = None  # what SGLang runs at once (None: not reported)
+    # Its vocabulary size: the smaller of what the server says and what its launcher declared (None:
+    # neither is known). SGLang's scheduler dies on an input id at or past it.
+    vocab_size: int | None = None
+    joined_version: str | None = None  # the weight version it reported before any push from here
+
+
+@dataclass
+class Instance:
+    # identity: set at registration, never changed
+    id: str
+    host: str
+    port: int
+    kind: Kind
+    order: int  # registration order; assignment is round-robin in this order
+    mooncake_handshake_port: int | None = None
+    weight_receiver_port: int | None = None
+    registered_at: float = 0.0
+    # The vocabulary size its launcher read from the model's config.json at registration (None: not sent).
+    declared_vocab_size: int | None = None
+    box_token_digest: str | None = None  # sha256 of the box token its registration got (never shown)
+    # lifecycle: the registry's
+    state: State = State.PENDING
+    state_since: float = 0.0
+    waiting_for: str | None = None  # what keeps it from serving right now, in words (None: nothing)
+    last_error: str | None = None  # the last failure anyone reported (a probe, a request, a weight push)
+    last_error_at: float | None = None  # wall-clock time of last_error; both cleared on recovery
+    weight_version: int = 0  # the version it is named at (see BoxVersions.serving for what it serves)
+    sender: int | None = None
+    group: int | None = None
+    # the other owners' parts
+    load: Load = field(default_factory=Load)
+    health: Health = field(default_factory=Health)
+    engine: EngineFacts = EngineFacts()
+    versions: BoxVersions = field(default_factory=BoxVersions)  # staged/activating versions, paused seconds
+    # Computed once: host and port never change, and every sequence placed here reads both.
+    endpoint: str = field(init=False)
+    url: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.endpoint = format_endpoint(self.host, self.port)
+        self.url = f"http://{self.endpoint}"
+
+    def to_dict(self, now: float) -> dict[str, Any]:
+        load, health, engine = self.load, self.health, self.engine
+        return {
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "host": self.host,
+            "port": self.port,
+            "kind": self.kind.value,
+            "state": self.state.value,
+            "state_for_s": round(now - self.state_since, 3),
+            "weight_version": self.weight_version,
+            "sender": self.sender,
+            "group": self.group,
+            "mooncake_handshake_port": self.mooncake_handshake_port,
+            "weight_receiver_port": self.weight_receiver_port,
+            "in_flight": load.in_flight,
+            "in_flight_tokens": load.in_flight_tokens,
+            "consecutive_failures": health.consecutive_failures,
+            "failures_total": health.failures_total,
+            "last_error": self.last_error,
+            "last_error_at": self.last_error_at,
+            "waiting_for": self.waiting_for,
+            "streaming": engine.streaming,
+            "server_stream_interval": engine.server_stream_interval,
+            "max_running_requests": engine.max_running_requests,
+            "vocab_size": engine.vocab_size,
+            "max_in_flight": load.max_in_flight,
+        }
