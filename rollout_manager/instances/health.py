@@ -7,6 +7,9 @@ sync to bring it up (weight sync listens for that transition; this module never 
 While it serves, a periodic probe and every request that fails through the instance's fault count
 towards ``health_failure_threshold`` consecutive failures, after which it is removed. A weight load
 can outlast the probe interval, so a ``syncing`` instance is not probed.
+
+Of each instance this module alone writes the failure counts (``Instance.health``) and what the engine
+said about itself (``Instance.engine``, replaced whole); errors and waits it reports to the registry.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ it is full waits as long as it takes; only one that no instance could serve at a
 wait timeout. An instance the request already failed on does not count as one that could take it: a
 sequence whose only instances are those that failed it ends at the wait timeout, whatever their health
 probes say, rather than wait on them for ever.
+
+Each instance's ``Load`` (in flight, tokens reserved, its bound, its last chunk's time) is written here
+only; everyone else reads it.
 """
 
 from __future__ import annotations
