@@ -322,6 +322,9 @@ class Connection(asyncio.Protocol):
             self.relay._drop(self)
         if self.state in (_IDLE, _DRAINING):
             self.state = _CLOSED
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
             return
         if self.status and self.length is None and self.error is None:  # a body that ends with the connection
             self.complete = True
