@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -281,3 +282,24 @@ async def test_connect_refused_is_the_instances_failure() -> None:
     async with aiohttp.ClientSession() as session:
         with pytest.raises(EngineFailed, match=r"^cannot connect to the instance \(ConnectionRefusedError"):
             await ids(session, f"http://127.0.0.1:{port}")
+
+
+async def test_a_closed_connection_is_freed_without_waiting_for_the_garbage_collector() -> None:
+    """The daemon collects garbage rarely (osutil.tune_gc): a connection and its parser, which refer
+    to each other, must not wait for a collection to give back their memory."""
+    async def answer(n: int, i: int, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(STREAM)
+
+    def alive() -> int:
+        return sum(type(o) is rl.Connection for o in gc.get_objects())
+
+    gc.collect()
+    before = alive()
+    gc.disable()
+    try:
+        async with relayed(answer, max_idle=0) as (engine, session, relay):
+            for _ in range(3):
+                assert await ids(session, engine.url) == [[7]]
+            await poll(lambda: alive() == before)
+    finally:
+        gc.enable()

@@ -140,7 +140,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, relay: Relay, key: _Key, loop: asyncio.AbstractEventLoop):
         self.relay, self.key, self.loop = relay, key, loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.state = _BUSY
         self.reused = False
         self.deadline: Deadline | None = None
@@ -307,6 +307,8 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         self.got += len(data)
+        if self.parser is None:
+            return
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -318,6 +320,13 @@ class Connection(asyncio.Protocol):
         return None  # close; connection_lost says what it meant
 
     def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._lost(exc)
+        finally:  # the parser and this object refer to each other: freed now, not at a full collection
+            self.parser = None
+            self.transport = None
+
+    def _lost(self, exc: Exception | None) -> None:
         if self.state == _IDLE:
             self.relay._drop(self)
         if self.state in (_IDLE, _DRAINING):
@@ -354,6 +363,8 @@ class Connection(asyncio.Protocol):
             self.length = -1  # chunked (or refused by llhttp): not a body that ends with the connection
 
     def on_headers_complete(self) -> None:
+        if self.parser is None:
+            return
         code = self.parser.get_status_code()
         if 100 <= code < 200:  # an interim answer: the real one follows
             return
