@@ -58,6 +58,7 @@ class Engine:
     def __init__(self, handler: Handler):
         self.handler = handler
         self.connections = 0
+        self.heads: list[bytes] = []  # of the requests, as received
         self.closed = asyncio.Event()  # a connection of ours saw the client close it
         self.server: asyncio.Server | None = None
         self.url = ""
@@ -72,6 +73,7 @@ class Engine:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     self.closed.set()
                     return
+                self.heads.append(head)
                 length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                                   if line.lower().startswith(b"content-length")))
                 await self.handler(n, i, await reader.readexactly(length), writer)
@@ -303,3 +305,16 @@ async def test_a_closed_connection_is_freed_without_waiting_for_the_garbage_coll
             await poll(lambda: alive() == before)
     finally:
         gc.enable()
+
+
+async def test_the_request_carries_the_base_urls_path_host_and_headers() -> None:
+    async def answer(n: int, i: int, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(once_answer())
+
+    async with relayed(answer) as (engine, session, relay):
+        bounds = CallBounds(connect_timeout_s=2.0, stall_timeout_s=5.0,
+                            headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+        await generate_once(session, engine.url + "/under", {"input_ids": [1]}, bounds)
+        host = engine.url.removeprefix("http://").encode()
+        assert engine.heads == [b"POST /under/generate HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: "
+                                b"application/json\r\nAuthorization: Bearer k\r\nContent-Length: 17\r\n\r\n"]

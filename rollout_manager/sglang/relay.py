@@ -414,10 +414,10 @@ class Relay:
         status and headers came; the caller reads the body and then releases the connection."""
         limits = bounds.limits or _DEFAULT_LIMITS
         limits.loop.ensure_started()
-        key, host = self._key(base_url)
+        key, start = self._key(base_url)
         first_s = bounds.stall_timeout_s if bounds.first_byte_timeout_s is None else bounds.first_byte_timeout_s
         deadline = Deadline(first_s, bounds.stall_timeout_s, bounds.activity)
-        request = _request_head(host, bounds.headers, len(data)) + data
+        request = _request_head(start, bounds.headers, len(data)) + data
         loop, attempt, fresh_only = deadline.loop, 0, False
         while True:
             conn = None if fresh_only else self._take(key)
@@ -452,12 +452,14 @@ class Relay:
         self.idle.clear()
 
     def _key(self, base_url: str) -> tuple[_Key, bytes]:
+        """The pool's key for ``base_url`` and the request's first lines."""
         found = self._keys.get(base_url)
         if found is None:
             url = urlsplit(base_url)
             scheme = url.scheme or "http"
             port = url.port or (443 if scheme == "https" else 80)
-            found = (scheme, url.hostname or "", port), url.netloc.encode("idna")
+            target = (url.path.rstrip("/") + wire.GENERATE).encode()  # under the base URL's own path, if any
+            found = (scheme, url.hostname or "", port), b"POST " + target + b" HTTP/1.1\r\nHost: " + url.netloc.encode()
             if len(self._keys) > 4096:
                 self._keys.clear()
             self._keys[base_url] = found
@@ -496,8 +498,8 @@ class Relay:
                 del self.idle[conn.key]
 
 
-def _request_head(host: bytes, headers: dict[str, str] | None, length: int) -> bytes:
-    lines = [b"POST " + wire.GENERATE.encode() + b" HTTP/1.1", b"Host: " + host]
+def _request_head(start: bytes, headers: dict[str, str] | None, length: int) -> bytes:
+    lines = [start]
     for name, value in (headers or {"Content-Type": "application/json"}).items():
         lines.append(f"{name}: {value}".encode("latin-1"))
     lines.append(b"Content-Length: %d" % length)
