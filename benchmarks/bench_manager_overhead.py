@@ -136,9 +136,9 @@ async def load(urls: list[str], n: int, concurrency: int, stream: bool, prompt_t
             for i in counter:
                 t0 = time.perf_counter()
                 async with s.post(urls[i % len(urls)] + "/generate", data=encoded[i % PROMPTS], headers=headers) as r:
-                    await r.read()
+                    answer = await r.read()
                     if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}")
+                        raise RuntimeError(f"HTTP {r.status} from {urls[i % len(urls)]}: {answer[:300]!r}")
                 latencies.append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()

@@ -24,6 +24,7 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
     .venv/bin/python benchmarks/bench_scale.py --instances 50 --sequences 400   # development
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold             # bytes per token in flight
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --instances 100 --sequences 800
+    .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --trace-frames 8 ...  # by site
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ OWNERS = (
                                                  "rollout_manager/api/")),
     ("aiohttp client: connection, parser, response, stream reader", ("aiohttp/", "aiohappyeyeballs/", "yarl/",
                                                                       "multidict/")),
+    ("the relay's connection (sglang/relay.py: protocol, llhttp parser, deadline)",
+     ("rollout_manager/sglang/relay.py",)),
     ("the rollout flow's state and coroutines", ("rollout_manager/",)),
     ("asyncio tasks and the standard library", ("/lib/python3",)),
 )
@@ -159,8 +162,14 @@ def print_memory_owners(probe: dict[str, Any], sequences: int) -> None:
     print(f"  traced Python allocations per held sequence: {sum(totals.values()) / n:,.0f} bytes")
     for owner, size in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"    {size / n:8,.0f} B  {owner}")
-    for where, size in probe["lines"][:5]:
+    for where, size in probe["lines"][:10]:
         print(f"    biggest line: {where} {size / n:,.0f} B per sequence")
+    if len(probe.get("sites", [[[""]]])[0][0]) > 1:  # --trace-frames: the biggest sites with their callers
+        root = str(ROOT) + "/"
+        for frames, size in probe["sites"]:
+            if size / n >= 100:
+                print(f"    {size / n:6,.0f} B per sequence from " + " <- ".join(
+                    f.replace(root, "") for f in reversed(frames[-4:])))
 
 
 async def get_status(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
@@ -210,7 +219,7 @@ async def run(args: argparse.Namespace) -> None:
         env = dict(os.environ)
         probe_out = str(logs / "memprobe.json")
         if args.trace_memory:  # benchmarks/memprobe/sitecustomize.py traces the manager's allocations
-            env.update(MEMPROBE_OUT=probe_out, PYTHONPATH=os.pathsep.join(
+            env.update(MEMPROBE_OUT=probe_out, MEMPROBE_FRAMES=str(args.trace_frames), PYTHONPATH=os.pathsep.join(
                 [str(ROOT / "benchmarks" / "memprobe"), env.get("PYTHONPATH", "")]))
             Path(probe_out + ".done").unlink(missing_ok=True)
         manager = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / "manager.log", "wb"),
@@ -411,6 +420,9 @@ def main() -> None:
     parser.add_argument("--trace-memory", action="store_true",
                         help="with --hold: trace the manager's Python allocations (tracemalloc, which slows it) "
                              "and print what a held sequence costs, by owner")
+    parser.add_argument("--trace-frames", type=int, default=1,
+                        help="with --trace-memory: frames per traced allocation; above 1, also print the "
+                             "biggest allocation sites with their callers")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="manager config")
     parser.add_argument("--logs", default="/tmp/bench-scale")
     parser.add_argument("--serve-fake", type=int, default=0, help=argparse.SUPPRESS)

@@ -39,8 +39,10 @@ from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.generation_settings import GenerationSettings
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.scheduling import make_policy
+from rollout_manager.sglang import relay
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.client import SGLangClient
+from rollout_manager.sglang.relay import Relay
 from rollout_manager.weights.agent_client import AgentClient
 from rollout_manager.weights.groups import SenderPlan
 from rollout_manager.weights.sync import SyncSettings, WeightSync
@@ -62,6 +64,8 @@ class Manager:
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=None, connect=cfg.health_check_timeout_s),
         )
+        self.relay = Relay()  # /generate's own lean client, with per-instance keep-alive pools
+        relay.attach(self.session, self.relay)
         self.sglang = SGLangClient(self.session, auth=SGLangAuth(cfg.sglang_api_key, cfg.sglang_admin_api_key))
         # instances
         self.registry = Registry()
@@ -118,6 +122,7 @@ class Manager:
         """Cancel every background task and close outgoing connections."""
         await self.weights.close()
         await self.health.close()
+        self.relay.close()
         await self.session.close()
 
     # ------------------------------------------------------------ registration

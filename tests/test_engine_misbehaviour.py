@@ -391,7 +391,7 @@ async def test_the_first_chunk_may_wait_while_the_instance_serves_others() -> No
     """Queueing inside SGLang is no failure: the first-byte bound runs from the instance's last chunk
     to anyone, up to the stall bound."""
     last = [-100.0]
-    deadline = sgl._Deadline(first_s=10.0, stall_s=100.0, activity=lambda: last[0])
+    deadline = sgl.Deadline(first_s=10.0, stall_s=100.0, activity=lambda: last[0])
     start = deadline.started
     assert deadline.due() == start + 10.0  # the instance has been silent: 10s
     last[0] = start + 25.0  # it sent a chunk to another request
