@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_manager.rollout.progress import as_list
-from rollout_manager.sglang import wire
+from rollout_manager.sglang.generate_request import SequenceBody
 
 
 def partial_output(
-    body: dict[str, Any],
+    body: SequenceBody,
     *,
     rid: str,
     output_ids: Sequence[int],
@@ -27,10 +27,10 @@ def partial_output(
     Log-probs appear only when ``body`` asked for them, as SGLang does; ``text`` is the text so far
     (SGLang fills it in every cumulative chunk), null when it is not known.
     """
-    meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(body["input_ids"]),
+    meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(body.input_ids),
                             "weight_version": weight_version, "completion_tokens": len(output_ids),
                             "cached_tokens": 0}
-    if wire.wants_logprobs(body):
+    if body.wants_logprobs:
         meta["output_token_logprobs"] = list(logprobs)
     out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
     if index is not None:
@@ -39,7 +39,7 @@ def partial_output(
 
 
 def final_output(
-    body: dict[str, Any],
+    body: SequenceBody,
     *,
     rid: str,
     output_ids: Sequence[int],
@@ -64,7 +64,7 @@ def final_output(
     meta.update({
         "id": rid,
         "finish_reason": finish,
-        "prompt_tokens": len(body.get("input_ids") or []),
+        "prompt_tokens": len(body.input_ids),
         "completion_tokens": len(output_ids),
         "weight_version": segments[-1]["weight_version"] if segments else meta.get("weight_version"),
         "e2e_latency": round(e2e_latency, 6),
@@ -72,12 +72,12 @@ def final_output(
     })
     if "weight_versions" in meta:  # SGLang's spans are its last request's: say them for the whole sequence
         meta["weight_versions"] = version_spans(segments)
-    if wire.wants_logprobs(body):
+    if body.wants_logprobs:
         meta["output_token_logprobs"] = logprobs
     else:
         meta.pop("output_token_logprobs", None)
     meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
-    seed = (body.get("sampling_params") or {}).get("sampling_seed")
+    seed = body.sampling.sampling_seed
     if seed is not None:
         meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
     out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
