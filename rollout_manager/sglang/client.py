@@ -13,7 +13,7 @@ import aiohttp
 from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.auth import SGLangAuth
-from rollout_manager.sglang.generate_request import SequenceBody, encode, encode_batch
+from rollout_manager.sglang.generate_request import SequenceBody, encode
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
 from rollout_manager.sglang.sse import ChunkDecoder, StreamError
 from rollout_manager.sglang.wire import GenerateChunk
@@ -348,7 +348,7 @@ class CallBounds:
 
 
 @contextlib.asynccontextmanager
-async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: bytes,
+async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: SequenceBody | list[SequenceBody],
                          bounds: CallBounds) -> AsyncIterator[tuple[aiohttp.ClientResponse, _Deadline]]:
     """POST ``/generate`` and hand over the answer with its :class:`_Deadline`, already watching the
     body; whatever goes wrong, then or while the caller reads it, comes out as :class:`EngineRejected`
@@ -361,7 +361,7 @@ async def _generate_call(session: aiohttp.ClientSession, base_url: str, body: by
     try:
         deadline.start()
         try:
-            resp = await _post_generate(session, base_url + wire.GENERATE, body, timeout,
+            resp = await _post_generate(session, base_url + wire.GENERATE, encode(body), timeout,
                                         bounds.limits or LocalLimits(), deadline.restart, bounds.headers)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -403,7 +403,7 @@ async def stream_generate(
     """
     # One sequence per stream: cumulative chunks parse their news only.
     decoder = ChunkDecoder(max_frame=bounds.max_frame_bytes)
-    async with _generate_call(session, base_url, encode(body), bounds) as (resp, deadline):
+    async with _generate_call(session, base_url, body, bounds) as (resp, deadline):
         deadline.pending = lambda: decoder.pending
         async for data in resp.content.iter_any():
             deadline.taken += len(data)
@@ -440,7 +440,7 @@ async def generate_once(
     The answer is due as a stream's first chunk is (see :func:`stream_generate`), and may not be
     larger than ``max_frame_bytes``.
     """
-    raw = await _answer(session, base_url, encode(body), bounds, bounds.max_frame_bytes)
+    raw = await _answer(session, base_url, body, bounds, bounds.max_frame_bytes)
     answer = _decode(raw)
     if not _is_output(answer):
         raise EngineFailed(f"unexpected answer: {raw[:200]!r}")
@@ -453,7 +453,7 @@ async def generate_batch_once(
     bodies: list[SequenceBody],
     bounds: CallBounds,
 ) -> list[GenerateChunk]:
-    """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`encode_batch`);
+    """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`.generate_request.encode`);
     returns each body's answer, in order, as :func:`generate_once` would.
 
     SGLang answers a batch with one list once every item is done, and refuses the whole batch when one
@@ -461,7 +461,7 @@ async def generate_batch_once(
     output per body, each for its own ``rid``, is the instance's failure.
     """
     frame = bounds.max_frame_bytes
-    raw = await _answer(session, base_url, encode_batch(bodies), bounds,
+    raw = await _answer(session, base_url, bodies, bounds,
                         None if frame is None else frame * len(bodies))
     answers = _decode(raw)
     if not (isinstance(answers, list) and len(answers) == len(bodies)
@@ -470,7 +470,8 @@ async def generate_batch_once(
     return [GenerateChunk.of(a) for a in answers]
 
 
-async def _answer(session: aiohttp.ClientSession, base_url: str, body: bytes, bounds: CallBounds,
+async def _answer(session: aiohttp.ClientSession, base_url: str, body: SequenceBody | list[SequenceBody],
+                  bounds: CallBounds,
                   max_bytes: int | None) -> bytes:
     """The whole body of a non-streaming ``/generate`` answer, at most ``max_bytes``."""
     async with _generate_call(session, base_url, body, bounds) as (resp, deadline):

@@ -142,13 +142,13 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
                                    sampling=sampling, rid=rid, stream=stream)
 
 
-def encode(body: SequenceBody) -> bytes:
-    """The JSON an engine is sent for one sequence."""
-    return jsonutil.dumps(body.to_json())
+def encode(body: SequenceBody | Sequence[SequenceBody]) -> bytes:
+    """The JSON an engine is sent: for one sequence, or for several as one batch (:func:`encode_batch`)."""
+    return jsonutil.dumps(body.to_json()) if isinstance(body, SequenceBody) else encode_batch(body)
 
 
 def joinable(body: SequenceBody) -> bool:
-    """Whether a non-streaming engine body may join a batch (:func:`encode_batch`): SGLang expands
+    """Whether a non-streaming engine body may join a batch (:func:`encode`): SGLang expands
     ``n`` > 1 (parallel sampling) per batch, not per item, so such a body goes alone."""
     return not body.stream and not body.sampling.parallel and body.rid is not None
 
