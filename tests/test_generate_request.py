@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout_manager import jsonutil
 from rollout_manager.api import routes, schemas
 from rollout_manager.api.http import MAX_ADMIN_BODY, MAX_BODY
 from rollout_manager.rollout.request import Request, decode
 from rollout_manager.sglang.generate_request import (
-    DEFAULT_MAX_NEW_TOKENS,
     SequenceBody,
     continuation,
     encode,
@@ -28,6 +29,7 @@ from rollout_manager.sglang.generate_request import (
     joinable,
     sequences,
 )
+from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
 
 def sent(body: SequenceBody, made: list[int], **kwargs: Any) -> dict[str, Any]:
@@ -99,6 +101,36 @@ def test_only_bodies_that_share_everything_but_their_items_join_one_engine_batch
     assert [x.to_json() for x in sequences(joined)[0]] == [a.to_json(), b.to_json()]
 
 
+# ------------------------------------------------------------------ the door: msgspec's check, pydantic's word
+
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**40), st.floats(allow_nan=False, allow_infinity=False),
+                    st.text(max_size=3))
+ANY = st.one_of(SCALARS, st.lists(SCALARS, max_size=3))
+PARAMS = st.dictionaries(st.sampled_from(["max_new_tokens", "min_new_tokens", "temperature", "top_k", "n"]),
+                         st.one_of(SCALARS, st.integers(0, 64)), max_size=4)
+BODIES = st.fixed_dictionaries({}, optional={
+    "input_ids": st.one_of(st.lists(st.integers(0, 300), min_size=1, max_size=5),
+                           st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=3), min_size=1, max_size=3), ANY),
+    "sampling_params": st.one_of(PARAMS, st.lists(PARAMS, max_size=3), ANY),
+    "return_logprob": ANY, "rid": ANY, "stream": ANY, "min_weight_version": ANY, "lora_path": ANY, "text": ANY,
+    "trajectory_key": st.one_of(st.text(max_size=3), st.text(min_size=510, max_size=514), ANY)})
+
+
+@settings(max_examples=400, deadline=None)
+@given(BODIES)
+def test_the_fast_check_never_accepts_a_body_pydantic_refuses(body: dict[str, Any]) -> None:
+    if schemas.plain_generate(body):
+        schemas.GenerateRequest.model_validate(body)  # raises if the fast check was too lenient
+
+
+def test_the_fast_check_takes_the_bodies_trainers_send() -> None:
+    for body in ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8, "temperature": 1, "top_p": 0.9},
+                  "return_logprob": True, "rid": "a", "stream": False},
+                 {"input_ids": [7], "trajectory_key": "t", "min_weight_version": 3, "lora_path": None}):
+        assert schemas.plain_generate(body)
+    assert not schemas.plain_generate({"input_ids": [[1], [2]]})  # a batch: pydantic checks its lists
+
+
 # ------------------------------------------------------------------ the door keeps only the typed value
 
 
@@ -148,7 +180,7 @@ async def test_a_running_request_holds_its_typed_value_not_the_callers_json_or_i
         try:
             await asyncio.wait_for(generator.held.wait(), 10)
             gc.collect()
-            validated = [o for o in gc.get_objects() if isinstance(o, schemas.GenerateRequest)]
+            validated = [o for o in gc.get_objects() if type(o) is schemas.GenerateRequest]
             assert validated == [] and _callers_dicts() == []
             (request,) = generator.requests
             assert isinstance(request, Request) and request.sequences[0].trajectory_key == MARKER

@@ -43,6 +43,7 @@ from rollout_manager.api.schemas import (
     UpdateMetrics,
     UpdateWeightSenders,
     UpdateWeightVersion,
+    plain_generate,
 )
 from rollout_manager.bearer import bearer_matches
 from rollout_manager.errors import INTERNAL_ERROR, BadRequest, ManagerError
@@ -123,15 +124,18 @@ async def update_weight_senders(request: web.Request, body: UpdateWeightSenders,
     return json_response(result)
 
 
-def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T]) -> Callable[..., Handler]:
+def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T],
+            plain: Callable[[Any], bool] | None = None) -> Callable[..., Handler]:
     """:func:`accepts` for a generation body: validated against ``model`` (the same messages, and the
-    same OpenAPI description), then ``decode(request, data)`` builds the typed value the handler gets.
-    Neither the caller's JSON nor its validated form outlives the decode: a request held while its
-    sequences run costs only its typed value."""
+    same OpenAPI description; ``plain``, when it says so, vouches for the body instead), then
+    ``decode(request, data)`` builds the typed value the handler gets. Neither the caller's JSON nor
+    its validated form outlives the decode: a request held while its sequences run costs only its
+    typed value."""
 
     def wrap(fn: Callable[[web.Request, T], Awaitable[web.StreamResponse]]) -> Handler:
         def decoded(request: web.Request, data: Any) -> T:
-            validate(data, model)
+            if plain is None or not plain(data):
+                validate(data, model)
             return decode(request, data)
 
         @functools.wraps(fn)
@@ -149,7 +153,7 @@ def _generate_request(request: web.Request, data: Any) -> Request:
     return decode(data, _trajectory_header(request))
 
 
-@decodes(GenerateRequest, _generate_request)
+@decodes(GenerateRequest, _generate_request, plain_generate)
 async def generate(request: web.Request, body: Request) -> web.StreamResponse:
     """SGLang's /generate through the pool, continued on another instance if one dies mid-sequence."""
     generator = manager_of(request).generator
@@ -228,7 +232,8 @@ class GenerateLane:
         """An admitted head's body: what :func:`generate` would run, or None for aiohttp to answer."""
         try:
             data = decode_json(body, self.max_body)
-            validate(data, GenerateRequest)
+            if not plain_generate(data):
+                validate(data, GenerateRequest)
             if data.get("stream") is True:
                 return None
             request = decode(data, headers.get(self.key_header))
