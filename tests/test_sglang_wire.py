@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.rollout.answers import final_output, partial_output
 from rollout_manager.rollout.progress import SequenceProgress
+from rollout_manager.rollout.sequence import Segment
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.sse import ChunkDecoder, SSEDecoder, StreamError, sse_frame
@@ -136,8 +137,7 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     engine_meta = chunk([9], 3, finish=wire.finish_reason(wire.LENGTH, length=4),
                         lps=[[-0.5, 9, None]])["meta_info"]
     engine_meta["cached_tokens"] = 2
-    segments = [{"instance": "a", "weight_version": "6", "start": 0, "end": 2},
-                {"instance": "b", "weight_version": "7", "start": 2, "end": 3}]
+    segments = [Segment("a", "h:1", "6", 0, 2, "failed: x"), Segment("b", "h:2", "7", 2, 3, "finished")]
     lps = [[-0.1, 1, None], [-0.2, 2, None], [-0.5, 9, None]]
     out = final_output(SequenceBody.of(body), rid="caller", output_ids=[1, 2, 9], logprobs=lps,
                             finish={"type": "length", "length": 3}, engine_meta=engine_meta, segments=segments,
@@ -146,7 +146,7 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     assert out["output_ids"] == [1, 2, 9] and out["text"] is None and out["index"] == 2
     assert meta["id"] == "caller" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
     assert meta["finish_reason"] == {"type": "length", "length": 3}
-    assert meta["weight_version"] == "7" and meta["segments"] == segments
+    assert meta["weight_version"] == "7" and meta["segments"] == [s.to_dict() for s in segments]
     assert meta["output_token_logprobs"] == lps and meta["e2e_latency"] == 1.234568
     assert meta["cached_tokens"] == 2  # passed through from the engine
     assert engine_meta["id"] == "r" and "segments" not in engine_meta  # the engine's dict is not changed
@@ -170,8 +170,7 @@ def test_partial_output_is_cumulative_and_unfinished() -> None:
 
 def test_read_output_reads_the_managers_answer() -> None:
     body = {"input_ids": [5], "return_logprob": True}
-    segments: list[dict[str, Any]] = [{"weight_version": "6", "start": 0, "end": 1},
-                                      {"weight_version": None, "start": 1, "end": 2}]
+    segments = [Segment("a", "h:1", "6", 0, 1), Segment("b", "h:2", None, 1, 2)]
     answer = final_output(SequenceBody.of(body), rid="q", output_ids=[1, 2],
                                logprobs=[[-0.1, 1, None], [None, 2, None]], finish=wire.finish_reason(wire.STOP),
                                engine_meta={}, segments=segments,
@@ -181,7 +180,8 @@ def test_read_output_reads_the_managers_answer() -> None:
     assert out.finish_reason == {"type": "stop"} and out.finish_type == "stop"
     assert out.prompt_tokens == 1 and out.completion_tokens == 2 and out.e2e_latency == 0.5
     assert out.token_logprobs == [-0.1, None] and len(out.logprob_entries) == 2
-    assert out.segments == segments and out.weight_version is None and out.weight_versions == ["6", None]
+    assert out.segments == [s.to_dict() for s in segments]
+    assert out.weight_version is None and out.weight_versions == ["6", None]
 
 
 def test_read_output_of_sglang_own_output_and_of_an_empty_object() -> None:

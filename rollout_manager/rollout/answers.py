@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_manager.rollout.progress import as_list
+from rollout_manager.rollout.sequence import Segment
 from rollout_manager.sglang.generate_request import SequenceBody
 
 
@@ -46,7 +47,7 @@ def final_output(
     logprobs: list[list[Any]],
     finish: dict[str, Any] | None,
     engine_meta: dict[str, Any],
-    segments: list[dict[str, Any]],
+    segments: Sequence[Segment],
     text: str | None,
     e2e_latency: float,
     index: int | None,
@@ -61,17 +62,18 @@ def final_output(
     top-level ``weight_version`` is the last segment's.
     """
     meta = dict(engine_meta)
+    spans = [s.to_dict() for s in segments]
     meta.update({
         "id": rid,
         "finish_reason": finish,
         "prompt_tokens": len(body.input_ids),
         "completion_tokens": len(output_ids),
-        "weight_version": segments[-1]["weight_version"] if segments else meta.get("weight_version"),
+        "weight_version": segments[-1].weight_version if segments else meta.get("weight_version"),
         "e2e_latency": round(e2e_latency, 6),
-        "segments": segments,
+        "segments": spans,
     })
     if "weight_versions" in meta:  # SGLang's spans are its last request's: say them for the whole sequence
-        meta["weight_versions"] = version_spans(segments)
+        meta["weight_versions"] = version_spans(spans)
     if body.wants_logprobs:
         meta["output_token_logprobs"] = logprobs
     else:

@@ -564,7 +564,7 @@ class Generator:
         text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
         out = final_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
-            engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
+            engine_meta=seq.meta, segments=seq.segments, text=text,
             e2e_latency=latency, index=index, per_token=seq.per_token,
         )
         if seq.discarded:  # a staleness restart: what was thrown away stays visible
