@@ -108,9 +108,9 @@ def sequences(data: dict[str, Any], skip: Collection[str] = ()) -> tuple[list[Se
     if not (ids and type(ids[0]) is list):
         return [SequenceBody(ids, Sampling.of(params), rid, stream, logprob, rest)], False
     per_item = params if isinstance(params, list) else None
-    shared = Sampling.of(params) if per_item is None else None
+    shared = Sampling.of(params) if per_item is None else _DEFAULT_SAMPLING
     return [SequenceBody(
-        item, Sampling.of(per_item[i]) if per_item is not None else shared or _DEFAULT_SAMPLING,
+        item, shared if per_item is None else Sampling.of(per_item[i]),
         rid[i] if isinstance(rid, list) else (None if rid is None else f"{rid}_{i}"), stream,
         logprob[i] if isinstance(logprob, list) else logprob, rest) for i, item in enumerate(ids)], True
 
