@@ -187,7 +187,7 @@ async def test_without_a_key_grpo_siblings_and_next_turns_follow_the_prefix(sess
     prompt = list(range(1, 20))
     try:
         outs = await rig.generator.generate(decode({"input_ids": [prompt] * 4,  # one GRPO group of 4 samples
-                                             "sampling_params": {"temperature": 0, "max_new_tokens": 6}}))
+                                                    "sampling_params": {"temperature": 0, "max_new_tokens": 6}}))
         assert isinstance(outs, list) and [where(o) for o in outs] == [[a.id]] * 4
         # The next turn: the previous context (prompt + answer) and a tool's reply, sent without a key.
         turn2 = prompt + reference(prompt, 6) + [3, 3, 3]

@@ -158,7 +158,7 @@ async def test_finished_listeners_are_told_once_per_sequence(rig: Rig) -> None:
     rig.fakes[0].die_after_tokens = 2  # a continuation is still one sequence
     register_active(rig.registry, rig.fakes)
     out = await rig.generator.generate(decode({"input_ids": [list(PROMPT), [1, 2]],
-                                        "sampling_params": {"temperature": 0, "max_new_tokens": 4}}))
+                                               "sampling_params": {"temperature": 0, "max_new_tokens": 4}}))
     assert isinstance(out, list) and [o["index"] for o in out] == [0, 1]
     assert sorted((tokens, ok) for _, tokens, ok in rig.finished) == [(4, True), (4, True)]
     rig.fakes[1].reject_status = rig.fakes[0].reject_status = 422

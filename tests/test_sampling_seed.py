@@ -54,7 +54,7 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
 
             dying.die_after_tokens = None
             batch = await generator.generate(decode({"input_ids": [list(PROMPT)] * 8,
-                                              "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}}))
+                                                     "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}}))
             assert isinstance(batch, list)
             seeds = [o["meta_info"]["sampling_seed"] for o in batch]
             assert len(set(seeds)) == 8  # a GRPO group: no two samples share a seed
