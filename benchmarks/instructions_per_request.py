@@ -46,7 +46,9 @@ def body(prompt_tokens: int) -> bytes:
                        "stream": False}, separators=(",", ":")).encode()
 
 
-def answer(wire: Any, b: dict[str, Any]) -> dict[str, Any]:
+def answer(wire: Any, b: Any) -> dict[str, Any]:
+    if not isinstance(b, dict):  # a typed body (sglang.generate_request), as the manager sends it
+        b = b.to_json()
     n = b["sampling_params"]["max_new_tokens"]
     return output_chunk(rid=b.get("rid", "r"), output_ids=list(range(5, 5 + n)), prompt_tokens=len(b["input_ids"]),
                              completion_tokens=n, finish=wire.finish_reason(wire.LENGTH, length=n),
@@ -73,11 +75,11 @@ async def start_manager(port: int, lane: bool) -> None:
     from rollout_manager.manager import Manager
     from rollout_manager.sglang import coalesce, wire
 
-    async def batch(session: Any, base_url: str, bodies: list[dict[str, Any]], bounds: Any) -> list[dict[str, Any]]:
+    async def batch(session: Any, base_url: str, bodies: list[Any], bounds: Any) -> list[Any]:
         await asyncio.sleep(0)
-        return [answer(wire, b) for b in bodies]
+        return [wire.GenerateChunk.of(answer(wire, b)) for b in bodies]
 
-    async def once(session: Any, base_url: str, b: dict[str, Any], bounds: Any) -> dict[str, Any]:
+    async def once(session: Any, base_url: str, b: Any, bounds: Any) -> Any:
         return (await batch(session, base_url, [b], bounds))[0]
 
     coalesce.generate_batch_once = batch  # type: ignore[assignment]

@@ -16,11 +16,12 @@ from rollout_manager.api.schemas import GenerateRequest
 from rollout_manager.config import ConfigError, load_config
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.instances.registry import Instance, Registry, State
-from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded, take_keys
+from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
 from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import Request, decode
 from rollout_manager.rollout.scheduling import InstanceLoad, LeastInFlight, Policy, RoundRobin, ThroughputAware
 from rollout_manager.sglang.client import SGLangClient
 
@@ -81,10 +82,12 @@ def test_overloaded_follows_what_the_policy_measures() -> None:
 
 def test_the_key_is_taken_out_of_the_body_and_validated() -> None:
     body = {"input_ids": [[1], [2]], "trajectory_key": ["x", None]}
-    stripped, keys = take_keys(body, 2)
-    assert "trajectory_key" not in stripped and "trajectory_key" in body and keys == ["x", None]
-    assert take_keys({"input_ids": [[1], [2]], "trajectory_key": "g"}, 2)[1] == ["g", "g"]
-    assert take_keys({"input_ids": [1]}, 1, "h")[1] == ["h"]
+    request = decode(body)
+    assert [s.trajectory_key for s in request.sequences] == ["x", None] and "trajectory_key" in body
+    assert all("trajectory_key" not in s.body.to_json() and s.body.rest == {} for s in request.sequences)
+    assert [s.trajectory_key for s in decode({"input_ids": [[1], [2]], "trajectory_key": "g"}).sequences] == ["g", "g"]
+    assert decode({"input_ids": [1]}, "h").sequences[0].trajectory_key == "h"
+    assert decode({"input_ids": [1], "trajectory_key": "b"}, "h").sequences[0].trajectory_key == "b"
     GenerateRequest.model_validate({"input_ids": [1], "trajectory_key": "t"})
     GenerateRequest.model_validate({"input_ids": [[1], [2]], "trajectory_key": ["a", "b"]})
     for bad in ({"input_ids": [1], "trajectory_key": 5}, {"input_ids": [1], "trajectory_key": ""},
@@ -151,7 +154,7 @@ def body(prompt: list[int], n: int, **extra: Any) -> dict[str, Any]:
 
 
 async def one(rig: Rig, b: dict[str, Any], key: str | None = None) -> dict[str, Any]:
-    out = await rig.generator.generate(b, key)
+    out = await rig.generator.generate(decode(b, key))
     assert isinstance(out, dict)
     return out
 
@@ -183,8 +186,8 @@ async def test_without_a_key_grpo_siblings_and_next_turns_follow_the_prefix(sess
     a, _, _ = rig.insts
     prompt = list(range(1, 20))
     try:
-        outs = await rig.generator.generate({"input_ids": [prompt] * 4,  # one GRPO group of 4 samples
-                                             "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
+        outs = await rig.generator.generate(decode({"input_ids": [prompt] * 4,  # one GRPO group of 4 samples
+                                                    "sampling_params": {"temperature": 0, "max_new_tokens": 6}}))
         assert isinstance(outs, list) and [where(o) for o in outs] == [[a.id]] * 4
         # The next turn: the previous context (prompt + answer) and a tool's reply, sent without a key.
         turn2 = prompt + reference(prompt, 6) + [3, 3, 3]
@@ -307,8 +310,8 @@ async def test_the_bound_holds_and_every_id_is_answered_once(session, action: st
     for fake in rig.fakes[:3]:
         fake.die_after_tokens = rng.randint(2, 6)
     try:
-        items: list[tuple[Any, dict[str, Any]]] = [
-            (i, body([rng.randrange(256) for _ in range(rng.randint(1, 5))], 8, trajectory_key=f"t{i % 5}"))
+        items: list[tuple[Any, Request]] = [
+            (i, decode(body([rng.randrange(256) for _ in range(rng.randint(1, 5))], 8, trajectory_key=f"t{i % 5}")))
             for i in range(40)]
         lines = [line async for ready in run_batch(rig.generator, items) for line in ready]
         assert sorted(line["id"] for line in lines) == list(range(40))
@@ -318,7 +321,7 @@ async def test_the_bound_holds_and_every_id_is_answered_once(session, action: st
             out = line["data"]
             vs = versions_of(rig, out)
             assert max(vs) - min(vs) <= 1, out["meta_info"]["segments"]
-            prompt = dict(items)[line["id"]]["input_ids"]
+            prompt = dict(items)[line["id"]].input_ids
             assert out["output_ids"] == reference(prompt, 8)
         assert all(i.load.in_flight == 0 and i.load.in_flight_tokens == 0 for i in rig.insts)
     finally:

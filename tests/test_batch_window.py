@@ -16,6 +16,7 @@ from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.window import LOOKAHEAD
 from rollout_manager.sglang import client as sgl
@@ -47,11 +48,11 @@ async def test_a_huge_batch_waits_as_a_body_not_as_a_task_per_prompt(stream: boo
     n = 20_000
     if stream:
         async def consume() -> None:
-            async for _ in g.generate_stream({**batch(n), "stream": True}):
+            async for _ in g.generate_stream(decode({**batch(n), "stream": True})):
                 pass
         task = asyncio.ensure_future(consume())
     else:
-        task = asyncio.ensure_future(g.generate(batch(n)))
+        task = asyncio.ensure_future(g.generate(decode(batch(n))))
     await settle()
     assert d.waiting == LOOKAHEAD and d.held_by_batches == n - LOOKAHEAD
     task.cancel()
@@ -89,13 +90,13 @@ async def test_a_batch_beyond_the_pool_runs_within_the_window_and_answers_every_
     d.changed.notify = watch  # type: ignore[method-assign]  # called on every placement and release
     if stream:
         finals: dict[int, dict[str, Any]] = {}
-        async for ready in g.generate_stream({**body, "stream": True}):
+        async for ready in g.generate_stream(decode({**body, "stream": True})):
             for chunk in ready:
                 if chunk["meta_info"].get("finish_reason") is not None:
                     finals[chunk["index"]] = chunk
         outs = [finals[i] for i in range(n)]
     else:
-        result = await asyncio.wait_for(g.generate(body), 60)
+        result = await asyncio.wait_for(g.generate(decode(body)), 60)
         assert isinstance(result, list)
         outs = result
     assert [o["output_ids"] for o in outs] == [reference(p, 3) for p in body["input_ids"]]
@@ -108,7 +109,7 @@ async def test_batched_requests_inside_a_batch_share_one_window() -> None:
     requests' windows together keep about one window waiting, not 64 requests times 64 prompts."""
     d = Dispatcher(Registry(), LeastInFlight())
     g = generator(d)
-    items = [(f"r{k}", batch(100)) for k in range(200)]
+    items = [(f"r{k}", decode(batch(100))) for k in range(200)]
 
     async def consume() -> None:
         async for _ in run_batch(g, items):

@@ -17,6 +17,7 @@ from rollout_manager.osutil import free_port
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineRejected
 from rollout_manager.sglang.coalesce import Coalescer
+from rollout_manager.sglang.generate_request import SequenceBody
 
 BOUNDS = CallBounds(connect_timeout_s=2.0, stall_timeout_s=5.0)
 
@@ -66,7 +67,7 @@ def body(n: int, **extra: Any) -> dict[str, Any]:
 
 
 async def one(co: Coalescer, session: aiohttp.ClientSession, url: str, b: dict[str, Any]) -> dict[str, Any]:
-    return await co.generate_once(session, url, b, BOUNDS)
+    return await co.generate_once(session, url, SequenceBody.of(b), BOUNDS)
 
 
 async def test_calls_that_start_together_share_one_request_and_each_gets_its_own_answer(engine: Engine) -> None:

@@ -22,6 +22,7 @@ from support import PY, Proc, async_wait_until, wait_http_ok_sync, wait_until
 from rollout_manager.cpu_engine.model import build_model, reference_generate, state_dict_checksums, tensor_checksum
 from rollout_manager.rollout.progress import SequenceProgress
 from rollout_manager.sglang import tensor_payload, wire
+from rollout_manager.sglang.generate_request import SequenceBody, continuation
 from rollout_manager.sglang.sse import SSEDecoder, StreamError
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -322,7 +323,7 @@ async def test_http_continuation_gives_the_same_tokens(engines, session):
     ids, lps = full["output_ids"], full["meta_info"]["output_token_logprobs"]
     base = {"input_ids": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 40}, "return_logprob": True}
     for k in (3, 19, 38):
-        body = wire.continuation_body(base, ids[:k], rid=f"cont-{k}")
+        body = continuation(SequenceBody.of(base), ids[:k], rid=f"cont-{k}").to_json()
         assert body["sampling_params"]["max_new_tokens"] == 40 - k
         chunks = await Stream(session, e.url, body).collect()
         p = fold(chunks)

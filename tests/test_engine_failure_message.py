@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from rollout_manager.sglang.client import CallBounds, EngineFailed, stream_generate
+from rollout_manager.sglang.generate_request import SequenceBody
 
 
 async def test_a_stream_cut_mid_answer_says_the_instance_broke_off():
@@ -26,7 +27,7 @@ async def test_a_stream_cut_mid_answer_says_the_instance_broke_off():
     try:
         async with aiohttp.ClientSession() as session:
             with pytest.raises(EngineFailed) as failed:
-                async for _ in stream_generate(session, f"http://127.0.0.1:{port}", {"input_ids": [1]},
+                async for _ in stream_generate(session, f"http://127.0.0.1:{port}", SequenceBody.of({"input_ids": [1]}),
                                                CallBounds(connect_timeout_s=5, stall_timeout_s=5)):
                     pass
     finally:

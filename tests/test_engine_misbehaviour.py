@@ -31,9 +31,11 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.progress import BadChunk, SequenceProgress
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang import client as sgl
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.sse import FrameTooLarge, SSEDecoder, sse_frame
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -194,7 +196,7 @@ def body(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 async def generate(rig: Rig, b: dict[str, Any], within_s: float = 20.0) -> dict[str, Any]:
-    out = await asyncio.wait_for(rig.generator.generate(b), within_s)  # a regression fails, never hangs
+    out = await asyncio.wait_for(rig.generator.generate(decode(b)), within_s)  # a regression fails, never hangs
     assert isinstance(out, dict)
     return out
 
@@ -270,7 +272,7 @@ async def test_a_streaming_caller_sees_only_vouched_tokens(make_rig) -> None:
     rig.fakes[0].rewrite = garble(3, _set([0, 7, 231, -1], completion_tokens=4))  # a wrong 4th token
     want = reference(PROMPT, 8)
     seen: list[list[int]] = []
-    async for ready in rig.generator.generate_stream(body(8, stream=True)):
+    async for ready in rig.generator.generate_stream(decode(body(8, stream=True))):
         seen.extend(c["output_ids"] for c in ready)
     assert seen[-1] == want and all(ids == want[:len(ids)] for ids in seen)
 
@@ -377,7 +379,7 @@ async def test_trickled_bytes_after_good_chunks_are_no_progress() -> None:
     try:
         async with aiohttp.ClientSession() as session:
             with pytest.raises(sgl.EngineFailed) as err:
-                async for c in sgl.stream_generate(session, str(server.make_url("")), body(4),
+                async for c in sgl.stream_generate(session, str(server.make_url("")), SequenceBody.of(body(4)),
                                                    sgl.CallBounds(connect_timeout_s=2, stall_timeout_s=0.3)):
                     got.append(c.output_ids)
         assert got == [[1], [2]]  # the second, cumulative, parsed without the id already seen

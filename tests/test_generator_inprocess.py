@@ -15,6 +15,7 @@ from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
@@ -59,7 +60,7 @@ def body(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 async def generate_one(generator: Generator, b: dict[str, Any]) -> dict[str, Any]:
-    out = await generator.generate(b)
+    out = await generator.generate(decode(b))
     assert isinstance(out, dict)
     return out
 
@@ -105,7 +106,7 @@ async def test_a_4xx_goes_back_to_the_caller_and_is_not_held_against_the_instanc
     rig.fakes[0].reject_status = rig.fakes[1].reject_status = 400  # a second instance agrees: the caller's
     a, b = register_active(rig.registry, rig.fakes)
     with pytest.raises(GenerationFailed) as err:
-        await rig.generator.generate(body(5))
+        await rig.generator.generate(decode(body(5)))
     assert err.value.status == 400 and "fake engine refuses with 400" in str(err.value)
     assert [len(f.requests) for f in rig.fakes] == [1, 1]  # one other instance asked, no more
     assert rig.health.failures == [] and a.health.consecutive_failures == 0
@@ -119,7 +120,7 @@ async def test_attempts_exhausted_is_a_502(rig: Rig) -> None:
     register_active(rig.registry, rig.fakes)
     rig.health.marks = False  # the instances recover between attempts, so only the attempt limit stops it
     with pytest.raises(GenerationFailed) as err:
-        await rig.generator.generate(body(5, rid="doomed"))
+        await rig.generator.generate(decode(body(5, rid="doomed")))
     assert err.value.status == 502
     assert "sequence doomed failed on 3 attempt(s) (limit 3)" in str(err.value)
     assert sum(len(f.requests) for f in rig.fakes) == SETTINGS.max_attempts
@@ -131,14 +132,14 @@ async def test_a_sequence_failing_everywhere_waits_for_a_recovered_instance_then
         fake.reject_status = 503
     register_active(rig.registry, rig.fakes)
     with pytest.raises(GenerationFailed) as err:
-        await rig.generator.generate(body(5))
+        await rig.generator.generate(decode(body(5)))
     assert err.value.status == 503 and "within 0.2s" in str(err.value)
     assert sum(len(f.requests) for f in rig.fakes) == 2  # each once; neither recovered since
 
 
 async def test_no_instance_is_a_503_within_the_wait_timeout(rig: Rig) -> None:
     with pytest.raises(GenerationFailed) as err:
-        await rig.generator.generate(body(5))
+        await rig.generator.generate(decode(body(5)))
     assert err.value.status == 503
     assert str(err.value) == "no rollout instance could take the request within 0.2s (0 active)"
 
@@ -156,13 +157,13 @@ async def test_a_stalled_stream_continues_elsewhere(rig: Rig) -> None:
 async def test_finished_listeners_are_told_once_per_sequence(rig: Rig) -> None:
     rig.fakes[0].die_after_tokens = 2  # a continuation is still one sequence
     register_active(rig.registry, rig.fakes)
-    out = await rig.generator.generate({"input_ids": [list(PROMPT), [1, 2]],
-                                        "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    out = await rig.generator.generate(decode({"input_ids": [list(PROMPT), [1, 2]],
+                                               "sampling_params": {"temperature": 0, "max_new_tokens": 4}}))
     assert isinstance(out, list) and [o["index"] for o in out] == [0, 1]
     assert sorted((tokens, ok) for _, tokens, ok in rig.finished) == [(4, True), (4, True)]
     rig.fakes[1].reject_status = rig.fakes[0].reject_status = 422
     with pytest.raises(GenerationFailed):
-        await rig.generator.generate(body(3))
+        await rig.generator.generate(decode(body(3)))
     assert len(rig.finished) == 3 and rig.finished[-1][1:] == (0, False)
 
 
@@ -175,7 +176,7 @@ async def test_an_abort_with_a_4xx_status_is_the_callers_error_not_the_instances
     a, b = register_active(rig.registry, rig.fakes)
     for _ in range(3):
         with pytest.raises(GenerationFailed) as err:
-            await rig.generator.generate(body(5))
+            await rig.generator.generate(decode(body(5)))
         assert err.value.status == 400 and "exceeds the maximum allowed length" in str(err.value)
     assert [len(f.requests) for f in rig.fakes] == [3, 3]  # each once asked a second instance, no more
     assert rig.health.failures == [] and a.health.consecutive_failures == 0
@@ -216,7 +217,7 @@ async def test_no_token_limit_continues_to_the_context_end(rig: Rig) -> None:
 async def test_a_string_rid_names_batch_items_as_sglang_does(rig: Rig) -> None:
     register_active(rig.registry, rig.fakes)
     b = {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"temperature": 0, "max_new_tokens": 3}, "rid": "b"}
-    out = await rig.generator.generate(b)
+    out = await rig.generator.generate(decode(b))
     assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
     assert sorted(r["rid"] for f in rig.fakes for r in f.requests) == ["b_0", "b_1"]
 
@@ -225,7 +226,7 @@ async def test_stream_chunks_carry_the_cumulative_text(rig: Rig) -> None:
     rig.fakes[0].stall_after_tokens = 2  # so that a partial chunk surely goes out before the end
     register_active(rig.registry, rig.fakes[:1])
     chunks: list[dict[str, Any]] = []
-    async for batch in rig.generator.generate_stream(body(4)):
+    async for batch in rig.generator.generate_stream(decode(body(4))):
         chunks.extend(batch)
         rig.fakes[0].unstall()
     assert len(chunks) >= 2 and chunks[0]["meta_info"]["finish_reason"] is None
@@ -250,9 +251,9 @@ async def test_a_streaming_callers_own_stream_interval_is_respected(rig: Rig) ->
     register_active(rig.registry, rig.fakes[:1])
     own = body(4)
     own["sampling_params"]["stream_interval"] = 2
-    async for _ in rig.generator.generate_stream(own):
+    async for _ in rig.generator.generate_stream(decode(own)):
         pass
-    async for _ in rig.generator.generate_stream(body(4)):
+    async for _ in rig.generator.generate_stream(decode(body(4))):
         pass
     sent = [r["sampling_params"]["stream_interval"] for r in rig.fakes[0].requests]
     assert sent == [2, SETTINGS.engine_stream_interval]
@@ -278,7 +279,7 @@ async def test_a_short_non_streaming_sequence_asks_the_engine_for_one_answer(rig
     assert sent["stream"] is False and "stream_interval" not in sent["sampling_params"]
     # Longer than one interval, or a caller that streams: the engine streams.
     await generate_one(gen, body(17))
-    async for _ in gen.generate_stream(body(8)):
+    async for _ in gen.generate_stream(decode(body(8))):
         pass
     assert [r["stream"] for r in rig.fakes[0].requests[1:]] == [True, True]
 

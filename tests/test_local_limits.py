@@ -20,6 +20,7 @@ from support import PY, Proc, wait_http_ok
 from rollout_manager.osutil import free_port
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import CallBounds, Probe, stream_generate
+from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.local_limits import LocalLimits, LoopWatch, local_resource_error
 
 FAST = {"pending_poll_interval_s": 0.05, "health_check_interval_s": 0.2, "health_failure_threshold": 2}
@@ -167,7 +168,7 @@ async def test_a_connect_timed_out_by_a_blocked_loop_is_retried_and_not_blamed()
             loop = asyncio.get_running_loop()
             loop.call_soon(time.sleep, 1.0)  # blocks the loop once the connect has started
             chunks = [c async for c in stream_generate(
-                session, f"http://127.0.0.1:{port}", {"input_ids": [1]},
+                session, f"http://127.0.0.1:{port}", SequenceBody.of({"input_ids": [1]}),
                 CallBounds(connect_timeout_s=0.3, stall_timeout_s=5.0, limits=limits))]
     finally:
         await runner.cleanup()

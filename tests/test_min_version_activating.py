@@ -15,13 +15,15 @@ from typing import Any
 from support import async_wait_until
 from test_min_weight_version import activate, body, fleet, versions  # noqa: F401 (fleet: the fixture)
 
+from rollout_manager.rollout.request import decode
+
 
 async def test_a_box_still_loading_the_version_does_not_take_a_request_that_needs_it(fleet: Any) -> None:  # noqa: F811
     generator, registry, fakes = fleet
     (inst,) = activate(registry, fakes[:1], [0])
     inst.versions.activating, inst.versions.serving_before = 1, 0  # what sync.py sets from the pause on
     inst.weight_version = 1
-    task = asyncio.ensure_future(generator.generate(body(4, min_weight_version=1)))
+    task = asyncio.ensure_future(generator.generate(decode(body(4, min_weight_version=1))))
     try:
         await async_wait_until(lambda: fakes[0].requests or generator.dispatcher.waiting, 10.0, interval_s=0.01,
                                message="the request placed or queued")

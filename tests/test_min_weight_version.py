@@ -22,6 +22,7 @@ from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
@@ -73,10 +74,10 @@ def versions(out: Any) -> list[int]:
 async def test_sequences_run_only_at_the_floor_or_newer_and_the_field_is_not_forwarded(fleet: Any) -> None:
     generator, registry, fakes = fleet
     activate(registry, fakes[:3], [1, 2, 3])
-    outs = await asyncio.gather(*(generator.generate(body(4, min_weight_version=2)) for _ in range(6)))
+    outs = await asyncio.gather(*(generator.generate(decode(body(4, min_weight_version=2))) for _ in range(6)))
     assert all(versions(o)[0] >= 2 for o in outs), [versions(o) for o in outs]
     assert not fakes[0].requests  # version 1: never asked
-    batch = await generator.generate(body(4, min_weight_version=3) | {"input_ids": [PROMPT, PROMPT]})
+    batch = await generator.generate(decode(body(4, min_weight_version=3) | {"input_ids": [PROMPT, PROMPT]}))
     assert isinstance(batch, list) and all(versions(o) == [3] for o in batch)
     sent = [r for f in fakes for r in f.requests]
     assert sent and all("min_weight_version" not in r for r in sent)
@@ -86,7 +87,7 @@ async def test_a_continued_sequence_never_goes_back_to_an_older_version(fleet: A
     generator, registry, fakes = fleet
     (first,) = activate(registry, fakes[:1], [3])  # the only instance yet: the sequence starts on version 3
     fakes[0].stall_after_tokens = 3  # then silent: cut after stall_timeout_s (0.5 s)
-    task = asyncio.ensure_future(generator.generate(body(10, min_weight_version=1)))
+    task = asyncio.ensure_future(generator.generate(decode(body(10, min_weight_version=1))))
     await async_wait_until(lambda: fakes[0].requests, 10.0, interval_s=0.01, message="the first attempt")
     assert registry.transition(first, State.DRAINING, "test: it takes no more work")
     # Versions 1 and 1 would do for min_weight_version=1, but the sequence already has version-3 tokens.
@@ -101,7 +102,7 @@ async def test_when_no_instance_qualifies_the_sequence_waits_then_gets_503(fleet
     generator, registry, fakes = fleet
     activate(registry, fakes, [1, 2, 3, 3])
     with pytest.raises(ManagerError) as err:
-        await generator.generate(body(4, min_weight_version=9))
+        await generator.generate(decode(body(4, min_weight_version=9)))
     assert err.value.status == 503 and "min_weight_version=9" in str(err.value)
     assert not any(f.requests for f in fakes)
 

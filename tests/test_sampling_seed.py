@@ -11,15 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import msgspec
 from fakes import HealthRecorder, reference, register_active, start_fakes
 
 from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import with_sampling_seed
 from rollout_manager.sglang.client import SGLangClient
+from rollout_manager.sglang.generate_request import SequenceBody, encode
 
 PROMPT = [5, 17, 42]
 SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3,
@@ -41,7 +44,7 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
                                   LocalBudget(0.0, 0.0, 1.0), on_instance_failure=HealthRecorder().failure,
                                   on_instance_success=HealthRecorder().success)
             register_active(registry, fakes)
-            out = await generator.generate(body(10, rid="seq"))
+            out = await generator.generate(decode(body(10, rid="seq")))
             assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 10)
             (first,), (cont,) = dying.requests, healthy.requests
             seed = first["sampling_params"]["sampling_seed"]
@@ -50,8 +53,8 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
             assert out["meta_info"]["sampling_seed"] == seed
 
             dying.die_after_tokens = None
-            batch = await generator.generate({"input_ids": [list(PROMPT)] * 8,
-                                              "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}})
+            batch = await generator.generate(decode({"input_ids": [list(PROMPT)] * 8,
+                                                     "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}}))
             assert isinstance(batch, list)
             seeds = [o["meta_info"]["sampling_seed"] for o in batch]
             assert len(set(seeds)) == 8  # a GRPO group: no two samples share a seed
@@ -61,9 +64,12 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
 
 
 def test_a_callers_seed_is_kept() -> None:
-    given = body(4, sampling_seed=1234)
+    given = SequenceBody.of(body(4, sampling_seed=1234))
     assert with_sampling_seed(given) is given
-    added = with_sampling_seed(body(4))
-    assert isinstance(added["sampling_params"]["sampling_seed"], int)
-    assert "sampling_seed" not in body(4)["sampling_params"]  # the caller's body is not changed
-    assert with_sampling_seed({"input_ids": [1]})["sampling_params"]["sampling_seed"] >= 0
+    plain = SequenceBody.of(body(4))
+    added = with_sampling_seed(plain)
+    assert isinstance(added.sampling.sampling_seed, int)
+    assert plain.sampling.sampling_seed is None  # the caller's body is not changed
+    assert encode(added) == encode(msgspec.structs.replace(plain, sampling=msgspec.structs.replace(
+        plain.sampling, sampling_seed=added.sampling.sampling_seed)))  # nothing else changed
+    assert with_sampling_seed(SequenceBody.of({"input_ids": [1]})).sampling.sampling_seed >= 0

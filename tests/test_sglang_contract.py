@@ -22,7 +22,10 @@ from rollout_manager.cpu_engine.contract import abort_contract_error, api_types_
 from rollout_manager.cpu_engine.engine import EngineConfig
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.cpu_engine.server import create_app
+from rollout_manager.rollout.request import decode
+from rollout_manager.rollout.sequence import with_sampling_seed
 from rollout_manager.sglang import tensor_payload, wire
+from rollout_manager.sglang.generate_request import continuation
 from rollout_manager.sglang.sse import iter_frames
 from trainer_plugin.proxy import build_generate_body
 from trainer_plugin.streaming import RolloutStream
@@ -32,23 +35,26 @@ VERL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_pena
 
 
 def manager_bodies() -> list[dict[str, Any]]:
-    """What the manager sends to ``/generate``: the first attempt and continuations of callers' bodies."""
+    """What the manager sends to ``/generate``: the first attempt and continuations of callers' bodies,
+    each decoded as the door does (``rollout.request``) and seeded as a sequence is."""
     callers: list[dict[str, Any]] = [
         {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "rid": "r"},
         {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None, "min_new_tokens": 2, "top_k": 5,
                                                   "stream_interval": 2}, "return_logprob": True},
-        {"input_ids": PROMPT},
+        {"input_ids": PROMPT, "trajectory_key": "t", "min_weight_version": 3},
+        {"input_ids": [PROMPT, PROMPT[:2]], "rid": "b", "return_logprob": [True, False],
+         "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 2, "sampling_seed": 3}]},
     ]
-    batched = {"input_ids": [PROMPT, PROMPT[:2]], "rid": "b", "return_logprob": [True, False],
-               "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 2, "sampling_seed": 3}]}
-    callers += wire.split_batch(batched)
     out = []
-    for body in callers:
-        out.append(wire.continuation_body(body, [], rid=str(body.get("rid") or "rm-1")))
-        out.append(wire.continuation_body(body, [7, 8], rid="rm-1~1"))
-        # As the Generator sends them: with the manager's per-request stream interval.
-        out.append(wire.continuation_body(body, [], rid="rm-2", stream_interval=16))
-        out.append(wire.continuation_body(body, [7], rid="rm-2~1", stream_interval=16, keep_caller_interval=True))
+    for caller in callers:
+        for item in decode(caller).sequences:
+            body = with_sampling_seed(item.body)
+            out.append(continuation(body, [], rid=body.rid or "rm-1").to_json())
+            out.append(continuation(body, [7, 8], rid="rm-1~1").to_json())
+            # As the Generator sends them: with the manager's per-request stream interval, or as one answer.
+            out.append(continuation(body, [], rid="rm-2", stream_interval=16).to_json())
+            out.append(continuation(body, [7], rid="rm-2~1", stream_interval=16, keep_caller_interval=True).to_json())
+            out.append(continuation(body, [7], rid="rm-3", stream_interval=16, stream=False).to_json())
     return out
 
 
@@ -63,7 +69,8 @@ def plugin_bodies() -> list[dict[str, Any]]:
 
 def all_generate_bodies() -> list[dict[str, Any]]:
     plugin = plugin_bodies()
-    return manager_bodies() + plugin + [wire.continuation_body(b, [3], rid="p~1") for b in plugin]
+    continued = [continuation(item.body, [3], rid="p~1").to_json() for b in plugin for item in decode(b).sequences]
+    return manager_bodies() + plugin + continued
 
 
 ABORT_BODIES = [wire.abort_body("r"), wire.abort_body(abort_all=True), wire.abort_body(None)]

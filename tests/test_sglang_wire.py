@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.rollout.answers import final_output, partial_output
 from rollout_manager.rollout.progress import SequenceProgress
+from rollout_manager.rollout.sequence import Segment
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.sse import ChunkDecoder, SSEDecoder, StreamError, sse_frame
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -48,21 +50,6 @@ def test_progress_folds_cumulative_and_incremental_chunks_alike() -> None:
     last = GenerateChunk.of(chunk([1, 2, 3], 3, finish=wire.finish_reason(wire.LENGTH, length=3)))
     assert cumulative.apply(last) == 0
     assert cumulative.finish_reason == {"type": "length", "length": 3}
-
-
-def test_continuation_body_extends_prompt_and_shrinks_budgets_without_touching_the_original() -> None:
-    body: dict[str, Any] = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10, "min_new_tokens": 4,
-                                                     "temperature": 0}, "return_logprob": True}
-    new = wire.continuation_body(body, [7, 8, 9], rid="x~1")
-    assert new["input_ids"] == [5, 6, 7, 8, 9]
-    assert new["sampling_params"] == {"max_new_tokens": 7, "min_new_tokens": 1, "temperature": 0}
-    assert new["stream"] is True and new["rid"] == "x~1" and new["return_logprob"] is True
-    assert body["input_ids"] == [5, 6] and body["sampling_params"]["max_new_tokens"] == 10
-    # SGLang's default budget applies when the caller gave none; never below zero.
-    default: dict[str, Any] = {"input_ids": [1]}
-    assert wire.continuation_body(default, [2] * 3, rid="y")["sampling_params"] == {
-        "max_new_tokens": wire.DEFAULT_MAX_NEW_TOKENS - 3}
-    assert wire.continuation_body(body, list(range(12)), rid="z")["sampling_params"]["max_new_tokens"] == 0
 
 
 def test_split_batch_keeps_per_item_fields() -> None:
@@ -103,17 +90,13 @@ def test_progress_keeps_the_last_reported_weight_version_when_chunks_leave_it_ou
     assert p.weight_version == "7" and p.output_ids.tolist() == [1, 2]
 
 
-def test_token_budget_and_logprobs_come_from_the_single_sequence_body() -> None:
+def test_an_engine_reads_the_token_budget_of_a_single_sequence_body() -> None:
     assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": 5}}) == 5
     assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}) == 0
     for params in (None, {}):
         assert wire.token_budget({"input_ids": [1], "sampling_params": params}) == wire.DEFAULT_MAX_NEW_TOKENS
     # null is no limit in SGLang (it stops at the context end), not its default of 128.
     assert wire.token_budget({"input_ids": [1], "sampling_params": {"max_new_tokens": None}}) is None
-    cont = wire.continuation_body({"input_ids": [1], "sampling_params": {"max_new_tokens": None}}, [2, 3], rid="c")
-    assert cont["input_ids"] == [1, 2, 3] and cont["sampling_params"] == {"max_new_tokens": None}
-    assert wire.wants_logprobs({"return_logprob": True})
-    assert not wire.wants_logprobs({}) and not wire.wants_logprobs({"return_logprob": None})
 
 
 def test_finish_length_of_a_continued_request_counts_from_the_sequence_start() -> None:
@@ -154,22 +137,21 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     engine_meta = chunk([9], 3, finish=wire.finish_reason(wire.LENGTH, length=4),
                         lps=[[-0.5, 9, None]])["meta_info"]
     engine_meta["cached_tokens"] = 2
-    segments = [{"instance": "a", "weight_version": "6", "start": 0, "end": 2},
-                {"instance": "b", "weight_version": "7", "start": 2, "end": 3}]
+    segments = [Segment("a", "h:1", "6", 0, 2, "failed: x"), Segment("b", "h:2", "7", 2, 3, "finished")]
     lps = [[-0.1, 1, None], [-0.2, 2, None], [-0.5, 9, None]]
-    out = final_output(body, rid="caller", output_ids=[1, 2, 9], logprobs=lps,
+    out = final_output(SequenceBody.of(body), rid="caller", output_ids=[1, 2, 9], logprobs=lps,
                             finish={"type": "length", "length": 3}, engine_meta=engine_meta, segments=segments,
                             text=None, e2e_latency=1.23456789, index=2)
     meta = out["meta_info"]
     assert out["output_ids"] == [1, 2, 9] and out["text"] is None and out["index"] == 2
     assert meta["id"] == "caller" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
     assert meta["finish_reason"] == {"type": "length", "length": 3}
-    assert meta["weight_version"] == "7" and meta["segments"] == segments
+    assert meta["weight_version"] == "7" and meta["segments"] == [s.to_dict() for s in segments]
     assert meta["output_token_logprobs"] == lps and meta["e2e_latency"] == 1.234568
     assert meta["cached_tokens"] == 2  # passed through from the engine
     assert engine_meta["id"] == "r" and "segments" not in engine_meta  # the engine's dict is not changed
     # Without return_logprob the engine's log-probs are dropped; without segments its version stays.
-    plain = final_output({"input_ids": [5]}, rid="x", output_ids=[], logprobs=[], finish=None,
+    plain = final_output(SequenceBody.of({"input_ids": [5]}), rid="x", output_ids=[], logprobs=[], finish=None,
                               engine_meta=engine_meta, segments=[], text="", e2e_latency=0.0, index=None)
     assert "output_token_logprobs" not in plain["meta_info"] and "index" not in plain
     assert plain["meta_info"]["weight_version"] == "7"
@@ -177,28 +159,29 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
 
 def test_partial_output_is_cumulative_and_unfinished() -> None:
     lps = [[-0.1, 1, None]]
-    out = partial_output({"input_ids": [5, 6], "return_logprob": True}, rid="r", output_ids=[1], logprobs=lps,
-                              weight_version="3", index=None)
+    out = partial_output(SequenceBody.of({"input_ids": [5, 6], "return_logprob": True}), rid="r", output_ids=[1],
+                         logprobs=lps, weight_version="3", index=None)
     assert out == output_chunk(rid="r", output_ids=[1], prompt_tokens=2, completion_tokens=1, finish=None,
                                     weight_version="3", logprobs=lps)
-    no_lp = partial_output({"input_ids": [5]}, rid="r", output_ids=[1], logprobs=lps, weight_version="3",
-                                index=1)
+    no_lp = partial_output(SequenceBody.of({"input_ids": [5]}), rid="r", output_ids=[1], logprobs=lps,
+                           weight_version="3", index=1)
     assert "output_token_logprobs" not in no_lp["meta_info"] and no_lp["index"] == 1
 
 
 def test_read_output_reads_the_managers_answer() -> None:
     body = {"input_ids": [5], "return_logprob": True}
-    segments: list[dict[str, Any]] = [{"weight_version": "6", "start": 0, "end": 1},
-                                      {"weight_version": None, "start": 1, "end": 2}]
-    answer = final_output(body, rid="q", output_ids=[1, 2], logprobs=[[-0.1, 1, None], [None, 2, None]],
-                               finish=wire.finish_reason(wire.STOP), engine_meta={}, segments=segments,
+    segments = [Segment("a", "h:1", "6", 0, 1), Segment("b", "h:2", None, 1, 2)]
+    answer = final_output(SequenceBody.of(body), rid="q", output_ids=[1, 2],
+                               logprobs=[[-0.1, 1, None], [None, 2, None]], finish=wire.finish_reason(wire.STOP),
+                               engine_meta={}, segments=segments,
                                text="ab", e2e_latency=0.5, index=None)
     out = wire.read_output(answer)
     assert out.rid == "q" and out.output_ids == [1, 2] and out.text == "ab" and out.index is None
     assert out.finish_reason == {"type": "stop"} and out.finish_type == "stop"
     assert out.prompt_tokens == 1 and out.completion_tokens == 2 and out.e2e_latency == 0.5
     assert out.token_logprobs == [-0.1, None] and len(out.logprob_entries) == 2
-    assert out.segments == segments and out.weight_version is None and out.weight_versions == ["6", None]
+    assert out.segments == [s.to_dict() for s in segments]
+    assert out.weight_version is None and out.weight_versions == ["6", None]
 
 
 def test_read_output_of_sglang_own_output_and_of_an_empty_object() -> None:

@@ -29,6 +29,7 @@ from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang import client as sgl
 
@@ -139,7 +140,7 @@ async def test_a_sequence_failing_on_the_only_instance_ends_with_a_503_naming_th
         rig.fake.rewrite = BROKEN[name]
     t0 = time.monotonic()
     with pytest.raises(GenerationFailed) as info:
-        await asyncio.wait_for(rig.generator.generate(body()), 10 * WAIT_S)  # a hang fails here
+        await asyncio.wait_for(rig.generator.generate(decode(body())), 10 * WAIT_S)  # a hang fails here
     took = time.monotonic() - t0
     assert info.value.status == 503
     message = str(info.value)
@@ -156,14 +157,14 @@ async def test_a_sequence_failing_after_progress_each_time_ends_at_the_attempt_l
     rig.generator.settings = replace(SETTINGS, max_attempts=3)
     rig.fake.rewrite = backwards
     with pytest.raises(GenerationFailed) as info:
-        await asyncio.wait_for(rig.generator.generate(body(100)), 10 * WAIT_S)
+        await asyncio.wait_for(rig.generator.generate(decode(body(100))), 10 * WAIT_S)
     assert info.value.status == 502 and "failed on 3 attempt(s)" in str(info.value)
     assert "went back from 2 to 1" in str(info.value) and len(rig.failures) == 3
 
 
 async def test_the_same_inside_a_batch(rig: Rig) -> None:
     rig.fake.rewrite = wrong_count
-    items = [(f"r{k}", body()) for k in range(4)]
+    items = [(f"r{k}", decode(body())) for k in range(4)]
     t0 = time.monotonic()
 
     async def collect() -> list[dict[str, Any]]:

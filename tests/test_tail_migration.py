@@ -20,6 +20,7 @@ from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import (
     InstanceLoad,
     LeastInFlight,
@@ -281,7 +282,7 @@ async def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
 async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig: Rig) -> None:
     slow, fast = rig.fakes
     slow.hold_after = 40  # a goes first (least in flight, ties by id) and stops at 40 tokens
-    task = asyncio.ensure_future(rig.generator.generate(body(100, "m")))
+    task = asyncio.ensure_future(rig.generator.generate(decode(body(100, "m"))))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
     assert rig.generator.migrate_now() == 1
     assert rig.b.load.in_flight == 1  # reserved for it at once
@@ -304,7 +305,7 @@ async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig:
 async def test_a_migrated_sequence_never_moves_back(rig: Rig) -> None:
     slow, fast = rig.fakes
     slow.hold_after = fast.hold_after = 10
-    task = asyncio.ensure_future(rig.generator.generate(body(50, "p")))
+    task = asyncio.ensure_future(rig.generator.generate(decode(body(50, "p"))))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 10)
     assert rig.generator.migrate_now() == 1
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 20)  # now held on b
@@ -319,7 +320,7 @@ async def test_a_migrated_sequence_never_moves_back(rig: Rig) -> None:
 async def test_a_sequence_that_finishes_before_the_abort_lands_frees_its_reserved_target(rig: Rig) -> None:
     slow, fast = rig.fakes
     slow.hold_after, slow.ignore_abort = 30, True
-    task = asyncio.ensure_future(rig.generator.generate(body(60, "r")))
+    task = asyncio.ensure_future(rig.generator.generate(decode(body(60, "r"))))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 30)
     assert rig.generator.migrate_now() == 1 and rig.b.load.in_flight == 1
     await wait_for(lambda: slow.aborted == ["r"])
@@ -334,7 +335,7 @@ async def test_a_sequence_that_finishes_before_the_abort_lands_frees_its_reserve
 async def test_a_reserved_target_that_dies_meanwhile_falls_back_to_the_dispatcher(rig: Rig) -> None:
     slow, fast = rig.fakes
     slow.hold_after = 20
-    task = asyncio.ensure_future(rig.generator.generate(body(40, "d")))
+    task = asyncio.ensure_future(rig.generator.generate(decode(body(40, "d"))))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 20)
     slow.ignore_abort = True  # hold the move until the target is gone
     assert rig.generator.migrate_now() == 1
@@ -357,7 +358,7 @@ async def test_every_id_answered_once_with_the_timer_moving_sequences() -> None:
         async with aiohttp.ClientSession() as session:
             rig = await make_rig(session, fakes, settings)
             rig.dispatcher.policy = LeastInFlight(max_in_flight=4)  # half of them start on the slow a
-            items = [(k, body(30 + k, f"q{k}")) for k in range(8)]
+            items = [(k, decode(body(30 + k, f"q{k}"))) for k in range(8)]
             lines = [line async for batch in run_batch(rig.generator, items) for line in batch]
             assert sorted(line["id"] for line in lines) == list(range(8))
             for line in lines:
@@ -381,7 +382,7 @@ async def test_no_move_while_the_managers_own_event_loop_lags() -> None:
             settings = GenerationSettings(**{**SETTINGS.__dict__, "migration_interval_s": 1.0})
             rig = await make_rig(session, fakes, settings)
             fakes[0].hold_after = 40
-            task = asyncio.ensure_future(rig.generator.generate(body(100, "lag")))
+            task = asyncio.ensure_future(rig.generator.generate(decode(body(100, "lag"))))
             await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
             watch = rig.generator.client.limits.loop
             watch.ensure_started()

@@ -9,7 +9,6 @@ import time
 import tracemalloc
 from array import array
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
@@ -22,6 +21,7 @@ from rollout_manager.rollout.progress import BadChunk, SequenceProgress, token_a
 from rollout_manager.rollout.sequence import SequenceState
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import CallBounds, stream_generate
+from rollout_manager.sglang.generate_request import SequenceBody, continuation, encode
 from rollout_manager.sglang.sse import sse_frame
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -66,12 +66,13 @@ async def held_stream() -> AsyncIterator[tuple[str, asyncio.Event]]:
 
 async def test_tokens_in_flight_cost_about_four_bytes_each(held_stream: tuple[str, asyncio.Event]) -> None:
     url, release = held_stream
-    seq = SequenceState(body={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": HELD + 1}}, rid="m")
+    seq = SequenceState(body=SequenceBody.of({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": HELD + 1}}),
+                        rid="m")
     progress = SequenceProgress(seq.output_ids, seq.logprobs, limit=HELD + 1, vocab_size=2**20)
 
     async with aiohttp.ClientSession() as session:
         async def consume() -> None:
-            body = wire.continuation_body(seq.body, seq.output_ids, rid="m")
+            body = continuation(seq.body, seq.output_ids, rid="m")
             async for chunk in stream_generate(session, url, body, CallBounds(5.0, 30.0)):
                 progress.apply(chunk)
                 del chunk  # as the manager's relay does (rollout.generation)
@@ -103,15 +104,15 @@ async def test_tokens_in_flight_cost_about_four_bytes_each(held_stream: tuple[st
 def test_results_and_partial_chunks_are_json_lists() -> None:
     """Callers get lists of ints, whatever the manager keeps inside."""
     ids = token_array([5, 300, 70_000])
-    body: dict[str, Any] = {"input_ids": [1, 2], "return_logprob": False}
+    body = SequenceBody.of({"input_ids": [1, 2], "return_logprob": False})
     final = final_output(body, rid="r", output_ids=ids, logprobs=[], finish=None, engine_meta={},
                               segments=[], text=None, e2e_latency=0.0, index=None)
     partial = partial_output(body, rid="r", output_ids=ids, logprobs=[], weight_version="0", index=None)
-    cont = wire.continuation_body(body, ids, rid="r~1")
-    for out in (final["output_ids"], partial["output_ids"], cont["input_ids"]):
+    cont = continuation(body, ids, rid="r~1")
+    for out in (final["output_ids"], partial["output_ids"], cont.input_ids):
         assert type(out) is list
     assert jsonutil.loads(jsonutil.dumps(final))["output_ids"] == [5, 300, 70_000]
-    assert cont["input_ids"] == [1, 2, 5, 300, 70_000]
+    assert jsonutil.loads(encode(cont))["input_ids"] == [1, 2, 5, 300, 70_000]
 
 
 def test_bad_ids_are_refused_before_anything_is_kept() -> None:

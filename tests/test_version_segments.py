@@ -17,6 +17,7 @@ from rollout_manager.instances.registry import Instance, Registry
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
@@ -54,7 +55,7 @@ async def _cross(generator: Generator, inst: Instance, fake: FakeSGLang, at: int
 
     fake.rewrite, fake.stall_after_tokens = watch, at
     body = {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
-    task = asyncio.ensure_future(generator.generate(body))
+    task = asyncio.ensure_future(generator.generate(decode(body)))
     await async_wait_until(lambda: len(sent) == at, 10.0, interval_s=0.01, message=f"{at} chunks sent")
     inst.weight_version, fake.weight_version = 1, "1"  # activated under the running sequence
     fake.unstall()

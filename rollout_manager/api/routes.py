@@ -6,11 +6,13 @@ The handlers and the route table; the generic plumbing they stand on is in ``htt
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from rollout_manager import __version__, jsonutil
 from rollout_manager.api import status_page
@@ -27,6 +29,7 @@ from rollout_manager.api.http import (
     decode_json,
     json_errors,
     json_response,
+    read_json,
     validate,
 )
 from rollout_manager.api.openapi import build_openapi
@@ -40,6 +43,7 @@ from rollout_manager.api.schemas import (
     UpdateMetrics,
     UpdateWeightSenders,
     UpdateWeightVersion,
+    plain_generate,
 )
 from rollout_manager.bearer import bearer_matches
 from rollout_manager.errors import INTERNAL_ERROR, BadRequest, ManagerError
@@ -48,6 +52,7 @@ from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
+from rollout_manager.rollout.request import Request, decode
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.sse import sse_frame
 
@@ -55,6 +60,7 @@ if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every
     from aiohttp.typedefs import Middleware
 
 log = logging.getLogger("rollout_manager.api.routes")
+T = TypeVar("T")
 MANAGER: web.AppKey[Manager] = web.AppKey("manager", Manager)
 # Open without the token: liveness, scraping, the status page shell and the API description. /metrics
 # lists every instance endpoint; metrics_require_token closes it for deployments that must hide them.
@@ -118,18 +124,46 @@ async def update_weight_senders(request: web.Request, body: UpdateWeightSenders,
     return json_response(result)
 
 
-@accepts(GenerateRequest, large=True)
-async def generate(request: web.Request, body: GenerateRequest, data: Any) -> web.StreamResponse:
+def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T],
+            plain: Callable[[Any], bool] | None = None) -> Callable[..., Handler]:
+    """:func:`accepts` for a generation body: validated against ``model`` (the same messages, and the
+    same OpenAPI description; ``plain``, when it says so, vouches for the body instead), then
+    ``decode(request, data)`` builds the typed value the handler gets. Neither the caller's JSON nor
+    its validated form outlives the decode: a request held while its sequences run costs only its
+    typed value."""
+
+    def wrap(fn: Callable[[web.Request, T], Awaitable[web.StreamResponse]]) -> Handler:
+        def decoded(request: web.Request, data: Any) -> T:
+            if plain is None or not plain(data):
+                validate(data, model)
+            return decode(request, data)
+
+        @functools.wraps(fn)
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await fn(request, decoded(request, await read_json(request, large=True)))
+
+        handler.body_model = model  # type: ignore[attr-defined]
+        handler.body_optional = False  # type: ignore[attr-defined]
+        return handler
+
+    return wrap
+
+
+def _generate_request(request: web.Request, data: Any) -> Request:
+    return decode(data, _trajectory_header(request))
+
+
+@decodes(GenerateRequest, _generate_request, plain_generate)
+async def generate(request: web.Request, body: Request) -> web.StreamResponse:
     """SGLang's /generate through the pool, continued on another instance if one dies mid-sequence."""
     generator = manager_of(request).generator
     assert generator is not None
-    key = _trajectory_header(request)
     generator.vocab.check(body.input_ids)  # an id past the model's vocabulary crashes SGLang's scheduler
-    if not body.stream:  # validated; the caller's own dict goes on (less the manager's trajectory key)
-        return json_response(await generator.generate(data, key))
+    if not body.stream:
+        return json_response(await generator.generate(body))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    chunks = generator.generate_stream(data, key)
+    chunks = generator.generate_stream(body)
     try:
         async for ready in chunks:
             if not await _send(request, resp, b"".join(sse_frame(chunk) for chunk in ready)):
@@ -194,25 +228,27 @@ class GenerateLane:
         key = headers.get(self.key_header)
         return key is None or 1 <= len(key) <= KEY_MAX_LEN
 
-    def check(self, headers: dict[str, str], body: bytes) -> tuple[Any, str | None] | None:
+    def check(self, headers: dict[str, str], body: bytes) -> Request | None:
         """An admitted head's body: what :func:`generate` would run, or None for aiohttp to answer."""
         try:
             data = decode_json(body, self.max_body)
-            request = validate(data, GenerateRequest)
-            if request.stream:
+            if not plain_generate(data):
+                validate(data, GenerateRequest)
+            if data.get("stream") is True:
                 return None
+            request = decode(data, headers.get(self.key_header))
             generator = self.manager.generator
             assert generator is not None
             generator.vocab.check(request.input_ids)
         except ManagerError:
             return None
-        return data, headers.get(self.key_header)
+        return request
 
-    async def run(self, prepared: tuple[Any, str | None]) -> tuple[int, bytes]:
+    async def run(self, prepared: Request) -> tuple[int, bytes]:
         generator = self.manager.generator
         assert generator is not None
         try:
-            return 200, jsonutil.dumps(await generator.generate(*prepared))
+            return 200, jsonutil.dumps(await generator.generate(prepared))
         except ManagerError as exc:
             if 400 <= exc.status < 500:
                 self.manager.metrics.rejected("/generate", exc.reason)
@@ -231,12 +267,15 @@ class GenerateLane:
                                       lambda: self.body_timeout(body_timeout_s), self.stats)
 
 
-@accepts(BatchGenerateRequests, large=True)
-async def batch_generate_requests(request: web.Request, _: BatchGenerateRequests, data: Any) -> web.StreamResponse:
+def _batch_items(_: web.Request, data: Any) -> list[tuple[Any, Request]]:
+    return [(rid, decode(body)) for rid, body in data]
+
+
+@decodes(BatchGenerateRequests, _batch_items)
+async def batch_generate_requests(request: web.Request, items: list[tuple[Any, Request]]) -> web.StreamResponse:
     """Many /generate bodies at once; NDJSON results in completion order, every id exactly once."""
     generator = manager_of(request).generator
     assert generator is not None
-    items = [(rid, req) for rid, req in data]
     # the run id lets a client tell a restarted manager (whose batch is gone) from a quiet stream
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
                                        "X-Rollout-Manager-Run-Id": manager_of(request).run_id})

@@ -225,6 +225,41 @@ class GenerateRequest(BaseModel):
         return self
 
 
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _PlainSampling(msgspec.Struct):
+    max_new_tokens: _Count | None = None
+    min_new_tokens: _Count | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+
+
+class _PlainGenerate(msgspec.Struct):
+    input_ids: Annotated[list[_Count], msgspec.Meta(min_length=1)]
+    sampling_params: _PlainSampling | None = None
+    return_logprob: bool | None = None
+    rid: str | None = None
+    stream: bool = False
+    trajectory_key: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
+    min_weight_version: _Count | None = None
+
+
+def plain_generate(data: Any) -> bool:
+    """Whether ``data`` is a single-sequence ``/generate`` body that :class:`GenerateRequest` accepts,
+    told by msgspec in C at a fraction of pydantic's cost (the commonest request, thousands a second).
+
+    The check is never more lenient than pydantic's (strict types: no ints for bools, no strings or
+    bools for numbers; no ``text``, no batch); False says nothing, and the caller validates with
+    :class:`GenerateRequest`, which refuses with its message or accepts what only it accepts."""
+    if type(data) is not dict or "text" in data:
+        return False
+    try:
+        msgspec.convert(data, _PlainGenerate, strict=True)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 RequestId = Annotated[
     Annotated[str, Strict(), Field(max_length=512), Tag("a string")] | Annotated[int, Strict(), Tag("an integer")],
     Discriminator(_int_or_str, custom_error_type="request_id_type",

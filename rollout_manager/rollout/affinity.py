@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.request import KEY_FIELD  # body key the manager reads and strips
 from rollout_manager.rollout.scheduling import InstanceLoad, Policy, ThroughputAware
 
 __all__ = ["AffinityKeys", "AffinityTable", "AffinitySettings", "KEY_FIELD", "KEY_HEADER", "FALLBACK_REASONS",
-           "fallback_reason", "overloaded", "take_keys"]
+           "fallback_reason", "overloaded"]
 
-KEY_FIELD = "trajectory_key"  # body key the manager reads and strips (SGLang refuses unknown keys)
 KEY_HEADER = "X-Trajectory-Key"
 KEY_MAX_LEN = 512
 # Why a remembered instance was not used: it is gone, out of service, failing, too loaded, or the local
@@ -192,18 +192,3 @@ def fallback_reason(preferred: Instance | None, chosen: Instance) -> str:
     if chosen.kind == Kind.LOCAL and preferred.kind == Kind.REMOTE:
         return "local_first"
     return "overloaded"
-
-
-def take_keys(body: dict[str, Any], n: int, header: str | None = None) -> tuple[dict[str, Any], list[str | None]]:
-    """``body`` without the trajectory key, and the key of each of its ``n`` sequences.
-
-    A string applies to every sequence of a batched body (one trajectory's samples), a list gives one
-    per sequence; the header stands in when the body has none. The body is copied only when it had one.
-    """
-    if KEY_FIELD not in body:
-        return body, [header] * n
-    body = dict(body)
-    value = body.pop(KEY_FIELD)
-    if isinstance(value, list):
-        return body, [None if v is None else str(v) for v in value]
-    return body, [None if value is None else str(value)] * n

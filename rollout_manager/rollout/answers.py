@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_manager.rollout.progress import as_list
-from rollout_manager.sglang import wire
+from rollout_manager.rollout.sequence import Segment
+from rollout_manager.sglang.generate_request import SequenceBody
 
 
 def partial_output(
-    body: dict[str, Any],
+    body: SequenceBody,
     *,
     rid: str,
     output_ids: Sequence[int],
@@ -27,10 +28,10 @@ def partial_output(
     Log-probs appear only when ``body`` asked for them, as SGLang does; ``text`` is the text so far
     (SGLang fills it in every cumulative chunk), null when it is not known.
     """
-    meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(body["input_ids"]),
+    meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(body.input_ids),
                             "weight_version": weight_version, "completion_tokens": len(output_ids),
                             "cached_tokens": 0}
-    if wire.wants_logprobs(body):
+    if body.wants_logprobs:
         meta["output_token_logprobs"] = list(logprobs)
     out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}
     if index is not None:
@@ -39,14 +40,14 @@ def partial_output(
 
 
 def final_output(
-    body: dict[str, Any],
+    body: SequenceBody,
     *,
     rid: str,
     output_ids: Sequence[int],
     logprobs: list[list[Any]],
     finish: dict[str, Any] | None,
     engine_meta: dict[str, Any],
-    segments: list[dict[str, Any]],
+    segments: Sequence[Segment],
     text: str | None,
     e2e_latency: float,
     index: int | None,
@@ -61,23 +62,24 @@ def final_output(
     top-level ``weight_version`` is the last segment's.
     """
     meta = dict(engine_meta)
+    spans = [s.to_dict() for s in segments]
     meta.update({
         "id": rid,
         "finish_reason": finish,
-        "prompt_tokens": len(body.get("input_ids") or []),
+        "prompt_tokens": len(body.input_ids),
         "completion_tokens": len(output_ids),
-        "weight_version": segments[-1]["weight_version"] if segments else meta.get("weight_version"),
+        "weight_version": segments[-1].weight_version if segments else meta.get("weight_version"),
         "e2e_latency": round(e2e_latency, 6),
-        "segments": segments,
+        "segments": spans,
     })
     if "weight_versions" in meta:  # SGLang's spans are its last request's: say them for the whole sequence
-        meta["weight_versions"] = version_spans(segments)
-    if wire.wants_logprobs(body):
+        meta["weight_versions"] = version_spans(spans)
+    if body.wants_logprobs:
         meta["output_token_logprobs"] = logprobs
     else:
         meta.pop("output_token_logprobs", None)
     meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
-    seed = (body.get("sampling_params") or {}).get("sampling_seed")
+    seed = body.sampling.sampling_seed
     if seed is not None:
         meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
     out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}

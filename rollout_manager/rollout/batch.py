@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from rollout_manager import jsonutil
 from rollout_manager.errors import ManagerError
 from rollout_manager.rollout.dispatch import accepted_at
+from rollout_manager.rollout.request import Request
 from rollout_manager.rollout.window import LOOKAHEAD
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class _BatchRun(Generic[L]):
     requests already running finish, and their results wait), and one that reads slowly sets its pace.
     """
 
-    def __init__(self, generator: Generator, items: list[tuple[Any, dict[str, Any]]],
+    def __init__(self, generator: Generator, items: list[tuple[Any, Request]],
                  encode: Callable[[dict[str, Any]], L], size: Callable[[L], int] | None = None,
                  max_unsent: int | None = None, piece: int | None = None) -> None:
         self.generator = generator
@@ -51,12 +52,12 @@ class _BatchRun(Generic[L]):
         self.wake = asyncio.Event()
         self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
 
-    async def _one(self, rid: Any, body: dict[str, Any]) -> None:
+    async def _one(self, rid: Any, request: Request) -> None:
         accepted_at.set(self.accepted)  # this task's context only
         try:
             # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
-            self.generator.vocab.check(body.get("input_ids"))
-            line = {"id": rid, "success": True, "data": await self.generator.generate(body)}
+            self.generator.vocab.check(request.input_ids)
+            line = {"id": rid, "success": True, "data": await self.generator.generate(request)}
         except ManagerError as exc:
             line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
         except Exception as exc:  # never lose an id, whatever happened
@@ -77,9 +78,9 @@ class _BatchRun(Generic[L]):
             return
         room = self.dispatcher.capacity() + LOOKAHEAD - len(self.tasks)
         while self.pending and room > 0:
-            rid, body = self.pending.popleft()
+            rid, request = self.pending.popleft()
             self.dispatcher.held_by_batches -= 1
-            task = asyncio.ensure_future(self._one(rid, body))
+            task = asyncio.ensure_future(self._one(rid, request))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             room -= 1
@@ -120,7 +121,7 @@ class _BatchRun(Generic[L]):
 
 
 async def run_batch(
-    generator: Generator, items: list[tuple[Any, dict[str, Any]]]
+    generator: Generator, items: list[tuple[Any, Request]]
 ) -> AsyncGenerator[list[dict[str, Any]], None]:
     """Run many requests; yield NDJSON-ready dicts in completion order, in lists of what is ready.
 
@@ -136,7 +137,7 @@ async def run_batch(
         await results.aclose()
 
 
-async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, dict[str, Any]]],
+async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, Request]],
                            max_unsent_bytes: int) -> AsyncGenerator[bytes, None]:
     """:func:`run_batch` as NDJSON bytes, for a caller's connection: at most about 64 KiB at a time, and no
     new request started while more than ``max_unsent_bytes`` of results wait for the caller to read them."""

@@ -42,10 +42,10 @@ from rollout_manager.rollout.outcome import (
     outcome_of,
 )
 from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
+from rollout_manager.rollout.request import Request, SequenceRequest
 from rollout_manager.rollout.sequence import (
     Segment,
     SequenceState,
-    take_min_version,
     version_check,
     version_floor,
     with_failures,
@@ -63,6 +63,7 @@ from rollout_manager.sglang.client import (
     stream_generate,
 )
 from rollout_manager.sglang.coalesce import Coalescer
+from rollout_manager.sglang.generate_request import continuation
 from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
@@ -139,33 +140,24 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    async def generate(self, body: dict[str, Any],
-                       trajectory_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
-        """An SGLang ``/generate`` body -> SGLang's final answer (a list for batched input)."""
+    async def generate(self, request: Request) -> dict[str, Any] | list[dict[str, Any]]:
+        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input)."""
         self.begin_rollout()
-        if not wire.is_batched(body):  # the common case, straight to its one sequence
-            body, (key,) = aff.take_keys(body, 1, trajectory_key)
-            return await self.guarded(self.run_sequence(body, trajectory_key=key))
-        return await self.guarded(self._generate_batch(body, trajectory_key))
+        if not request.batched:  # the common case, straight to its one sequence
+            return await self.guarded(self.run_sequence(request.sequences[0]))
+        return await self.guarded(self._generate_batch(request.sequences))
 
-    @staticmethod
-    def _items(body: dict[str, Any], trajectory_key: str | None) -> tuple[dict[str, Any], list[str | None]]:
-        """The body without trajectory keys, and each sequence's key; :func:`wire.batch_item` gives
-        sequence ``i``'s own body when it starts (see :mod:`.window`)."""
-        return aff.take_keys(body, len(body["input_ids"]) if wire.is_batched(body) else 1, trajectory_key)
-
-    async def _generate_batch(self, body: dict[str, Any], trajectory_key: str | None) -> list[dict[str, Any]]:
-        body, keys = self._items(body, trajectory_key)
+    async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
 
         async def one(i: int) -> None:
-            results[i] = await self.run_sequence(wire.batch_item(body, i), index=i, trajectory_key=keys[i])
+            results[i] = await self.run_sequence(items[i], index=i)
 
-        results.extend({} for _ in keys)
-        window = StartWindow(self.dispatcher, len(keys), one)
+        results.extend({} for _ in items)
+        window = StartWindow(self.dispatcher, len(items), one)
         try:
             window.fill()
-            while window.done < len(keys) and window.error is None:
+            while window.done < len(items) and window.error is None:
                 window.wake.clear()
                 await window.wake.wait()
             if window.error is not None:
@@ -174,8 +166,7 @@ class Generator:
         finally:
             await window.close()
 
-    async def generate_stream(self, body: dict[str, Any],
-                              trajectory_key: str | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate_stream(self, request: Request) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
@@ -183,26 +174,23 @@ class Generator:
         A sequence that fails yields one ``{"error": ...}`` chunk, as SGLang does inside a stream.
         """
         self.begin_rollout()
-        batched = wire.is_batched(body)
+        batched, items = request.batched, request.sequences
         queue: asyncio.Queue[tuple[int, SequenceState | dict[str, Any] | GenerationFailed]] = asyncio.Queue()
-
-        body, keys = self._items(body, trajectory_key)
 
         async def one(i: int) -> None:
             try:
-                final = await self.run_sequence(wire.batch_item(body, i) if batched else body, i if batched else None,
-                                                on_tokens=lambda seq: queue.put_nowait((i, seq)),
-                                                trajectory_key=keys[i])
+                final = await self.run_sequence(items[i], i if batched else None,
+                                                on_tokens=lambda seq: queue.put_nowait((i, seq)))
                 queue.put_nowait((i, final))
             except GenerationFailed as exc:
                 queue.put_nowait((i, exc))
 
-        window = StartWindow(self.dispatcher, len(keys), one)
+        window = StartWindow(self.dispatcher, len(items), one)
         stop = asyncio.ensure_future(self._fail_on_stop(queue))
         finished = 0
         try:
             window.fill()
-            while finished < len(keys):
+            while finished < len(items):
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
@@ -236,13 +224,12 @@ class Generator:
             text=seq.known_text(seq.live_text),
         )
 
-    async def run_sequence(self, body: dict[str, Any], index: int | None = None,
-                           on_tokens: Callable[[SequenceState], None] | None = None,
-                           trajectory_key: str | None = None) -> dict[str, Any]:
+    async def run_sequence(self, item: SequenceRequest, index: int | None = None,
+                           on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told)."""
         started = time.monotonic()
         try:
-            out = await self._run_sequence(body, index, on_tokens, trajectory_key)
+            out = await self._run_sequence(item, index, on_tokens)
         except GenerationFailed:
             for listener in self.finished_listeners:
                 listener(time.monotonic() - started, 0, False)
@@ -254,16 +241,13 @@ class Generator:
             listener(latency, len(out["output_ids"]), True)
         return out
 
-    async def _run_sequence(self, body: dict[str, Any], index: int | None,
-                            on_tokens: Callable[[SequenceState], None] | None,
-                            trajectory_key: str | None = None) -> dict[str, Any]:
-        body, (trajectory_key,) = aff.take_keys(body, 1, trajectory_key)
-        body, min_version = take_min_version(body)
+    async def _run_sequence(self, item: SequenceRequest, index: int | None,
+                            on_tokens: Callable[[SequenceState], None] | None) -> dict[str, Any]:
+        body = item.body
         table = self.dispatcher.affinity
-        keys = table.keys(body["input_ids"], trajectory_key) if table is not None else None
-        caller_rid = body.get("rid")
-        seq = SequenceState(body=body, rid=str(caller_rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}"),
-                            min_version=min_version)
+        keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
+        seq = SequenceState(body=body, rid=body.rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}",
+                            min_version=item.min_version)
         self.stats["sequences"] += 1
         started = time.monotonic()
         tried: list[Instance] = []
@@ -341,8 +325,8 @@ class Generator:
         # Not on a local instance: the local window takes those back every step, routinely.
         once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
                 and inst.kind == Kind.REMOTE)
-        body = wire.continuation_body(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
-                                      keep_caller_interval=on_tokens is not None, stream=not once)
+        body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
+                            keep_caller_interval=on_tokens is not None, stream=not once)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = SequenceProgress(
@@ -578,7 +562,7 @@ class Generator:
         text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
         out = final_output(
             seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
-            engine_meta=seq.meta, segments=[s.to_dict() for s in seq.segments], text=text,
+            engine_meta=seq.meta, segments=seq.segments, text=text,
             e2e_latency=latency, index=index, per_token=seq.per_token,
         )
         if seq.discarded:  # a staleness restart: what was thrown away stays visible

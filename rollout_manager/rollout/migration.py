@@ -144,7 +144,7 @@ class Migrator:
                 continue
             by_key[str(key)] = key
             running.append(RunningSequence(
-                str(key), inst.id, len(seq.output_ids), len(seq.body.get("input_ids") or ()), seq.remaining,
+                str(key), inst.id, len(seq.output_ids), len(seq.body.input_ids), seq.remaining,
                 seq.moves, seq.moved_at, frozenset(s.instance for s in seq.segments)))
         moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining)
         started = 0

@@ -11,9 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.progress import token_array
-from rollout_manager.sglang import wire
+from rollout_manager.sglang.generate_request import SequenceBody
+from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
 
 @dataclass(slots=True)
@@ -34,7 +37,7 @@ class Segment:
 class SequenceState:
     """Everything known about one sequence across the instances it has been on."""
 
-    body: dict[str, Any]
+    body: SequenceBody  # the caller's (with a sampling seed: see with_sampling_seed)
     rid: str
     output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
@@ -68,8 +71,8 @@ class SequenceState:
     budget: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.budget = wire.token_budget(self.body)
         self.body = with_sampling_seed(self.body)
+        self.budget = self.body.sampling.max_new_tokens
 
     @property
     def remaining(self) -> int | None:
@@ -80,25 +83,12 @@ class SequenceState:
     def reserve(self) -> int:
         """The tokens to reserve on an instance: what is left, or an estimate when there is no limit."""
         remaining = self.remaining
-        return wire.DEFAULT_MAX_NEW_TOKENS if remaining is None else remaining
+        return DEFAULT_MAX_NEW_TOKENS if remaining is None else remaining
 
     def known_text(self, current: str | None = "") -> str | None:
         """The finished segments' text plus ``current``; None when any part of it is unknown."""
         parts = [*self.texts, current]
         return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
-
-
-# The manager's own top-level /generate field (never sent to SGLang), see docs/http-api.md.
-MIN_VERSION_FIELD = "min_weight_version"
-
-
-def take_min_version(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """``body`` without ``min_weight_version`` (copied only when it had one), and its value (0: none)."""
-    if MIN_VERSION_FIELD not in body:
-        return body, 0
-    body = dict(body)
-    value = body.pop(MIN_VERSION_FIELD)
-    return body, int(value or 0)
 
 
 def version_floor(seq: SequenceState) -> int:
@@ -146,20 +136,18 @@ def version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | N
 SEED_BITS = 31
 
 
-def with_sampling_seed(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with a ``sampling_params.sampling_seed`` of its own when the caller gave none.
+def with_sampling_seed(body: SequenceBody) -> SequenceBody:
+    """``body`` with a ``sampling_seed`` of its own when the caller gave none.
 
     Under ``--enable-deterministic-inference`` SGLang samples a request without a seed with seed 42
     (``sampling_batch_info.py``): the samples of one prompt all come out the same, and a GRPO group's
     advantage is zero. Its seeded sampler keys each draw on (seed, position), so the same seed sent with
     a continuation (the body is reused as it is) draws what the uninterrupted request would have drawn.
     """
-    params = body.get("sampling_params")
-    if params is not None and not isinstance(params, dict):
-        return body  # not ours to judge: the engine refuses it
-    if params is not None and params.get("sampling_seed") is not None:
+    if body.sampling.sampling_seed is not None:
         return body
-    return {**body, "sampling_params": {**(params or {}), "sampling_seed": secrets.randbits(SEED_BITS)}}
+    sampling = msgspec.structs.replace(body.sampling, sampling_seed=secrets.randbits(SEED_BITS))
+    return msgspec.structs.replace(body, sampling=sampling)
 
 
 def with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:

@@ -1,11 +1,11 @@
 """The sequences of one batched ``/generate`` start only as the pool can run them.
 
-Started all at once, every sequence of a batch waits in the manager as a task, its state and its own
-body: about 3.8 kB each (docs/bounds.md has the measurement), so one 64 MB body of one-token prompts
-would hold tens of GB while it waits. As ``/batch_generate_requests`` does (``batch._BatchRun``),
-a batch starts what the dispatcher's capacity allows plus a lookahead, so a slot freed on an instance
-is taken at once; the rest stay indices into the caller's body, counted in ``Dispatcher.held_by_batches`` until
-they start.
+Started all at once, every sequence of a batch waits in the manager as a task and its state: about
+3.8 kB each (docs/bounds.md has the measurement), so one 64 MB body of one-token prompts would hold
+tens of GB while it waits. As ``/batch_generate_requests`` does (``batch._BatchRun``), a batch starts
+what the dispatcher's capacity allows plus a lookahead, so a slot freed on an instance is taken at
+once; the rest stay the decoded request's items (``rollout.request``), counted in
+``Dispatcher.held_by_batches`` until they start.
 """
 
 from __future__ import annotations

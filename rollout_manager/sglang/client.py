@@ -13,6 +13,7 @@ from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.errors import REFUSAL_STATUSES, EngineFailed, EngineRejected, refusal
+from rollout_manager.sglang.generate_request import SequenceBody, encode
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
 from rollout_manager.sglang.relay import CallBounds, Connection, Deadline, relay_for
 from rollout_manager.sglang.sse import ChunkDecoder, StreamError
@@ -162,7 +163,7 @@ def _frame_error(exc: StreamError) -> EngineRejected | EngineFailed:
 async def stream_generate(
     session: aiohttp.ClientSession,
     base_url: str,
-    body: dict[str, Any],
+    body: SequenceBody,
     bounds: CallBounds,
 ) -> AsyncGenerator[GenerateChunk, None]:
     """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
@@ -178,7 +179,7 @@ async def stream_generate(
     """
     # One sequence per stream: cumulative chunks parse their news only.
     decoder = ChunkDecoder(max_frame=bounds.max_frame_bytes)
-    conn = await relay_for(session).open(base_url, jsonutil.dumps(body), bounds)
+    conn = await relay_for(session).open(base_url, encode(body), bounds)
     try:
         await _raise_for_status(conn)
         deadline = conn.deadline
@@ -207,7 +208,7 @@ async def stream_generate(
 async def generate_once(
     session: aiohttp.ClientSession,
     base_url: str,
-    body: dict[str, Any],
+    body: SequenceBody,
     bounds: CallBounds,
 ) -> GenerateChunk:
     """POST a non-streaming ``/generate`` and return its one answer (what a stream's final chunk holds).
@@ -229,10 +230,10 @@ async def generate_once(
 async def generate_batch_once(
     session: aiohttp.ClientSession,
     base_url: str,
-    bodies: list[dict[str, Any]],
+    bodies: list[SequenceBody],
     bounds: CallBounds,
 ) -> list[GenerateChunk]:
-    """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`wire.join_batch`);
+    """Several single-sequence, non-streaming bodies as one SGLang batch (:func:`.generate_request.encode`);
     returns each body's answer, in order, as :func:`generate_once` would.
 
     SGLang answers a batch with one list once every item is done, and refuses the whole batch when one
@@ -240,19 +241,20 @@ async def generate_batch_once(
     output per body, each for its own ``rid``, is the instance's failure.
     """
     frame = bounds.max_frame_bytes
-    raw = await _answer(session, base_url, wire.join_batch(bodies), bounds,
+    raw = await _answer(session, base_url, bodies, bounds,
                         None if frame is None else frame * len(bodies))
     answers = _decode(raw)
     if not (isinstance(answers, list) and len(answers) == len(bodies)
-            and all(_is_output(a) and a["meta_info"].get("id") == b["rid"] for a, b in zip(answers, bodies))):
+            and all(_is_output(a) and a["meta_info"].get("id") == b.rid for a, b in zip(answers, bodies))):
         raise EngineFailed(f"unexpected answer to a batch of {len(bodies)}: {raw[:200]!r}")
     return [GenerateChunk.of(a) for a in answers]
 
 
-async def _answer(session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], bounds: CallBounds,
+async def _answer(session: aiohttp.ClientSession, base_url: str, body: SequenceBody | list[SequenceBody],
+                  bounds: CallBounds,
                   max_bytes: int | None) -> bytes:
     """The whole body of a non-streaming ``/generate`` answer, at most ``max_bytes``."""
-    conn = await relay_for(session).open(base_url, jsonutil.dumps(body), bounds)
+    conn = await relay_for(session).open(base_url, encode(body), bounds)
     try:
         await _raise_for_status(conn)
         if max_bytes is not None and (conn.length or 0) > max_bytes:

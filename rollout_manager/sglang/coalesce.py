@@ -3,7 +3,7 @@
 Every HTTP request costs the manager's client and the engine's HTTP server and tokenizer manager the
 same, whatever it carries; for a sequence of a few tokens that per-request cost is most of the work.
 Calls for the same instance that start in the same turn of the event loop (and may share a batch:
-:func:`wire.joinable`) leave as one batched request at the start of the next turn. No call waits for
+:func:`.generate_request.joinable`) leave as one batched request at the start of the next turn. No call waits for
 company: a lone call goes alone, at once. Each call still gets its own answer or error, so the
 generation path above sees no difference, and continuation loses nothing a lone call would not: a
 non-streaming answer comes whole or not at all.
@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 
-from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import (
     CallBounds,
     EngineFailed,
@@ -26,6 +25,7 @@ from rollout_manager.sglang.client import (
     generate_batch_once,
     generate_once,
 )
+from rollout_manager.sglang.generate_request import SequenceBody, join_key, joinable
 from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.sglang.coalesce")
@@ -33,9 +33,9 @@ log = logging.getLogger("rollout_manager.sglang.coalesce")
 
 @dataclass
 class _Batch:
-    """The calls that share an instance, a turn of the loop and a :func:`wire.join_key`."""
+    """The calls that share an instance, a turn of the loop and a :func:`.generate_request.join_key`."""
 
-    key: dict[str, Any]
+    key: tuple[Any, ...]
     calls: list[_Call] = field(default_factory=list)
     task: asyncio.Task[None] | None = None  # the request, once sent
     left: int = 0  # callers that went away before their answer
@@ -50,7 +50,7 @@ class _Batch:
 
 @dataclass
 class _Call:
-    body: dict[str, Any]
+    body: SequenceBody
     answer: asyncio.Future[GenerateChunk]
     batch: _Batch | None = None
 
@@ -73,10 +73,10 @@ class Coalescer:
         self._open: dict[str, list[_Batch]] = {}  # base_url -> batches filling this turn
         self._sending: set[asyncio.Task[None]] = set()
 
-    async def generate_once(self, session: aiohttp.ClientSession, base_url: str, body: dict[str, Any],
+    async def generate_once(self, session: aiohttp.ClientSession, base_url: str, body: SequenceBody,
                             bounds: CallBounds) -> GenerateChunk:
         """:func:`client.generate_once`, through a batch when others start for ``base_url`` now."""
-        if self.max_items == 1 or not wire.joinable(body):
+        if self.max_items == 1 or not joinable(body):
             self.stats.engine_calls += 1
             self.stats.sequences += 1
             return await generate_once(session, base_url, body, bounds)
@@ -95,7 +95,7 @@ class Coalescer:
         if batches is None:
             batches = self._open[base_url] = []
             self.loop.call_soon(self._flush, session, base_url, bounds)
-        key = wire.join_key(call.body)
+        key = join_key(call.body)
         batch = next((b for b in batches if b.key == key), None)
         if batch is None:
             batch = _Batch(key)

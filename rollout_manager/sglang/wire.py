@@ -15,7 +15,6 @@ A batch request's chunks carry ``index``. An error inside the stream is a frame
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +233,9 @@ class GenerateChunk:
 
 # ---------------------------------------------------------------- request bodies
 
+# The manager holds a /generate body typed (``generate_request``); these read a body as JSON, the way an
+# engine does (the CPU engine and the benchmarks' fake engines).
+
 # The fields of a batched ``/generate`` body that may hold one value per item (a list as long as
 # ``input_ids``) instead of one value for all. The manager splits and validates these; SGLang 0.5.23
 # has more (``logprob_start_len``, ``top_logprobs_num``, ``lora_path``, ...), which the manager
@@ -254,11 +256,6 @@ def token_budget(body: dict[str, Any]) -> int | None:
     return None if value is None else int(value)
 
 
-def wants_logprobs(body: dict[str, Any]) -> bool:
-    """Whether a single-sequence body asked for ``output_token_logprobs``."""
-    return bool(body.get("return_logprob"))
-
-
 def is_batched(body: dict[str, Any]) -> bool:
     """A ``/generate`` body is a batch when ``input_ids`` is a list of lists."""
     ids = body.get("input_ids")
@@ -272,12 +269,10 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
     """
     if not is_batched(body):
         return [dict(body)]
-    return [batch_item(body, i) for i in range(len(body["input_ids"]))]
+    return [_batch_item(body, i) for i in range(len(body["input_ids"]))]
 
 
-def batch_item(body: dict[str, Any], i: int) -> dict[str, Any]:
-    """Item ``i`` of a batched ``/generate`` body, as :func:`split_batch` gives it (built on demand, so a
-    large batch need not hold every item's body at once)."""
+def _batch_item(body: dict[str, Any], i: int) -> dict[str, Any]:
     sub = {}
     for key, value in body.items():
         if key == "rid" and isinstance(value, str):
@@ -287,67 +282,6 @@ def batch_item(body: dict[str, Any], i: int) -> dict[str, Any]:
         else:
             sub[key] = value
     return sub
-
-
-# The keys in which single-sequence bodies may differ and still go to an engine as one batch: SGLang
-# takes each as a list with one value per item.
-JOIN_ITEM_KEYS = frozenset({"input_ids", "sampling_params", "rid"})
-
-
-def joinable(body: dict[str, Any]) -> bool:
-    """Whether a single-sequence, non-streaming body may join a batch (:func:`join_batch`): SGLang
-    expands ``n`` > 1 (parallel sampling) per batch, not per item, so such a body goes alone."""
-    params = body.get("sampling_params") or {}
-    return body.get("stream") is False and params.get("n", 1) == 1 and isinstance(body.get("rid"), str)
-
-
-def join_key(body: dict[str, Any]) -> dict[str, Any]:
-    """What bodies must share to join one batch: everything but :data:`JOIN_ITEM_KEYS`."""
-    return {k: v for k, v in body.items() if k not in JOIN_ITEM_KEYS}
-
-
-def join_batch(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """One batched ``/generate`` body for single-sequence bodies with the same :func:`join_key`:
-    ``input_ids``, ``sampling_params`` and ``rid`` become per-item lists (the inverse of :func:`split_batch`)."""
-    out = join_key(bodies[0])
-    out["input_ids"] = [b["input_ids"] for b in bodies]
-    out["sampling_params"] = [b.get("sampling_params") or {} for b in bodies]
-    out["rid"] = [b["rid"] for b in bodies]
-    return out
-
-
-def continuation_body(
-    body: dict[str, Any], made: Sequence[int], *, rid: str, stream_interval: int | None = None,
-    keep_caller_interval: bool = False, stream: bool = True,
-) -> dict[str, Any]:
-    """The body that continues a single sequence elsewhere from the tokens already made.
-
-    ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
-    original budget, so the context never overflows and no token is produced twice. A null
-    ``max_new_tokens`` (no limit) stays null: SGLang then stops where the context ends, which is
-    the same place for the continued request as for the original one.
-
-    ``stream_interval`` (when given) becomes ``sampling_params.stream_interval``, which SGLang 0.5.23
-    uses before its server-wide ``--stream-interval``: the engine then sends a chunk every that many
-    tokens, so the manager parses that many times fewer frames. ``keep_caller_interval`` leaves a
-    caller's own value in place (a streaming caller chose how often it wants chunks). With
-    ``stream=False`` the engine answers once, at the end (no interval is set).
-    """
-    new = dict(body)
-    new["input_ids"] = [*body["input_ids"], *made]
-    params = dict(body.get("sampling_params") or {})
-    budget = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if budget is not None:
-        params["max_new_tokens"] = max(int(budget) - len(made), 0)
-    if "min_new_tokens" in params:
-        params["min_new_tokens"] = max(int(params["min_new_tokens"] or 0) - len(made), 0)
-    if stream and stream_interval is not None and not (
-            keep_caller_interval and params.get("stream_interval") is not None):
-        params["stream_interval"] = int(stream_interval)
-    new["sampling_params"] = params
-    new["stream"] = stream
-    new["rid"] = rid
-    return new
 
 
 def update_weight_version_body(version: str | int) -> dict[str, Any]:
