@@ -23,6 +23,7 @@ from rollout_manager.sglang.client import (
     generate_once,
     stream_generate,
 )
+from rollout_manager.sglang.generate_request import SequenceBody, encode
 from rollout_manager.sglang.local_limits import LocalLimits
 from rollout_manager.sglang.sse import sse_frame
 from rollout_manager.sglang.wire import DONE_FRAME
@@ -106,8 +107,11 @@ async def relayed(handler: Handler, **relay_args: Any) -> AsyncIterator[tuple[En
         await engine.stop()
 
 
+ONE = SequenceBody.of({"input_ids": [1]})
+
+
 async def ids(session: aiohttp.ClientSession, url: str, bounds: CallBounds = BOUNDS) -> list[list[int]]:
-    return [c.output_ids for c in [c async for c in stream_generate(session, url, {"input_ids": [1]}, bounds)]]
+    return [c.output_ids for c in [c async for c in stream_generate(session, url, ONE, bounds)]]
 
 
 async def poll(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
@@ -124,7 +128,7 @@ async def test_calls_to_one_instance_share_a_kept_alive_connection() -> None:
     async with relayed(answer) as (engine, session, relay):
         assert await ids(session, engine.url) == [[7]]
         await poll(lambda: bool(relay.idle))  # the stream's end may come after its [DONE] frame
-        chunk = await generate_once(session, engine.url, {"input_ids": [1], "rid": "once"}, BOUNDS)
+        chunk = await generate_once(session, engine.url, SequenceBody.of({"input_ids": [1], "rid": "once"}), BOUNDS)
         assert list(chunk.output_ids) == [7]
         assert await ids(session, engine.url) == [[7]]
         assert engine.connections == 1
@@ -139,7 +143,7 @@ async def test_at_most_max_idle_connections_are_kept_per_instance() -> None:
         writer.write(once_answer())
 
     async with relayed(answer, max_idle=2) as (engine, session, relay):
-        await asyncio.gather(*(generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS) for _ in range(4)))
+        await asyncio.gather(*(generate_once(session, engine.url, ONE, BOUNDS) for _ in range(4)))
         assert engine.connections == 4
         assert [len(c) for c in relay.idle.values()] == [2]
 
@@ -154,8 +158,8 @@ async def test_a_kept_connection_the_server_closed_is_retried_once_on_a_fresh_on
         writer.write(once_answer())
 
     async with relayed(answer) as (engine, session, relay):
-        await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
-        chunk = await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
+        await generate_once(session, engine.url, ONE, BOUNDS)
+        chunk = await generate_once(session, engine.url, ONE, BOUNDS)
         assert list(chunk.output_ids) == [7] and engine.connections == 2
 
 
@@ -180,13 +184,13 @@ async def test_answers_that_said_connection_close_or_were_not_read_to_the_end_ar
             writer.write(once_answer())
 
     async with relayed(answer) as (engine, session, relay):
-        await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
+        await generate_once(session, engine.url, ONE, BOUNDS)
         assert not relay.idle
-        async with contextlib.aclosing(stream_generate(session, engine.url, {"input_ids": [1]}, BOUNDS)) as chunks:
+        async with contextlib.aclosing(stream_generate(session, engine.url, ONE, BOUNDS)) as chunks:
             async for _ in chunks:
                 break  # the caller stops after one chunk: the rest of the answer is still owed
         assert not relay.idle
-        await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
+        await generate_once(session, engine.url, ONE, BOUNDS)
         assert engine.connections == 3
 
 
@@ -196,12 +200,12 @@ async def test_idle_connections_close_before_the_servers_keep_alive_and_with_the
 
     assert rl.IDLE_TIMEOUT_S < 5.0  # uvicorn's default keep-alive, SGLang's too
     async with relayed(answer, idle_timeout_s=0.2) as (engine, session, relay):
-        await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
+        await generate_once(session, engine.url, ONE, BOUNDS)
         assert relay.idle
         await asyncio.wait_for(engine.closed.wait(), 5)  # the server saw the relay close it
         assert not relay.idle
     async with relayed(answer) as (engine, session, relay):
-        await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
+        await generate_once(session, engine.url, ONE, BOUNDS)
         assert relay.idle
         relay.close()
         await asyncio.wait_for(engine.closed.wait(), 5)
@@ -217,7 +221,7 @@ async def test_a_stall_on_a_reused_connection_is_bounded_and_the_connection_drop
 
     bounds = CallBounds(connect_timeout_s=2.0, stall_timeout_s=0.3)
     async with relayed(answer) as (engine, session, relay):
-        await generate_once(session, engine.url, {"input_ids": [1]}, bounds)
+        await generate_once(session, engine.url, ONE, bounds)
         with pytest.raises(EngineFailed) as failed:
             await ids(session, engine.url, bounds)
         assert str(failed.value).startswith("no first chunk after 0.")
@@ -246,7 +250,7 @@ async def test_a_reset_before_the_answer_and_a_non_200_with_a_body() -> None:
             await ids(session, engine.url)
         assert rejected.value.status == 400 and rejected.value.error == {"error": {"message": "bad sampling params"}}
         with pytest.raises(EngineFailed, match="HTTP 503: engine on fire"):
-            await generate_once(session, engine.url, {"input_ids": [1]}, BOUNDS)
+            await generate_once(session, engine.url, ONE, BOUNDS)
 
 
 async def test_the_managers_own_out_of_descriptors_waits_and_blames_nobody(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -314,7 +318,8 @@ async def test_the_request_carries_the_base_urls_path_host_and_headers() -> None
     async with relayed(answer) as (engine, session, relay):
         bounds = CallBounds(connect_timeout_s=2.0, stall_timeout_s=5.0,
                             headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
-        await generate_once(session, engine.url + "/under", {"input_ids": [1]}, bounds)
+        await generate_once(session, engine.url + "/under", ONE, bounds)
         host = engine.url.removeprefix("http://").encode()
         assert engine.heads == [b"POST /under/generate HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: "
-                                b"application/json\r\nAuthorization: Bearer k\r\nContent-Length: 17\r\n\r\n"]
+                                b"application/json\r\nAuthorization: Bearer k\r\nContent-Length: "
+                                + str(len(encode(ONE))).encode() + b"\r\n\r\n"]
