@@ -87,6 +87,8 @@ def run(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     rollout = {"name": "sglang-disaggregated", "prompt_length": 8, "response_length": NEW_TOKENS,
                "custom": {"rollout_manager": {"port": port, "host": "node_ip", "overrides": overrides,
                                               "weight_push_timeout_s": 120,
+                                              # the test reads each box right after a push: wait for serving
+                                              "weight_push_wait_until": "serving",
                                               "log_path": str(log_dir / "manager.log")}}}
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "num_gpus": RANKS, "node_ip_address": NODE, "include_dashboard": False})

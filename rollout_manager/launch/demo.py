@@ -73,6 +73,7 @@ class Child:
         self.kill()
 
     def stop(self, grace_s: float = 10.0) -> None:
+        family = _descendants(self.popen.pid) if self.alive() else []  # read while the leader can be asked
         if self.alive():
             self.kill(signal.SIGTERM)
             try:
@@ -81,6 +82,9 @@ class Child:
                 pass
         self.kill(signal.SIGKILL)  # whatever is left in the group
         self.popen.wait()
+        deadline = time.monotonic() + grace_s  # killed processes take a moment to go: return once they have
+        while any(Path(f"/proc/{pid}").exists() for pid in family) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _descendants(pid: int) -> list[int]:
