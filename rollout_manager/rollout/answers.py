@@ -9,8 +9,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_manager.rollout.progress import as_list
-from rollout_manager.rollout.sequence import Segment
+from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.generate_request import SequenceBody
+
+
+def partial_answer(seq: SequenceState, index: int | None) -> dict[str, Any]:
+    """The stream chunk a streaming caller is sent for a running sequence (:func:`partial_output`)."""
+    return partial_output(
+        seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
+        weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
+        text=seq.known_text(seq.live_text),
+    )
+
+
+def final_answer(seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
+    """A finished sequence's answer (:func:`final_output`), ``latency`` seconds after it began."""
+    # The text is known only if every segment's engine sent its part (a cut segment's is lost).
+    texts = [t for t in seq.texts if t is not None]
+    text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
+    out = final_output(
+        seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
+        engine_meta=seq.meta, segments=seq.segments, text=text,
+        e2e_latency=latency, index=index, per_token=seq.per_token,
+    )
+    if seq.discarded:  # a staleness restart: what was thrown away stays visible
+        out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
+    return out
 
 
 def partial_output(

@@ -19,8 +19,9 @@ from rollout_manager.sglang.relay import CallBounds, Connection, Deadline, relay
 from rollout_manager.sglang.sse import ChunkDecoder, StreamError
 from rollout_manager.sglang.wire import GenerateChunk
 
-__all__ = ["REFUSAL_STATUSES", "CallBounds", "Deadline", "EngineFailed", "EngineRejected", "Probe", "SGLangClient",
-           "ServerInfoError", "generate_batch_once", "generate_once", "refusal", "stream_generate"]
+__all__ = ["REFUSAL_STATUSES", "CallBounds", "ChunkStream", "Deadline", "EngineFailed", "EngineRejected", "Probe",
+           "SGLangClient", "ServerInfoError", "generate_batch_once", "generate_once", "open_stream", "refusal",
+           "stream_generate"]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -160,13 +161,53 @@ def _frame_error(exc: StreamError) -> EngineRejected | EngineFailed:
                    exc.error)
 
 
-async def stream_generate(
+class ChunkStream:
+    """One streaming ``/generate`` call, read a read at a time: :meth:`next` gives the chunks each read
+    completes. No async generator: a sequence holds its call for as long as it runs, and a generator's
+    frame, its ``aclosing`` and the loop's registry of generators cost more than this object."""
+
+    __slots__ = ("conn", "decoder")
+
+    def __init__(self, conn: Connection, decoder: ChunkDecoder) -> None:
+        self.conn, self.decoder = conn, decoder
+
+    async def next(self) -> list[GenerateChunk]:
+        """The chunks of the next read that completes any (in order); ``[]`` once the stream ended with
+        ``[DONE]``. Raises :class:`EngineFailed` (or :class:`EngineRejected` for an error frame)."""
+        decoder, conn = self.decoder, self.conn
+        deadline = conn.deadline
+        assert deadline is not None
+        while not decoder.done:
+            data = await conn.read()
+            if not data:
+                raise EngineFailed("stream ended without [DONE]")
+            try:
+                chunks = decoder.feed(data)
+            except StreamError as exc:
+                raise _frame_error(exc) from None
+            except ValueError as exc:
+                raise EngineFailed(f"undecodable stream: {exc}") from None
+            del data  # the bytes read do not stay while the next read waits
+            deadline.unframed = decoder.pending
+            if chunks or decoder.done:
+                deadline.chunk(len(chunks))
+            if chunks:
+                return chunks
+        return []
+
+    def close(self) -> None:
+        """The call is over (read to its end or not): the connection goes back to its pool or is closed."""
+        self.conn.release(self.decoder.done)
+
+
+async def open_stream(
     session: aiohttp.ClientSession,
     base_url: str,
     body: SequenceBody,
     bounds: CallBounds,
-) -> AsyncGenerator[GenerateChunk, None]:
-    """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
+) -> ChunkStream:
+    """POST a streaming ``/generate``; its chunks are read with :meth:`ChunkStream.next`, and the stream
+    must be closed (:meth:`ChunkStream.close`). A stream must end with ``[DONE]``.
 
     Through the session's :class:`~.relay.Relay` (:func:`~.relay.relay_for`), under :class:`CallBounds`:
     the instance owes the first chunk within ``first_byte_timeout_s``, longer while ``activity`` (when
@@ -177,32 +218,31 @@ async def stream_generate(
     descriptor or memory limits), nothing was sent: the request waits and tries again, and the
     instance is not blamed.
     """
-    # One sequence per stream: cumulative chunks parse their news only.
-    decoder = ChunkDecoder(max_frame=bounds.max_frame_bytes)
     conn = await relay_for(session).open(base_url, encode(body), bounds)
     try:
         await _raise_for_status(conn)
-        deadline = conn.deadline
-        assert deadline is not None
-        while data := await conn.read():
-            try:
-                chunks = decoder.feed(data)
-            except StreamError as exc:
-                raise _frame_error(exc) from None
-            except ValueError as exc:
-                raise EngineFailed(f"undecodable stream: {exc}") from None
-            del data  # neither the bytes read nor the chunks parsed stay while the next read waits
-            deadline.unframed = decoder.pending
-            if chunks or decoder.done:
-                deadline.chunk(len(chunks))
+    except BaseException:
+        conn.release()
+        raise
+    # One sequence per stream: cumulative chunks parse their news only.
+    return ChunkStream(conn, ChunkDecoder(max_frame=bounds.max_frame_bytes))
+
+
+async def stream_generate(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: SequenceBody,
+    bounds: CallBounds,
+) -> AsyncGenerator[GenerateChunk, None]:
+    """:func:`open_stream` as an async generator of its chunks (tools and tests)."""
+    stream = await open_stream(session, base_url, body, bounds)
+    try:
+        while chunks := await stream.next():
             chunks.reverse()
-            while chunks:
+            while chunks:  # neither the chunks handed over nor the bytes read stay while the next read waits
                 yield chunks.pop()
-            if decoder.done:
-                return
-        raise EngineFailed("stream ended without [DONE]")
     finally:
-        conn.release(decoder.done)
+        stream.close()
 
 
 async def generate_once(
