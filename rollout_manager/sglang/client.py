@@ -12,10 +12,11 @@ import aiohttp
 from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.auth import SGLangAuth
+from rollout_manager.sglang.deadline import Deadline
 from rollout_manager.sglang.errors import REFUSAL_STATUSES, EngineFailed, EngineRejected, refusal
 from rollout_manager.sglang.generate_request import SequenceBody, encode
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
-from rollout_manager.sglang.relay import CallBounds, Connection, Deadline, relay_for
+from rollout_manager.sglang.relay import CallBounds, Connection, relay_for
 from rollout_manager.sglang.sse import ChunkDecoder, StreamError
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -213,7 +214,7 @@ async def open_stream(
     the instance owes the first chunk within ``first_byte_timeout_s``, longer while ``activity`` (when
     it last sent any request a chunk) shows it serving others, and each next chunk within
     ``stall_timeout_s`` of the last: bytes that complete no frame are no progress, and one frame may not
-    exceed ``max_frame_bytes`` (see :class:`~.relay.Deadline`). Long generations are fine while a hung
+    exceed ``max_frame_bytes`` (see :class:`~.deadline.Deadline`). Long generations are fine while a hung
     or babbling engine is cut off with bounded memory. When the manager itself cannot connect (its own
     descriptor or memory limits), nothing was sent: the request waits and tries again, and the
     instance is not blamed.
