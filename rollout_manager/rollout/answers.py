@@ -30,7 +30,7 @@ def final_answer(seq: SequenceState, index: int | None, latency: float) -> dict[
     out = final_output(
         seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
         engine_meta=seq.meta, segments=seq.segments, text=text,
-        e2e_latency=latency, index=index, per_token=seq.per_token,
+        e2e_latency=latency, index=index, per_token=seq.per_token, seed=seq.seed,
     )
     if seq.discarded:  # a staleness restart: what was thrown away stays visible
         out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
@@ -76,6 +76,7 @@ def final_output(
     e2e_latency: float,
     index: int | None,
     per_token: dict[str, list[Any]] | None = None,
+    seed: Any = None,
 ) -> dict[str, Any]:
     """The manager's final ``/generate`` answer for one sequence that may span several engines.
 
@@ -83,7 +84,8 @@ def final_output(
     not interpret pass through, then overwrites what is a property of the whole sequence rather than
     of its last request. ``meta_info.segments`` (``instance``, ``endpoint``, ``weight_version``,
     ``start``, ``end``, ``outcome`` per engine) is the manager's addition to SGLang's format; the
-    top-level ``weight_version`` is the last segment's.
+    top-level ``weight_version`` is the last segment's; ``meta_info.sampling_seed`` is ``seed`` (the
+    one the sequence was sent with), else the body's.
     """
     meta = dict(engine_meta)
     spans = [s.to_dict() for s in segments]
@@ -103,7 +105,8 @@ def final_output(
     else:
         meta.pop("output_token_logprobs", None)
     meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
-    seed = body.sampling.sampling_seed
+    if seed is None:
+        seed = body.sampling.sampling_seed
     if seed is not None:
         meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
     out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}

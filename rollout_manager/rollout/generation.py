@@ -326,7 +326,7 @@ class Generator:
         once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
                 and inst.kind == Kind.REMOTE)
         body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
-                            keep_caller_interval=on_tokens is not None, stream=not once)
+                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = SequenceProgress(
@@ -475,7 +475,7 @@ class Generator:
         elif step is Step.FAULT:
             assert isinstance(outcome, EngineFault)
             segment.outcome = f"failed: {outcome.error}"
-            seq.failures.append(f"{inst.endpoint}: {outcome.error}")
+            seq.failures += (f"{inst.endpoint}: {outcome.error}",)
             seq.texts.append(None)
             seq.live_text = None
             log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
@@ -570,7 +570,7 @@ class Generator:
             return within
         log.info("restarting %s from its prompt: %d token(s) on weight version(s) %d..%d would span more than "
                  "max_staleness=%d", seq.rid, len(seq.output_ids), lo, hi, bound)
-        seq.discarded.extend(seq.segments)
+        seq.discarded += tuple(seq.segments)
         seq.segments.clear()
         seq.versions.clear()
         del seq.output_ids[:]
