@@ -179,7 +179,10 @@ class ChunkStream:
         deadline = conn.deadline
         assert deadline is not None
         while not decoder.done:
-            data = await conn.read()
+            data = conn.read_now()
+            if data is None:  # the future, not read(): no coroutine frame per stream while it waits
+                await conn.readable()
+                continue
             if not data:
                 raise EngineFailed("stream ended without [DONE]")
             try:

@@ -143,26 +143,32 @@ class Connection(asyncio.Protocol):
     async def read(self) -> bytes:
         """The next bytes of the answer's body, ``b""`` at its end; raises :class:`EngineFailed` when the
         call failed (after every byte that came before the failure was read)."""
-        while True:
-            if self.body:
-                body = self.body
-                data = body[0] if len(body) == 1 else b"".join(body)
-                body.clear()
-                self.buffered = 0
-                if self.paused and self.transport is not None:
-                    self.paused = False
-                    self.transport.resume_reading()
-                return data
-            if self.complete:
-                return b""
-            if self.error is None:  # as _wait() does, in this frame: a stream waits here for as long as it runs
-                self.waiter = self.loop.create_future()
-                try:
-                    await self.waiter
-                finally:
-                    self.waiter = None
-            if self.error is not None:
-                raise self.error
+        while (data := self.read_now()) is None:
+            await self.readable()
+        return data
+
+    def read_now(self) -> bytes | None:
+        """What :meth:`read` would return now; None when it would wait (then await :meth:`readable`).
+        For a reader that holds the call for long: awaiting the future costs no coroutine frame."""
+        body = self.body
+        if body:
+            data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            self.buffered = 0
+            if self.paused and self.transport is not None:
+                self.paused = False
+                self.transport.resume_reading()
+            return data
+        if self.complete:
+            return b""
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def readable(self) -> asyncio.Future[None]:
+        """Done when :meth:`read_now` may have something new to say (bytes, the end, or a failure)."""
+        waiter = self.waiter = self.loop.create_future()
+        return waiter
 
     def release(self, finished: bool = False) -> None:
         """The call is over: keep the connection for the next call when its answer came to its end (or,
