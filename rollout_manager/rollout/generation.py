@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from rollout_manager.errors import ManagerError, Unavailable
@@ -137,21 +137,27 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    async def generate(self, request: Request) -> dict[str, Any] | list[dict[str, Any]]:
-        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input)."""
+    def generate(self, request: Request) -> Awaitable[dict[str, Any] | list[dict[str, Any]]]:
+        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await.
+
+        The sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits
+        in. The awaiting task is registered for the shutdown grace (:meth:`stop`) inside it."""
         self.begin_rollout()
-        me = self._enter()  # in this frame, not a wrapper's: a sequence in flight holds every frame it awaits
+        if not request.batched:  # the common case, straight to its one sequence
+            return self.run_sequence(request.sequences[0], guarded=True)
+        return self._generate_batch(request.sequences)
+
+    async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
+        me = self._enter()
         try:
-            if not request.batched:  # the common case, straight to its one sequence
-                return await self.run_sequence(request.sequences[0])
-            return await self._generate_batch(request.sequences)
+            return await self._run_batch(items)
         except asyncio.CancelledError:
             self._stopped(me)
             raise
         finally:
             self._requests.discard(me)
 
-    async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
+    async def _run_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
 
         async def one(i: int) -> None:
@@ -222,13 +228,16 @@ class Generator:
         queue.put_nowait((-1, GenerationFailed(503, "rollout manager is shutting down; the request was aborted")))
 
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
-                           on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
+                           on_tokens: Callable[[SequenceState], None] | None = None,
+                           guarded: bool = False) -> dict[str, Any]:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
         One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
-        in flight holds every frame of its call chain, so the chain is kept short.
+        in flight holds every frame of its call chain, so the chain is kept short. ``guarded``: the task
+        is a caller's request, failed with 503 when the shutdown grace ends (:meth:`stop`).
         """
         started = time.monotonic()
+        me = self._enter() if guarded else None
         body = item.body
         table = self.dispatcher.affinity
         keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
@@ -298,6 +307,13 @@ class Generator:
             for listener in self.finished_listeners:
                 listener(time.monotonic() - started, 0, False)
             raise
+        except asyncio.CancelledError:
+            if me is not None:
+                self._stopped(me)
+            raise
+        finally:
+            if me is not None:
+                self._requests.discard(me)
         out = final_answer(seq, index, time.monotonic() - started)
         latency = out["meta_info"]["e2e_latency"]
         for listener in self.finished_listeners:
