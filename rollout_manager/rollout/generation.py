@@ -361,6 +361,7 @@ class Generator:
             error: str | None = None
             try:
                 if stream is not None:
+                    del body  # the task has it
                     closed = asyncio.ensure_future(self.local.closed.wait())
                     await asyncio.wait((stream, closed), return_when=asyncio.FIRST_COMPLETED)
                     closed.cancel()
@@ -373,9 +374,14 @@ class Generator:
                         self.client.session, inst.url, body, self._bounds(inst)))
                 else:
                     chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
+                    del body  # sent: a continuation's prompt plus tokens (a list of ints) is not kept
                     try:
-                        while ready := await chunks.next():
-                            self._take_all(seq, inst, progress, segments, on_tokens, ready)
+                        # The stream's future is awaited in this frame: no coroutine per stream while it waits.
+                        while (ready := chunks.poll()) != []:
+                            if ready is None:
+                                await chunks.readable()
+                            else:
+                                self._take_all(seq, inst, progress, segments, on_tokens, ready)
                     finally:
                         chunks.close()
             except EngineRejected as exc:
@@ -400,6 +406,7 @@ class Generator:
                        segments: AttemptSegments, on_tokens: Callable[[SequenceState], None] | None) -> None:
         """A local instance's stream, run as a task that races the local window."""
         chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
+        del body  # sent
         try:
             while ready := await chunks.next():
                 self._take_all(seq, inst, progress, segments, on_tokens, ready)

@@ -163,9 +163,11 @@ def _frame_error(exc: StreamError) -> EngineRejected | EngineFailed:
 
 
 class ChunkStream:
-    """One streaming ``/generate`` call, read a read at a time: :meth:`next` gives the chunks each read
-    completes. No async generator: a sequence holds its call for as long as it runs, and a generator's
-    frame, its ``aclosing`` and the loop's registry of generators cost more than this object."""
+    """One streaming ``/generate`` call, read a read at a time: :meth:`poll` gives the chunks each read
+    completes, and :meth:`readable` what to await when there are none yet. No async generator and no
+    coroutine of its own while it waits: a sequence holds its call for as long as it runs, and every
+    frame it waits in (a generator's, its ``aclosing``, the loop's registry of generators) costs memory
+    for that long. :meth:`next` is the plain coroutine, for callers that do not hold many streams."""
 
     __slots__ = ("conn", "decoder")
 
@@ -175,14 +177,23 @@ class ChunkStream:
     async def next(self) -> list[GenerateChunk]:
         """The chunks of the next read that completes any (in order); ``[]`` once the stream ended with
         ``[DONE]``. Raises :class:`EngineFailed` (or :class:`EngineRejected` for an error frame)."""
+        while (chunks := self.poll()) is None:
+            await self.readable()
+        return chunks
+
+    def readable(self) -> asyncio.Future[None]:
+        """Done when :meth:`poll` may have something new (await it, then poll again)."""
+        return self.conn.readable()
+
+    def poll(self) -> list[GenerateChunk] | None:
+        """What :meth:`next` returns, if the bytes read so far say it; None when it must wait."""
         decoder, conn = self.decoder, self.conn
         deadline = conn.deadline
         assert deadline is not None
         while not decoder.done:
             data = conn.read_now()
-            if data is None:  # the future, not read(): no coroutine frame per stream while it waits
-                await conn.readable()
-                continue
+            if data is None:
+                return None
             if not data:
                 raise EngineFailed("stream ended without [DONE]")
             try:
