@@ -23,6 +23,7 @@ from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
 from rollout_manager.rollout.answers import final_answer, partial_answer
 from rollout_manager.rollout.attempt_segments import AttemptSegments
+from rollout_manager.rollout.call_bounds import CallBoundsCache
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
@@ -94,8 +95,7 @@ class Generator:
         self.local = dispatcher.local
         self.coalescer = Coalescer(settings.batch_max)
         self._loop = self.coalescer.loop
-        # One CallBounds per instance (and settings): (the instance, the settings, its bounds), by instance id.
-        self._bounds_by_instance: dict[str, tuple[Instance, GenerationSettings, CallBounds]] = {}
+        self._call_bounds = CallBoundsCache(client)  # one CallBounds per instance, not per attempt
         # The manager's own request ids: unique per run (random prefix) and cheap (no urandom per request).
         self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
         self._rid_counter = itertools.count()
@@ -414,20 +414,7 @@ class Generator:
             chunks.close()
 
     def _bounds(self, inst: Instance) -> CallBounds:
-        """What a ``/generate`` call to ``inst`` may take: one :class:`CallBounds` per instance (and
-        settings), not per attempt."""
-        cached = self._bounds_by_instance.get(inst.id)
-        if cached is not None and cached[0] is inst and cached[1] is self.settings:
-            return cached[2]
-        s = self.settings
-        load = inst.load
-        bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
-                            activity=lambda: load.last_chunk_at, limits=self.client.limits,
-                            headers=self.client.generate_headers)
-        if len(self._bounds_by_instance) > 4 * (len(self.dispatcher.registry) + 64):  # instances gone since
-            self._bounds_by_instance.clear()
-        self._bounds_by_instance[inst.id] = (inst, s, bounds)
-        return bounds
+        return self._call_bounds.of(inst, self.settings, len(self.dispatcher.registry))
 
     def _take_all(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
                   on_tokens: Callable[[SequenceState], None] | None, chunks: list[GenerateChunk]) -> None:
