@@ -20,9 +20,9 @@ from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
-from rollout_manager.rollout.sequence import with_sampling_seed
+from rollout_manager.rollout.sequence import sampling_seed
 from rollout_manager.sglang.client import SGLangClient
-from rollout_manager.sglang.generate_request import SequenceBody, encode
+from rollout_manager.sglang.generate_request import SequenceBody, continuation, encode
 
 PROMPT = [5, 17, 42]
 SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=0.2, connect_timeout_s=2.0, stall_timeout_s=0.3,
@@ -65,11 +65,14 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
 
 def test_a_callers_seed_is_kept() -> None:
     given = SequenceBody.of(body(4, sampling_seed=1234))
-    assert with_sampling_seed(given) is given
+    assert sampling_seed(given) == 1234
     plain = SequenceBody.of(body(4))
-    added = with_sampling_seed(plain)
-    assert isinstance(added.sampling.sampling_seed, int)
+    seed = sampling_seed(plain)
+    assert isinstance(seed, int) and seed >= 0
     assert plain.sampling.sampling_seed is None  # the caller's body is not changed
-    assert encode(added) == encode(msgspec.structs.replace(plain, sampling=msgspec.structs.replace(
-        plain.sampling, sampling_seed=added.sampling.sampling_seed)))  # nothing else changed
-    assert with_sampling_seed(SequenceBody.of({"input_ids": [1]})).sampling.sampling_seed >= 0
+    sent = continuation(plain, [], rid="r", seed=seed)
+    assert sent.sampling.sampling_seed == seed
+    unseeded = continuation(plain, [], rid="r")
+    assert encode(sent) == encode(msgspec.structs.replace(unseeded, sampling=msgspec.structs.replace(
+        unseeded.sampling, sampling_seed=seed)))  # nothing else changed
+    assert continuation(given, [7], rid="r~1", seed=sampling_seed(given)).sampling.sampling_seed == 1234

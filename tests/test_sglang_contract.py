@@ -23,7 +23,7 @@ from rollout_manager.cpu_engine.engine import EngineConfig
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.cpu_engine.server import create_app
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.sequence import with_sampling_seed
+from rollout_manager.rollout.sequence import sampling_seed
 from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.sglang.generate_request import continuation
 from rollout_manager.sglang.sse import iter_frames
@@ -48,13 +48,14 @@ def manager_bodies() -> list[dict[str, Any]]:
     out = []
     for caller in callers:
         for item in decode(caller).sequences:
-            body = with_sampling_seed(item.body)
-            out.append(continuation(body, [], rid=body.rid or "rm-1").to_json())
-            out.append(continuation(body, [7, 8], rid="rm-1~1").to_json())
+            body, seed = item.body, sampling_seed(item.body)
+            out.append(continuation(body, [], rid=body.rid or "rm-1", seed=seed).to_json())
+            out.append(continuation(body, [7, 8], rid="rm-1~1", seed=seed).to_json())
             # As the Generator sends them: with the manager's per-request stream interval, or as one answer.
-            out.append(continuation(body, [], rid="rm-2", stream_interval=16).to_json())
-            out.append(continuation(body, [7], rid="rm-2~1", stream_interval=16, keep_caller_interval=True).to_json())
-            out.append(continuation(body, [7], rid="rm-3", stream_interval=16, stream=False).to_json())
+            out.append(continuation(body, [], rid="rm-2", stream_interval=16, seed=seed).to_json())
+            out.append(continuation(body, [7], rid="rm-2~1", stream_interval=16, keep_caller_interval=True,
+                                    seed=seed).to_json())
+            out.append(continuation(body, [7], rid="rm-3", stream_interval=16, stream=False, seed=seed).to_json())
     return out
 
 

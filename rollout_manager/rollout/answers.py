@@ -9,8 +9,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_manager.rollout.progress import as_list
-from rollout_manager.rollout.sequence import Segment
+from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.generate_request import SequenceBody
+
+
+def partial_answer(seq: SequenceState, index: int | None) -> dict[str, Any]:
+    """The stream chunk a streaming caller is sent for a running sequence (:func:`partial_output`)."""
+    return partial_output(
+        seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
+        weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
+        text=seq.known_text(seq.live_text),
+    )
+
+
+def final_answer(seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
+    """A finished sequence's answer (:func:`final_output`), ``latency`` seconds after it began."""
+    # The text is known only if every segment's engine sent its part (a cut segment's is lost).
+    texts = [t for t in seq.texts if t is not None]
+    text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
+    out = final_output(
+        seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
+        engine_meta=seq.meta, segments=seq.segments, text=text,
+        e2e_latency=latency, index=index, per_token=seq.per_token, seed=seq.seed,
+    )
+    if seq.discarded:  # a staleness restart: what was thrown away stays visible
+        out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
+    return out
 
 
 def partial_output(
@@ -52,6 +76,7 @@ def final_output(
     e2e_latency: float,
     index: int | None,
     per_token: dict[str, list[Any]] | None = None,
+    seed: Any = None,
 ) -> dict[str, Any]:
     """The manager's final ``/generate`` answer for one sequence that may span several engines.
 
@@ -59,7 +84,8 @@ def final_output(
     not interpret pass through, then overwrites what is a property of the whole sequence rather than
     of its last request. ``meta_info.segments`` (``instance``, ``endpoint``, ``weight_version``,
     ``start``, ``end``, ``outcome`` per engine) is the manager's addition to SGLang's format; the
-    top-level ``weight_version`` is the last segment's.
+    top-level ``weight_version`` is the last segment's; ``meta_info.sampling_seed`` is ``seed`` (the
+    one the sequence was sent with), else the body's.
     """
     meta = dict(engine_meta)
     spans = [s.to_dict() for s in segments]
@@ -79,7 +105,8 @@ def final_output(
     else:
         meta.pop("output_token_logprobs", None)
     meta.update(per_token or {})  # gathered over every chunk and segment, not the last chunk's
-    seed = body.sampling.sampling_seed
+    if seed is None:
+        seed = body.sampling.sampling_seed
     if seed is not None:
         meta["sampling_seed"] = seed  # what the sequence was sampled with (the manager's when the caller gave none)
     out: dict[str, Any] = {"text": text, "output_ids": as_list(output_ids), "meta_info": meta}

@@ -54,6 +54,7 @@ class _BatchRun(Generic[L]):
 
     async def _one(self, rid: Any, request: Request) -> None:
         accepted_at.set(self.accepted)  # this task's context only
+        me = asyncio.current_task()
         try:
             # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
             self.generator.vocab.check(request.input_ids)
@@ -63,6 +64,11 @@ class _BatchRun(Generic[L]):
         except Exception as exc:  # never lose an id, whatever happened
             log.exception("request %r failed unexpectedly", rid)
             line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
+        finally:  # here, not a done callback per task; a task cancelled before it ran is dropped by results()
+            self.tasks.discard(me)
+        self._answer(rid, line)
+
+    def _answer(self, rid: Any, line: dict[str, Any]) -> None:
         try:
             out = self.encode(line)
         except Exception as exc:  # an answer that cannot be encoded still answers its id
@@ -82,7 +88,6 @@ class _BatchRun(Generic[L]):
             self.dispatcher.held_by_batches -= 1
             task = asyncio.ensure_future(self._one(rid, request))
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
             room -= 1
 
     def _take(self) -> list[L]:

@@ -11,19 +11,19 @@ version, token range) so a sample mixing weight versions is visible.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.answers import final_output, partial_output
+from rollout_manager.rollout.answers import final_answer, partial_answer
 from rollout_manager.rollout.attempt_segments import AttemptSegments
+from rollout_manager.rollout.call_bounds import CallBoundsCache
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
@@ -60,14 +60,13 @@ from rollout_manager.sglang.client import (
     EngineFailed,
     EngineRejected,
     SGLangClient,
-    stream_generate,
+    open_stream,
 )
 from rollout_manager.sglang.coalesce import Coalescer
-from rollout_manager.sglang.generate_request import continuation
+from rollout_manager.sglang.generate_request import SequenceBody, continuation
 from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
-T = TypeVar("T")
 
 
 class GenerationFailed(ManagerError):
@@ -95,6 +94,8 @@ class Generator:
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
         self.coalescer = Coalescer(settings.batch_max)
+        self._loop = self.coalescer.loop
+        self._call_bounds = CallBoundsCache(client)  # one CallBounds per instance, not per attempt
         # The manager's own request ids: unique per run (random prefix) and cheap (no urandom per request).
         self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
         self._rid_counter = itertools.count()
@@ -114,25 +115,21 @@ class Generator:
         if self.local.armed and self.dispatcher.registry.count(State.ACTIVE, Kind.LOCAL):
             self.local.open(self.budget.budget_s)
 
-    async def guarded(self, work: Awaitable[T]) -> T:
-        """Run a caller's request; if the shutdown grace ends first, abort it and fail it with 503.
-
-        No extra task per request: the caller's own task is registered and cancelled at the end of
-        the grace, which runs every ``finally`` below (aborting the sequences on their instances).
-        """
+    def _enter(self) -> asyncio.Task[Any]:
+        """Register the caller's task: the end of the shutdown grace cancels it, which runs every
+        ``finally`` below it (aborting its sequences on their instances). No extra task per request."""
         me = asyncio.current_task()
         assert me is not None
         self._requests.add(me)
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if not self.stopping.is_set():
-                raise
-            if hasattr(me, "uncancel"):
-                me.uncancel()
-            raise GenerationFailed(503, "rollout manager is shutting down; the request was aborted") from None
-        finally:
-            self._requests.discard(me)
+        return me
+
+    def _stopped(self, me: asyncio.Task[Any]) -> None:
+        """A request was cancelled: when by the end of the shutdown grace, it fails with 503."""
+        if not self.stopping.is_set():
+            return
+        if hasattr(me, "uncancel"):
+            me.uncancel()
+        raise GenerationFailed(503, "rollout manager is shutting down; the request was aborted") from None
 
     def stop(self) -> None:
         """The shutdown grace is over: fail what still runs."""
@@ -140,14 +137,27 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    async def generate(self, request: Request) -> dict[str, Any] | list[dict[str, Any]]:
-        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input)."""
+    def generate(self, request: Request) -> Awaitable[dict[str, Any] | list[dict[str, Any]]]:
+        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await.
+
+        The sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits
+        in. The awaiting task is registered for the shutdown grace (:meth:`stop`) inside it."""
         self.begin_rollout()
         if not request.batched:  # the common case, straight to its one sequence
-            return await self.guarded(self.run_sequence(request.sequences[0]))
-        return await self.guarded(self._generate_batch(request.sequences))
+            return self.run_sequence(request.sequences[0], guarded=True)
+        return self._generate_batch(request.sequences)
 
     async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
+        me = self._enter()
+        try:
+            return await self._run_batch(items)
+        except asyncio.CancelledError:
+            self._stopped(me)
+            raise
+        finally:
+            self._requests.discard(me)
+
+    async def _run_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = []
 
         async def one(i: int) -> None:
@@ -206,7 +216,7 @@ class Generator:
                         partial.pop(i, None)
                         out.append(item)
                         finished += 1
-                out.extend(self._partial(seq, i if batched else None) for i, seq in partial.items())
+                out.extend(partial_answer(seq, i if batched else None) for i, seq in partial.items())
                 yield out
         finally:
             stop.cancel()
@@ -217,97 +227,98 @@ class Generator:
         await self.stopping.wait()
         queue.put_nowait((-1, GenerationFailed(503, "rollout manager is shutting down; the request was aborted")))
 
-    def _partial(self, seq: SequenceState, index: int | None) -> dict[str, Any]:
-        return partial_output(
-            seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
-            weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
-            text=seq.known_text(seq.live_text),
-        )
-
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
-                           on_tokens: Callable[[SequenceState], None] | None = None) -> dict[str, Any]:
-        """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told)."""
-        started = time.monotonic()
-        try:
-            out = await self._run_sequence(item, index, on_tokens)
-        except GenerationFailed:
-            for listener in self.finished_listeners:
-                listener(time.monotonic() - started, 0, False)
-            raise
-        latency = out["meta_info"].get("e2e_latency")
-        if latency is None:
-            latency = time.monotonic() - started
-        for listener in self.finished_listeners:
-            listener(latency, len(out["output_ids"]), True)
-        return out
+                           on_tokens: Callable[[SequenceState], None] | None = None,
+                           guarded: bool = False) -> dict[str, Any]:
+        """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
-    async def _run_sequence(self, item: SequenceRequest, index: int | None,
-                            on_tokens: Callable[[SequenceState], None] | None) -> dict[str, Any]:
+        One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
+        in flight holds every frame of its call chain, so the chain is kept short. ``guarded``: the task
+        is a caller's request, failed with 503 when the shutdown grace ends (:meth:`stop`).
+        """
+        started = time.monotonic()
+        me = self._enter() if guarded else None
         body = item.body
         table = self.dispatcher.affinity
         keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
         seq = SequenceState(body=body, rid=body.rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}",
                             min_version=item.min_version)
         self.stats["sequences"] += 1
-        started = time.monotonic()
-        tried: list[Instance] = []
-        # Since when the sequence fails without making progress (None: it is not failing): its retries
-        # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
-        failing_since: float | None = None
-        if seq.budget == 0:
-            # Answered here: SGLang would run a prefill and report a log-prob for a token it never
-            # returns. Nothing to generate, so no instance is needed.
-            seq.finish = wire.finish_reason(wire.LENGTH, length=0)
-            seq.texts.append("")
-            seq.meta = {"weight_version": self._current_version()}
-        while seq.finish is None:
-            if seq.remaining == 0:  # the budget was used up just as an instance died
-                seq.finish = wire.finish_reason(wire.LENGTH, length=seq.budget)
-                break
-            if len(seq.failures) >= self.settings.max_attempts:
-                self.stats["failed"] += 1
-                raise GenerationFailed(
-                    502,
-                    f"sequence {seq.rid} failed on {len(seq.failures)} attempt(s) "
-                    f"(limit {self.settings.max_attempts}); instances tried: {', '.join(i.endpoint for i in tried)}; "
-                    f"last error: {seq.failures[-1] if seq.failures else 'none'}",
-                )
-            allow = self._allowed(seq)
-            if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
-                allow = _excluding(seq.refused[0], allow)
-            inst = self.migrator.take_handoff(seq, allow)
-            if inst is None:
-                first = keys is not None and not seq.versions and not seq.discarded
-                prefer = table.lookup(keys) if table is not None and keys is not None and first else None
-                try:
-                    inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
-                                                         avoid={i.id for i in tried}, prefer=prefer, allow=allow,
-                                                         since=failing_since)
-                except Unavailable as exc:
+        try:
+            tried: list[Instance] = []
+            # Since when the sequence fails without making progress (None: it is not failing): its retries
+            # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
+            failing_since: float | None = None
+            if seq.budget == 0:
+                # Answered here: SGLang would run a prefill and report a log-prob for a token it never
+                # returns. Nothing to generate, so no instance is needed.
+                seq.finish = wire.finish_reason(wire.LENGTH, length=0)
+                seq.texts.append("")
+                seq.meta = {"weight_version": self._current_version()}
+            while seq.finish is None:
+                if seq.remaining == 0:  # the budget was used up just as an instance died
+                    seq.finish = wire.finish_reason(wire.LENGTH, length=seq.budget)
+                    break
+                if len(seq.failures) >= self.settings.max_attempts:
                     self.stats["failed"] += 1
-                    if seq.refused is not None:  # nobody could check the refusal: it stands
-                        _, status, error = seq.refused
-                        raise GenerationFailed(status, wire.error_message(error), error) from None
-                    raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
-                if table is not None and keys is not None and first:
-                    self._count_affinity(prefer, inst)
-                    table.placed(keys, inst.id)
-            tried.append(inst)
-            seq.versions.append(inst.weight_version)
-            if seq.segments:
-                self.stats["continuations"] += 1
-                log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
-                         len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
-            failures = len(seq.failures)
-            await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
-            if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
-                failing_since = None  # it made progress: a failure from here starts a new wait
-            if len(seq.failures) > failures and failing_since is None:
-                failing_since = self.dispatcher.clock()
-        self.stats["tokens"] += len(seq.output_ids)
-        if table is not None and keys is not None and seq.segments:
-            table.finished(keys, seq.output_ids, seq.segments[-1].instance)
-        return self._result(seq, index, time.monotonic() - started)
+                    raise GenerationFailed(
+                        502,
+                        f"sequence {seq.rid} failed on {len(seq.failures)} attempt(s) "
+                        f"(limit {self.settings.max_attempts}); "
+                        f"instances tried: {', '.join(i.endpoint for i in tried)}; "
+                        f"last error: {seq.failures[-1] if seq.failures else 'none'}",
+                    )
+                allow = self._allowed(seq)
+                if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
+                    allow = _excluding(seq.refused[0], allow)
+                inst = self.migrator.take_handoff(seq, allow)
+                if inst is None:
+                    first = keys is not None and not seq.versions and not seq.discarded
+                    prefer = table.lookup(keys) if table is not None and keys is not None and first else None
+                    try:
+                        inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
+                                                             avoid={i.id for i in tried}, prefer=prefer, allow=allow,
+                                                             since=failing_since)
+                    except Unavailable as exc:
+                        self.stats["failed"] += 1
+                        if seq.refused is not None:  # nobody could check the refusal: it stands
+                            _, status, error = seq.refused
+                            raise GenerationFailed(status, wire.error_message(error), error) from None
+                        raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
+                    if table is not None and keys is not None and first:
+                        self._count_affinity(prefer, inst)
+                        table.placed(keys, inst.id)
+                tried.append(inst)
+                seq.versions.append(inst.weight_version)
+                if seq.segments:
+                    self.stats["continuations"] += 1
+                    log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
+                             len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
+                failures = len(seq.failures)
+                await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
+                if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
+                    failing_since = None  # it made progress: a failure from here starts a new wait
+                if len(seq.failures) > failures and failing_since is None:
+                    failing_since = self.dispatcher.clock()
+            self.stats["tokens"] += len(seq.output_ids)
+            if table is not None and keys is not None and seq.segments:
+                table.finished(keys, seq.output_ids, seq.segments[-1].instance)
+        except GenerationFailed:
+            for listener in self.finished_listeners:
+                listener(time.monotonic() - started, 0, False)
+            raise
+        except asyncio.CancelledError:
+            if me is not None:
+                self._stopped(me)
+            raise
+        finally:
+            if me is not None:
+                self._requests.discard(me)
+        out = final_answer(seq, index, time.monotonic() - started)
+        latency = out["meta_info"]["e2e_latency"]
+        for listener in self.finished_listeners:
+            listener(latency, len(seq.output_ids), True)
+        return out
 
     def _current_version(self) -> str:
         """The newest weight version an active instance serves (what a request made now would get)."""
@@ -317,7 +328,12 @@ class Generator:
     # ------------------------------------------------------------ one instance
     async def _attempt(self, seq: SequenceState, inst: Instance, attempt: int,
                        on_tokens: Callable[[SequenceState], None] | None = None) -> None:
-        """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable."""
+        """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable.
+
+        The engine call runs in this coroutine (a remote instance) or in one task that races the local
+        window (a local one); each chunk is folded in by :meth:`_take`. No closures: a sequence holds
+        this frame for as long as it streams.
+        """
         rid = seq.rid if attempt == 0 else f"{seq.rid}~{attempt}"
         interval = self.settings.engine_stream_interval
         # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
@@ -326,7 +342,7 @@ class Generator:
         once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
                 and inst.kind == Kind.REMOTE)
         body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
-                            keep_caller_interval=on_tokens is not None, stream=not once)
+                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = SequenceProgress(
@@ -335,43 +351,45 @@ class Generator:
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
         segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
         reserved = seq.reserve
-        loop = asyncio.get_running_loop()
-        s = self.settings
-        bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
-                            activity=lambda: inst.load.last_chunk_at, limits=self.client.limits,
-                            headers=self.client.generate_headers)
-
-        def take(chunk: GenerateChunk) -> None:
-            try:
-                new = progress.apply(chunk)
-            except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
-                raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
-            self.dispatcher.progress(inst, new, loop.time())
-            if new and seq.refused is not None:
-                self._refusal_overruled(seq, inst)
-            segments.advance(progress.weight_version, new)
-            if progress.finish_reason is not None and "weight_versions" in progress.meta_info:
-                segments.exact(progress.meta_info["weight_versions"])  # SGLang's exact spans, on the final chunk
-            seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
-            if new and on_tokens is not None and progress.finish_reason is None:
-                on_tokens(seq)
-
-        async def consume() -> None:
-            if once:  # one answer, awaited directly: no stream machinery for the commonest short call
-                take(await self.coalescer.generate_once(self.client.session, inst.url, body, bounds))
-                return
-            async with contextlib.aclosing(stream_generate(self.client.session, inst.url, body, bounds)) as chunks:
-                async for chunk in chunks:
-                    take(chunk)
-                    del chunk  # not held while the next one is awaited: the sequence keeps only its tokens
-
-        # Only a local instance's stream races the local window; remote ones need no extra task.
-        stream = asyncio.ensure_future(consume()) if inst.kind == Kind.LOCAL else None
+        # Only a local instance's stream races the local window (in a task of its own).
+        stream = asyncio.ensure_future(self._consume(seq, inst, body, progress, segments, on_tokens)) \
+            if inst.kind == Kind.LOCAL else None
         live = id(segments)
         outcome: Outcome = Cancelled()  # until the call comes to something: the caller went away
         try:
             self.migrator.enter(live, seq, inst, rid)
-            outcome = await self._call(consume, stream, progress, seq)
+            error: str | None = None
+            try:
+                if stream is not None:
+                    del body  # the task has it
+                    closed = asyncio.ensure_future(self.local.closed.wait())
+                    await asyncio.wait((stream, closed), return_when=asyncio.FIRST_COMPLETED)
+                    closed.cancel()
+                    if not stream.done():  # the trainer wants its GPUs back: move the sequence on
+                        outcome = Moved(Move.PREEMPTED)
+                    else:
+                        await stream
+                elif once:  # one answer, awaited directly: no stream machinery for the commonest short call
+                    self._take(seq, inst, progress, segments, on_tokens, await self.coalescer.generate_once(
+                        self.client.session, inst.url, body, self._bounds(inst)))
+                else:
+                    chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
+                    del body  # sent: a continuation's prompt plus tokens (a list of ints) is not kept
+                    try:
+                        # The stream's future is awaited in this frame: no coroutine per stream while it waits.
+                        while (ready := chunks.poll()) != []:
+                            if ready is None:
+                                await chunks.readable()
+                            else:
+                                self._take_all(seq, inst, progress, segments, on_tokens, ready)
+                    finally:
+                        chunks.close()
+            except EngineRejected as exc:
+                outcome = CallerError(exc.status, exc.error)
+            except EngineFailed as exc:
+                error = str(exc)
+            if not isinstance(outcome, (Moved, CallerError)):
+                outcome = outcome_of(progress.finish_reason, error, migrating=seq.migrating)
             self._carry_out(outcome, seq, inst, segments, progress)
         finally:
             if stream is not None and not stream.done():
@@ -384,27 +402,44 @@ class Generator:
                     segments.current.outcome = "cancelled"
                 await asyncio.shield(self.client.abort(inst.url, rid))
 
-    async def _call(self, consume: Callable[[], Awaitable[None]], stream: asyncio.Future[None] | None,
-                    progress: SequenceProgress, seq: SequenceState) -> Outcome:
-        """Run the engine call (``stream``: it already runs, racing the local window); what it came to.
-        A cancellation propagates (the caller went away)."""
-        error: str | None = None
+    async def _consume(self, seq: SequenceState, inst: Instance, body: SequenceBody, progress: SequenceProgress,
+                       segments: AttemptSegments, on_tokens: Callable[[SequenceState], None] | None) -> None:
+        """A local instance's stream, run as a task that races the local window."""
+        chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
+        del body  # sent
         try:
-            if stream is None:
-                await consume()
-            else:
-                closed = asyncio.ensure_future(self.local.closed.wait())
-                racing: set[asyncio.Future[Any]] = {stream, closed}
-                await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-                closed.cancel()
-                if not stream.done():  # the trainer wants its GPUs back: move the sequence on
-                    return Moved(Move.PREEMPTED)
-                await stream
-        except EngineRejected as exc:
-            return CallerError(exc.status, exc.error)
-        except EngineFailed as exc:
-            error = str(exc)
-        return outcome_of(progress.finish_reason, error, migrating=seq.migrating)
+            while ready := await chunks.next():
+                self._take_all(seq, inst, progress, segments, on_tokens, ready)
+        finally:
+            chunks.close()
+
+    def _bounds(self, inst: Instance) -> CallBounds:
+        return self._call_bounds.of(inst, self.settings, len(self.dispatcher.registry))
+
+    def _take_all(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
+                  on_tokens: Callable[[SequenceState], None] | None, chunks: list[GenerateChunk]) -> None:
+        """Fold in the chunks of one read, in order; ``chunks`` is emptied, so the sequence keeps only its
+        tokens while the next read waits."""
+        chunks.reverse()
+        while chunks:
+            self._take(seq, inst, progress, segments, on_tokens, chunks.pop())
+
+    def _take(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
+              on_tokens: Callable[[SequenceState], None] | None, chunk: GenerateChunk) -> None:
+        """Fold one chunk into the sequence; raises :class:`EngineFailed` for a chunk it cannot vouch for."""
+        try:
+            new = progress.apply(chunk)
+        except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
+            raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
+        self.dispatcher.progress(inst, new, self._loop.time())
+        if new and seq.refused is not None:
+            self._refusal_overruled(seq, inst)
+        segments.advance(progress.weight_version, new)
+        if progress.finish_reason is not None and "weight_versions" in progress.meta_info:
+            segments.exact(progress.meta_info["weight_versions"])  # SGLang's exact spans, on the final chunk
+        seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
+        if new and on_tokens is not None and progress.finish_reason is None:
+            on_tokens(seq)
 
     def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segments: AttemptSegments,
                    progress: SequenceProgress) -> None:
@@ -450,7 +485,7 @@ class Generator:
         elif step is Step.FAULT:
             assert isinstance(outcome, EngineFault)
             segment.outcome = f"failed: {outcome.error}"
-            seq.failures.append(f"{inst.endpoint}: {outcome.error}")
+            seq.failures += (f"{inst.endpoint}: {outcome.error}",)
             seq.texts.append(None)
             seq.live_text = None
             log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
@@ -545,7 +580,7 @@ class Generator:
             return within
         log.info("restarting %s from its prompt: %d token(s) on weight version(s) %d..%d would span more than "
                  "max_staleness=%d", seq.rid, len(seq.output_ids), lo, hi, bound)
-        seq.discarded.extend(seq.segments)
+        seq.discarded += tuple(seq.segments)
         seq.segments.clear()
         seq.versions.clear()
         del seq.output_ids[:]
@@ -555,19 +590,6 @@ class Generator:
         seq.live_text = None
         self.stats["stale_restarts"] += 1
         return None
-
-    def _result(self, seq: SequenceState, index: int | None, latency: float) -> dict[str, Any]:
-        # The text is known only if every segment's engine sent its part (a cut segment's is lost).
-        texts = [t for t in seq.texts if t is not None]
-        text = "".join(texts) if seq.texts and len(texts) == len(seq.texts) else None
-        out = final_output(
-            seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs, finish=seq.finish,
-            engine_meta=seq.meta, segments=seq.segments, text=text,
-            e2e_latency=latency, index=index, per_token=seq.per_token,
-        )
-        if seq.discarded:  # a staleness restart: what was thrown away stays visible
-            out["meta_info"]["discarded_segments"] = [s.to_dict() for s in seq.discarded]
-        return out
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:

@@ -18,6 +18,7 @@ from rollout_manager.sglang.wire import GenerateChunk
 # vocabulary size is not known.
 TOKEN_ID_BOUND = 2**32
 _UINT = "I" if array("I").itemsize == 4 else "L"  # a C array type holding exactly [0, TOKEN_ID_BOUND)
+NO_META: dict[str, Any] = {}  # the meta_info of a stream not finished yet (shared: never written to)
 
 
 class BadChunk(ValueError):
@@ -86,7 +87,9 @@ class SequenceProgress:
     output_ids: array[int] = field(default_factory=token_array)
     logprobs: list[list[Any]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
-    meta_info: dict[str, Any] = field(default_factory=dict)
+    # The final chunk's meta_info (the answer starts from it); :data:`NO_META` until then: a held sequence
+    # does not keep every chunk's whole meta_info for the few fields it reads.
+    meta_info: dict[str, Any] = field(default_factory=lambda: NO_META)
     text: str | None = None
     weight_version: str | None = None  # the latest a chunk reported (chunks may leave it out)
     limit: int | None = None
@@ -96,13 +99,13 @@ class SequenceProgress:
     chunks: int = 0  # chunks folded in
     _ids_start: int = field(init=False, repr=False)
     _lps_start: int = field(init=False, repr=False)
-    _per_token_start: dict[str, int] = field(init=False, repr=False)
+    _per_token_start: dict[str, int] | None = field(init=False, repr=False)  # None: no lists yet
 
     def __post_init__(self) -> None:
         if not isinstance(self.output_ids, array) or self.output_ids.typecode != _UINT:
             self.output_ids = token_array(self.output_ids)
         self._ids_start, self._lps_start = len(self.output_ids), len(self.logprobs)
-        self._per_token_start = {k: len(v) for k, v in self.per_token.items()}
+        self._per_token_start = {k: len(v) for k, v in self.per_token.items()} if self.per_token else None
 
     @property
     def made(self) -> int:
@@ -165,13 +168,16 @@ class SequenceProgress:
             entries = meta.get(key)
             if isinstance(entries, list):
                 gathered = self.per_token.setdefault(key, [])
-                seen = len(gathered) - self._per_token_start.setdefault(key, 0)
+                starts = self._per_token_start
+                if starts is None:
+                    starts = self._per_token_start = {}
+                seen = len(gathered) - starts.setdefault(key, 0)
                 gathered.extend(entries[seen:] if cumulative else entries)
         text = chunk.text
         if text is not None:
             self.text = text if cumulative else (self.text or "") + text
-        self.meta_info = meta
         self.finish_reason = meta.get("finish_reason")
+        self.meta_info = NO_META if self.finish_reason is None else meta
         if version is not None:
             self.weight_version = version
         self.chunks += 1

@@ -11,10 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from rollout_manager.instances.registry import Instance, Kind, State
-from rollout_manager.rollout.progress import token_array
+from rollout_manager.rollout.progress import NO_META, token_array
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
@@ -37,7 +35,7 @@ class Segment:
 class SequenceState:
     """Everything known about one sequence across the instances it has been on."""
 
-    body: SequenceBody  # the caller's (with a sampling seed: see with_sampling_seed)
+    body: SequenceBody  # the caller's, as decoded (shared with the request: never copied per sequence)
     rid: str
     output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
@@ -45,8 +43,10 @@ class SequenceState:
     per_token: dict[str, list[Any]] = field(default_factory=dict)
     texts: list[str | None] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    # Tuples and a shared empty dict until something is recorded: most sequences never fail, and every
+    # field made empty per sequence costs its bytes for as long as the sequence runs.
+    failures: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=lambda: NO_META)  # the final chunk's meta_info
     finish: dict[str, Any] | None = None
     live_text: str | None = None  # the running segment's text so far (None: not known)
     # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
@@ -58,7 +58,7 @@ class SequenceState:
     migrating: bool = False
     move_reason: str = ""  # why the running segment is being taken off ("": tail migration)
     versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
-    discarded: list[Segment] = field(default_factory=list)  # segments a staleness restart threw away
+    discarded: tuple[Segment, ...] = ()  # segments a staleness restart threw away
     # A refusal (HTTP 400 or an error frame) waiting for another instance's verdict: (the instance, the
     # status, the error); and whether that one extra try was used.
     refused: tuple[Instance, int, Any] | None = None
@@ -69,10 +69,12 @@ class SequenceState:
     # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
     # the body once: it never changes, and what is left is asked several times per attempt.
     budget: int | None = field(init=False)
+    # The sampling seed every engine request of the sequence carries (see sampling_seed).
+    seed: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        self.body = with_sampling_seed(self.body)
         self.budget = self.body.sampling.max_new_tokens
+        self.seed = sampling_seed(self.body)
 
     @property
     def remaining(self) -> int | None:
@@ -136,18 +138,17 @@ def version_check(inst: Instance, start: int) -> Callable[[Any], str | None] | N
 SEED_BITS = 31
 
 
-def with_sampling_seed(body: SequenceBody) -> SequenceBody:
-    """``body`` with a ``sampling_seed`` of its own when the caller gave none.
+def sampling_seed(body: SequenceBody) -> Any:
+    """The ``sampling_seed`` a sequence is sent with: the caller's, or one of its own when it gave none.
 
     Under ``--enable-deterministic-inference`` SGLang samples a request without a seed with seed 42
     (``sampling_batch_info.py``): the samples of one prompt all come out the same, and a GRPO group's
     advantage is zero. Its seeded sampler keys each draw on (seed, position), so the same seed sent with
-    a continuation (the body is reused as it is) draws what the uninterrupted request would have drawn.
+    a continuation draws what the uninterrupted request would have drawn. The caller's body is not
+    copied to carry it: the seed goes into each engine body as it is built (``continuation(seed=...)``).
     """
-    if body.sampling.sampling_seed is not None:
-        return body
-    sampling = msgspec.structs.replace(body.sampling, sampling_seed=secrets.randbits(SEED_BITS))
-    return msgspec.structs.replace(body, sampling=sampling)
+    given = body.sampling.sampling_seed
+    return secrets.randbits(SEED_BITS) if given is None else given
 
 
 def with_failures(message: str, seq: SequenceState, shown: int = 3) -> str:

@@ -12,15 +12,17 @@ import aiohttp
 from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.auth import SGLangAuth
+from rollout_manager.sglang.deadline import Deadline
 from rollout_manager.sglang.errors import REFUSAL_STATUSES, EngineFailed, EngineRejected, refusal
 from rollout_manager.sglang.generate_request import SequenceBody, encode
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
-from rollout_manager.sglang.relay import CallBounds, Connection, Deadline, relay_for
+from rollout_manager.sglang.relay import CallBounds, Connection, relay_for
 from rollout_manager.sglang.sse import ChunkDecoder, StreamError
 from rollout_manager.sglang.wire import GenerateChunk
 
-__all__ = ["REFUSAL_STATUSES", "CallBounds", "Deadline", "EngineFailed", "EngineRejected", "Probe", "SGLangClient",
-           "ServerInfoError", "generate_batch_once", "generate_once", "refusal", "stream_generate"]
+__all__ = ["REFUSAL_STATUSES", "CallBounds", "ChunkStream", "Deadline", "EngineFailed", "EngineRejected", "Probe",
+           "SGLangClient", "ServerInfoError", "generate_batch_once", "generate_once", "open_stream", "refusal",
+           "stream_generate"]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -160,49 +162,102 @@ def _frame_error(exc: StreamError) -> EngineRejected | EngineFailed:
                    exc.error)
 
 
-async def stream_generate(
-    session: aiohttp.ClientSession,
-    base_url: str,
-    body: SequenceBody,
-    bounds: CallBounds,
-) -> AsyncGenerator[GenerateChunk, None]:
-    """POST a streaming ``/generate`` and yield its chunks; a stream must end with ``[DONE]``.
+class ChunkStream:
+    """One streaming ``/generate`` call, read a read at a time: :meth:`poll` gives the chunks each read
+    completes, and :meth:`readable` what to await when there are none yet. No async generator and no
+    coroutine of its own while it waits: a sequence holds its call for as long as it runs, and every
+    frame it waits in (a generator's, its ``aclosing``, the loop's registry of generators) costs memory
+    for that long. :meth:`next` is the plain coroutine, for callers that do not hold many streams."""
 
-    Through the session's :class:`~.relay.Relay` (:func:`~.relay.relay_for`), under :class:`CallBounds`:
-    the instance owes the first chunk within ``first_byte_timeout_s``, longer while ``activity`` (when
-    it last sent any request a chunk) shows it serving others, and each next chunk within
-    ``stall_timeout_s`` of the last: bytes that complete no frame are no progress, and one frame may not
-    exceed ``max_frame_bytes`` (see :class:`~.relay.Deadline`). Long generations are fine while a hung
-    or babbling engine is cut off with bounded memory. When the manager itself cannot connect (its own
-    descriptor or memory limits), nothing was sent: the request waits and tries again, and the
-    instance is not blamed.
-    """
-    # One sequence per stream: cumulative chunks parse their news only.
-    decoder = ChunkDecoder(max_frame=bounds.max_frame_bytes)
-    conn = await relay_for(session).open(base_url, encode(body), bounds)
-    try:
-        await _raise_for_status(conn)
+    __slots__ = ("conn", "decoder")
+
+    def __init__(self, conn: Connection, decoder: ChunkDecoder) -> None:
+        self.conn, self.decoder = conn, decoder
+
+    async def next(self) -> list[GenerateChunk]:
+        """The chunks of the next read that completes any (in order); ``[]`` once the stream ended with
+        ``[DONE]``. Raises :class:`EngineFailed` (or :class:`EngineRejected` for an error frame)."""
+        while (chunks := self.poll()) is None:
+            await self.readable()
+        return chunks
+
+    def readable(self) -> asyncio.Future[None]:
+        """Done when :meth:`poll` may have something new (await it, then poll again)."""
+        return self.conn.readable()
+
+    def poll(self) -> list[GenerateChunk] | None:
+        """What :meth:`next` returns, if the bytes read so far say it; None when it must wait."""
+        decoder, conn = self.decoder, self.conn
         deadline = conn.deadline
         assert deadline is not None
-        while data := await conn.read():
+        while not decoder.done:
+            data = conn.read_now()
+            if data is None:
+                return None
+            if not data:
+                raise EngineFailed("stream ended without [DONE]")
             try:
                 chunks = decoder.feed(data)
             except StreamError as exc:
                 raise _frame_error(exc) from None
             except ValueError as exc:
                 raise EngineFailed(f"undecodable stream: {exc}") from None
-            del data  # neither the bytes read nor the chunks parsed stay while the next read waits
+            del data  # the bytes read do not stay while the next read waits
             deadline.unframed = decoder.pending
             if chunks or decoder.done:
                 deadline.chunk(len(chunks))
+            if chunks:
+                return chunks
+        return []
+
+    def close(self) -> None:
+        """The call is over (read to its end or not): the connection goes back to its pool or is closed."""
+        self.conn.release(self.decoder.done)
+
+
+async def open_stream(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: SequenceBody,
+    bounds: CallBounds,
+) -> ChunkStream:
+    """POST a streaming ``/generate``; its chunks are read with :meth:`ChunkStream.next`, and the stream
+    must be closed (:meth:`ChunkStream.close`). A stream must end with ``[DONE]``.
+
+    Through the session's :class:`~.relay.Relay` (:func:`~.relay.relay_for`), under :class:`CallBounds`:
+    the instance owes the first chunk within ``first_byte_timeout_s``, longer while ``activity`` (when
+    it last sent any request a chunk) shows it serving others, and each next chunk within
+    ``stall_timeout_s`` of the last: bytes that complete no frame are no progress, and one frame may not
+    exceed ``max_frame_bytes`` (see :class:`~.deadline.Deadline`). Long generations are fine while a hung
+    or babbling engine is cut off with bounded memory. When the manager itself cannot connect (its own
+    descriptor or memory limits), nothing was sent: the request waits and tries again, and the
+    instance is not blamed.
+    """
+    conn = await relay_for(session).open(base_url, encode(body), bounds)
+    try:
+        await _raise_for_status(conn)
+    except BaseException:
+        conn.release()
+        raise
+    # One sequence per stream: cumulative chunks parse their news only.
+    return ChunkStream(conn, ChunkDecoder(max_frame=bounds.max_frame_bytes))
+
+
+async def stream_generate(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    body: SequenceBody,
+    bounds: CallBounds,
+) -> AsyncGenerator[GenerateChunk, None]:
+    """:func:`open_stream` as an async generator of its chunks (tools and tests)."""
+    stream = await open_stream(session, base_url, body, bounds)
+    try:
+        while chunks := await stream.next():
             chunks.reverse()
-            while chunks:
+            while chunks:  # neither the chunks handed over nor the bytes read stay while the next read waits
                 yield chunks.pop()
-            if decoder.done:
-                return
-        raise EngineFailed("stream ended without [DONE]")
     finally:
-        conn.release(decoder.done)
+        stream.close()
 
 
 async def generate_once(

@@ -116,7 +116,7 @@ def sequences(data: dict[str, Any], skip: Collection[str] = ()) -> tuple[list[Se
 
 
 def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_interval: int | None = None,
-                 keep_caller_interval: bool = False, stream: bool = True) -> SequenceBody:
+                 keep_caller_interval: bool = False, stream: bool = True, seed: Any = None) -> SequenceBody:
     """The body that continues a single sequence on an engine from the tokens already made.
 
     ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
@@ -128,7 +128,8 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
     uses before its server-wide ``--stream-interval``: the engine then sends a chunk every that many
     tokens, so the manager parses that many times fewer frames. ``keep_caller_interval`` leaves a
     caller's own value in place (a streaming caller chose how often it wants chunks). With
-    ``stream=False`` the engine answers once, at the end (no interval is set).
+    ``stream=False`` the engine answers once, at the end (no interval is set). ``seed`` (when given)
+    becomes ``sampling_params.sampling_seed``.
     """
     s = body.sampling
     n = len(made)
@@ -137,7 +138,8 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
         interval = int(stream_interval)
     sampling = msgspec.structs.replace(
         s, max_new_tokens=None if s.max_new_tokens is None else max(s.max_new_tokens - n, 0),
-        min_new_tokens=None if s.min_new_tokens is None else max(s.min_new_tokens - n, 0), stream_interval=interval)
+        min_new_tokens=None if s.min_new_tokens is None else max(s.min_new_tokens - n, 0), stream_interval=interval,
+        sampling_seed=s.sampling_seed if seed is None else seed)
     return msgspec.structs.replace(body, input_ids=[*body.input_ids, *made] if n else body.input_ids,
                                    sampling=sampling, rid=rid, stream=stream)
 

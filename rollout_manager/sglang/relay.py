@@ -10,7 +10,8 @@ and the loop's transport. Everything else (probes, admin calls) stays on aiohttp
   connection the server is closing. A reused connection that closes before any byte of an answer is
   retried once on a fresh one, as HTTP clients do. A connection goes back to the pool only after an
   answer read to its end that did not say ``Connection: close``.
-- **One timeout mechanism**: each call's :class:`Deadline`, checked by the connection's own timer,
+- **One timeout mechanism**: each call's :class:`Deadline`, checked when due by the relay's one timer
+  for every call in flight (:class:`.deadline.DeadlineClock`: not a loop timer per connection),
   which fails the call's waiter and closes the connection; nothing is injected into another reader.
 - **The manager's own limits** (out of descriptors or memory, a connect timed out by a blocked loop)
   are waited out and retried (:class:`LocalLimits`), never blamed on the instance.
@@ -29,6 +30,7 @@ import aiohttp
 import httptools
 
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.deadline import Deadline, DeadlineClock
 from rollout_manager.sglang.errors import EngineFailed
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
 
@@ -55,65 +57,6 @@ class CallBounds:
     headers: dict[str, str] | None = None  # of the POST (None: JSON only); SGLangClient.generate_headers adds its key
 
 
-class Deadline:
-    """When the instance owes a call its next complete chunk, and what to say when it is late.
-
-    Before the first chunk: ``first_s`` after the request, or after the instance last sent a chunk to
-    any request (``activity``, loop time) when that is later, for an instance that serves others is
-    alive and this request waits in its queue; never later than ``stall_s`` after the request. After
-    a chunk: ``stall_s`` after the last one. Bytes that complete no frame do not count, so an engine
-    that trickles bytes is cut off like a silent one. A chunk only records its time; the connection's
-    timer re-arms itself when it finds the deadline moved.
-    """
-
-    __slots__ = ("loop", "started", "first_s", "stall_s", "activity", "last", "chunks", "headers", "unframed")
-
-    def __init__(self, first_s: float, stall_s: float, activity: Callable[[], float] | None):
-        self.loop = asyncio.get_running_loop()
-        self.started = self.loop.time()
-        self.first_s, self.stall_s = min(first_s, stall_s), stall_s
-        self.activity = activity
-        self.last: float | None = None  # when the last chunk came
-        self.chunks = 0
-        self.headers = False  # the status line and headers came
-        self.unframed = 0  # bytes of an unfinished frame (or answer) the reader holds now
-
-    def chunk(self, n: int = 1) -> None:
-        """``n`` complete chunks came."""
-        self.last = self.loop.time()
-        self.chunks += n
-
-    def due(self) -> float:
-        if self.last is not None:
-            return self.last + self.stall_s
-        since = self.started
-        if self.activity is not None:
-            since = max(since, self.activity())
-        return min(since + self.first_s, self.started + self.stall_s)
-
-    def restart(self) -> None:
-        """Nothing was sent yet (the manager waited on its own limits): the instance owes nothing so far."""
-        self.started = self.loop.time()
-
-    def describe(self) -> str:
-        """What happened, in measured times, with the bound that ended it."""
-        now = self.loop.time()
-        partial = f"; {self.unframed} byte(s) of an unfinished frame came meanwhile" if self.unframed else ""
-        if self.last is not None:
-            stalled = "" if self.unframed else "stalled; "  # nothing at all came since: the engine stalled
-            return (f"no complete chunk for {now - self.last:.1f}s after {self.chunks} chunk(s) "
-                    f"({stalled}stream_stall_timeout_s={self.stall_s:g}){partial}")
-        waited = now - self.started
-        what = "no first chunk" if self.headers else "no answer at all (not even the HTTP status)"
-        busy = self.activity() if self.activity is not None else self.started
-        if busy + self.first_s > self.started + self.stall_s:  # the instance served others: queueing, up to stall_s
-            return (f"{what} after {waited:.1f}s, while the instance kept sending chunks to other requests "
-                    f"(stream_stall_timeout_s={self.stall_s:g}){partial}")
-        silent = now - max(busy, self.started)
-        return (f"{what} after {waited:.1f}s, and nothing from the instance to any request for {silent:.1f}s "
-                f"(engine_first_byte_timeout_s={self.first_s:g}){partial}")
-
-
 class _Stale(Exception):
     """A kept-alive connection closed before any byte of the answer: the server closed it while idle."""
 
@@ -135,7 +78,7 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("relay", "key", "loop", "transport", "parser", "state", "reused", "deadline", "limits",
                  "waiter", "error", "body", "buffered", "paused", "status", "length", "keep", "complete", "got",
-                 "timer", "connecting", "connect_started", "connect_s")
+                 "timer", "armed", "connecting", "connect_started", "connect_s")
 
     def __init__(self, relay: Relay, key: _Key, loop: asyncio.AbstractEventLoop):
         self.relay, self.key, self.loop = relay, key, loop
@@ -155,7 +98,8 @@ class Connection(asyncio.Protocol):
         self.keep = False  # the answer allows the connection to be kept (HTTP/1.1, no Connection: close)
         self.complete = False  # the answer arrived to its end
         self.got = 0  # bytes received for this call
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None  # an idle or draining connection's (not a call's)
+        self.armed = 0  # the call's deadline entry in the relay's clock (0: none)
         self.connecting: asyncio.Task[object] | None = None
         self.connect_started = 0.0
         self.connect_s = 0.0
@@ -199,24 +143,38 @@ class Connection(asyncio.Protocol):
     async def read(self) -> bytes:
         """The next bytes of the answer's body, ``b""`` at its end; raises :class:`EngineFailed` when the
         call failed (after every byte that came before the failure was read)."""
-        while True:
-            if self.body:
-                body = self.body
-                data = body[0] if len(body) == 1 else b"".join(body)
-                body.clear()
-                self.buffered = 0
-                if self.paused and self.transport is not None:
-                    self.paused = False
-                    self.transport.resume_reading()
-                return data
-            if self.complete:
-                return b""
-            await self._wait()
+        while (data := self.read_now()) is None:
+            await self.readable()
+        return data
+
+    def read_now(self) -> bytes | None:
+        """What :meth:`read` would return now; None when it would wait (then await :meth:`readable`).
+        For a reader that holds the call for long: awaiting the future costs no coroutine frame."""
+        body = self.body
+        if body:
+            data = body[0] if len(body) == 1 else b"".join(body)
+            body.clear()
+            self.buffered = 0
+            if self.paused and self.transport is not None:
+                self.paused = False
+                self.transport.resume_reading()
+            return data
+        if self.complete:
+            return b""
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def readable(self) -> asyncio.Future[None]:
+        """Done when :meth:`read_now` may have something new to say (bytes, the end, or a failure)."""
+        waiter = self.waiter = self.loop.create_future()
+        return waiter
 
     def release(self, finished: bool = False) -> None:
         """The call is over: keep the connection for the next call when its answer came to its end (or,
         ``finished``, only its end is missing: it waits :data:`DRAIN_S` for it), else close it."""
         self.deadline = None
+        self._disarm()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -236,6 +194,7 @@ class Connection(asyncio.Protocol):
         if self.state == _IDLE:
             self.relay._drop(self)
         self.state = _CLOSED
+        self._disarm()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -263,18 +222,25 @@ class Connection(asyncio.Protocol):
             self.error = error
         self._wake()
 
-    # ------------------------------------------------------------------ the one timer
-    def _arm(self) -> None:
+    # ------------------------------------------------------------------ the deadline, in the relay's clock
+    def _arm(self, due: float | None = None) -> None:
+        """Be looked at (:meth:`on_due`) at ``due``, by default when the call's deadline is due."""
         deadline = self.deadline
         if deadline is None:
             return
-        due = deadline.due()
-        if self.connecting is not None:
-            due = min(due, self.connect_started + self.connect_s)
-        self.timer = self.loop.call_at(due, self._on_timer)
+        if due is None:
+            due = deadline.due()
+            if self.connecting is not None:
+                due = min(due, self.connect_started + self.connect_s)
+        self._disarm()
+        self.armed = self.relay.clock(self.loop).add(due, self)
 
-    def _on_timer(self) -> None:
-        self.timer = None
+    def _disarm(self) -> None:
+        if self.armed:
+            self.armed = 0
+            self.relay.clock(self.loop).dropped()
+
+    def on_due(self) -> None:
         deadline, limits = self.deadline, self.limits
         if self.state != _BUSY or self.error is not None or deadline is None or limits is None:
             return
@@ -291,7 +257,7 @@ class Connection(asyncio.Protocol):
         if now < deadline.due():
             self._arm()
         elif self.body:  # bytes came that the reader has yet to see: the manager lags, not the instance
-            self.timer = self.loop.call_later(UNREAD_GRACE_S, self._on_timer)
+            self._arm(now + UNREAD_GRACE_S)
         else:
             self._fail(EngineFailed(deadline.describe()))
             self.close()
@@ -408,6 +374,14 @@ class Relay:
         self.idle: dict[_Key, list[Connection]] = {}
         self.closed = False
         self._keys: dict[str, tuple[_Key, bytes]] = {}
+        self._clock: DeadlineClock | None = None
+
+    def clock(self, loop: asyncio.AbstractEventLoop) -> DeadlineClock:
+        """The one timer of the calls in flight on ``loop`` (a relay serves one loop at a time)."""
+        clock = self._clock
+        if clock is None or clock.loop is not loop:
+            clock = self._clock = DeadlineClock(loop)
+        return clock
 
     async def open(self, base_url: str, data: bytes, bounds: CallBounds) -> Connection:
         """POST ``data`` to ``base_url``'s ``/generate`` and return the connection once the answer's

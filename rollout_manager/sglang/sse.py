@@ -52,6 +52,8 @@ class _SeenPrefix:
     bytes; cutting them out before parsing makes a chunk cost what it adds, not the sequence's length.
     """
 
+    __slots__ = ("key", "closer", "raw", "count", "enabled")
+
     def __init__(self, key: bytes, closer: bytes):
         self.key = key  # '"output_ids":[' ; cannot occur inside a JSON string (its quotes are escaped)
         self.closer = closer  # where the content ends: b"]" for ints, b"]]" for lists of number lists
@@ -88,13 +90,17 @@ class _SeenPrefix:
     def remember(self, payload: bytes, count: int) -> None:
         where = self.locate(payload)
         if where is None:
-            self.enabled = False
+            self.stop()
             return
         raw = payload[where[0]:where[1]]
         if b'"' in raw:  # strings inside (text in log-probs): a bracket may hide in them, so stop here
-            self.enabled = False
+            self.stop()
             return
         self.raw, self.count = raw, count
+
+    def stop(self) -> None:
+        """Skip no more (and hold no bytes for it)."""
+        self.enabled, self.raw = False, b""
 
 
 class _Frames(Generic[T]):
@@ -107,6 +113,8 @@ class _Frames(Generic[T]):
     boundary would otherwise grow the buffer for as long as it sends. ``pending`` is the bytes of the
     unfinished frame held now.
     """
+
+    __slots__ = ("_buf", "_scanned", "done", "max_frame")
 
     def __init__(self, *, max_frame: int | None = None) -> None:
         self._buf = bytearray()
@@ -174,6 +182,8 @@ def _raise_on_error(obj: Any) -> None:
 class SSEDecoder(_Frames[Any]):
     """Any stream's frames as JSON values (for tools, tests and any stream of several sequences)."""
 
+    __slots__ = ()
+
     def _payload(self, payload: bytes) -> Any:
         if self._is_done(payload):
             return None
@@ -191,6 +201,8 @@ class ChunkDecoder(_Frames[GenerateChunk]):
     (``skipped_ids``, ``skipped_logprobs``). A chunk that does not fit (an incremental stream, a format
     surprise) is parsed whole, and skipping stops for that stream.
     """
+
+    __slots__ = ("_ids", "_lps")
 
     def __init__(self, *, max_frame: int | None = None) -> None:
         super().__init__(max_frame=max_frame)
@@ -227,7 +239,8 @@ class ChunkDecoder(_Frames[GenerateChunk]):
         if not isinstance(total, int) or n_ids != total:
             if skipped:  # it was not the cumulative chunk it looked like: parse it whole, skip no more
                 obj = jsonutil.loads(payload)
-            ids.enabled = lps.enabled = False
+            ids.stop()
+            lps.stop()
             return GenerateChunk.of(obj)
         ids.remember(payload, n_ids)
         lp_list = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
@@ -236,7 +249,8 @@ class ChunkDecoder(_Frames[GenerateChunk]):
             skipped_lps = skipped.get(lps.key, 0)
             lps.remember(payload, len(lp_list) + skipped_lps)
         elif lps.key in skipped:  # cannot happen with a well-formed chunk; never guess
-            ids.enabled = lps.enabled = False
+            ids.stop()
+            lps.stop()
             return GenerateChunk.of(jsonutil.loads(payload))
         return GenerateChunk.of(obj, skipped.get(ids.key, 0), skipped_lps)
 
