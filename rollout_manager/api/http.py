@@ -43,6 +43,7 @@ BOX_TOKEN = "rollout_manager.box_token"
 # Told of every 4xx answer: (endpoint, reason). The metrics count them; see json_errors.
 ON_REJECT: web.AppKey[Callable[[str, str], None]] = web.AppKey("on_reject")
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -198,8 +199,36 @@ def accepts(model: type[M], *, large: bool = False, optional: bool = False) -> C
             data = await read_json(request, optional=optional, large=large)
             return await fn(request, validate(data, model), data)
 
-        handler.body_model = model  # type: ignore[attr-defined]
-        handler.body_optional = optional  # type: ignore[attr-defined]
-        return handler
+        return _declared(handler, model, optional)
+
+    return wrap
+
+
+def _declared(handler: Handler, model: type[BaseModel], optional: bool) -> Handler:
+    """``handler`` marked with its body's schema, which the OpenAPI document (``openapi.py``) reads."""
+    handler.body_model = model  # type: ignore[attr-defined]
+    handler.body_optional = optional  # type: ignore[attr-defined]
+    return handler
+
+
+def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T],
+            plain: Callable[[Any], bool] | None = None) -> Callable[..., Handler]:
+    """:func:`accepts` for a generation body: validated against ``model`` (the same messages, and the
+    same OpenAPI description; ``plain``, when it says so, vouches for the body instead), then
+    ``decode(request, data)`` builds the typed value the handler gets. Neither the caller's JSON nor
+    its validated form outlives the decode: a request held while its sequences run costs only its
+    typed value."""
+
+    def wrap(fn: Callable[[web.Request, T], Awaitable[web.StreamResponse]]) -> Handler:
+        def decoded(request: web.Request, data: Any) -> T:
+            if plain is None or not plain(data):
+                validate(data, model)
+            return decode(request, data)
+
+        @functools.wraps(fn)
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await fn(request, decoded(request, await read_json(request, large=True)))
+
+        return _declared(handler, model, False)
 
     return wrap

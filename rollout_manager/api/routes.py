@@ -6,13 +6,11 @@ The handlers and the route table; the generic plumbing they stand on is in ``htt
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from rollout_manager import __version__, jsonutil
 from rollout_manager.api import status_page
@@ -27,9 +25,9 @@ from rollout_manager.api.http import (
     accepts,
     bearer_auth,
     decode_json,
+    decodes,
     json_errors,
     json_response,
-    read_json,
     validate,
 )
 from rollout_manager.api.openapi import build_openapi
@@ -60,7 +58,6 @@ if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every
     from aiohttp.typedefs import Middleware
 
 log = logging.getLogger("rollout_manager.api.routes")
-T = TypeVar("T")
 MANAGER: web.AppKey[Manager] = web.AppKey("manager", Manager)
 # Open without the token: liveness, scraping, the status page shell and the API description. /metrics
 # lists every instance endpoint; metrics_require_token closes it for deployments that must hide them.
@@ -122,31 +119,6 @@ async def update_weight_senders(request: web.Request, body: UpdateWeightSenders,
         body.weight_sender_ips, body.num_mooncake_groups_per_sender, body.num_mooncake_engines_per_group
     )
     return json_response(result)
-
-
-def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T],
-            plain: Callable[[Any], bool] | None = None) -> Callable[..., Handler]:
-    """:func:`accepts` for a generation body: validated against ``model`` (the same messages, and the
-    same OpenAPI description; ``plain``, when it says so, vouches for the body instead), then
-    ``decode(request, data)`` builds the typed value the handler gets. Neither the caller's JSON nor
-    its validated form outlives the decode: a request held while its sequences run costs only its
-    typed value."""
-
-    def wrap(fn: Callable[[web.Request, T], Awaitable[web.StreamResponse]]) -> Handler:
-        def decoded(request: web.Request, data: Any) -> T:
-            if plain is None or not plain(data):
-                validate(data, model)
-            return decode(request, data)
-
-        @functools.wraps(fn)
-        async def handler(request: web.Request) -> web.StreamResponse:
-            return await fn(request, decoded(request, await read_json(request, large=True)))
-
-        handler.body_model = model  # type: ignore[attr-defined]
-        handler.body_optional = False  # type: ignore[attr-defined]
-        return handler
-
-    return wrap
 
 
 def _generate_request(request: web.Request, data: Any) -> Request:
