@@ -172,12 +172,17 @@ def final_output(
     """
     if seed is None:
         seed = body.sampling.sampling_seed
-    per_token = per_token or {}
-    own = _OWN_META
-    if per_token or seed is not None or discarded:
-        own = own | per_token.keys() | ({"sampling_seed"} if seed is not None else set()) \
-            | ({"discarded_segments"} if discarded else set())
-    engine = {k: v for k, v in engine_meta.items() if k not in own}
+    # The engine's fields the manager does not set; copied and trimmed in C (a comprehension costs more).
+    engine = dict(engine_meta)
+    for key in _OWN_META.intersection(engine):
+        del engine[key]
+    if engine:
+        for key in per_token or ():
+            engine.pop(key, None)
+        if seed is not None:
+            engine.pop("sampling_seed", None)
+        if discarded:
+            engine.pop("discarded_segments", None)
     meta = AnswerMeta(
         id=rid, finish_reason=finish, prompt_tokens=len(body.input_ids), completion_tokens=len(output_ids),
         weight_version=segments[-1].weight_version if segments else engine_meta.get("weight_version"),
@@ -188,7 +193,7 @@ def final_output(
         output_token_logprobs=logprobs if body.wants_logprobs else UNSET,
         # what the sequence was sampled with (the manager's when the caller gave none)
         sampling_seed=UNSET if seed is None else seed,
-        per_token=per_token if per_token else UNSET, engine=engine if engine else UNSET,
+        per_token=per_token or UNSET, engine=engine or UNSET,
     )
     return Answer(text, as_list(output_ids), meta, UNSET if index is None else index)
 
