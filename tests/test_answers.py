@@ -125,11 +125,11 @@ def test_a_batch_line_and_a_stream_chunk_encode_as_before() -> None:
     assert jsonutil.loads(failed) == {"id": ["x", 2], "success": False, "status_code": 503, "error": "no instance"}
     seq.finish, seq.live_text = None, "e"
     for index in (None, 2):
-        chunk = partial_answer(seq, index)
+        chunk, want = partial_answer(seq, index), old_partial_answer(seq, index)
         seq.output_ids.append(11)  # the sequence goes on: a chunk already built does not change
         seq.logprobs.append([-0.2, 11, None])
-        del seq.output_ids[-1], seq.logprobs[-1]
-        assert jsonutil.loads(jsonutil.dumps(chunk)) == old_partial_answer(seq, index)
+        assert jsonutil.loads(jsonutil.dumps(chunk)) == want
+        assert want["meta_info"]["output_token_logprobs"] and want["text"] == "abcd!e"
 
 
 def test_engine_fields_pass_through_where_the_manager_sets_nothing() -> None:
