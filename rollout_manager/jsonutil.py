@@ -16,7 +16,16 @@ JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
 
 
 def dumps(obj: Any) -> bytes:
-    return orjson.dumps(obj)
+    """``obj`` as JSON. A value orjson does not know is encoded as its ``to_json()`` (the rollout flow's
+    typed answers: ``rollout.answers.Answer``, ``rollout.batch.BatchLine``), at the edge where it is sent."""
+    return orjson.dumps(obj, default=_to_json)
+
+
+def _to_json(obj: Any) -> Any:
+    to_json = getattr(obj, "to_json", None)
+    if to_json is None:
+        raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
+    return to_json()
 
 
 def loads(data: bytes | str) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from rollout_manager import jsonutil
 from rollout_manager.osutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,3 +195,9 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != b"Z"
+
+
+def as_json(value: Any) -> Any:
+    """What a caller gets for ``value`` (an answer, a list of them, a batch line): encoded as the manager
+    sends it, and decoded."""
+    return jsonutil.loads(jsonutil.dumps(value))

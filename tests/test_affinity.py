@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from fakes import FakeSGLang, reference, register_active, start_fakes
 from pydantic import ValidationError
+from support import as_json
 
 from rollout_manager.api.schemas import GenerateRequest
 from rollout_manager.config import ConfigError, load_config
@@ -154,7 +155,7 @@ def body(prompt: list[int], n: int, **extra: Any) -> dict[str, Any]:
 
 
 async def one(rig: Rig, b: dict[str, Any], key: str | None = None) -> dict[str, Any]:
-    out = await rig.generator.generate(decode(b, key))
+    out = as_json(await rig.generator.generate(decode(b, key)))
     assert isinstance(out, dict)
     return out
 
@@ -188,6 +189,7 @@ async def test_without_a_key_grpo_siblings_and_next_turns_follow_the_prefix(sess
     try:
         outs = await rig.generator.generate(decode({"input_ids": [prompt] * 4,  # one GRPO group of 4 samples
                                                     "sampling_params": {"temperature": 0, "max_new_tokens": 6}}))
+        outs = as_json(outs)
         assert isinstance(outs, list) and [where(o) for o in outs] == [[a.id]] * 4
         # The next turn: the previous context (prompt + answer) and a tool's reply, sent without a key.
         turn2 = prompt + reference(prompt, 6) + [3, 3, 3]
@@ -313,7 +315,7 @@ async def test_the_bound_holds_and_every_id_is_answered_once(session, action: st
         items: list[tuple[Any, Request]] = [
             (i, decode(body([rng.randrange(256) for _ in range(rng.randint(1, 5))], 8, trajectory_key=f"t{i % 5}")))
             for i in range(40)]
-        lines = [line async for ready in run_batch(rig.generator, items) for line in ready]
+        lines = [as_json(line) async for ready in run_batch(rig.generator, items) for line in ready]
         assert sorted(line["id"] for line in lines) == list(range(40))
         ok = [line for line in lines if line["success"]]
         assert len(ok) >= 30, [line for line in lines if not line["success"]]

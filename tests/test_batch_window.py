@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from fakes import reference, register_active, start_fakes
+from support import as_json
 
 from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.batch import run_batch
@@ -91,14 +92,14 @@ async def test_a_batch_beyond_the_pool_runs_within_the_window_and_answers_every_
     if stream:
         finals: dict[int, dict[str, Any]] = {}
         async for ready in g.generate_stream(decode({**body, "stream": True})):
-            for chunk in ready:
+            for chunk in as_json(ready):
                 if chunk["meta_info"].get("finish_reason") is not None:
                     finals[chunk["index"]] = chunk
         outs = [finals[i] for i in range(n)]
     else:
         result = await asyncio.wait_for(g.generate(decode(body)), 60)
         assert isinstance(result, list)
-        outs = result
+        outs = as_json(result)
     assert [o["output_ids"] for o in outs] == [reference(p, 3) for p in body["input_ids"]]
     assert 0 < peak <= d.capacity() + LOOKAHEAD, peak
     assert d.held_by_batches == 0 and d.in_flight == 0 and d.waiting == 0 and d.windowed == 0

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from fakes import FakeClock, FakeProbe, FakeSGLang, reference, register_active, start_fakes, yield_until
 from fakes import HealthRecorder as Health
-from support import Proc, async_wait_until, wait_http_ok
+from support import Proc, as_json, async_wait_until, wait_http_ok
 
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
@@ -196,7 +196,7 @@ def body(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 async def generate(rig: Rig, b: dict[str, Any], within_s: float = 20.0) -> dict[str, Any]:
-    out = await asyncio.wait_for(rig.generator.generate(decode(b)), within_s)  # a regression fails, never hangs
+    out = as_json(await asyncio.wait_for(rig.generator.generate(decode(b)), within_s))  # fails, never hangs
     assert isinstance(out, dict)
     return out
 
@@ -273,7 +273,7 @@ async def test_a_streaming_caller_sees_only_vouched_tokens(make_rig) -> None:
     want = reference(PROMPT, 8)
     seen: list[list[int]] = []
     async for ready in rig.generator.generate_stream(decode(body(8, stream=True))):
-        seen.extend(c["output_ids"] for c in ready)
+        seen.extend(c["output_ids"] for c in as_json(ready))
     assert seen[-1] == want and all(ids == want[:len(ids)] for ids in seen)
 
 

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from fakes import FakeSGLang, reference, register_active, start_fakes
 from fakes import HealthRecorder as Health
+from support import as_json
 
 from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -60,7 +61,7 @@ def body(max_new_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 async def generate_one(generator: Generator, b: dict[str, Any]) -> dict[str, Any]:
-    out = await generator.generate(decode(b))
+    out = as_json(await generator.generate(decode(b)))
     assert isinstance(out, dict)
     return out
 
@@ -159,6 +160,7 @@ async def test_finished_listeners_are_told_once_per_sequence(rig: Rig) -> None:
     register_active(rig.registry, rig.fakes)
     out = await rig.generator.generate(decode({"input_ids": [list(PROMPT), [1, 2]],
                                                "sampling_params": {"temperature": 0, "max_new_tokens": 4}}))
+    out = as_json(out)
     assert isinstance(out, list) and [o["index"] for o in out] == [0, 1]
     assert sorted((tokens, ok) for _, tokens, ok in rig.finished) == [(4, True), (4, True)]
     rig.fakes[1].reject_status = rig.fakes[0].reject_status = 422
@@ -217,7 +219,7 @@ async def test_no_token_limit_continues_to_the_context_end(rig: Rig) -> None:
 async def test_a_string_rid_names_batch_items_as_sglang_does(rig: Rig) -> None:
     register_active(rig.registry, rig.fakes)
     b = {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"temperature": 0, "max_new_tokens": 3}, "rid": "b"}
-    out = await rig.generator.generate(decode(b))
+    out = as_json(await rig.generator.generate(decode(b)))
     assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
     assert sorted(r["rid"] for f in rig.fakes for r in f.requests) == ["b_0", "b_1"]
 
@@ -227,7 +229,7 @@ async def test_stream_chunks_carry_the_cumulative_text(rig: Rig) -> None:
     register_active(rig.registry, rig.fakes[:1])
     chunks: list[dict[str, Any]] = []
     async for batch in rig.generator.generate_stream(decode(body(4))):
-        chunks.extend(batch)
+        chunks.extend(as_json(batch))
         rig.fakes[0].unstall()
     assert len(chunks) >= 2 and chunks[0]["meta_info"]["finish_reason"] is None
     for c in chunks:  # the fake's text is one "x" per token, cumulative, as SGLang's

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from fakes import FakeSGLang, reference, register_active, start_fakes
 from pydantic import ValidationError
-from support import async_wait_until
+from support import as_json, async_wait_until
 
 from rollout_manager.api.schemas import GenerateRequest
 from rollout_manager.errors import ManagerError
@@ -68,7 +68,7 @@ def body(n: int, **extra: Any) -> dict[str, Any]:
 
 
 def versions(out: Any) -> list[int]:
-    return [int(s["weight_version"]) for s in out["meta_info"]["segments"]]
+    return [int(s["weight_version"]) for s in as_json(out)["meta_info"]["segments"]]
 
 
 async def test_sequences_run_only_at_the_floor_or_newer_and_the_field_is_not_forwarded(fleet: Any) -> None:
@@ -92,7 +92,7 @@ async def test_a_continued_sequence_never_goes_back_to_an_older_version(fleet: A
     assert registry.transition(first, State.DRAINING, "test: it takes no more work")
     # Versions 1 and 1 would do for min_weight_version=1, but the sequence already has version-3 tokens.
     old_a, old_b, new = activate(registry, fakes[1:], [1, 1, 3])
-    out = await task
+    out = as_json(await task)
     assert [s["instance"] for s in out["meta_info"]["segments"]] == [first.id, new.id]
     assert versions(out) == [3, 3] and out["output_ids"] == reference(PROMPT, 10)
     assert not fakes[1].requests and not fakes[2].requests

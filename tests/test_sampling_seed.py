@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from fakes import HealthRecorder, reference, register_active, start_fakes
+from support import as_json
 
 from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -44,7 +45,7 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
                                   LocalBudget(0.0, 0.0, 1.0), on_instance_failure=HealthRecorder().failure,
                                   on_instance_success=HealthRecorder().success)
             register_active(registry, fakes)
-            out = await generator.generate(decode(body(10, rid="seq")))
+            out = as_json(await generator.generate(decode(body(10, rid="seq"))))
             assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 10)
             (first,), (cont,) = dying.requests, healthy.requests
             seed = first["sampling_params"]["sampling_seed"]
@@ -55,6 +56,7 @@ async def test_each_sequence_gets_its_own_seed_and_keeps_it_when_continued_elsew
             dying.die_after_tokens = None
             batch = await generator.generate(decode({"input_ids": [list(PROMPT)] * 8,
                                                      "sampling_params": {"temperature": 1.0, "max_new_tokens": 2}}))
+            batch = as_json(batch)
             assert isinstance(batch, list)
             seeds = [o["meta_info"]["sampling_seed"] for o in batch]
             assert len(set(seeds)) == 8  # a GRPO group: no two samples share a seed

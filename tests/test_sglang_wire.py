@@ -141,7 +141,7 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     lps = [[-0.1, 1, None], [-0.2, 2, None], [-0.5, 9, None]]
     out = final_output(SequenceBody.of(body), rid="caller", output_ids=[1, 2, 9], logprobs=lps,
                             finish={"type": "length", "length": 3}, engine_meta=engine_meta, segments=segments,
-                            text=None, e2e_latency=1.23456789, index=2)
+                            text=None, e2e_latency=1.23456789, index=2).to_json()
     meta = out["meta_info"]
     assert out["output_ids"] == [1, 2, 9] and out["text"] is None and out["index"] == 2
     assert meta["id"] == "caller" and meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
@@ -152,7 +152,7 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     assert engine_meta["id"] == "r" and "segments" not in engine_meta  # the engine's dict is not changed
     # Without return_logprob the engine's log-probs are dropped; without segments its version stays.
     plain = final_output(SequenceBody.of({"input_ids": [5]}), rid="x", output_ids=[], logprobs=[], finish=None,
-                              engine_meta=engine_meta, segments=[], text="", e2e_latency=0.0, index=None)
+                              engine_meta=engine_meta, segments=[], text="", e2e_latency=0.0, index=None).to_json()
     assert "output_token_logprobs" not in plain["meta_info"] and "index" not in plain
     assert plain["meta_info"]["weight_version"] == "7"
 
@@ -160,11 +160,11 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
 def test_partial_output_is_cumulative_and_unfinished() -> None:
     lps = [[-0.1, 1, None]]
     out = partial_output(SequenceBody.of({"input_ids": [5, 6], "return_logprob": True}), rid="r", output_ids=[1],
-                         logprobs=lps, weight_version="3", index=None)
+                         logprobs=lps, weight_version="3", index=None).to_json()
     assert out == output_chunk(rid="r", output_ids=[1], prompt_tokens=2, completion_tokens=1, finish=None,
                                     weight_version="3", logprobs=lps)
     no_lp = partial_output(SequenceBody.of({"input_ids": [5]}), rid="r", output_ids=[1], logprobs=lps,
-                           weight_version="3", index=1)
+                           weight_version="3", index=1).to_json()
     assert "output_token_logprobs" not in no_lp["meta_info"] and no_lp["index"] == 1
 
 
@@ -174,7 +174,7 @@ def test_read_output_reads_the_managers_answer() -> None:
     answer = final_output(SequenceBody.of(body), rid="q", output_ids=[1, 2],
                                logprobs=[[-0.1, 1, None], [None, 2, None]], finish=wire.finish_reason(wire.STOP),
                                engine_meta={}, segments=segments,
-                               text="ab", e2e_latency=0.5, index=None)
+                               text="ab", e2e_latency=0.5, index=None).to_json()
     out = wire.read_output(answer)
     assert out.rid == "q" and out.output_ids == [1, 2] and out.text == "ab" and out.index is None
     assert out.finish_reason == {"type": "stop"} and out.finish_type == "stop"

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fakes import FakeProbe, FakeSGLang, register_active
-from support import async_wait_until
+from support import as_json, async_wait_until
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
@@ -168,7 +168,7 @@ async def test_the_same_inside_a_batch(rig: Rig) -> None:
     t0 = time.monotonic()
 
     async def collect() -> list[dict[str, Any]]:
-        return [line async for lines in run_batch(rig.generator, items) for line in lines]
+        return [as_json(line) async for lines in run_batch(rig.generator, items) for line in lines]
 
     lines = await asyncio.wait_for(collect(), 10 * WAIT_S)
     assert time.monotonic() - t0 < WAIT_S + 3

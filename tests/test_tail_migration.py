@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from fakes import FakeSGLang, next_token, reference, register_active
+from support import as_json
 
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.registry import Instance, Registry, State
@@ -286,7 +287,7 @@ async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig:
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
     assert rig.generator.migrate_now() == 1
     assert rig.b.load.in_flight == 1  # reserved for it at once
-    out = await task
+    out = as_json(await task)
     assert isinstance(out, dict)
     assert out["output_ids"] == reference(PROMPT, 100)  # nothing lost, nothing made twice
     (cont,) = fast.requests
@@ -312,7 +313,7 @@ async def test_a_migrated_sequence_never_moves_back(rig: Rig) -> None:
     rig.lone[rig.a.id], rig.lone[rig.b.id] = 400.0, 10.0  # a became much faster than b
     assert rig.generator.migrate_now() == 0
     fast.release.set()
-    out = await task
+    out = as_json(await task)
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 50)
     assert [s["instance"] for s in out["meta_info"]["segments"]] == [rig.a.id, rig.b.id]
 
@@ -325,7 +326,7 @@ async def test_a_sequence_that_finishes_before_the_abort_lands_frees_its_reserve
     assert rig.generator.migrate_now() == 1 and rig.b.load.in_flight == 1
     await wait_for(lambda: slow.aborted == ["r"])
     slow.release.set()  # it ends where it was, normally
-    out = await task
+    out = as_json(await task)
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 60)
     assert [s["outcome"] for s in out["meta_info"]["segments"]] == ["finished"]
     assert fast.requests == [] and rig.generator.stats["migrated"] == 0
@@ -343,7 +344,7 @@ async def test_a_reserved_target_that_dies_meanwhile_falls_back_to_the_dispatche
     slow.ignore_abort = False
     slow.abort_events["d"].set()
     slow.hold_after = None
-    out = await task
+    out = as_json(await task)
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 40)
     assert [s["instance"] for s in out["meta_info"]["segments"]] == [rig.a.id, rig.a.id]
     assert rig.failures == [] and rig.a.load.in_flight == 0
@@ -359,7 +360,7 @@ async def test_every_id_answered_once_with_the_timer_moving_sequences() -> None:
             rig = await make_rig(session, fakes, settings)
             rig.dispatcher.policy = LeastInFlight(max_in_flight=4)  # half of them start on the slow a
             items = [(k, decode(body(30 + k, f"q{k}"))) for k in range(8)]
-            lines = [line async for batch in run_batch(rig.generator, items) for line in batch]
+            lines = [as_json(line) async for batch in run_batch(rig.generator, items) for line in batch]
             assert sorted(line["id"] for line in lines) == list(range(8))
             for line in lines:
                 assert line["success"], line
@@ -389,7 +390,7 @@ async def test_no_move_while_the_managers_own_event_loop_lags() -> None:
             time.sleep(0.5)  # the manager's loop is blocked (this is what is being tested, not a wait)
             assert rig.generator.migrate_now() == 0 and rig.b.load.in_flight == 0
             fakes[0].release.set()
-            out = await task
+            out = as_json(await task)
             assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 100)
             assert rig.generator.stats["migrated"] == 0
     finally:

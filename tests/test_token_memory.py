@@ -106,8 +106,8 @@ def test_results_and_partial_chunks_are_json_lists() -> None:
     ids = token_array([5, 300, 70_000])
     body = SequenceBody.of({"input_ids": [1, 2], "return_logprob": False})
     final = final_output(body, rid="r", output_ids=ids, logprobs=[], finish=None, engine_meta={},
-                              segments=[], text=None, e2e_latency=0.0, index=None)
-    partial = partial_output(body, rid="r", output_ids=ids, logprobs=[], weight_version="0", index=None)
+                              segments=[], text=None, e2e_latency=0.0, index=None).to_json()
+    partial = partial_output(body, rid="r", output_ids=ids, logprobs=[], weight_version="0", index=None).to_json()
     cont = continuation(body, ids, rid="r~1")
     for out in (final["output_ids"], partial["output_ids"], cont.input_ids):
         assert type(out) is list

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from fakes import FakeSGLang, reference, register_active, start_fakes
-from support import async_wait_until
+from support import as_json, async_wait_until
 
 from rollout_manager.instances.registry import Instance, Registry
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -59,7 +59,7 @@ async def _cross(generator: Generator, inst: Instance, fake: FakeSGLang, at: int
     await async_wait_until(lambda: len(sent) == at, 10.0, interval_s=0.01, message=f"{at} chunks sent")
     inst.weight_version, fake.weight_version = 1, "1"  # activated under the running sequence
     fake.unstall()
-    out = await task
+    out = as_json(await task)
     assert isinstance(out, dict)
     assert out["output_ids"] == reference(PROMPT, 10) and out["meta_info"]["completion_tokens"] == 10
     return out

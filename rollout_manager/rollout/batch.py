@@ -12,8 +12,12 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import msgspec
+from msgspec import UNSET, UnsetType
+
 from rollout_manager import jsonutil
 from rollout_manager.errors import ManagerError
+from rollout_manager.rollout.answers import Answer
 from rollout_manager.rollout.dispatch import accepted_at
 from rollout_manager.rollout.request import Request
 from rollout_manager.rollout.window import LOOKAHEAD
@@ -28,6 +32,27 @@ NDJSON_PIECE_BYTES = 64 * 1024
 L = TypeVar("L")
 
 
+class BatchLine(msgspec.Struct):
+    """One request's result in a batch (an NDJSON line): its answer (``data``: a list for batched input),
+    or the status and error it failed with. Encoded once, as it is handed to the caller (:meth:`to_json`)."""
+
+    id: Any  # the caller's id for the request, as it sent it
+    success: bool
+    data: Answer | list[Answer] | UnsetType = UNSET
+    status_code: int | UnsetType = UNSET
+    error: str | UnsetType = UNSET
+
+    @classmethod
+    def failed(cls, rid: Any, status: int, error: str) -> BatchLine:
+        return cls(rid, False, status_code=status, error=error)
+
+    def to_json(self) -> dict[str, Any]:
+        """The NDJSON line's object (``jsonutil.dumps`` encodes the answers in it through theirs)."""
+        if self.success:
+            return {"id": self.id, "success": True, "data": self.data}
+        return {"id": self.id, "success": False, "status_code": self.status_code, "error": self.error}
+
+
 class _BatchRun(Generic[L]):
     """One batch of requests, started only as they can run and as the caller reads the results.
 
@@ -40,7 +65,7 @@ class _BatchRun(Generic[L]):
     """
 
     def __init__(self, generator: Generator, items: list[tuple[Any, Request]],
-                 encode: Callable[[dict[str, Any]], L], size: Callable[[L], int] | None = None,
+                 encode: Callable[[BatchLine], L], size: Callable[[L], int] | None = None,
                  max_unsent: int | None = None, piece: int | None = None) -> None:
         self.generator = generator
         self.dispatcher = generator.dispatcher
@@ -58,22 +83,22 @@ class _BatchRun(Generic[L]):
         try:
             # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
             self.generator.vocab.check(request.input_ids)
-            line = {"id": rid, "success": True, "data": await self.generator.generate(request)}
+            line = BatchLine(rid, True, await self.generator.generate(request))
         except ManagerError as exc:
-            line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
+            line = BatchLine.failed(rid, exc.status, str(exc))
         except Exception as exc:  # never lose an id, whatever happened
             log.exception("request %r failed unexpectedly", rid)
-            line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
+            line = BatchLine.failed(rid, 500, f"internal error: {exc}")
         finally:  # here, not a done callback per task; a task cancelled before it ran is dropped by results()
             self.tasks.discard(me)
         self._answer(rid, line)
 
-    def _answer(self, rid: Any, line: dict[str, Any]) -> None:
+    def _answer(self, rid: Any, line: BatchLine) -> None:
         try:
             out = self.encode(line)
         except Exception as exc:  # an answer that cannot be encoded still answers its id
             log.exception("result of request %r could not be encoded", rid)
-            out = self.encode({"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"})
+            out = self.encode(BatchLine.failed(rid, 500, f"internal error: {exc}"))
         size = self.size(out) if self.size is not None else 0
         self.ready.append((out, size))
         self.unsent += size
@@ -127,8 +152,8 @@ class _BatchRun(Generic[L]):
 
 async def run_batch(
     generator: Generator, items: list[tuple[Any, Request]]
-) -> AsyncGenerator[list[dict[str, Any]], None]:
-    """Run many requests; yield NDJSON-ready dicts in completion order, in lists of what is ready.
+) -> AsyncGenerator[list[BatchLine], None]:
+    """Run many requests; yield their results in completion order, in lists of what is ready.
 
     Every id appears exactly once. Requests start as the pool has room (see :class:`_BatchRun`).
     Closing the iterator early (the client went away) cancels the outstanding requests, which aborts
@@ -154,9 +179,9 @@ async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, Request]
         await results.aclose()
 
 
-def _same(line: dict[str, Any]) -> dict[str, Any]:
+def _same(line: BatchLine) -> BatchLine:
     return line
 
 
-def _ndjson_line(line: dict[str, Any]) -> bytes:
+def _ndjson_line(line: BatchLine) -> bytes:
     return jsonutil.dumps(line) + b"\n"

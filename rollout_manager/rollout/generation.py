@@ -21,7 +21,7 @@ from typing import Any
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.answers import final_answer, partial_answer
+from rollout_manager.rollout.answers import Answer, final_answer, partial_answer
 from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.call_bounds import CallBoundsCache
 from rollout_manager.rollout.counters import new_generation_stats
@@ -137,7 +137,7 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    def generate(self, request: Request) -> Awaitable[dict[str, Any] | list[dict[str, Any]]]:
+    def generate(self, request: Request) -> Awaitable[Answer | list[Answer]]:
         """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await.
 
         The sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits
@@ -147,7 +147,7 @@ class Generator:
             return self.run_sequence(request.sequences[0], guarded=True)
         return self._generate_batch(request.sequences)
 
-    async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
+    async def _generate_batch(self, items: list[SequenceRequest]) -> list[Answer]:
         me = self._enter()
         try:
             return await self._run_batch(items)
@@ -157,13 +157,12 @@ class Generator:
         finally:
             self._requests.discard(me)
 
-    async def _run_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
-        results: list[dict[str, Any]] = []
+    async def _run_batch(self, items: list[SequenceRequest]) -> list[Answer]:
+        results: list[Answer | None] = [None] * len(items)
 
         async def one(i: int) -> None:
             results[i] = await self.run_sequence(items[i], index=i)
 
-        results.extend({} for _ in items)
         window = StartWindow(self.dispatcher, len(items), one)
         try:
             window.fill()
@@ -172,20 +171,21 @@ class Generator:
                 await window.wake.wait()
             if window.error is not None:
                 raise window.error
-            return results
+            return [r for r in results if r is not None]  # every one is set: the window ran them all
         finally:
             await window.close()
 
-    async def generate_stream(self, request: Request) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate_stream(self, request: Request) -> AsyncGenerator[list[Answer | dict[str, Any]], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
         sequence that advanced several times since the last write gets one chunk with all of it.
-        A sequence that fails yields one ``{"error": ...}`` chunk, as SGLang does inside a stream.
+        A sequence that fails yields one ``{"error": ...}`` chunk (``wire.error_object``), as SGLang does
+        inside a stream.
         """
         self.begin_rollout()
         batched, items = request.batched, request.sequences
-        queue: asyncio.Queue[tuple[int, SequenceState | dict[str, Any] | GenerationFailed]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, SequenceState | Answer | GenerationFailed]] = asyncio.Queue()
 
         async def one(i: int) -> None:
             try:
@@ -204,7 +204,7 @@ class Generator:
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
-                out: list[dict[str, Any]] = []
+                out: list[Answer | dict[str, Any]] = []
                 partial: dict[int, SequenceState] = {}
                 for i, item in ready:
                     if isinstance(item, GenerationFailed):
@@ -229,7 +229,7 @@ class Generator:
 
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None,
-                           guarded: bool = False) -> dict[str, Any]:
+                           guarded: bool = False) -> Answer:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
         One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
@@ -314,8 +314,8 @@ class Generator:
         finally:
             if me is not None:
                 self._requests.discard(me)
-        out = final_answer(seq, index, time.monotonic() - started)
-        latency = out["meta_info"]["e2e_latency"]
+        latency = round(time.monotonic() - started, 6)
+        out = final_answer(seq, index, latency)
         for listener in self.finished_listeners:
             listener(latency, len(seq.output_ids), True)
         return out
