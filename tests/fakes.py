@@ -25,6 +25,7 @@ from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import Probe
+from rollout_manager.sglang.finish import FinishReason
 from rollout_manager.sglang.sse import sse_frame
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.protocol import (
@@ -258,7 +259,7 @@ class FakeSGLang:
         finish = self.abort_finish
         status = finish.get("status_code") if finish is not None else None
         if isinstance(status, int) and status >= 400:
-            message = wire.abort_message(finish or {})
+            message = FinishReason.from_json(finish).abort_message
             if status == 400:
                 return web.json_response(wire.error_object(message), status=400)
             return web.json_response({"detail": message}, status=status)

@@ -18,12 +18,13 @@ from rollout_manager.rollout.outcome import (
     next_step,
     outcome_of,
 )
+from rollout_manager.sglang.finish import FinishReason
 
-STOP = {"type": "stop"}
-LENGTH = {"type": "length", "length": 8}
-INSTANCE_ABORT = {"type": "abort", "message": "scheduler restarted"}
-ABORT_500 = {"type": "abort", "message": "oops", "status_code": 500}
-CALLER_ABORT = {"type": "abort", "message": "input too long", "status_code": 400, "err_type": "BadRequestError"}
+STOP = FinishReason("stop")
+LENGTH = FinishReason("length", length=8)
+INSTANCE_ABORT = FinishReason("abort", message="scheduler restarted")
+ABORT_500 = FinishReason("abort", message="oops", status_code=500)
+CALLER_ABORT = FinishReason("abort", message="input too long", status_code=400, err_type="BadRequestError")
 
 
 @pytest.mark.parametrize("finish, error, migrating, want", [

@@ -35,6 +35,7 @@ from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang import client as sgl
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.finish import FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.sse import FrameTooLarge, SSEDecoder, sse_frame
 from rollout_manager.sglang.wire import GenerateChunk
@@ -107,7 +108,7 @@ def test_chunks_that_keep_the_rules_pass_in_either_mode() -> None:
     assert p.apply(GenerateChunk.of(chunk([3, 4], total=4))) == 2  # a delta after cumulative chunks
     assert p.apply(GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6]))) == 2  # and cumulative again
     assert p.apply(GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6)))) == 0
-    assert p.output_ids.tolist() == [9, 9, 1, 2, 3, 4, 5, 6] and p.finish_reason == {"type": "length", "length": 6}
+    assert p.output_ids.tolist() == [9, 9, 1, 2, 3, 4, 5, 6] and p.finish_reason == FinishReason("length", length=6)
     last = GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6)))
     assert p.apply(last) == 0  # a repeat
 

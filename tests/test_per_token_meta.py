@@ -7,6 +7,7 @@ from typing import Any
 
 from rollout_manager.rollout.answers import final_output
 from rollout_manager.rollout.progress import SequenceProgress
+from rollout_manager.sglang.finish import FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -37,8 +38,9 @@ def test_cumulative_chunks_and_a_second_segment() -> None:
     second.apply(GenerateChunk.of(chunk([3, 4], 2, [top(3), top(4)], {"type": "length"})))
     assert gathered["output_top_logprobs"] == [top(1), top(2), top(3), top(4)]
     body = {"input_ids": [9], "sampling_params": {"sampling_seed": 5}}
-    out = final_output(SequenceBody.of(body), rid="r", output_ids=[1, 2, 3, 4], logprobs=[], finish={"type": "length"},
-                            engine_meta=second.meta_info, segments=[], text=None, e2e_latency=0.1, index=None,
+    out = final_output(SequenceBody.of(body), rid="r", output_ids=[1, 2, 3, 4], logprobs=[],
+                            finish=FinishReason("length"), engine_meta=second.meta_info, segments=[], text=None,
+                            e2e_latency=0.1, index=None,
                             per_token=gathered).to_json()
     assert out["meta_info"]["output_top_logprobs"] == gathered["output_top_logprobs"]
     assert out["meta_info"]["sampling_seed"] == 5

@@ -10,15 +10,16 @@ from hypothesis import strategies as st
 
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.rollout.answers import final_output, partial_output
-from rollout_manager.rollout.progress import SequenceProgress
+from rollout_manager.rollout.progress import BadChunk, SequenceProgress
 from rollout_manager.rollout.sequence import Segment
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.sse import ChunkDecoder, SSEDecoder, StreamError, sse_frame
 from rollout_manager.sglang.wire import GenerateChunk
 
 
-def chunk(ids: list[int], total: int, finish: dict[str, Any] | None = None,
+def chunk(ids: list[int], total: int, finish: Any = None,
           lps: list[list[Any]] | None = None) -> dict[str, Any]:
     return output_chunk(rid="r", output_ids=ids, prompt_tokens=3, completion_tokens=total,
                              finish=finish, weight_version="7", logprobs=lps)
@@ -49,7 +50,8 @@ def test_progress_folds_cumulative_and_incremental_chunks_alike() -> None:
     # A cumulative chunk that repeats what was seen brings nothing new.
     last = GenerateChunk.of(chunk([1, 2, 3], 3, finish=wire.finish_reason(wire.LENGTH, length=3)))
     assert cumulative.apply(last) == 0
-    assert cumulative.finish_reason == {"type": "length", "length": 3}
+    assert cumulative.finish_reason == FinishReason("length", length=3)
+    assert cumulative.meta_info == FinalMeta(weight_version="7", other={"cached_tokens": 0})
 
 
 def test_split_batch_keeps_per_item_fields() -> None:
@@ -70,12 +72,12 @@ def test_split_batch_names_items_of_a_string_rid_as_sglang_does() -> None:
 def test_an_abort_with_a_4xx_status_code_is_the_callers_error() -> None:
     refused = {"type": "abort", "message": "Input length (9 tokens) exceeds the maximum allowed length",
                "status_code": 400, "err_type": "BadRequestError"}  # FINISH_ABORT.to_json of the scheduler
-    assert wire.abort_caller_status(refused) == 400
-    assert wire.abort_caller_status({**refused, "status_code": 404}) == 404
+    assert FinishReason.from_json(refused).caller_status == 400
+    assert FinishReason.from_json({**refused, "status_code": 404}).caller_status == 404
     for not_callers in ({**refused, "status_code": None}, {**refused, "status_code": 503},
                         {"type": "abort", "message": "Abort"}, {**refused, "status_code": True},
-                        wire.finish_reason(wire.LENGTH, length=3), None):
-        assert wire.abort_caller_status(not_callers) is None
+                        {**refused, "type": "stop"}, wire.finish_reason(wire.LENGTH, length=3)):
+        assert FinishReason.from_json(not_callers).caller_status is None
 
 
 def test_update_weight_version_never_aborts_in_flight_requests() -> None:
@@ -100,24 +102,37 @@ def test_an_engine_reads_the_token_budget_of_a_single_sequence_body() -> None:
 
 
 def test_finish_length_of_a_continued_request_counts_from_the_sequence_start() -> None:
-    length = wire.finish_reason(wire.LENGTH, length=6)
-    assert wire.rebase_finish_reason(length, 4) == {"type": "length", "length": 10}
-    assert length == {"type": "length", "length": 6}  # the engine's object is not modified
-    assert wire.rebase_finish_reason(length, 0) == length
+    length = FinishReason.of(wire.LENGTH, length=6)
+    assert length.rebased(4).to_json() == {"type": "length", "length": 10}
+    assert length == FinishReason("length", length=6)  # the engine's is not modified
+    assert length.rebased(0) == length
     # Only a numeric length moves; other reasons and an unknown length pass through.
-    stop = wire.finish_reason(wire.STOP, matched=2)
-    assert wire.rebase_finish_reason(stop, 4) is stop
-    assert wire.rebase_finish_reason({"type": "length", "length": None}, 4) == {"type": "length", "length": None}
-    assert wire.rebase_finish_reason(None, 4) is None
+    stop = FinishReason.of(wire.STOP, matched=2)
+    assert stop.rebased(4) is stop
+    for unknown in ({"type": "length", "length": None}, {"type": "length", "length": "6"}, {"type": "length"}):
+        assert FinishReason.from_json(unknown).rebased(4).to_json() == unknown
 
 
 def test_abort_is_recognised_with_its_message() -> None:
-    aborted = wire.finish_reason(wire.ABORT, message="Abort by pause_generation")
-    assert aborted is not None and wire.is_abort(aborted)
-    assert wire.abort_message(aborted) == "Abort by pause_generation"
-    assert wire.abort_message({"type": "abort", "message": None}) == "{'type': 'abort', 'message': None}"
-    for other in (None, "abort", wire.finish_reason(wire.STOP), wire.finish_reason(wire.LENGTH, length=1)):
-        assert not wire.is_abort(other)
+    aborted = FinishReason.of(wire.ABORT, message="Abort by pause_generation")
+    assert aborted.is_abort and aborted.abort_message == "Abort by pause_generation"
+    assert wire.finish_reason(wire.ABORT) == {"type": "abort", "message": "Abort"}
+    no_message = FinishReason.from_json({"type": "abort", "message": None})
+    assert no_message.abort_message == "{'type': 'abort', 'message': None}"
+    for other in (FinishReason.of(wire.STOP), FinishReason.of(wire.LENGTH, length=1), FinishReason("Abort")):
+        assert not other.is_abort
+
+
+@pytest.mark.parametrize("finish", ["stop", "abort", 1, True, [], {}, {"type": None}, {"type": 3},
+                                    {"message": "no type"}])
+def test_a_finish_reason_that_is_not_an_object_with_a_type_is_a_bad_chunk(finish: Any) -> None:
+    """SGLang sends an object with a string type (io_struct.FinishReasonDict) or null: from anything else
+    the manager cannot tell whether the request ended on its own, so the chunk is refused, nothing kept."""
+    p = SequenceProgress()
+    p.apply(GenerateChunk.of(chunk([1], 1)))
+    with pytest.raises(BadChunk, match="finish_reason"):
+        p.apply(GenerateChunk.of(chunk([1, 2], 2, finish=finish)))
+    assert p.output_ids.tolist() == [1] and p.finish_reason is None and p.meta_info is NO_META and p.chunks == 1
 
 
 @pytest.mark.parametrize("error, message", [
@@ -140,7 +155,8 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     segments = [Segment("a", "h:1", "6", 0, 2, "failed: x"), Segment("b", "h:2", "7", 2, 3, "finished")]
     lps = [[-0.1, 1, None], [-0.2, 2, None], [-0.5, 9, None]]
     out = final_output(SequenceBody.of(body), rid="caller", output_ids=[1, 2, 9], logprobs=lps,
-                            finish={"type": "length", "length": 3}, engine_meta=engine_meta, segments=segments,
+                            finish=FinishReason.of(wire.LENGTH, length=3), engine_meta=FinalMeta.from_json(engine_meta),
+                            segments=segments,
                             text=None, e2e_latency=1.23456789, index=2).to_json()
     meta = out["meta_info"]
     assert out["output_ids"] == [1, 2, 9] and out["text"] is None and out["index"] == 2
@@ -152,7 +168,8 @@ def test_final_output_covers_the_whole_sequence_and_keeps_the_engine_extras() ->
     assert engine_meta["id"] == "r" and "segments" not in engine_meta  # the engine's dict is not changed
     # Without return_logprob the engine's log-probs are dropped; without segments its version stays.
     plain = final_output(SequenceBody.of({"input_ids": [5]}), rid="x", output_ids=[], logprobs=[], finish=None,
-                              engine_meta=engine_meta, segments=[], text="", e2e_latency=0.0, index=None).to_json()
+                         engine_meta=FinalMeta.from_json(engine_meta), segments=[], text="", e2e_latency=0.0,
+                         index=None).to_json()
     assert "output_token_logprobs" not in plain["meta_info"] and "index" not in plain
     assert plain["meta_info"]["weight_version"] == "7"
 
@@ -172,8 +189,8 @@ def test_read_output_reads_the_managers_answer() -> None:
     body = {"input_ids": [5], "return_logprob": True}
     segments = [Segment("a", "h:1", "6", 0, 1), Segment("b", "h:2", None, 1, 2)]
     answer = final_output(SequenceBody.of(body), rid="q", output_ids=[1, 2],
-                               logprobs=[[-0.1, 1, None], [None, 2, None]], finish=wire.finish_reason(wire.STOP),
-                               engine_meta={}, segments=segments,
+                               logprobs=[[-0.1, 1, None], [None, 2, None]], finish=FinishReason.of(wire.STOP),
+                               engine_meta=NO_META, segments=segments,
                                text="ab", e2e_latency=0.5, index=None).to_json()
     out = wire.read_output(answer)
     assert out.rid == "q" and out.output_ids == [1, 2] and out.text == "ab" and out.index is None
@@ -255,7 +272,7 @@ def test_skipping_seen_ids_folds_exactly_what_a_full_parse_does(
     assert fast.output_ids.tolist() == full.output_ids.tolist() == base[0] + tokens
     assert fast.logprobs == full.logprobs == base[1] + (lps or [])
     assert fast.text == full.text == "".join(f"<{t}>" for t in tokens)
-    assert fast.finish_reason == full.finish_reason == {"type": "length", "length": n}
+    assert fast.finish_reason == full.finish_reason == FinishReason("length", length=n)
 
 
 def test_a_cumulative_chunk_is_parsed_without_the_ids_already_seen() -> None:

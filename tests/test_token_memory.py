@@ -21,6 +21,7 @@ from rollout_manager.rollout.progress import BadChunk, SequenceProgress, token_a
 from rollout_manager.rollout.sequence import SequenceState
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import CallBounds, stream_generate
+from rollout_manager.sglang.finish import NO_META
 from rollout_manager.sglang.generate_request import SequenceBody, continuation, encode
 from rollout_manager.sglang.sse import sse_frame
 from rollout_manager.sglang.wire import GenerateChunk
@@ -105,7 +106,7 @@ def test_results_and_partial_chunks_are_json_lists() -> None:
     """Callers get lists of ints, whatever the manager keeps inside."""
     ids = token_array([5, 300, 70_000])
     body = SequenceBody.of({"input_ids": [1, 2], "return_logprob": False})
-    final = final_output(body, rid="r", output_ids=ids, logprobs=[], finish=None, engine_meta={},
+    final = final_output(body, rid="r", output_ids=ids, logprobs=[], finish=None, engine_meta=NO_META,
                               segments=[], text=None, e2e_latency=0.0, index=None).to_json()
     partial = partial_output(body, rid="r", output_ids=ids, logprobs=[], weight_version="0", index=None).to_json()
     cont = continuation(body, ids, rid="r~1")

@@ -39,6 +39,7 @@ from rollout_manager.cpu_engine.request import (
     parse_generate_body,
 )
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.finish import FinishReason
 
 log = logging.getLogger("rollout_manager.cpu_engine")
 
@@ -89,7 +90,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[tuple[str, int]] = []  # (weight version, first output position it made)
-        self.finish: dict[str, Any] | None = None
+        self.finish: FinishReason | None = None
         self.created = time.monotonic()
         self.finished_at: float | None = None
         seed = spec.params.sampling_seed
@@ -103,7 +104,7 @@ class Sequence:
 
     def set_finish(self, kind: str, **extra: Any) -> None:
         if self.finish is None:
-            self.finish = wire.finish_reason(kind, **extra)
+            self.finish = FinishReason.of(kind, **extra)
             self.finished_at = time.monotonic()
 
 
@@ -429,7 +430,7 @@ class Engine:
             output_ids=ids,
             prompt_tokens=len(s.spec.input_ids),
             completion_tokens=upto,
-            finish=s.finish if final else None,
+            finish=s.finish.to_json() if final and s.finish is not None else None,
             weight_version=self.weight_version,
             logprobs=lps,
             text=text,

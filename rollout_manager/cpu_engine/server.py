@@ -32,6 +32,7 @@ from rollout_manager.cpu_engine.weight_routes import (
     update_weights_from_tensor,
 )
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.finish import FinishReason
 from rollout_manager.sglang.sse import sse_frame
 
 log = logging.getLogger("rollout_manager.cpu_engine")
@@ -87,18 +88,20 @@ async def _run(request: web.Request, engine: Engine, req: GenerateRequest) -> we
         if not group.finished:
             engine.cancel_group(group)
     for s in group.sequences:  # a scheduler refusal fails the whole non-streamed request
-        refused = wire.abort_caller_status(s.finish) or _server_abort_status(s.finish)
+        if s.finish is None:
+            continue
+        refused = s.finish.caller_status or _server_abort_status(s.finish)
         if refused == 400:
-            return web.json_response({"error": {"message": wire.abort_message(s.finish or {})}}, status=400)
+            return web.json_response({"error": {"message": s.finish.abort_message}}, status=400)
         if refused is not None:
-            return web.json_response({"detail": wire.abort_message(s.finish or {})}, status=refused)
+            return web.json_response({"detail": s.finish.abort_message}, status=refused)
     outs = [engine.chunk(s, len(s.output_ids), final=True) for s in group.sequences]
     return web.json_response(outs if req.batched else outs[0])
 
 
-def _server_abort_status(finish: Any) -> int | None:
+def _server_abort_status(finish: FinishReason) -> int | None:
     """A 5xx ``status_code`` of an abort finish (SGLang answers it as an HTTP error too)."""
-    status = finish.get("status_code") if wire.is_abort(finish) else None
+    status = finish.status_code if finish.is_abort else None
     return status if isinstance(status, int) and 500 <= status < 600 else None
 
 

@@ -15,12 +15,8 @@ from msgspec import UNSET, UnsetType
 
 from rollout_manager.rollout.progress import as_list
 from rollout_manager.rollout.sequence import Segment, SequenceState
+from rollout_manager.sglang.finish import FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
-
-# The engine's meta_info fields a final answer always says itself, for the whole sequence rather than
-# for its last request: never passed through.
-_OWN_META = frozenset({"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version",
-                       "e2e_latency", "segments", "weight_versions", "output_token_logprobs"})
 
 
 class VersionSpan(msgspec.Struct, frozen=True):
@@ -40,7 +36,7 @@ class AnswerMeta(msgspec.Struct):
     """
 
     id: str
-    finish_reason: dict[str, Any] | None  # SGLang's finish_reason object, as the engine reported it
+    finish_reason: FinishReason | None  # as the engine reported it (``length`` counted over the sequence)
     prompt_tokens: int
     completion_tokens: int
     weight_version: Any  # the last segment's; without segments what the engine reported (any JSON value)
@@ -58,7 +54,7 @@ class AnswerMeta(msgspec.Struct):
         """The ``meta_info`` object callers get."""
         meta = {} if self.engine is UNSET else dict(self.engine)
         meta["id"] = self.id
-        meta["finish_reason"] = self.finish_reason
+        meta["finish_reason"] = None if self.finish_reason is None else self.finish_reason.to_json()
         meta["prompt_tokens"] = self.prompt_tokens
         meta["completion_tokens"] = self.completion_tokens
         meta["weight_version"] = self.weight_version
@@ -149,8 +145,8 @@ def final_output(
     rid: str,
     output_ids: Sequence[int],
     logprobs: list[list[Any]],
-    finish: dict[str, Any] | None,
-    engine_meta: dict[str, Any],
+    finish: FinishReason | None,
+    engine_meta: FinalMeta,
     segments: Sequence[Segment],
     text: str | None,
     e2e_latency: float,
@@ -172,10 +168,9 @@ def final_output(
     """
     if seed is None:
         seed = body.sampling.sampling_seed
-    # The engine's fields the manager does not set; copied and trimmed in C (a comprehension costs more).
-    engine = dict(engine_meta)
-    for key in _OWN_META.intersection(engine):
-        del engine[key]
+    # The engine's fields the manager does not interpret (copied: the sequence's stays as it is), less
+    # those this answer says itself.
+    engine = dict(engine_meta.other)
     if engine:
         for key in per_token or ():
             engine.pop(key, None)
@@ -185,10 +180,10 @@ def final_output(
             engine.pop("discarded_segments", None)
     meta = AnswerMeta(
         id=rid, finish_reason=finish, prompt_tokens=len(body.input_ids), completion_tokens=len(output_ids),
-        weight_version=segments[-1].weight_version if segments else engine_meta.get("weight_version"),
+        weight_version=segments[-1].weight_version if segments else engine_meta.weight_version,
         e2e_latency=round(e2e_latency, 6), segments=tuple(segments),
         # SGLang's spans are its last request's: say them for the whole sequence
-        weight_versions=version_spans(segments) if "weight_versions" in engine_meta else UNSET,
+        weight_versions=version_spans(segments) if engine_meta.has_spans else UNSET,
         discarded_segments=tuple(discarded) if discarded else UNSET,
         output_token_logprobs=logprobs if body.wants_logprobs else UNSET,
         # what the sequence was sampled with (the manager's when the caller gave none)

@@ -63,6 +63,7 @@ from rollout_manager.sglang.client import (
     open_stream,
 )
 from rollout_manager.sglang.coalesce import Coalescer
+from rollout_manager.sglang.finish import FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -252,12 +253,12 @@ class Generator:
             if seq.budget == 0:
                 # Answered here: SGLang would run a prefill and report a log-prob for a token it never
                 # returns. Nothing to generate, so no instance is needed.
-                seq.finish = wire.finish_reason(wire.LENGTH, length=0)
+                seq.finish = FinishReason.of(wire.LENGTH, length=0)
                 seq.texts.append("")
-                seq.meta = {"weight_version": self._current_version()}
+                seq.meta = FinalMeta(weight_version=self._current_version())
             while seq.finish is None:
                 if seq.remaining == 0:  # the budget was used up just as an instance died
-                    seq.finish = wire.finish_reason(wire.LENGTH, length=seq.budget)
+                    seq.finish = FinishReason.of(wire.LENGTH, length=seq.budget)
                     break
                 if len(seq.failures) >= self.settings.max_attempts:
                     self.stats["failed"] += 1
@@ -435,8 +436,8 @@ class Generator:
         if new and seq.refused is not None:
             self._refusal_overruled(seq, inst)
         segments.advance(progress.weight_version, new)
-        if progress.finish_reason is not None and "weight_versions" in progress.meta_info:
-            segments.exact(progress.meta_info["weight_versions"])  # SGLang's exact spans, on the final chunk
+        if progress.meta_info.has_spans:
+            segments.exact(progress.meta_info.weight_versions)  # SGLang's exact spans, on the final chunk
         seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
         if new and on_tokens is not None and progress.finish_reason is None:
             on_tokens(seq)
@@ -451,7 +452,7 @@ class Generator:
         segment = segments.current
         if step is Step.DONE:
             assert isinstance(outcome, Finished)
-            seq.finish, seq.meta = wire.rebase_finish_reason(outcome.finish, segments.start), progress.meta_info
+            seq.finish, seq.meta = outcome.finish.rebased(segments.start), progress.meta_info
             seq.texts.append(progress.text)
             segment.outcome = "finished"
             if outcome.cut is None:

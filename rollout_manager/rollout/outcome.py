@@ -12,7 +12,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_manager.sglang import wire
+from msgspec import UNSET
+
+from rollout_manager.sglang.finish import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +22,7 @@ class Finished:
     """The engine finished the sequence (``finish``: its finish_reason). ``cut``: the stream broke after
     the final chunk (only ``[DONE]`` was lost): the sequence is complete, the instance still at fault."""
 
-    finish: dict[str, Any]
+    finish: FinishReason
     cut: str | None = None
 
 
@@ -59,24 +61,24 @@ class Cancelled:
 Outcome = Finished | EngineFault | CallerError | Moved | Cancelled
 
 
-def outcome_of(finish: Any, error: str | None, *, migrating: bool) -> Outcome:
+def outcome_of(finish: FinishReason | None, error: str | None, *, migrating: bool) -> Outcome:
     """What an engine call that ended came to: ``finish`` is the last finish_reason it reported (None:
     none), ``error`` why the call failed (None: it did not), ``migrating`` whether the manager was
     taking the sequence off that instance (then an abort or a cut stream is the manager's doing)."""
-    instance_abort = wire.is_abort(finish) and wire.abort_caller_status(finish) is None
+    instance_abort = finish is not None and finish.is_abort and finish.caller_status is None
     if error is not None and (finish is None or instance_abort):
         return Moved(Move.MIGRATED) if migrating else EngineFault(error)
-    if migrating and (finish is None or wire.is_abort(finish)):
+    if migrating and (finish is None or finish.is_abort):
         return Moved(Move.MIGRATED)  # the stream ended because the manager aborted it to move it
     if finish is None:
         return EngineFault("stream finished without a finish_reason")
-    status = wire.abort_caller_status(finish)
+    status = finish.caller_status
     if status is not None:
         # SGLang refused the request itself (e.g. too long for its context): every instance would.
-        return CallerError(status, {"message": wire.abort_message(finish), "type": finish.get("err_type"),
-                                    "code": status})
+        return CallerError(status, {"message": finish.abort_message,
+                                    "type": None if finish.err_type is UNSET else finish.err_type, "code": status})
     if instance_abort:
-        return EngineFault(f"aborted by the instance: {wire.abort_message(finish)}")
+        return EngineFault(f"aborted by the instance: {finish.abort_message}")
     return Finished(finish, cut=error)
 
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.wire import GenerateChunk
 
 # Token ids at or above this are no model's (every vocabulary fits 32 bits): the bound when an instance's
 # vocabulary size is not known.
 TOKEN_ID_BOUND = 2**32
 _UINT = "I" if array("I").itemsize == 4 else "L"  # a C array type holding exactly [0, TOKEN_ID_BOUND)
-NO_META: dict[str, Any] = {}  # the meta_info of a stream not finished yet (shared: never written to)
 
 
 class BadChunk(ValueError):
@@ -80,16 +80,17 @@ class SequenceProgress:
     can vouch for; :meth:`apply` raises :class:`BadChunk` (and changes nothing) for a chunk whose
     ``completion_tokens`` is missing, goes back or does not match its ids, whose cumulative ids rewrite
     what was sent, whose new ids are not in ``[0, vocab_size)``, that goes past ``limit`` tokens (the
-    request's ``max_new_tokens``; None: no limit), that brings tokens after the final chunk, or whose
-    ``weight_version`` ``version_ok`` refuses (None: any).
+    request's ``max_new_tokens``; None: no limit), that brings tokens after the final chunk, whose
+    ``finish_reason`` is neither null nor an object with a string ``type`` (SGLang sends no other: the manager
+    could not tell how the request ended), or whose ``weight_version`` ``version_ok`` refuses (None: any).
     """
 
     output_ids: array[int] = field(default_factory=token_array)
     logprobs: list[list[Any]] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    # The final chunk's meta_info (the answer starts from it); :data:`NO_META` until then: a held sequence
-    # does not keep every chunk's whole meta_info for the few fields it reads.
-    meta_info: dict[str, Any] = field(default_factory=lambda: NO_META)
+    finish_reason: FinishReason | None = None  # decoded from the final chunk (None until then)
+    # What the answer needs of the final chunk's meta_info; the shared :data:`NO_META` until then: a held
+    # sequence keeps nothing of the chunks' meta_info but the few fields it reads.
+    meta_info: FinalMeta = NO_META
     text: str | None = None
     weight_version: str | None = None  # the latest a chunk reported (chunks may leave it out)
     limit: int | None = None
@@ -159,6 +160,12 @@ class SequenceProgress:
         lps = meta.get("output_token_logprobs")
         if lps is not None and not isinstance(lps, list):
             raise BadChunk(f"output_token_logprobs is {type(lps).__name__}, not a list")
+        finish = meta.get("finish_reason")
+        if finish is not None:  # decoded once, from the final chunk
+            try:
+                finish = FinishReason.from_json(finish)
+            except ValueError as exc:
+                raise BadChunk(str(exc)) from None
         if isinstance(checked, array):
             self.output_ids.extend(checked)
         if lps is not None:
@@ -176,8 +183,8 @@ class SequenceProgress:
         text = chunk.text
         if text is not None:
             self.text = text if cumulative else (self.text or "") + text
-        self.finish_reason = meta.get("finish_reason")
-        self.meta_info = NO_META if self.finish_reason is None else meta
+        self.finish_reason = finish
+        self.meta_info = NO_META if finish is None else FinalMeta.from_json(meta)
         if version is not None:
             self.weight_version = version
         self.chunks += 1

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
-from rollout_manager.rollout.progress import NO_META, token_array
+from rollout_manager.rollout.progress import token_array
+from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
@@ -46,8 +47,8 @@ class SequenceState:
     # Tuples and a shared empty dict until something is recorded: most sequences never fail, and every
     # field made empty per sequence costs its bytes for as long as the sequence runs.
     failures: tuple[str, ...] = ()
-    meta: dict[str, Any] = field(default_factory=lambda: NO_META)  # the final chunk's meta_info
-    finish: dict[str, Any] | None = None
+    meta: FinalMeta = NO_META  # what the answer needs of the final chunk's meta_info
+    finish: FinishReason | None = None  # how it ended, as seen from the sequence's first token
     live_text: str | None = None  # the running segment's text so far (None: not known)
     # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
     # instance is already reserved for it), and whether the running segment is being taken off.

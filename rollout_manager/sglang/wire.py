@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_manager.sglang import finish as _finish
+
 # Paths (SGLang's http_server.py).
 GENERATE = "/generate"
 HEALTH = "/health"
@@ -45,70 +47,22 @@ METRIC_GEN_THROUGHPUT = "sglang:gen_throughput"
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
-# finish_reason types.
-STOP = "stop"
-LENGTH = "length"
-ABORT = "abort"
+# finish_reason types (the typed finish_reason is :class:`.finish.FinishReason`).
+STOP, LENGTH, ABORT = _finish.STOP, _finish.LENGTH, _finish.ABORT
 
 
 # ---------------------------------------------------------------- finish reasons and errors
 
 
 def finish_reason(kind: str | None, **extra: Any) -> dict[str, Any] | None:
-    """SGLang's finish_reason object: ``{"type": "stop"|"length"|"abort", ...}`` or null while running."""
-    if kind is None:
-        return None
-    reason: dict[str, Any] = {"type": kind}
-    if kind == LENGTH:
-        reason.setdefault("length", extra.pop("length", None))
-    if kind == ABORT:
-        reason.setdefault("message", extra.pop("message", "Abort"))
-    reason.update(extra)
-    return reason
+    """The finish_reason JSON an engine sends (the CPU engine's and the tests' doubles): ``{"type": "stop"|
+    "length"|"abort", ...}``, or null while running (see :meth:`.finish.FinishReason.of`)."""
+    return None if kind is None else _finish.FinishReason.of(kind, **extra).to_json()
 
 
 def error_object(message: str, status_code: int = 400, err_type: str = "BadRequest") -> dict[str, Any]:
     """SGLang's error body, also sent inside a stream as ``data: {"error": ...}``."""
     return {"error": {"message": message, "type": err_type, "code": status_code}}
-
-
-
-
-def is_abort(finish: Any) -> bool:
-    """Whether a finish_reason says the engine aborted the request (it did not end on its own)."""
-    return isinstance(finish, dict) and finish.get("type") == ABORT
-
-
-def abort_message(finish: dict[str, Any]) -> str:
-    """Why the engine aborted, for logs and errors (the whole finish_reason when it gives no message)."""
-    return str(finish.get("message") or finish)
-
-
-def abort_caller_status(finish: Any) -> int | None:
-    """The 4xx status of an abort that refused the request itself, None for any other finish.
-
-    SGLang's scheduler refuses some requests (an input longer than it can hold, a bad
-    ``logprob_start_len``, ...) by finishing them at once with ``{"type": "abort", "status_code": 400,
-    "err_type": "BadRequestError", "message": ...}`` instead of an HTTP error. That is the caller's
-    error and every instance would say the same; an abort with no status or a 5xx is the instance's.
-    """
-    if not is_abort(finish):
-        return None
-    status = finish.get("status_code")
-    if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 500:
-        return status
-    return None
-
-
-def rebase_finish_reason(finish: dict[str, Any] | None, start: int) -> dict[str, Any] | None:
-    """A continued request's finish_reason as seen from the whole sequence.
-
-    The request that continues a sequence ``start`` tokens in counts ``length`` from its own first
-    token; the caller counts from the sequence's first token, so ``length`` moves up by ``start``.
-    """
-    if isinstance(finish, dict) and finish.get("type") == LENGTH and isinstance(finish.get("length"), int):
-        return {**finish, "length": finish["length"] + start}
-    return finish
 
 
 def error_message(error: Any) -> str:
