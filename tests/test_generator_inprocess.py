@@ -115,6 +115,18 @@ async def test_a_4xx_goes_back_to_the_caller_and_is_not_held_against_the_instanc
     assert rig.fakes[0].aborted == []
 
 
+async def test_a_streaming_caller_gets_the_failure_as_sglangs_error_chunk(rig: Rig) -> None:
+    rig.fakes[0].reject_status = rig.fakes[1].reject_status = 400
+    register_active(rig.registry, rig.fakes)
+    chunks: list[Any] = []
+    async for ready in rig.generator.generate_stream(decode(body(5, stream=True))):
+        chunks.extend(as_json(ready))
+    assert len(chunks) == 1 and set(chunks[0]) == {"error"}, chunks
+    error = chunks[0]["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequest"
+    assert "fake engine refuses with 400" in error["message"]
+
+
 async def test_attempts_exhausted_is_a_502(rig: Rig) -> None:
     for fake in rig.fakes:
         fake.reject_status = 500

@@ -15,6 +15,7 @@ from msgspec import UNSET, UnsetType
 
 from rollout_manager.rollout.progress import as_list
 from rollout_manager.rollout.sequence import Segment, SequenceState
+from rollout_manager.sglang import wire
 from rollout_manager.sglang.finish import FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 
@@ -93,6 +94,17 @@ class Answer(msgspec.Struct):
         if self.index is not UNSET:
             out["index"] = self.index
         return out
+
+
+class StreamError(msgspec.Struct, frozen=True):
+    """A sequence's failure inside a stream: one chunk of SGLang's error object (``wire.error_object``),
+    the last a streaming caller is sent for that request."""
+
+    message: str
+    status: int
+
+    def to_json(self) -> dict[str, Any]:
+        return wire.error_object(self.message, self.status)
 
 
 def partial_answer(seq: SequenceState, index: int | None) -> Answer:

@@ -21,7 +21,7 @@ from typing import Any
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.answers import Answer, final_answer, partial_answer
+from rollout_manager.rollout.answers import Answer, StreamError, final_answer, partial_answer
 from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.call_bounds import CallBoundsCache
 from rollout_manager.rollout.counters import new_generation_stats
@@ -176,12 +176,12 @@ class Generator:
         finally:
             await window.close()
 
-    async def generate_stream(self, request: Request) -> AsyncGenerator[list[Answer | dict[str, Any]], None]:
+    async def generate_stream(self, request: Request) -> AsyncGenerator[list[Answer | StreamError], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
         sequence that advanced several times since the last write gets one chunk with all of it.
-        A sequence that fails yields one ``{"error": ...}`` chunk (``wire.error_object``), as SGLang does
+        A sequence that fails yields one :class:`StreamError` chunk (``{"error": ...}``), as SGLang does
         inside a stream.
         """
         self.begin_rollout()
@@ -205,11 +205,11 @@ class Generator:
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
-                out: list[Answer | dict[str, Any]] = []
+                out: list[Answer | StreamError] = []
                 partial: dict[int, SequenceState] = {}
                 for i, item in ready:
                     if isinstance(item, GenerationFailed):
-                        yield out + [wire.error_object(str(item), item.status)]
+                        yield out + [StreamError(str(item), item.status)]
                         return
                     if isinstance(item, SequenceState):
                         partial[i] = item
