@@ -7,6 +7,7 @@ read what is done: a batch of 100,000 costs the manager its body and a window of
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
@@ -25,6 +26,7 @@ log = logging.getLogger("rollout_manager.rollout.batch")
 
 # NDJSON handed to the caller's connection at a time: aiohttp waits for the socket to drain at this much.
 NDJSON_PIECE_BYTES = 64 * 1024
+_ANSWERED = object()  # a task whose answer was handed over (``_BatchRun._done`` has nothing to add)
 L = TypeVar("L")
 
 
@@ -48,25 +50,46 @@ class _BatchRun(Generic[L]):
         self.encode, self.size, self.max_unsent, self.piece = encode, size, max_unsent, piece
         self.ready: deque[tuple[L, int]] = deque()  # finished, not yet handed over: (line, its size)
         self.unsent = 0  # bytes in ``ready``
-        self.tasks: set[asyncio.Task[None]] = set()
+        # Each running request's task (the generator's own coroutine, no wrapper) and its id.
+        self.tasks: dict[asyncio.Future[Any], Any] = {}
         self.wake = asyncio.Event()
         self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
+        # The batch's context: when it was accepted (the no-instance wait counts from there), the same for
+        # every request; each task runs in a copy of it, and their done callbacks in it (no copy per callback).
+        self.context = contextvars.copy_context()
+        self.context.run(accepted_at.set, self.accepted)
+        self._answered_callback, self._done_callback = self._answered, self._done  # one of each for every task
 
-    async def _one(self, rid: Any, request: Request) -> None:
-        accepted_at.set(self.accepted)  # this task's context only
-        me = asyncio.current_task()
+    def _run(self, rid: Any, request: Request) -> None:
+        """Start one request as a task of its own coroutine (no wrapper's frame per request): its answer is
+        handed to :meth:`_answered` in the step that builds it, a failure to :meth:`_done`."""
         try:
             # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
             self.generator.vocab.check(request.input_ids)
-            line = {"id": rid, "success": True, "data": await self.generator.generate(request)}
-        except ManagerError as exc:
-            line = {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
-        except Exception as exc:  # never lose an id, whatever happened
-            log.exception("request %r failed unexpectedly", rid)
-            line = {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
-        finally:  # here, not a done callback per task; a task cancelled before it ran is dropped by results()
-            self.tasks.discard(me)
-        self._answer(rid, line)
+            run = self.generator.generate(request, answer=self._answered_callback)
+        except Exception as exc:
+            self._answer(rid, _failure(rid, exc))
+            return
+        task = self.context.run(asyncio.ensure_future, run)  # a copy of it (create_task's context= is 3.11+)
+        self.tasks[task] = rid
+        task.add_done_callback(self._done_callback, context=self.context)
+
+    def _answered(self, data: Any) -> None:
+        """A request's answer, encoded at once: answers that come in one loop turn are never all waiting
+        as Python objects for their tasks' done callbacks (the next turn)."""
+        task = asyncio.current_task()
+        assert task is not None
+        rid = self.tasks.pop(task)
+        self._answer(rid, {"id": rid, "success": True, "data": data})
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
+        """A request's task ended: the line of a failure (an answer was given already; a task cancelled by
+        :meth:`results` has none)."""
+        rid = self.tasks.pop(task, _ANSWERED)
+        if rid is _ANSWERED or task.cancelled():
+            return
+        exc = task.exception()
+        self._answer(rid, _failure(rid, exc if exc is not None else RuntimeError("ended without an answer")))
 
     def _answer(self, rid: Any, line: dict[str, Any]) -> None:
         try:
@@ -86,8 +109,7 @@ class _BatchRun(Generic[L]):
         while self.pending and room > 0:
             rid, request = self.pending.popleft()
             self.dispatcher.held_by_batches -= 1
-            task = asyncio.ensure_future(self._one(rid, request))
-            self.tasks.add(task)
+            self._run(rid, request)
             room -= 1
 
     def _take(self) -> list[L]:
@@ -152,6 +174,14 @@ async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, Request]
             yield b"".join(lines)
     finally:
         await results.aclose()
+
+
+def _failure(rid: Any, exc: BaseException) -> dict[str, Any]:
+    """The line of a request that failed: its status for the manager's errors, 500 for anything else."""
+    if isinstance(exc, ManagerError):
+        return {"id": rid, "success": False, "status_code": exc.status, "error": str(exc)}
+    log.error("request %r failed unexpectedly", rid, exc_info=exc)  # never lose an id, whatever happened
+    return {"id": rid, "success": False, "status_code": 500, "error": f"internal error: {exc}"}
 
 
 def _same(line: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from rollout_manager.errors import ManagerError, Unavailable
@@ -137,20 +137,28 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    def generate(self, request: Request) -> Awaitable[dict[str, Any] | list[dict[str, Any]]]:
+    def generate(self, request: Request, answer: Callable[[Any], None] | None = None
+                 ) -> Coroutine[Any, Any, dict[str, Any] | list[dict[str, Any]]]:
         """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await.
 
         The sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits
-        in. The awaiting task is registered for the shutdown grace (:meth:`stop`) inside it."""
+        in. The awaiting task is registered for the shutdown grace (:meth:`stop`) inside it. ``answer``,
+        when given, is handed the answer in the step that builds it, and the coroutine returns an empty
+        one: a task run for a batch line (``batch.py``) then keeps no answer until its done callback."""
         self.begin_rollout()
         if not request.batched:  # the common case, straight to its one sequence
-            return self.run_sequence(request.sequences[0], guarded=True)
-        return self._generate_batch(request.sequences)
+            return self.run_sequence(request.sequences[0], guarded=True, answer=answer)
+        return self._generate_batch(request.sequences, answer)
 
-    async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
+    async def _generate_batch(self, items: list[SequenceRequest],
+                              answer: Callable[[Any], None] | None = None) -> list[dict[str, Any]]:
         me = self._enter()
         try:
-            return await self._run_batch(items)
+            results = await self._run_batch(items)
+            if answer is None:
+                return results
+            answer(results)
+            return []
         except asyncio.CancelledError:
             self._stopped(me)
             raise
@@ -229,7 +237,7 @@ class Generator:
 
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None,
-                           guarded: bool = False) -> dict[str, Any]:
+                           guarded: bool = False, answer: Callable[[Any], None] | None = None) -> dict[str, Any]:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
         One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
@@ -318,6 +326,9 @@ class Generator:
         latency = out["meta_info"]["e2e_latency"]
         for listener in self.finished_listeners:
             listener(latency, len(seq.output_ids), True)
+        if answer is not None:  # handed over now (see generate)
+            answer(out)
+            return {}
         return out
 
     def _current_version(self) -> str:
