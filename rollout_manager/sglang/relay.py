@@ -392,6 +392,7 @@ class Relay:
         first_s = bounds.stall_timeout_s if bounds.first_byte_timeout_s is None else bounds.first_byte_timeout_s
         deadline = Deadline(first_s, bounds.stall_timeout_s, bounds.activity)
         request = _request_head(start, bounds.headers, len(data)) + data
+        del data  # orjson's output sits in a 4 KiB buffer whatever its length: not kept while connecting
         loop, attempt, fresh_only = deadline.loop, 0, False
         while True:
             conn = None if fresh_only else self._take(key)
