@@ -408,9 +408,10 @@ async def run(args: argparse.Namespace) -> None:
                       f"{1024 * (peak_kb - idle_rss_kb) / max(tokens, 1):.1f} bytes per token at the peak")
                 if probe:
                     probed = json.loads(Path(probe_out).read_text())
-                    print_allocators(probed["allocator"], hold_result["sequences"],
-                                     1024 * (hold_result["rss_kb"] - idle_rss_kb))
-                    if args.trace_memory:
+                    if "allocator" in probed:
+                        print_allocators(probed["allocator"], hold_result["sequences"],
+                                         1024 * (hold_result["rss_kb"] - idle_rss_kb))
+                    else:
                         print_memory_owners(probed, hold_result["sequences"])
             for line in bad[:5]:
                 print("  BAD:", line)
@@ -442,7 +443,7 @@ def main() -> None:
                              "and print what a held sequence costs, by owner")
     parser.add_argument("--allocator-stats", action="store_true",
                         help="with --hold: print what the allocators (pymalloc, glibc malloc) hold per held "
-                             "sequence, live and free (no tracing: the manager runs at full speed)")
+                             "sequence, live and free (instead of --trace-memory: the manager runs at full speed)")
     parser.add_argument("--trace-frames", type=int, default=1,
                         help="with --trace-memory: frames per traced allocation; above 1, also print the "
                              "biggest allocation sites with their callers")

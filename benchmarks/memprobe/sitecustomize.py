@@ -3,9 +3,9 @@ PYTHONPATH): traces Python allocations and, on a signal, writes what each source
 
 SIGUSR1 takes the baseline (the idle manager); SIGUSR2 writes ``$MEMPROBE_OUT`` (JSON: bytes held per
 source file above the baseline, the biggest lines, and the biggest allocation sites by traceback, up to
-``$MEMPROBE_FRAMES`` frames deep, 1 by default; and the allocators' own accounts at both moments), then
-touches ``$MEMPROBE_OUT.done``. With ``MEMPROBE_TRACE=0`` (``--allocator-stats``) nothing is traced: only
-the allocators' accounts are taken, so the manager runs at full speed. Allocations by C
+``$MEMPROBE_FRAMES`` frames deep, 1 by default), then touches ``$MEMPROBE_OUT.done``. With
+``MEMPROBE_TRACE=0`` (``--allocator-stats``) nothing is traced and the allocators' own accounts are taken
+at both moments instead (tracemalloc's hooks would hide pymalloc's), so the manager runs at full speed. Allocations by C
 code (uvloop's transports and timers) are charged to the innermost Python frame, often asyncio's
 runner. Not part of the product: nothing in rollout_manager/ knows of it.
 """
@@ -75,14 +75,17 @@ if os.environ.get("MEMPROBE_OUT"):
     def _on_signal(sig: int, _frame: object) -> None:
         if sig == signal.SIGUSR1:
             gc.collect()
-            _allocator_idle.update(_allocator())
             if _trace:
                 _base["idle"] = _snapshot()
+            else:  # tracemalloc's hooks hide pymalloc from sys._debugmallocstats
+                _allocator_idle.update(_allocator())
             return
         gc.collect()
         out: str = os.environ["MEMPROBE_OUT"]
-        data: dict[str, object] = {"allocator": {"idle": _allocator_idle, "held": _allocator()}}
-        if _trace:
+        data: dict[str, object] = {}
+        if not _trace:
+            data["allocator"] = {"idle": _allocator_idle, "held": _allocator()}
+        else:
             snap = _snapshot()
             base = _base.get("idle")
             by_file = snap.compare_to(base, "filename") if base else snap.statistics("filename")
