@@ -61,8 +61,8 @@ class _BatchRun(Generic[L]):
         self._answered_callback, self._done_callback = self._answered, self._done  # one of each for every task
 
     def _run(self, rid: Any, request: Request) -> None:
-        """Start one request as a task of its own coroutine (no wrapper's frame per request): its answer is
-        handed to :meth:`_answered` in the step that builds it, a failure to :meth:`_done`."""
+        """Start one request as a task of its own coroutine (no wrapper's frame per request): a sequence's
+        answer is handed to :meth:`_answered` in the step that builds it, anything else to :meth:`_done`."""
         try:
             # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
             self.generator.vocab.check(request.input_ids)
@@ -83,13 +83,13 @@ class _BatchRun(Generic[L]):
         self._answer(rid, {"id": rid, "success": True, "data": data})
 
     def _done(self, task: asyncio.Future[Any]) -> None:
-        """A request's task ended: the line of a failure (an answer was given already; a task cancelled by
-        :meth:`results` has none)."""
+        """A request's task ended: its line, unless :meth:`_answered` gave it (one sequence's answer) or
+        :meth:`results` cancelled the task."""
         rid = self.tasks.pop(task, _ANSWERED)
         if rid is _ANSWERED or task.cancelled():
             return
         exc = task.exception()
-        self._answer(rid, _failure(rid, exc if exc is not None else RuntimeError("ended without an answer")))
+        self._answer(rid, {"id": rid, "success": True, "data": task.result()} if exc is None else _failure(rid, exc))
 
     def _answer(self, rid: Any, line: dict[str, Any]) -> None:
         try:

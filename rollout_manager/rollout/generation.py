@@ -139,26 +139,19 @@ class Generator:
 
     def generate(self, request: Request, answer: Callable[[Any], None] | None = None
                  ) -> Coroutine[Any, Any, dict[str, Any] | list[dict[str, Any]]]:
-        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await.
-
-        The sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits
-        in. The awaiting task is registered for the shutdown grace (:meth:`stop`) inside it. ``answer``,
-        when given, is handed the answer in the step that builds it, and the coroutine returns an empty
-        one: a task run for a batch line (``batch.py``) then keeps no answer until its done callback."""
+        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await. The
+        sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits in. The
+        awaiting task is registered for the shutdown grace (:meth:`stop`) inside it. ``answer``: one
+        sequence's answer is handed to it in the step that builds it, and {} returned (see ``batch.py``)."""
         self.begin_rollout()
         if not request.batched:  # the common case, straight to its one sequence
             return self.run_sequence(request.sequences[0], guarded=True, answer=answer)
-        return self._generate_batch(request.sequences, answer)
+        return self._generate_batch(request.sequences)
 
-    async def _generate_batch(self, items: list[SequenceRequest],
-                              answer: Callable[[Any], None] | None = None) -> list[dict[str, Any]]:
+    async def _generate_batch(self, items: list[SequenceRequest]) -> list[dict[str, Any]]:
         me = self._enter()
         try:
-            results = await self._run_batch(items)
-            if answer is None:
-                return results
-            answer(results)
-            return []
+            return await self._run_batch(items)
         except asyncio.CancelledError:
             self._stopped(me)
             raise
