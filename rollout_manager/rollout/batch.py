@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import sys
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -55,7 +56,8 @@ class _BatchRun(Generic[L]):
         self.wake = asyncio.Event()
         self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
         # The batch's context: when it was accepted (the no-instance wait counts from there), the same for
-        # every request; each task runs in a copy of it, and their done callbacks in it (no copy per callback).
+        # every request; its tasks and their done callbacks run in it (no copy per task or callback: nothing
+        # the rollout flow runs sets a context variable; before Python 3.11 each task runs in a copy).
         self.context = contextvars.copy_context()
         self.context.run(accepted_at.set, self.accepted)
         self._answered_callback, self._done_callback = self._answered, self._done  # one of each for every task
@@ -70,7 +72,10 @@ class _BatchRun(Generic[L]):
         except Exception as exc:
             self._answer(rid, _failure(rid, exc))
             return
-        task = self.context.run(asyncio.ensure_future, run)  # a copy of it (create_task's context= is 3.11+)
+        if sys.version_info >= (3, 11):  # the batch's context itself: no copy per task
+            task = asyncio.get_running_loop().create_task(run, context=self.context)
+        else:
+            task = self.context.run(asyncio.ensure_future, run)  # a copy of it
         self.tasks[task] = rid
         task.add_done_callback(self._done_callback, context=self.context)
 
