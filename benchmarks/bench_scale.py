@@ -25,6 +25,7 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold             # bytes per token in flight
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --instances 100 --sequences 800
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --trace-frames 8 ...  # by site
+    .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --allocator-stats ...  # RSS by allocator
 """
 
 from __future__ import annotations
@@ -172,6 +173,19 @@ def print_memory_owners(probe: dict[str, Any], sequences: int) -> None:
                     f.replace(root, "") for f in reversed(frames[-4:])))
 
 
+def print_allocators(accounts: dict[str, dict[str, int]], sequences: int, rss_bytes: int) -> None:
+    """The RSS a held sequence costs, split by the allocator that holds it (benchmarks/memprobe): pymalloc's
+    live blocks, its free blocks in pools still in use and its empty pools (touched, kept while their
+    arena holds anything), glibc malloc's in use and free; the rest is neither (mostly pages of both
+    touched and then freed, or code and libraries)."""
+    idle, held, n = accounts["idle"], accounts["held"], max(sequences, 1)
+    parts = {key: (held.get(key, 0) - idle.get(key, 0)) / n for key in held}
+    named = ("pymalloc_live", "pymalloc_free_blocks", "pymalloc_empty_pools", "malloc_in_use", "malloc_free")
+    print(f"  allocators, per held sequence: RSS {rss_bytes / n:,.0f} B = " + ", ".join(
+        f"{key} {parts[key]:,.0f}" for key in named if key in parts) +
+        f", other {rss_bytes / n - sum(parts.get(k, 0) for k in named):,.0f}")
+
+
 async def get_status(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     for _ in range(100):  # the manager may briefly fail to accept while it is out of descriptors
         try:
@@ -218,9 +232,11 @@ async def run(args: argparse.Namespace) -> None:
                "--bind", f"127.0.0.1:{mport}", "--log-level", "warning", *sets]
         env = dict(os.environ)
         probe_out = str(logs / "memprobe.json")
-        if args.trace_memory:  # benchmarks/memprobe/sitecustomize.py traces the manager's allocations
-            env.update(MEMPROBE_OUT=probe_out, MEMPROBE_FRAMES=str(args.trace_frames), PYTHONPATH=os.pathsep.join(
-                [str(ROOT / "benchmarks" / "memprobe"), env.get("PYTHONPATH", "")]))
+        probe = args.trace_memory or args.allocator_stats
+        if probe:  # benchmarks/memprobe/sitecustomize.py traces the manager's allocations
+            env.update(MEMPROBE_OUT=probe_out, MEMPROBE_FRAMES=str(args.trace_frames),
+                       MEMPROBE_TRACE="1" if args.trace_memory else "0", PYTHONPATH=os.pathsep.join(
+                           [str(ROOT / "benchmarks" / "memprobe"), env.get("PYTHONPATH", "")]))
             Path(probe_out + ".done").unlink(missing_ok=True)
         manager = subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / "manager.log", "wb"),
                                    stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -264,7 +280,7 @@ async def run(args: argparse.Namespace) -> None:
                   f"{fds} descriptors, {socks} sockets, {sum(per_port.values())} to instances; "
                   f"RSS {status_kb(pid, 'VmRSS') / 1024:.0f} MB", flush=True)
             idle_rss_kb = status_kb(pid, "VmRSS")
-            if args.trace_memory:
+            if probe:
                 os.kill(pid, signal.SIGUSR1)  # the baseline: every instance registered, nothing run
 
             # 3. the load
@@ -341,7 +357,7 @@ async def run(args: argparse.Namespace) -> None:
                         break
                 rss = status_kb(pid, "VmRSS")
                 hold_result.update(held, rss_kb=rss)
-                if args.trace_memory:
+                if probe:
                     os.kill(pid, signal.SIGUSR2)
                     while not Path(probe_out + ".done").exists():
                         await asyncio.sleep(0.2)
@@ -390,8 +406,13 @@ async def run(args: argparse.Namespace) -> None:
                       f"peak {peak_kb / 1024:.0f} MB: "
                       f"{1024 * (hold_result['rss_kb'] - idle_rss_kb) / max(tokens, 1):.1f} bytes per token held, "
                       f"{1024 * (peak_kb - idle_rss_kb) / max(tokens, 1):.1f} bytes per token at the peak")
-                if args.trace_memory:
-                    print_memory_owners(json.loads(Path(probe_out).read_text()), hold_result["sequences"])
+                if probe:
+                    probed = json.loads(Path(probe_out).read_text())
+                    if "allocator" in probed:
+                        print_allocators(probed["allocator"], hold_result["sequences"],
+                                         1024 * (hold_result["rss_kb"] - idle_rss_kb))
+                    else:
+                        print_memory_owners(probed, hold_result["sequences"])
             for line in bad[:5]:
                 print("  BAD:", line)
             if bad or removed:
@@ -420,6 +441,9 @@ def main() -> None:
     parser.add_argument("--trace-memory", action="store_true",
                         help="with --hold: trace the manager's Python allocations (tracemalloc, which slows it) "
                              "and print what a held sequence costs, by owner")
+    parser.add_argument("--allocator-stats", action="store_true",
+                        help="with --hold: print what the allocators (pymalloc, glibc malloc) hold per held "
+                             "sequence, live and free (instead of --trace-memory: the manager runs at full speed)")
     parser.add_argument("--trace-frames", type=int, default=1,
                         help="with --trace-memory: frames per traced allocation; above 1, also print the "
                              "biggest allocation sites with their callers")

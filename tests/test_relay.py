@@ -323,3 +323,29 @@ async def test_the_request_carries_the_base_urls_path_host_and_headers() -> None
         assert engine.heads == [b"POST /under/generate HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: "
                                 b"application/json\r\nAuthorization: Bearer k\r\nContent-Length: "
                                 + str(len(encode(ONE))).encode() + b"\r\n\r\n"]
+
+
+async def test_a_call_waiting_for_its_answer_keeps_no_copy_of_the_encoded_body() -> None:
+    """orjson's output sits in a 4 KiB buffer whatever its length: 50 calls waiting for their answers'
+    heads keep only the request they sent (head and body, exact size), not the encoded body beside it."""
+    import tracemalloc
+
+    answer = asyncio.Event()
+
+    async def late(n: int, i: int, body: bytes, writer: asyncio.StreamWriter) -> None:
+        await answer.wait()
+        writer.write(STREAM)
+        await writer.drain()
+
+    async with relayed(late) as (engine, session, _):
+        tracemalloc.start(16)
+        try:
+            calls = [asyncio.ensure_future(ids(session, engine.url)) for _ in range(50)]
+            await poll(lambda: len(engine.heads) == 50)  # every request sent, no answer yet
+            held = sum(t.size for t in tracemalloc.take_snapshot().traces
+                       if any(f.filename.endswith("generate_request.py") for f in t.traceback))
+        finally:
+            tracemalloc.stop()
+        answer.set()
+        assert await asyncio.gather(*calls) == [[[7]]] * 50
+    assert held < 50 * 1024, f"{held} bytes of encoded bodies held by 50 waiting calls"

@@ -7,7 +7,9 @@ read what is done: a batch of 100,000 costs the manager its body and a window of
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import sys
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -29,6 +31,7 @@ log = logging.getLogger("rollout_manager.rollout.batch")
 
 # NDJSON handed to the caller's connection at a time: aiohttp waits for the socket to drain at this much.
 NDJSON_PIECE_BYTES = 64 * 1024
+_ANSWERED = object()  # a task whose answer was handed over (``_BatchRun._done`` has nothing to add)
 L = TypeVar("L")
 
 
@@ -73,25 +76,50 @@ class _BatchRun(Generic[L]):
         self.encode, self.size, self.max_unsent, self.piece = encode, size, max_unsent, piece
         self.ready: deque[tuple[L, int]] = deque()  # finished, not yet handed over: (line, its size)
         self.unsent = 0  # bytes in ``ready``
-        self.tasks: set[asyncio.Task[None]] = set()
+        # Each running request's task (the generator's own coroutine, no wrapper) and its id.
+        self.tasks: dict[asyncio.Future[Any], Any] = {}
         self.wake = asyncio.Event()
         self.accepted = self.dispatcher.clock()  # the no-instance wait of requests started later counts from here
+        # The batch's context: when it was accepted (the no-instance wait counts from there), the same for
+        # every request; its tasks and their done callbacks run in it (no copy per task or callback: nothing
+        # the rollout flow runs sets a context variable; before Python 3.11 each task runs in a copy).
+        self.context = contextvars.copy_context()
+        self.context.run(accepted_at.set, self.accepted)
+        self._answered_callback, self._done_callback = self._answered, self._done  # one of each for every task
 
-    async def _one(self, rid: Any, request: Request) -> None:
-        accepted_at.set(self.accepted)  # this task's context only
-        me = asyncio.current_task()
+    def _run(self, rid: Any, request: Request) -> None:
+        """Start one request as a task of its own coroutine (no wrapper's frame per request): a sequence's
+        answer is handed to :meth:`_answered` in the step that builds it, anything else to :meth:`_done`."""
         try:
             # An id past the vocabulary (it crashes SGLang) fails its own line, before it is placed.
             self.generator.vocab.check(request.input_ids)
-            line = BatchLine(rid, True, await self.generator.generate(request))
-        except ManagerError as exc:
-            line = BatchLine.failed(rid, exc.status, str(exc))
-        except Exception as exc:  # never lose an id, whatever happened
-            log.exception("request %r failed unexpectedly", rid)
-            line = BatchLine.failed(rid, 500, f"internal error: {exc}")
-        finally:  # here, not a done callback per task; a task cancelled before it ran is dropped by results()
-            self.tasks.discard(me)
-        self._answer(rid, line)
+            run = self.generator.generate(request, answer=self._answered_callback)
+        except Exception as exc:
+            self._answer(rid, _failure(rid, exc))
+            return
+        if sys.version_info >= (3, 11):  # the batch's context itself: no copy per task
+            task = asyncio.get_running_loop().create_task(run, context=self.context)
+        else:
+            task = self.context.run(asyncio.ensure_future, run)  # a copy of it
+        self.tasks[task] = rid
+        task.add_done_callback(self._done_callback, context=self.context)
+
+    def _answered(self, data: Answer) -> None:
+        """A request's answer, encoded at once: answers that come in one loop turn are never all waiting
+        as Python objects for their tasks' done callbacks (the next turn)."""
+        task = asyncio.current_task()
+        assert task is not None
+        rid = self.tasks.pop(task)
+        self._answer(rid, BatchLine(rid, True, data))
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
+        """A request's task ended: its line, unless :meth:`_answered` gave it (one sequence's answer) or
+        :meth:`results` cancelled the task."""
+        rid = self.tasks.pop(task, _ANSWERED)
+        if rid is _ANSWERED or task.cancelled():
+            return
+        exc = task.exception()
+        self._answer(rid, BatchLine(rid, True, task.result()) if exc is None else _failure(rid, exc))
 
     def _answer(self, rid: Any, line: BatchLine) -> None:
         try:
@@ -111,8 +139,7 @@ class _BatchRun(Generic[L]):
         while self.pending and room > 0:
             rid, request = self.pending.popleft()
             self.dispatcher.held_by_batches -= 1
-            task = asyncio.ensure_future(self._one(rid, request))
-            self.tasks.add(task)
+            self._run(rid, request)
             room -= 1
 
     def _take(self) -> list[L]:
@@ -177,6 +204,14 @@ async def run_batch_ndjson(generator: Generator, items: list[tuple[Any, Request]
             yield b"".join(lines)
     finally:
         await results.aclose()
+
+
+def _failure(rid: Any, exc: BaseException) -> BatchLine:
+    """The line of a request that failed: its status for the manager's errors, 500 for anything else."""
+    if isinstance(exc, ManagerError):
+        return BatchLine.failed(rid, exc.status, str(exc))
+    log.error("request %r failed unexpectedly", rid, exc_info=exc)  # never lose an id, whatever happened
+    return BatchLine.failed(rid, 500, f"internal error: {exc}")
 
 
 def _same(line: BatchLine) -> BatchLine:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from rollout_manager.errors import ManagerError, Unavailable
@@ -138,14 +138,15 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    def generate(self, request: Request) -> Awaitable[Answer | list[Answer]]:
-        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await.
-
-        The sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits
-        in. The awaiting task is registered for the shutdown grace (:meth:`stop`) inside it."""
+    def generate(self, request: Request, answer: Callable[[Answer], None] | None = None
+                 ) -> Coroutine[Any, Any, Answer | list[Answer] | None]:
+        """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await. The
+        sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits in. The
+        awaiting task is registered for the shutdown grace (:meth:`stop`) inside it. ``answer``: one
+        sequence's answer is handed to it in the step that builds it, and None returned (see ``batch.py``)."""
         self.begin_rollout()
         if not request.batched:  # the common case, straight to its one sequence
-            return self.run_sequence(request.sequences[0], guarded=True)
+            return self.run_sequence(request.sequences[0], guarded=True, answer=answer)
         return self._generate_batch(request.sequences)
 
     async def _generate_batch(self, items: list[SequenceRequest]) -> list[Answer]:
@@ -190,9 +191,8 @@ class Generator:
 
         async def one(i: int) -> None:
             try:
-                final = await self.run_sequence(items[i], i if batched else None,
-                                                on_tokens=lambda seq: queue.put_nowait((i, seq)))
-                queue.put_nowait((i, final))
+                await self.run_sequence(items[i], i if batched else None, on_tokens=lambda s: queue.put_nowait((i, s)),
+                                        answer=lambda out: queue.put_nowait((i, out)))
             except GenerationFailed as exc:
                 queue.put_nowait((i, exc))
 
@@ -230,7 +230,7 @@ class Generator:
 
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None,
-                           guarded: bool = False) -> Answer:
+                           guarded: bool = False, answer: Callable[[Answer], None] | None = None) -> Answer | None:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
         One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
@@ -319,6 +319,9 @@ class Generator:
         out = final_answer(seq, index, latency)
         for listener in self.finished_listeners:
             listener(latency, len(seq.output_ids), True)
+        if answer is not None:  # handed over now (see generate)
+            answer(out)
+            return None
         return out
 
     def _current_version(self) -> str:

@@ -38,6 +38,7 @@ IDLE_TIMEOUT_S = 2.0  # an idle connection is closed after this; uvicorn (SGLang
 MAX_IDLE_PER_INSTANCE = 32  # idle connections kept per instance; more are closed
 DRAIN_S = 1.0  # how long a connection waits for the end of an answer whose last frame was read already
 READ_HIGH_WATER = 64 * 1024  # unread body bytes at which the connection stops reading from the socket
+_NO_BODY: list[bytes] = []  # shared by every connection with nothing unread: never appended to
 UNREAD_GRACE_S = 0.05  # how often an overdue deadline looks again while the reader has unread bytes
 
 
@@ -90,7 +91,7 @@ class Connection(asyncio.Protocol):
         self.limits: LocalLimits | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
-        self.body: list[bytes] = []
+        self.body: list[bytes] = _NO_BODY  # received, not read yet (a list only while there is some)
         self.buffered = 0
         self.paused = False
         self.status = 0  # of the answer, once its head is complete
@@ -153,7 +154,7 @@ class Connection(asyncio.Protocol):
         body = self.body
         if body:
             data = body[0] if len(body) == 1 else b"".join(body)
-            body.clear()
+            self.body = _NO_BODY
             self.buffered = 0
             if self.paused and self.transport is not None:
                 self.paused = False
@@ -344,7 +345,10 @@ class Connection(asyncio.Protocol):
         if self.state != _BUSY:  # bytes after the last frame, beyond the end of the stream
             self.close()
             return
-        self.body.append(body)
+        if self.body is _NO_BODY:
+            self.body = [body]
+        else:
+            self.body.append(body)
         self.buffered += len(body)
         if self.buffered >= READ_HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
@@ -392,6 +396,7 @@ class Relay:
         first_s = bounds.stall_timeout_s if bounds.first_byte_timeout_s is None else bounds.first_byte_timeout_s
         deadline = Deadline(first_s, bounds.stall_timeout_s, bounds.activity)
         request = _request_head(start, bounds.headers, len(data)) + data
+        del data  # orjson's output sits in a 4 KiB buffer whatever its length: not kept while connecting
         loop, attempt, fresh_only = deadline.loop, 0, False
         while True:
             conn = None if fresh_only else self._take(key)
