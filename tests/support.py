@@ -48,7 +48,11 @@ class Proc:
             os.kill(self.popen.pid, sig)
 
     def wait(self, timeout: float) -> int:
-        return self.popen.wait(timeout)
+        """Its exit status; a test failure with the end of its log if it is still running after ``timeout``."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout:g}s; its log ends:\n{self.log()[-3000:]}") from None
 
     def stop(self) -> None:
         if self.popen.poll() is None:
