@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -40,6 +40,7 @@ DRAIN_S = 1.0  # how long a connection waits for the end of an answer whose last
 READ_HIGH_WATER = 64 * 1024  # unread body bytes at which the connection stops reading from the socket
 _NO_BODY: list[bytes] = []  # shared by every connection with nothing unread: never appended to
 UNREAD_GRACE_S = 0.05  # how often an overdue deadline looks again while the reader has unread bytes
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -392,9 +393,12 @@ class Relay:
             clock = self._clock = DeadlineClock(loop)
         return clock
 
-    async def open(self, base_url: str, data: bytes, bounds: CallBounds) -> Connection:
-        """POST ``data`` to ``base_url``'s ``/generate`` and return the connection once the answer's
-        status and headers came; the caller reads the body and then releases the connection."""
+    async def open(self, base_url: str, data: bytes, bounds: CallBounds,
+                   then: Callable[[Connection, CallBounds], Awaitable[T]]) -> T:
+        """POST ``data`` to ``base_url``'s ``/generate``; once the answer's status and headers came, what
+        ``then`` makes of the connection (the connection is released if it raises). The caller reads the
+        body and then releases the connection. ``then``, not a caller's coroutine awaiting this one: a
+        frame less for each of the thousands of calls that may wait for their heads at once."""
         limits = bounds.limits or _DEFAULT_LIMITS
         limits.loop.ensure_started()
         key, start = self._key(base_url)
@@ -409,7 +413,7 @@ class Relay:
                 conn = Connection(self, key, loop)
             try:
                 await conn.exchange(request, deadline, limits, bounds.connect_timeout_s)
-                return conn
+                break
             except _Stale:
                 fresh_only = True  # the server closed it while idle: once more, on a fresh connection
             except _Local as local:
@@ -423,6 +427,12 @@ class Relay:
                 conn.close()
                 raise
             conn.close()
+        del request
+        try:
+            return await then(conn, bounds)
+        except BaseException:
+            conn.release()
+            raise
 
     def close(self) -> None:
         """Close every idle connection; those in use close when released."""
