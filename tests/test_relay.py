@@ -349,3 +349,33 @@ async def test_a_call_waiting_for_its_answer_keeps_no_copy_of_the_encoded_body()
         answer.set()
         assert await asyncio.gather(*calls) == [[[7]]] * 50
     assert held < 50 * 1024, f"{held} bytes of encoded bodies held by 50 waiting calls"
+
+
+async def test_calls_waiting_for_their_heads_hold_no_closures_and_no_frame_of_open_stream() -> None:
+    """What lives only while thousands of calls connect and wait for their heads is left as holes in
+    Python's allocator once they stream: a call waiting for its head holds no closure of the relay's and
+    no coroutine of ``open_stream`` or of a wait of its own, and none keeps its request once it was sent."""
+    import types
+
+    answer = asyncio.Event()
+
+    async def late(n: int, i: int, body: bytes, writer: asyncio.StreamWriter) -> None:
+        await answer.wait()
+        writer.write(STREAM)
+        await writer.drain()
+
+    async with relayed(late) as (engine, session, relay):
+        calls = [asyncio.ensure_future(ids(session, engine.url)) for _ in range(20)]
+        await poll(lambda: len(engine.heads) == 20)  # every request sent, no answer yet
+        gc.collect()
+        live = gc.get_objects()
+        closures = [o for o in live if isinstance(o, types.FunctionType) and o.__code__.co_filename == rl.__file__
+                    and "<" in o.__qualname__]  # lambdas and nested functions, not the module's own
+        frames = [o.cr_code.co_name for o in live if isinstance(o, types.CoroutineType)]
+        conns = [o for o in live if isinstance(o, rl.Connection) and o.relay is relay]
+        assert closures == []
+        assert frames.count("open_stream") == 0 and frames.count("_wait") == 0
+        assert sum(o.cr_code is rl.Relay.open.__code__ for o in live if isinstance(o, types.CoroutineType)) == 20
+        assert len(conns) == 20 and all(c.request is None for c in conns)
+        answer.set()
+        assert await asyncio.gather(*calls) == [[[7]]] * 20

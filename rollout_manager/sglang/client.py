@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,12 +215,12 @@ class ChunkStream:
         self.conn.release(self.decoder.done)
 
 
-async def open_stream(
+def open_stream(
     session: aiohttp.ClientSession,
     base_url: str,
     body: SequenceBody,
     bounds: CallBounds,
-) -> ChunkStream:
+) -> Coroutine[Any, Any, ChunkStream]:
     """POST a streaming ``/generate``; its chunks are read with :meth:`ChunkStream.next`, and the stream
     must be closed (:meth:`ChunkStream.close`). A stream must end with ``[DONE]``.
 
@@ -231,16 +231,21 @@ async def open_stream(
     exceed ``max_frame_bytes`` (see :class:`~.deadline.Deadline`). Long generations are fine while a hung
     or babbling engine is cut off with bounded memory. When the manager itself cannot connect (its own
     descriptor or memory limits), nothing was sent: the request waits and tries again, and the
-    instance is not blamed.
+    instance is not blamed. The relay's own coroutine, to await (the body is encoded at once): no frame
+    of this function's while thousands of calls wait for their heads.
     """
-    conn = await relay_for(session).open(base_url, encode(body), bounds)
-    try:
-        await _raise_for_status(conn)
-    except BaseException:
-        conn.release()
-        raise
+    return relay_for(session).open(base_url, encode(body), bounds, _stream_of)
+
+
+async def _stream_of(conn: Connection, bounds: CallBounds) -> ChunkStream:
+    await _raise_for_status(conn)
     # One sequence per stream: cumulative chunks parse their news only.
     return ChunkStream(conn, ChunkDecoder(max_frame=bounds.max_frame_bytes))
+
+
+async def _checked(conn: Connection, _bounds: CallBounds) -> Connection:
+    await _raise_for_status(conn)
+    return conn
 
 
 async def stream_generate(
@@ -309,9 +314,8 @@ async def _answer(session: aiohttp.ClientSession, base_url: str, body: SequenceB
                   bounds: CallBounds,
                   max_bytes: int | None) -> bytes:
     """The whole body of a non-streaming ``/generate`` answer, at most ``max_bytes``."""
-    conn = await relay_for(session).open(base_url, encode(body), bounds)
+    conn = await relay_for(session).open(base_url, encode(body), bounds, _checked)
     try:
-        await _raise_for_status(conn)
         if max_bytes is not None and (conn.length or 0) > max_bytes:
             raise EngineFailed(f"an answer of {conn.length} bytes, over the bound of {max_bytes} "
                                f"(engine_max_frame_mb)")
