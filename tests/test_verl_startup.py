@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import Box, free_port
+from support import Box, async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
@@ -167,10 +167,20 @@ async def greedy(m: Any, n: int = 8) -> dict[str, Any]:
 
 
 async def serves(m: Any, version: int, policy: torch.nn.Module) -> None:
-    """Every instance is active at ``version`` and generates with ``policy``'s weights."""
+    """Every instance is active at ``version`` and generates with ``policy``'s weights.
+
+    The plugin's push returns once the boxes hold the version staged (``weight_push_wait_until`` "staged");
+    a box then activates it at its next safe point, and a request sent before that crosses the activation.
+    So the version must be served (``weight_versions.active``) before the tokens are compared."""
     st = await m.status()
     assert st["weight_version"] == version
     assert [(i["state"], i["weight_version"]) for i in st["instances"]] == [("active", version)], st["instances"]
+
+    async def served() -> bool:
+        return all(i["weight_versions"]["active"] == version and i["weight_versions"]["activating"] is None
+                   for i in (await m.status())["instances"])
+
+    await async_wait_until(served, timeout_s=30, message=f"every instance serving version {version}")
     out = await greedy(m)
     assert out["output_ids"] == reference_generate(policy, PROMPT, 8)[0]
     assert out["meta_info"]["weight_version"] == str(version)
