@@ -325,17 +325,24 @@ async def test_the_request_carries_the_base_urls_path_host_and_headers() -> None
                                 + str(len(encode(ONE))).encode() + b"\r\n\r\n"]
 
 
-async def test_a_call_waiting_for_its_answer_keeps_no_copy_of_the_encoded_body() -> None:
-    """orjson's output sits in a 4 KiB buffer whatever its length: 50 calls waiting for their answers'
-    heads keep only the request they sent (head and body, exact size), not the encoded body beside it."""
-    import tracemalloc
-
+def answered_when_set() -> tuple[asyncio.Event, Callable[..., Awaitable[None]]]:
+    """An engine handler that answers every call with STREAM only once the event is set."""
     answer = asyncio.Event()
 
     async def late(n: int, i: int, body: bytes, writer: asyncio.StreamWriter) -> None:
         await answer.wait()
         writer.write(STREAM)
         await writer.drain()
+
+    return answer, late
+
+
+async def test_a_call_waiting_for_its_answer_keeps_no_copy_of_the_encoded_body() -> None:
+    """orjson's output sits in a 4 KiB buffer whatever its length: 50 calls waiting for their answers'
+    heads keep only the request they sent (head and body, exact size), not the encoded body beside it."""
+    import tracemalloc
+
+    answer, late = answered_when_set()
 
     async with relayed(late) as (engine, session, _):
         tracemalloc.start(16)
@@ -357,12 +364,7 @@ async def test_calls_waiting_for_their_heads_hold_no_closures_and_no_frame_of_op
     no coroutine of ``open_stream`` or of a wait of its own, and none keeps its request once it was sent."""
     import types
 
-    answer = asyncio.Event()
-
-    async def late(n: int, i: int, body: bytes, writer: asyncio.StreamWriter) -> None:
-        await answer.wait()
-        writer.write(STREAM)
-        await writer.drain()
+    answer, late = answered_when_set()
 
     async with relayed(late) as (engine, session, relay):
         calls = [asyncio.ensure_future(ids(session, engine.url)) for _ in range(20)]
