@@ -187,6 +187,13 @@ class StateCollector(Collector):
         yield CounterMetricFamily(PREFIX + "streamed_tokens",
                                   "Tokens relayed from instances as they stream, finished or not; a live "
                                   "tokens/s is rate() of this.", value=m.dispatcher.streamed_tokens)
+        yield CounterMetricFamily(PREFIX + "event_loop_blocked_seconds",
+                                  "Seconds the manager's event loop was blocked by its own work (a 250 ms "
+                                  "timer's lateness, from 50 ms): nothing else ran, and timeouts in that time "
+                                  "blame no instance.",
+                                  value=m.limits.loop.total_s)
+        yield GaugeMetricFamily(PREFIX + "event_loop_longest_block_seconds",
+                                "The longest such block since the manager started.", value=m.limits.loop.longest_s)
         yield CounterMetricFamily(PREFIX + "local_limit_events",
                                   "Connection attempts that hit the manager's own limits (EMFILE, ENFILE, "
                                   "ENOBUFS, ENOMEM).", value=m.limits.events)

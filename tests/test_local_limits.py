@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -143,6 +144,28 @@ async def test_a_blocked_event_loop_is_measured_and_its_timeouts_are_the_manager
     await asyncio.sleep(0.6)  # the measured interval itself, on a responsive loop
     assert limits.loop.blocked_s(started) < 0.1
     assert not limits.timed_out_locally(started, 0.5)
+    # The block is kept for status and metrics once the watch ran again (one block so far).
+    shown = limits.to_dict()
+    assert 0.6 - LoopWatch.TICK_S - 0.05 <= shown["event_loop_longest_block_s"] <= shown["event_loop_blocked_s"] < 1.0
+
+
+async def test_a_long_block_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """Operators see the manager's own stalls: a block of a second or more is logged, the next one
+    within LOG_EVERY_S only counted."""
+    watch = LoopWatch()
+    watch.WARN_LAG_S = 0.2  # shorter than the default second, to keep the test short
+    watch.ensure_started()
+    await asyncio.sleep(0)  # the watch's first tick is due
+    with caplog.at_level(logging.WARNING, logger="rollout_manager.local_limits"):
+        for _ in range(2):
+            time.sleep(watch.WARN_LAG_S + 2 * LoopWatch.TICK_S)  # late by at least WARN_LAG_S + TICK_S
+            due = watch.total_s
+            deadline = asyncio.get_running_loop().time() + 5
+            while watch.total_s == due and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+    warnings = [r.getMessage() for r in caplog.records if "event loop was blocked" in r.getMessage()]
+    assert len(warnings) == 1 and watch.longest_s >= watch.WARN_LAG_S
+    assert watch.total_s >= 2 * watch.WARN_LAG_S
 
 
 async def test_a_connect_timed_out_by_a_blocked_loop_is_retried_and_not_blamed() -> None:

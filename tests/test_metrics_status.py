@@ -134,6 +134,10 @@ async def test_metrics_show_instances_generation_latency_versions_and_pushes(rig
     assert value(s, "rollout_manager_streamed_tokens_total") == tokens
     st = await m.status()
     assert st["generation"]["streamed_tokens"] == tokens and st["requests_waiting_for_instance"] == 0
+    # the manager's own stalls (none need have happened; each longest block is part of the total)
+    blocked, longest = (value(s, "rollout_manager_event_loop_blocked_seconds_total"),
+                        value(s, "rollout_manager_event_loop_longest_block_seconds"))
+    assert blocked >= longest >= 0 and st["manager"]["event_loop_blocked_s"] >= blocked - 0.001
 
     await push_version(m, sender, 1)
     ctype, s = await scrape(m)

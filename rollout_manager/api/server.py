@@ -68,6 +68,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     guard.start()
+    manager.sglang.limits.loop.ensure_started()  # measured from the start, for status and metrics
     log.info("rollout-manager listening on http://%s", bound)
     log.info("callers' connections: at most %d open (max_client_connections), %d idle per client address; "
              "idle closed after %gs, headers within %gs, bodies within %gs", limits.max_total,

@@ -44,11 +44,16 @@ class LoopWatch:
 
     TICK_S = 0.25
     MIN_LAG_S = 0.05  # lateness below this is scheduling noise, not a block
+    WARN_LAG_S = 1.0  # a block this long delays every caller and probe: logged, at most every LOG_EVERY_S
+    LOG_EVERY_S = 30.0
 
     def __init__(self) -> None:
         self._lags: deque[tuple[float, float]] = deque(maxlen=512)  # (when the block ended, its length)
         self._task: asyncio.Task[None] | None = None
         self._due: float | None = None
+        self.total_s = 0.0  # seconds blocked since started, over blocks of at least MIN_LAG_S
+        self.longest_s = 0.0
+        self._last_log: float | None = None
 
     def ensure_started(self) -> None:
         loop = asyncio.get_running_loop()
@@ -62,8 +67,18 @@ class LoopWatch:
             await asyncio.sleep(max(0.0, (self._due or 0.0) - loop.time()))
             now = loop.time()
             if self._due is not None and now - self._due >= self.MIN_LAG_S:
-                self._lags.append((now, now - self._due))
+                self._record(now, now - self._due)
             self._due = now + self.TICK_S
+
+    def _record(self, now: float, lag: float) -> None:
+        self._lags.append((now, lag))
+        self.total_s += lag
+        self.longest_s = max(self.longest_s, lag)
+        if lag >= self.WARN_LAG_S and (self._last_log is None or now - self._last_log >= self.LOG_EVERY_S):
+            self._last_log = now
+            log.warning("the manager's event loop was blocked for %.1fs by its own work (%.1fs in all since "
+                        "start): callers, probes and streams waited; timeouts in that time blame no instance",
+                        lag, self.total_s)
 
     def blocked_s(self, since: float) -> float:
         """Seconds the loop was blocked between ``since`` (``loop.time()``) and now, a block still
@@ -117,4 +132,5 @@ class LocalLimits:
 
     def to_dict(self) -> dict[str, object]:
         return {"waiting_for_connection": self.waiting, "local_limit_events": self.events,
-                "last_local_limit_error": self.last_error}
+                "last_local_limit_error": self.last_error, "event_loop_blocked_s": round(self.loop.total_s, 3),
+                "event_loop_longest_block_s": round(self.loop.longest_s, 3)}
