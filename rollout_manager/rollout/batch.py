@@ -22,7 +22,7 @@ from rollout_manager.errors import ManagerError
 from rollout_manager.rollout.answers import Answer
 from rollout_manager.rollout.dispatch import accepted_at
 from rollout_manager.rollout.request import Request
-from rollout_manager.rollout.window import LOOKAHEAD
+from rollout_manager.rollout.window import LOOKAHEAD, pacer
 
 if TYPE_CHECKING:
     from rollout_manager.rollout.generation import Generator
@@ -65,6 +65,9 @@ class _BatchRun(Generic[L]):
     sequences. New requests start only when the caller asks for more results, and not while the results
     not yet handed to it exceed ``max_unsent`` bytes: a caller that stops reading stops its batch (the
     requests already running finish, and their results wait), and one that reads slowly sets its pace.
+    Nor do they all start in one event-loop turn: at most what the loop's ``window.TurnPacer`` allows
+    (shared with every other batch), the rest on the following turns, so that their placements do not
+    block the loop in one go.
     """
 
     def __init__(self, generator: Generator, items: list[tuple[Any, Request]],
@@ -86,6 +89,7 @@ class _BatchRun(Generic[L]):
         self.context = contextvars.copy_context()
         self.context.run(accepted_at.set, self.accepted)
         self._answered_callback, self._done_callback = self._answered, self._done  # one of each for every task
+        self.ended = False  # the caller went or every id was answered: nothing more starts
 
     def _run(self, rid: Any, request: Request) -> None:
         """Start one request as a task of its own coroutine (no wrapper's frame per request): a sequence's
@@ -133,14 +137,20 @@ class _BatchRun(Generic[L]):
         self.wake.set()
 
     def _start(self) -> None:
-        if not self.pending or (self.max_unsent is not None and self.unsent > self.max_unsent):
+        """Start what the window has room for, at most what the loop's ``TurnPacer`` allows this turn;
+        the rest on the next turn (the pacer calls this again), or when a request ends or the caller reads."""
+        if self.ended or not self.pending or (self.max_unsent is not None and self.unsent > self.max_unsent):
             return
         room = self.dispatcher.capacity() + LOOKAHEAD - len(self.tasks)
-        while self.pending and room > 0:
+        paced = pacer()
+        allowed = min(room, paced.allowance())
+        started = 0
+        while self.pending and started < allowed:
             rid, request = self.pending.popleft()
             self.dispatcher.held_by_batches -= 1
             self._run(rid, request)
-            room -= 1
+            started += 1
+        paced.spent(started, self._start if self.pending and started < room else None)
 
     def _take(self) -> list[L]:
         """The next results to hand over: all that are ready, or about ``piece`` bytes of them."""
@@ -169,6 +179,7 @@ class _BatchRun(Generic[L]):
                 done += len(lines)
                 yield lines
         finally:
+            self.ended = True
             self.dispatcher.held_by_batches -= len(self.pending)
             self.pending.clear()
             tasks = list(self.tasks)
