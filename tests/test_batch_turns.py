@@ -6,6 +6,8 @@ seconds. Both ways of starting many at once are paced, together: ``/batch_genera
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -18,7 +20,7 @@ from rollout_manager.rollout.batch import BatchLine, run_batch
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.request import Request, decode
 from rollout_manager.rollout.scheduling import LeastInFlight
-from rollout_manager.rollout.window import START_PER_TURN
+from rollout_manager.rollout.window import START_PER_TURN, pacer
 
 N = 1000  # well above START_PER_TURN, and within the pool's room: only the pacing spreads the starts
 
@@ -186,3 +188,17 @@ async def test_batches_started_together_share_the_turns_and_take_them_in_turn() 
     assert second[0] < first[-1] - START_PER_TURN and first[0] < second[-1] - START_PER_TURN
     stub.release.set()
     await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+
+def test_a_loop_that_is_gone_leaves_no_pacer_behind() -> None:
+    loop = asyncio.new_event_loop()
+
+    async def use() -> None:
+        pacer().spent(1)
+
+    loop.run_until_complete(use())
+    loop.close()
+    ref = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert ref() is None  # and so its entry in _pacers is gone

@@ -44,8 +44,7 @@ class TurnPacer:
     check that its starter still runs: it may have ended before its turn came.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:  # no reference to its loop: the loop's entry in ``_pacers`` would never go
         self.left = START_PER_TURN
         self.armed = False  # the next turn's callback is scheduled
         self.held: dict[Callable[[], None], None] = {}  # starters held back, in order, each once
@@ -59,7 +58,7 @@ class TurnPacer:
             self.held[resume] = None
         if not self.armed and (started or self.held):
             self.armed = True
-            self.loop.call_soon(self._turn)
+            asyncio.get_running_loop().call_soon(self._turn)
 
     def _turn(self) -> None:
         self.armed = False
@@ -84,7 +83,7 @@ def pacer() -> TurnPacer:
     loop = asyncio.get_running_loop()
     found = _pacers.get(loop)
     if found is None:
-        found = _pacers[loop] = TurnPacer(loop)
+        found = _pacers[loop] = TurnPacer()
     return found
 
 
