@@ -38,10 +38,12 @@ class TurnPacer:
     """Shares :data:`START_PER_TURN` starts per event-loop turn among whatever starts many requests.
 
     A starter asks :meth:`allowance`, starts at most that many, and reports them with :meth:`spent`,
-    passing its ``resume`` callback if it had more to start: ``resume`` runs on the next turn, once the
-    tasks started in this one have taken their first step (the turn's callback is scheduled after them),
-    with I/O polled in between. Starters resume in the order they were held back. A ``resume`` must
-    check that its starter still runs: it may have ended before its turn came.
+    passing its ``resume`` callback if it had more to start: ``resume`` runs on the next turn, from a
+    callback scheduled after the turn's first starts, so those take their first step before it, with
+    I/O polled in between. A turn thus runs about this many first steps (twice at worst, when starts
+    come on both sides of that callback). Starters resume in the order they were held back, one that
+    got none before one that got some. A ``resume`` must check that its starter still runs: it may
+    have ended before its turn came.
     """
 
     def __init__(self) -> None:  # no reference to its loop: the loop's entry in ``_pacers`` would never go
