@@ -171,11 +171,19 @@ def overloaded(preferred: InstanceLoad, candidates: Sequence[InstanceLoad], toke
     if isinstance(policy, ThroughputAware) and policy.is_full(preferred, tokens):
         return True
     mine = _finish_s(preferred, tokens)
-    others = [_finish_s(c, tokens) for c in candidates]
-    measured = [t for t in others if math.isfinite(t)]
-    if math.isfinite(mine) and measured:
-        return mine > max_slowdown * min(measured)
-    fewest = min((c.in_flight_requests for c in candidates), default=preferred.in_flight_requests)
+    # One pass over the candidates (every placement with a preference runs this over the whole pool).
+    best = math.inf  # the best measured finish
+    fewest = preferred.in_flight_requests if not candidates else candidates[0].in_flight_requests
+    for c in candidates:
+        rate = c.token_rate
+        if rate is not None and rate > 0:
+            finish = (c.in_flight_tokens + tokens) / rate
+            if finish < best:
+                best = finish
+        if c.in_flight_requests < fewest:
+            fewest = c.in_flight_requests
+    if math.isfinite(mine) and math.isfinite(best):
+        return mine > max_slowdown * best
     return preferred.in_flight_requests + 1 > max_slowdown * (fewest + 1)
 
 
