@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import PY, ROOT, OnLoopback, Proc, alive, descendants, free_port, wait_http_ok_sync, wait_until
+from support import PY, ROOT, OnLoopback, Proc, alive, descendants, free_port, quiet_port, wait_http_ok_sync, wait_until
 
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 LAUNCHER = ROOT / "scripts" / "launch_sglang.sh"
@@ -142,7 +142,7 @@ def _launch(model_dir: Path, manager_url: str, log_dir: Path, sglang_flags: tupl
             name: str, launcher_flags: tuple[str, ...], taken: set[int]) -> RealBox:
     ports = []
     while len(ports) < 2:
-        port = free_port()
+        port = quiet_port()  # SGLang binds it only once the model is loaded: out of the kernel's ephemeral range
         if port not in taken:
             taken.add(port)
             ports.append(port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from rollout_manager import jsonutil
-from rollout_manager.osutil import free_port
+from rollout_manager.osutil import free_port, port_is_bindable
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -205,3 +206,24 @@ def as_json(value: Any) -> Any:
     """What a caller gets for ``value`` (an answer, a list of them, a batch line): encoded as the manager
     sends it, and decoded."""
     return jsonutil.loads(jsonutil.dumps(value))
+
+
+_quiet_taken: set[int] = set()
+
+
+def quiet_port(host: str = "127.0.0.1") -> int:
+    """A free port below the kernel's ephemeral range, for a server that binds late (real SGLang binds its
+    port only after loading the model, many seconds after the test picked it). A port from
+    :func:`free_port` is the kernel's next ephemeral one, which any outgoing connection or Ray worker
+    started meanwhile may take first; ports below the range are never handed out by the kernel."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(1000):
+        port = rng.randrange(max(low - 12288, 1024), low)
+        if port not in _quiet_taken and port_is_bindable(host, port):
+            _quiet_taken.add(port)
+            return port
+    return free_port(host)

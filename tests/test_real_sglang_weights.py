@@ -21,7 +21,7 @@ import pytest
 import torch
 from real_sglang import CPU_FLAGS, SGLANG_ENV, SGLANG_PY, START_TIMEOUT_S, make_tiny_model, require_sglang_venv
 from safetensors.torch import load_file
-from support import Proc, async_wait_until, free_port, wait_until
+from support import Proc, async_wait_until, quiet_port, wait_until
 
 from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.sglang.auth import SGLangAuth
@@ -83,7 +83,8 @@ class Server:
 @pytest.fixture(scope="module")
 def sglang(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model = make_tiny_model(tmp_path_factory.getbasetemp() / "real_sglang_model")
-    server = Server(model, tmp_path_factory.mktemp("sglang_weights"), free_port())
+    # SGLang binds its port late (after loading the model): one out of the kernel's ephemeral range
+    server = Server(model, tmp_path_factory.mktemp("sglang_weights"), quiet_port())
     try:
         server.start()
         yield server
