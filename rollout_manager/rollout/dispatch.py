@@ -160,7 +160,10 @@ class Dispatcher:
 
     def capacity(self) -> int:
         """Sequences the active pool can run at once: the instances' bounds, within the overall one."""
-        return min(sum(self.bound_of(i) for i in self.registry.in_state(State.ACTIVE)), self.max_in_flight_total)
+        # the registry's kept active tuple (a batch asks on every turn it starts requests in), not a new list
+        active = State.ACTIVE
+        return min(sum(self.bound_of(i) for i in self.registry.active() if i.state is active),
+                   self.max_in_flight_total)
 
     def admission_status(self) -> dict[str, int]:
         """The bounds and who waits on them (status page, ``/get_instances_status``)."""
