@@ -139,14 +139,10 @@ class RealBox(OnLoopback):
 
 
 def _launch(model_dir: Path, manager_url: str, log_dir: Path, sglang_flags: tuple[str, ...], deterministic: bool,
-            name: str, launcher_flags: tuple[str, ...], taken: set[int]) -> RealBox:
-    ports = []
-    while len(ports) < 2:
-        port = quiet_port()  # SGLang binds it only once the model is loaded: out of the kernel's ephemeral range
-        if port not in taken:
-            taken.add(port)
-            ports.append(port)
-    port, agent_port = ports
+            name: str, launcher_flags: tuple[str, ...]) -> RealBox:
+    # SGLang binds its port only once the model is loaded: out of the kernel's ephemeral range, and never
+    # one handed to another box of this run (quiet_port remembers what it gave)
+    port, agent_port = quiet_port(), quiet_port()
     args = ["bash", str(LAUNCHER), "--engine", "sglang", "--model-path", str(model_dir), "--manager-addr", manager_url,
             "--host", "127.0.0.1", "--port", str(port), "--transfer-agent-handshake-port", str(agent_port),
             "--python", str(SGLANG_PY), "--ready-timeout-s", str(int(START_TIMEOUT_S)), "--drain-timeout-s", "5",
@@ -159,12 +155,10 @@ def start_boxes(model_dir: Path, manager_url: str, log_dir: Path, names: list[st
                 deterministic: bool = False, launcher_flags: tuple[str, ...] = ()) -> list[RealBox]:
     """Several boxes started at once (their starts overlap); returns once the manager reports all active."""
     require_sglang_venv()
-    taken: set[int] = set()
     boxes: list[RealBox] = []
     try:
         for name in names:
-            boxes.append(_launch(model_dir, manager_url, log_dir, sglang_flags, deterministic, name, launcher_flags,
-                                 taken))
+            boxes.append(_launch(model_dir, manager_url, log_dir, sglang_flags, deterministic, name, launcher_flags))
         for box in boxes:
             wait_until(lambda box=box: _active(box), START_TIMEOUT_S, interval_s=0.5,
                        message=lambda box=box: f"{box.endpoint} active in the manager; launcher log:\n"
