@@ -24,7 +24,7 @@ from rollout_manager.cpu_engine.encode import logprob_entry, output_chunk
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.model import (
     COMPUTE_THREADS,
-    SamplingParams,
+    EngineSampling,
     TinyCausalLM,
     build_model,
     choose_token,
@@ -33,8 +33,8 @@ from rollout_manager.cpu_engine.model import (
 )
 from rollout_manager.cpu_engine.request import (
     _SCHEDULER_INPUT_MARGIN,
-    BadRequest,
-    GenerateRequest,
+    EngineRequest,
+    RequestRefused,
     SequenceSpec,
     parse_generate_body,
 )
@@ -68,7 +68,7 @@ class EngineConfig:
 # ------------------------------------------------------------------ running state
 
 
-class Group:
+class CallGroup:
     """The sequences of one /generate call; ``changed`` wakes its HTTP handler."""
 
     def __init__(self, stream: bool):
@@ -82,7 +82,7 @@ class Group:
 
 
 class Sequence:
-    def __init__(self, spec: SequenceSpec, group: Group, *, internal: bool = False):
+    def __init__(self, spec: SequenceSpec, group: CallGroup, *, internal: bool = False):
         self.spec = spec
         self.rid = spec.rid
         self.group = group
@@ -186,15 +186,15 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    def parse(self, body: Any) -> GenerateRequest:
+    def parse(self, body: Any) -> EngineRequest:
         return parse_generate_body(body, vocab_size=self.model.config.vocab_size, context_len=self.context_len)
 
-    def submit(self, req: GenerateRequest, *, internal: bool = False) -> Group:
+    def submit(self, req: EngineRequest, *, internal: bool = False) -> CallGroup:
         active = {s.rid for s in self._all_live()}
         for spec in req.specs:
             if spec.rid in active:
-                raise BadRequest(f"rid {spec.rid!r} is already running")
-        group = Group(req.stream)
+                raise RequestRefused(f"rid {spec.rid!r} is already running")
+        group = CallGroup(req.stream)
         for spec in req.specs:
             seq = Sequence(spec, group, internal=internal)
             group.sequences.append(seq)
@@ -219,7 +219,7 @@ class Engine:
     def _all_live(self) -> list[Sequence]:
         return [s for s in list(self.running) + list(self.waiting) if s.finish is None]
 
-    def cancel_group(self, group: Group) -> None:
+    def cancel_group(self, group: CallGroup) -> None:
         """The client went away: drop its unfinished sequences."""
         for s in group.sequences:
             s.set_finish(wire.ABORT, message="client disconnected")
@@ -246,7 +246,7 @@ class Engine:
         continues). Either way nothing advances and new requests wait until continue. Returns once the
         decoding round in flight (if any) is done, so no token follows the answer."""
         if mode not in ("abort", "in_place", "retract"):
-            raise BadRequest("mode must be one of 'abort', 'retract', 'in_place'")
+            raise RequestRefused("mode must be one of 'abort', 'retract', 'in_place'")
         aborted = self.abort(abort_all=True, message="Abort by pause_generation") if mode == "abort" else 0
         self.paused, self.pause_mode = True, mode
         await self._idle.wait()
@@ -312,7 +312,7 @@ class Engine:
         return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
 
     def _compute_round(
-        self, work: list[tuple[list[int], SamplingParams, torch.Generator | None]]
+        self, work: list[tuple[list[int], EngineSampling, torch.Generator | None]]
     ) -> list[tuple[int, float]]:
         out = []
         for tokens, params, gen in work:

@@ -285,7 +285,7 @@ def build_model(seed: int = 0, size: str = "tiny", **cfg: Any) -> TinyCausalLM:
 
 
 @dataclass
-class SamplingParams:
+class EngineSampling:
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
@@ -300,7 +300,7 @@ class SamplingParams:
         return self.temperature <= 1e-6 or self.top_k == 1
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+def choose_token(logits: torch.Tensor, params: EngineSampling, generator: torch.Generator | None) -> tuple[int, float]:
     """Pick the next token; return it with the log-prob of the raw (temperature-free) logits."""
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.greedy:
@@ -321,7 +321,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token, float(logprobs[token].item())
 
 
-def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_token_id: int | None) -> int | None:
+def stop_reason(token: int, n_generated: int, params: EngineSampling, eos_token_id: int | None) -> int | None:
     """The matched stop token when ``token`` ends the sequence, else None."""
     if params.ignore_eos or n_generated < params.min_new_tokens:
         return None
@@ -338,7 +338,7 @@ def reference_generate(
     stop_token_ids: Sequence[int] = (),
 ) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probs, computed the same way the engine does (tests' oracle)."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
+    params = EngineSampling(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
     ids = list(input_ids)
     out: list[int] = []
     lps: list[float] = []

@@ -17,13 +17,13 @@ from aiohttp import web
 
 from rollout_manager.cpu_engine.contract import generate_contract_error
 from rollout_manager.cpu_engine.encode import metrics_text
-from rollout_manager.cpu_engine.engine import Engine, EngineConfig, Group
+from rollout_manager.cpu_engine.engine import CallGroup, Engine, EngineConfig
 from rollout_manager.cpu_engine.http_common import ENGINE_KEY, WEIGHT_SESSION_KEY, WeightSession
 from rollout_manager.cpu_engine.http_common import engine_of as _engine
 from rollout_manager.cpu_engine.http_common import error_response as _error
 from rollout_manager.cpu_engine.http_common import json_body as _json_body
-from rollout_manager.cpu_engine.model import SamplingParams
-from rollout_manager.cpu_engine.request import BadRequest, GenerateRequest, SequenceSpec
+from rollout_manager.cpu_engine.model import EngineSampling
+from rollout_manager.cpu_engine.request import EngineRequest, RequestRefused, SequenceSpec
 from rollout_manager.cpu_engine.weight_routes import (
     begin_weight_update,
     end_weight_update,
@@ -55,7 +55,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = _engine(request)
     try:
         body = await _json_body(request)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return _error(str(exc))
     violation = generate_contract_error(body)
     if violation is not None:
@@ -63,7 +63,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     stream = body.get("stream") is True
     try:
         req = engine.parse(body)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return await _refuse(request, str(exc), stream=stream)
     if engine.faults.should_fail_request():
         status = engine.faults.fail_status
@@ -73,10 +73,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await _run(request, engine, req)
 
 
-async def _run(request: web.Request, engine: Engine, req: GenerateRequest) -> web.StreamResponse:
+async def _run(request: web.Request, engine: Engine, req: EngineRequest) -> web.StreamResponse:
     try:
         group = engine.submit(req)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return await _refuse(request, str(exc), stream=req.stream)
     if req.stream:
         return await _stream(request, engine, group)
@@ -118,7 +118,7 @@ async def _refuse(request: web.Request, message: str, *, stream: bool) -> web.St
     return resp
 
 
-async def _stream(request: web.Request, engine: Engine, group: Group) -> web.StreamResponse:
+async def _stream(request: web.Request, engine: Engine, group: CallGroup) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -182,11 +182,11 @@ async def health_generate(request: web.Request) -> web.Response:
     spec = SequenceSpec(
         rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
         input_ids=[0],
-        params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        params=EngineSampling(max_new_tokens=1, temperature=0.0),
         return_logprob=False,
         index=None,
     )
-    group = engine.submit(GenerateRequest([spec], stream=False, batched=False), internal=True)
+    group = engine.submit(EngineRequest([spec], stream=False, batched=False), internal=True)
     try:
         await asyncio.wait_for(_wait_finished(group), engine.config.health_generate_timeout_s)
     except asyncio.TimeoutError:
@@ -199,7 +199,7 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(status=503, text="health generation was aborted")
 
 
-async def _wait_finished(group: Group) -> None:
+async def _wait_finished(group: CallGroup) -> None:
     while not group.finished:
         group.changed.clear()
         await group.changed.wait()
@@ -287,14 +287,14 @@ async def abort_request(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request, required=False)
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise RequestRefused("the body must be a JSON object")
         rid = body.get("rid") or None
         abort_all = body.get("abort_all", False)
         if rid is not None and not isinstance(rid, str):
-            raise BadRequest("rid must be a string")
+            raise RequestRefused("rid must be a string")
         if not isinstance(abort_all, bool):
-            raise BadRequest("abort_all must be a boolean")
-    except BadRequest as exc:
+            raise RequestRefused("abort_all must be a boolean")
+    except RequestRefused as exc:
         return _error(str(exc))
     engine.abort(rid, abort_all=abort_all)
     return web.Response(status=200)
@@ -306,7 +306,7 @@ async def pause_generation(request: web.Request) -> web.Response:
         body = await _json_body(request, required=False)
         mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
         await engine.pause(mode)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return _error(str(exc))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -338,9 +338,9 @@ async def set_faults(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request)
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise RequestRefused("the body must be a JSON object")
         engine.faults.update(body)
-    except (BadRequest, ValueError) as exc:
+    except (RequestRefused, ValueError) as exc:
         return _error(str(exc))
     engine.kick()  # a lifted stall resumes at once
     return web.json_response(engine.faults.snapshot())
