@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_manager.cpu_engine import routed_experts
 from rollout_manager.cpu_engine.model import EngineSampling
 from rollout_manager.sglang import wire
 
@@ -65,6 +66,8 @@ class SequenceSpec:
     return_logprob: bool
     index: int | None  # position in a batch, None for a single request
     stream_interval: int | None = None  # sampling_params.stream_interval (None: the server's)
+    return_routed_experts: bool = False  # the body's, the same for every item of a batch
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -160,6 +163,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Engi
             if isinstance(body.get(key), list):
                 raise RequestRefused(f"{key} must not be a list for a single (unbatched) request")
         parts = [body]
+    wants_experts, experts_start = routed_experts.requested(body)
     specs: list[SequenceSpec] = []
     seen: set[str] = set()
     for i, part in enumerate(parts):
@@ -197,6 +201,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Engi
         seen.add(rid)
         raw_params = part.get("sampling_params") or {}
         specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None,
-                                  stream_interval=raw_params.get("stream_interval")))
+                                  stream_interval=raw_params.get("stream_interval"),
+                                  return_routed_experts=wants_experts, routed_experts_start_len=experts_start))
     return EngineRequest(specs, stream, batched)
 

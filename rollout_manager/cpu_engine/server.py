@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout_manager.cpu_engine import routed_experts
 from rollout_manager.cpu_engine.contract import generate_contract_error
 from rollout_manager.cpu_engine.encode import metrics_text
 from rollout_manager.cpu_engine.engine import CallGroup, Engine, EngineConfig
@@ -49,7 +50,8 @@ VERSION = "cpu-engine-0.1"
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """SGLang's order: the schema contract (``400 {"error": "..."}``), then the tokenizer's checks
+    """SGLang's order: FastAPI's model of the body (here only its R3 fields), the schema contract
+    (``400 {"error": "..."}``), then the tokenizer's checks
     (for a stream an error frame inside a 200 stream, else ``400 {"error": {"message": ...}}``),
     then the scheduler's (an abort finish that carries a ``status_code``)."""
     engine = _engine(request)
@@ -57,6 +59,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
     except RequestRefused as exc:
         return _error(str(exc))
+    unreadable = routed_experts.field_error(body)
+    if unreadable is not None:
+        return web.json_response(unreadable, status=400)
     violation = generate_contract_error(body)
     if violation is not None:
         return web.json_response({"error": violation}, status=400)
@@ -224,6 +229,7 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
         "incremental_streaming_output": engine.config.incremental_streaming_output,
         "max_running_requests": engine.config.max_running_requests,
         "random_seed": engine.config.seed,
+        "enable_return_routed_experts": engine.config.enable_return_routed_experts,
         "model_config": cfg.to_dict(),
         "internal_states": [{"last_gen_throughput": float(engine.last_gen_throughput)}],
         # Engine-specific (SGLang 0.5.23 has no such counts in server_info): for debugging only.
