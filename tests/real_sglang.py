@@ -19,6 +19,12 @@ Stable API (other test modules build on it; change only by adding):
   starts overlap), the same otherwise.
 - Fixtures (registered in tests/conftest.py): ``real_sglang_model`` (session: the model dir) and
   ``real_sglang`` (module: ``RealSGLang(manager, box, model_dir)``, one manager and one box per test module).
+- ``make_tiny_moe(dest)``: the tiny Qwen3-MoE (``MOE_EXPERTS`` experts, ``MOE_TOP_K`` per token,
+  ``MOE_LAYERS`` layers; tests/real_sglang_model.py), written once per ``dest``.
+- ``start_sglang(model_dir, log_dir, *sglang_flags, name="sglang") -> SGLangServer``: real SGLang alone (no
+  launcher, no agent, no manager) on a free loopback port, returned once ``/health_generate`` answers 200;
+  this checkout's scripts/sglang_cpu/ first on its path, so its hook serves ``--enable-return-routed-experts``
+  (routed-expert capture) whichever copy the venv holds. ``.stop()`` kills its process group.
 
 Every process that imports SGLang gets ``SGLANG_USE_CPU_ENGINE=1`` (its CPU path) and ``OMP_NUM_THREADS=1``
 (with SGLang's ``--sleep-on-idle``: otherwise each idle server spins every core and two servers starve a
@@ -255,3 +261,53 @@ def real_sglang(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactor
     finally:
         env.box.stop()
         env.manager.stop()
+
+
+# ------------------------------------------------------------------ MoE and SGLang alone
+
+MOE_EXPERTS, MOE_TOP_K, MOE_LAYERS = 8, 2, 2  # tests/real_sglang_model.py's qwen3_moe
+HOOK_DIR = ROOT / "scripts" / "sglang_cpu"
+
+
+def make_tiny_moe(dest: Path) -> Path:
+    return make_tiny_model(dest, "qwen3_moe")
+
+
+@dataclass
+class SGLangServer(OnLoopback):
+    port: int
+    proc: Proc
+
+    def log(self) -> str:
+        return self.proc.log()
+
+    def stop(self) -> None:
+        self.proc.stop()  # SIGKILL to its process group: the scheduler and detokenizer too
+
+
+def start_sglang(model_dir: Path, log_dir: Path, *sglang_flags: str, name: str = "sglang") -> SGLangServer:
+    """Real SGLang alone on a quiet loopback port; returns once a generation went through."""
+    import urllib.request
+
+    require_sglang_venv()
+    port = quiet_port()
+    args = [str(SGLANG_PY), "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), *CPU_FLAGS, *sglang_flags]
+    path = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    server = SGLangServer(port, Proc(args, log_dir / f"{name}-{port}.log", env={**SGLANG_ENV, "PYTHONPATH": path}))
+
+    def ready() -> bool:
+        if server.proc.popen.poll() is not None:
+            raise AssertionError(f"SGLang exited with {server.proc.popen.returncode}:\n{server.log()[-6000:]}")
+        try:
+            with urllib.request.urlopen(server.url + "/health_generate", timeout=10) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_until(ready, START_TIMEOUT_S, interval_s=0.5, message=lambda: f"SGLang on {server.url}")
+    except BaseException:
+        server.stop()
+        raise
+    return server

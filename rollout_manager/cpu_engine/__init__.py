@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from rollout_manager.cpu_engine.engine import Engine, EngineConfig
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.model import (
+    EngineSampling,
     ModelConfig,
-    SamplingParams,
     TinyCausalLM,
     build_model,
     make_config,
@@ -21,7 +21,7 @@ from rollout_manager.cpu_engine.model import (
     state_dict_checksums,
     tensor_checksum,
 )
-from rollout_manager.cpu_engine.request import BadRequest, parse_generate_body
+from rollout_manager.cpu_engine.request import RequestRefused, parse_generate_body
 from rollout_manager.cpu_engine.server import create_app, run, serve
 
 
@@ -33,12 +33,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
 
 __all__ = [
-    "BadRequest",
     "Engine",
     "EngineConfig",
+    "EngineSampling",
     "Faults",
     "ModelConfig",
-    "SamplingParams",
+    "RequestRefused",
     "TinyCausalLM",
     "build_model",
     "create_app",

@@ -30,6 +30,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help='overrides of the model config, e.g. \'{"eos_token_id": 2, "max_position_embeddings": 512}\'',
     )
     p.add_argument("--eos-token-id", type=int, default=None, help="stop on this token unless ignore_eos")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="a MoE model: every layer routes each token through --num-experts-per-tok of N experts")
+    p.add_argument("--num-experts-per-tok", type=int, default=None, help="experts chosen per token (top-k; default 2)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="answer return_routed_experts with meta_info.routed_experts (needs --num-experts)")
     p.add_argument("--weight-version", default="0", help="initial weight_version reported in meta_info")
     p.add_argument(
         "--incremental-streaming-output",
@@ -73,10 +78,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--model-config must be a JSON object")
     if args.eos_token_id is not None:
         overrides["eos_token_id"] = args.eos_token_id
+    if args.num_experts is not None:
+        overrides["num_experts"] = args.num_experts
+    if args.num_experts_per_tok is not None:
+        overrides["num_experts_per_tok"] = args.num_experts_per_tok
     model_config = make_config(args.seed, args.model_size, **overrides)  # fail early on a bad config
     if args.context_length is not None and not 8 <= args.context_length <= model_config.max_position_embeddings:
         raise ValueError(f"--context-length must be in [8, {model_config.max_position_embeddings}] "
                          "(the model's max_position_embeddings)")
+    if args.enable_return_routed_experts and not model_config.num_experts:
+        raise ValueError("--enable-return-routed-experts needs a MoE model (--num-experts)")
     if args.stream_interval < 1:
         raise ValueError("--stream-interval must be at least 1")
     if args.tp_size < 1 or args.dp_size < 1:
@@ -107,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         sglang_version=str(args.sglang_version),
         tp_size=args.tp_size,
         dp_size=args.dp_size,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
 
 

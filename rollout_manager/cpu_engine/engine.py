@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
+from rollout_manager.cpu_engine import routed_experts
 from rollout_manager.cpu_engine.encode import logprob_entry, output_chunk
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.model import (
     COMPUTE_THREADS,
-    SamplingParams,
+    EngineSampling,
     TinyCausalLM,
     build_model,
     choose_token,
@@ -33,8 +34,8 @@ from rollout_manager.cpu_engine.model import (
 )
 from rollout_manager.cpu_engine.request import (
     _SCHEDULER_INPUT_MARGIN,
-    BadRequest,
-    GenerateRequest,
+    EngineRequest,
+    RequestRefused,
     SequenceSpec,
     parse_generate_body,
 )
@@ -63,12 +64,14 @@ class EngineConfig:
     sglang_version: str = "0.5.23"
     tp_size: int = 1
     dp_size: int = 1
+    # SGLang's --enable-return-routed-experts (needs a MoE model): answer return_routed_experts (R3).
+    enable_return_routed_experts: bool = False
 
 
 # ------------------------------------------------------------------ running state
 
 
-class Group:
+class CallGroup:
     """The sequences of one /generate call; ``changed`` wakes its HTTP handler."""
 
     def __init__(self, stream: bool):
@@ -82,7 +85,7 @@ class Group:
 
 
 class Sequence:
-    def __init__(self, spec: SequenceSpec, group: Group, *, internal: bool = False):
+    def __init__(self, spec: SequenceSpec, group: CallGroup, *, internal: bool = False):
         self.spec = spec
         self.rid = spec.rid
         self.group = group
@@ -93,6 +96,10 @@ class Sequence:
         self.finish: FinishReason | None = None
         self.created = time.monotonic()
         self.finished_at: float | None = None
+        # Routed experts (R3), when asked and captured: int32 rows [layers, top_k] for positions
+        # [routed_experts_start_len, routes_next), appended as the decoding rounds compute them.
+        self.routes: bytearray | None = None
+        self.routes_next = spec.routed_experts_start_len
         seed = spec.params.sampling_seed
         if seed is None and not spec.params.greedy:
             seed = random.getrandbits(63)
@@ -101,6 +108,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.spec.input_ids + self.output_ids
+
+    def forget_routes(self) -> None:
+        """Drop the captured experts: a retracted request is prefilled again, and SGLang captures anew."""
+        if self.routes is not None:
+            self.routes, self.routes_next = bytearray(), self.spec.routed_experts_start_len
 
     def set_finish(self, kind: str, **extra: Any) -> None:
         if self.finish is None:
@@ -134,6 +146,10 @@ class Engine:
         if config.context_length is not None and not 8 <= config.context_length <= positions:
             raise ValueError(f"context_length {config.context_length} is not in [8, {positions}] "
                              "(the model's max_position_embeddings)")
+        if config.enable_return_routed_experts and not self.model.config.num_experts:
+            raise ValueError("enable_return_routed_experts needs a MoE model (num_experts > 0)")
+        # bytes of one routed_experts row: [layers, top_k] int32
+        self.route_row_bytes = self.model.config.num_hidden_layers * self.model.config.num_experts_per_tok * 4
         self.weight_version = str(config.weight_version)
         self.paused = False
         self.pause_mode: str | None = None  # SGLang's PauseGenerationReqInput mode while paused
@@ -186,18 +202,22 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    def parse(self, body: Any) -> GenerateRequest:
+    def parse(self, body: Any) -> EngineRequest:
         return parse_generate_body(body, vocab_size=self.model.config.vocab_size, context_len=self.context_len)
 
-    def submit(self, req: GenerateRequest, *, internal: bool = False) -> Group:
+    def submit(self, req: EngineRequest, *, internal: bool = False) -> CallGroup:
         active = {s.rid for s in self._all_live()}
         for spec in req.specs:
             if spec.rid in active:
-                raise BadRequest(f"rid {spec.rid!r} is already running")
-        group = Group(req.stream)
+                raise RequestRefused(f"rid {spec.rid!r} is already running")
+        group = CallGroup(req.stream)
         for spec in req.specs:
             seq = Sequence(spec, group, internal=internal)
+            if spec.return_routed_experts and self.config.enable_return_routed_experts:
+                seq.routes = bytearray()
             group.sequences.append(seq)
+            experts_refusal = (routed_experts.start_error(spec.routed_experts_start_len, len(spec.input_ids))
+                               if spec.return_routed_experts else None)
             if len(spec.input_ids) >= self.max_req_input_len:
                 # Refused by the scheduler, not the HTTP layer: the request ends at once with an
                 # abort that carries the status (Req.set_finish_with_abort in SGLang).
@@ -207,7 +227,9 @@ class Engine:
                             f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.",
                     status_code=400, err_type="BadRequestError",
                 )
-            elif self.max_new_tokens(spec) == 0:
+            elif experts_refusal is not None:  # the scheduler's check, with or without capture
+                seq.set_finish(wire.ABORT, message=experts_refusal, status_code=400, err_type="BadRequestError")
+            elif self.max_new_tokens(spec) == 0 and seq.routes is None:  # else prefilled for the prompt's experts
                 seq.set_finish(wire.LENGTH, length=0)
             else:
                 self.waiting.append(seq)
@@ -219,7 +241,7 @@ class Engine:
     def _all_live(self) -> list[Sequence]:
         return [s for s in list(self.running) + list(self.waiting) if s.finish is None]
 
-    def cancel_group(self, group: Group) -> None:
+    def cancel_group(self, group: CallGroup) -> None:
         """The client went away: drop its unfinished sequences."""
         for s in group.sequences:
             s.set_finish(wire.ABORT, message="client disconnected")
@@ -246,12 +268,14 @@ class Engine:
         continues). Either way nothing advances and new requests wait until continue. Returns once the
         decoding round in flight (if any) is done, so no token follows the answer."""
         if mode not in ("abort", "in_place", "retract"):
-            raise BadRequest("mode must be one of 'abort', 'retract', 'in_place'")
+            raise RequestRefused("mode must be one of 'abort', 'retract', 'in_place'")
         aborted = self.abort(abort_all=True, message="Abort by pause_generation") if mode == "abort" else 0
         self.paused, self.pause_mode = True, mode
         await self._idle.wait()
         if mode == "retract":
             self._reap()
+            for s in self.running:
+                s.forget_routes()
             self.waiting.extendleft(reversed(self.running))
             self.running = []
         return aborted
@@ -312,11 +336,18 @@ class Engine:
         return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
 
     def _compute_round(
-        self, work: list[tuple[list[int], SamplingParams, torch.Generator | None]]
-    ) -> list[tuple[int, float]]:
+        self, work: list[tuple[list[int], EngineSampling, torch.Generator | None, int | None]]
+    ) -> list[tuple[int, float, bytes | None]]:
+        """Each sequence's next token and log-prob, and (when ``routes_from`` is set) the little-endian
+        int32 experts of its positions from ``routes_from`` on."""
         out = []
-        for tokens, params, gen in work:
-            out.append(choose_token(self.model.logits_last(tokens), params, gen))
+        for tokens, params, gen, routes_from in work:
+            logits, routes = self.model.logits_and_routes(tokens)
+            token, lp = choose_token(logits, params, gen)
+            rows = None
+            if routes_from is not None and routes is not None:
+                rows = routes[routes_from:].numpy().astype("<i4", copy=False).tobytes()
+            out.append((token, lp, rows))
         return out
 
     async def _loop(self) -> None:
@@ -344,7 +375,8 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            work = [(s.tokens, s.spec.params, s.generator) for s in batch]
+            work = [(s.tokens, s.spec.params, s.generator, None if s.routes is None else s.routes_next)
+                    for s in batch]
             t0 = time.perf_counter()
             self._idle.clear()
             try:
@@ -361,8 +393,15 @@ class Engine:
                 raise
             elapsed = time.perf_counter() - t0
             made = 0
-            for s, (token, lp) in zip(batch, results):
+            for s, (token, lp, rows) in zip(batch, results):
                 if s.finish is not None:  # aborted while the round ran
+                    continue
+                if rows is not None and s.routes is not None:
+                    s.routes += rows
+                    s.routes_next = len(s.tokens)
+                if self.max_new_tokens(s.spec) == 0:  # a prefill for the prompt's experts only
+                    s.set_finish(wire.LENGTH, length=0)
+                    s.group.changed.set()
                     continue
                 self._append(s, token, lp)
                 made += 1
@@ -439,6 +478,10 @@ class Engine:
         )
         if final:  # SGLang 0.5.23: which weight version made which output tokens, on the final output
             out["meta_info"]["weight_versions"] = self.version_spans(s)
+            size = self.route_row_bytes * routed_experts.expected_rows(
+                s.spec.routed_experts_start_len, len(s.spec.input_ids), upto)
+            if s.routes is not None and len(s.routes) >= size:  # a prefill alone also captured its last token
+                out["meta_info"][routed_experts.META_KEY] = routed_experts.encode(s.routes[:size])
         return out
 
     def version_spans(self, s: Sequence) -> list[dict[str, Any]]:

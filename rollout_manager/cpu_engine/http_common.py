@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from rollout_manager.cpu_engine.engine import Engine
-from rollout_manager.cpu_engine.request import BadRequest
+from rollout_manager.cpu_engine.request import RequestRefused
 from rollout_manager.cpu_engine.rwlock import RWLock
 from rollout_manager.sglang import wire
 
@@ -38,12 +38,12 @@ async def json_body(request: web.Request, *, required: bool = True) -> Any:
     raw = await request.read()
     if not raw.strip():
         if required:
-            raise BadRequest("a JSON body is required")
+            raise RequestRefused("a JSON body is required")
         return {}
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+        raise RequestRefused(f"the body is not valid JSON: {exc}") from None
 
 
 def engine_of(request: web.Request) -> Engine:

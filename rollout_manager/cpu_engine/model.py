@@ -9,7 +9,9 @@ does batching with other neighbours, and on a tiny random model a near-tie then 
 (docs/architecture.md, "Exactness").
 
 Parameter names follow Hugging Face Llama/Qwen (``model.layers.0.self_attn.q_proj.weight``, ...) so
-that weight pushes address tensors by the same names as for a real model.
+that weight pushes address tensors by the same names as for a real model. With ``num_experts`` > 0 every
+layer's MLP is a Qwen3-MoE sparse block (``mlp.gate.weight``, ``mlp.experts.E.{gate,up,down}_proj.weight``)
+and a forward also says which experts each token was routed to (routed-expert replay, R3).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class ModelConfig:
     eos_token_id: int | None = None
     init_std: float = 0.5
     seed: int = 0
+    num_experts: int = 0  # 0: dense MLPs; else every layer routes each token through num_experts_per_tok experts
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +62,12 @@ class ModelConfig:
             raise ValueError("head_dim must be even (rotary embedding)")
         if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError("eos_token_id outside the vocabulary")
+        if self.num_experts < 0:
+            raise ValueError("num_experts must be >= 0 (0: a dense model)")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError("num_experts_per_tok must be in [1, num_experts]")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError("moe_intermediate_size must be at least 1")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,15 +133,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return down
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse MLP: a router scores the experts per token (softmax), the top
+    ``num_experts_per_tok`` are chosen (likeliest first), their weights renormalised to sum to 1
+    (``norm_topk_prob``) and their outputs mixed by those weights. Each expert runs on its tokens only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixed output and the chosen experts (``[tokens, top_k]`` int32)."""
+        weights, chosen = torch.topk(torch.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.nonzero(chosen == e, as_tuple=True)  # a token picks an expert at most once
+            if token.numel():
+                out[token] = out[token] + weights[token, slot].unsqueeze(-1) * expert(x[token])
+        return out, chosen.to(torch.int32)
 
 
 class DecoderLayer(nn.Module):
@@ -139,12 +173,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = (SparseMoeBlock(cfg) if cfg.num_experts
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and, in a MoE layer, each token's chosen experts (else None)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+        mixed = self.mlp(self.post_attention_layernorm(x))
+        chosen = None
+        if isinstance(mixed, tuple):
+            mixed, chosen = mixed
+        out: torch.Tensor = x + mixed
+        return out, chosen
 
 
 class Backbone(nn.Module):
@@ -174,9 +215,14 @@ class TinyCausalLM(nn.Module):
         self.register_buffer("_cos", angles.cos().to(torch.float32), persistent=False)
         self.register_buffer("_sin", angles.sin().to(torch.float32), persistent=False)
 
-    @torch.inference_mode()
     def logits_last(self, input_ids: Sequence[int]) -> torch.Tensor:
         """Raw float32 logits for the token after ``input_ids`` (a full forward, no cache)."""
+        return self.logits_and_routes(input_ids)[0]
+
+    @torch.inference_mode()
+    def logits_and_routes(self, input_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`logits_last` and, in a MoE model, the experts every input token was routed to
+        (``[tokens, layers, top_k]`` int32, row i for ``input_ids[i]``); None for a dense model."""
         n = len(input_ids)
         if n == 0:
             raise ValueError("empty input")
@@ -184,14 +230,21 @@ class TinyCausalLM(nn.Module):
             raise ValueError("sequence longer than the context")
         with fixed_threads():
             ids = torch.tensor(list(input_ids), dtype=torch.long)
-            x = self.model.embed_tokens(ids)
-            cos, sin = self._cos[:n], self._sin[:n]
-            mask = torch.ones(n, n, dtype=torch.bool).triu(1)
-            for layer in self.model.layers:
-                x = layer(x, cos, sin, mask)
+            x, routes = self._layers(ids)
             x = self.model.norm(x[-1:])
             logits: torch.Tensor = self.lm_head(x)[0].float()
-            return logits
+            return logits, routes
+
+    def _layers(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = ids.shape[0]
+        x = self.model.embed_tokens(ids)
+        mask = torch.ones(n, n, dtype=torch.bool, device=ids.device).triu(1)
+        chosen: list[torch.Tensor] = []
+        for layer in self.model.layers:
+            x, layer_chosen = layer(x, self._cos[:n], self._sin[:n], mask)
+            if layer_chosen is not None:
+                chosen.append(layer_chosen)
+        return x, (torch.stack(chosen, dim=1) if chosen else None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits at every position of one sequence (``[n] -> [n, vocab]``), with autograd: training only.
@@ -199,11 +252,7 @@ class TinyCausalLM(nn.Module):
         The same computation as :meth:`logits_last`, so a trainer holding these weights scores exactly
         what the engine sampled from.
         """
-        n = input_ids.shape[0]
-        x = self.model.embed_tokens(input_ids)
-        mask = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).triu(1)
-        for layer in self.model.layers:
-            x = layer(x, self._cos[:n], self._sin[:n], mask)
+        x, _ = self._layers(input_ids)
         logits: torch.Tensor = self.lm_head(self.model.norm(x)).float()
         return logits
 
@@ -285,7 +334,7 @@ def build_model(seed: int = 0, size: str = "tiny", **cfg: Any) -> TinyCausalLM:
 
 
 @dataclass
-class SamplingParams:
+class EngineSampling:
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
@@ -300,7 +349,7 @@ class SamplingParams:
         return self.temperature <= 1e-6 or self.top_k == 1
 
 
-def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+def choose_token(logits: torch.Tensor, params: EngineSampling, generator: torch.Generator | None) -> tuple[int, float]:
     """Pick the next token; return it with the log-prob of the raw (temperature-free) logits."""
     logprobs = torch.log_softmax(logits, dim=-1)
     if params.greedy:
@@ -321,7 +370,7 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token, float(logprobs[token].item())
 
 
-def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_token_id: int | None) -> int | None:
+def stop_reason(token: int, n_generated: int, params: EngineSampling, eos_token_id: int | None) -> int | None:
     """The matched stop token when ``token`` ends the sequence, else None."""
     if params.ignore_eos or n_generated < params.min_new_tokens:
         return None
@@ -338,7 +387,7 @@ def reference_generate(
     stop_token_ids: Sequence[int] = (),
 ) -> tuple[list[int], list[float]]:
     """Greedy tokens and their log-probs, computed the same way the engine does (tests' oracle)."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
+    params = EngineSampling(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_token_ids))
     ids = list(input_ids)
     out: list[int] = []
     lps: list[float] = []

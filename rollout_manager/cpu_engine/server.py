@@ -15,15 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout_manager.cpu_engine import routed_experts
 from rollout_manager.cpu_engine.contract import generate_contract_error
 from rollout_manager.cpu_engine.encode import metrics_text
-from rollout_manager.cpu_engine.engine import Engine, EngineConfig, Group
+from rollout_manager.cpu_engine.engine import CallGroup, Engine, EngineConfig
 from rollout_manager.cpu_engine.http_common import ENGINE_KEY, WEIGHT_SESSION_KEY, WeightSession
 from rollout_manager.cpu_engine.http_common import engine_of as _engine
 from rollout_manager.cpu_engine.http_common import error_response as _error
 from rollout_manager.cpu_engine.http_common import json_body as _json_body
-from rollout_manager.cpu_engine.model import SamplingParams
-from rollout_manager.cpu_engine.request import BadRequest, GenerateRequest, SequenceSpec
+from rollout_manager.cpu_engine.model import EngineSampling
+from rollout_manager.cpu_engine.request import EngineRequest, RequestRefused, SequenceSpec
 from rollout_manager.cpu_engine.weight_routes import (
     begin_weight_update,
     end_weight_update,
@@ -49,21 +50,25 @@ VERSION = "cpu-engine-0.1"
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """SGLang's order: the schema contract (``400 {"error": "..."}``), then the tokenizer's checks
+    """SGLang's order: FastAPI's model of the body (here only its R3 fields), the schema contract
+    (``400 {"error": "..."}``), then the tokenizer's checks
     (for a stream an error frame inside a 200 stream, else ``400 {"error": {"message": ...}}``),
     then the scheduler's (an abort finish that carries a ``status_code``)."""
     engine = _engine(request)
     try:
         body = await _json_body(request)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return _error(str(exc))
+    unreadable = routed_experts.field_error(body)
+    if unreadable is not None:
+        return web.json_response(unreadable, status=400)
     violation = generate_contract_error(body)
     if violation is not None:
         return web.json_response({"error": violation}, status=400)
     stream = body.get("stream") is True
     try:
         req = engine.parse(body)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return await _refuse(request, str(exc), stream=stream)
     if engine.faults.should_fail_request():
         status = engine.faults.fail_status
@@ -73,10 +78,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await _run(request, engine, req)
 
 
-async def _run(request: web.Request, engine: Engine, req: GenerateRequest) -> web.StreamResponse:
+async def _run(request: web.Request, engine: Engine, req: EngineRequest) -> web.StreamResponse:
     try:
         group = engine.submit(req)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return await _refuse(request, str(exc), stream=req.stream)
     if req.stream:
         return await _stream(request, engine, group)
@@ -118,7 +123,7 @@ async def _refuse(request: web.Request, message: str, *, stream: bool) -> web.St
     return resp
 
 
-async def _stream(request: web.Request, engine: Engine, group: Group) -> web.StreamResponse:
+async def _stream(request: web.Request, engine: Engine, group: CallGroup) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -182,11 +187,11 @@ async def health_generate(request: web.Request) -> web.Response:
     spec = SequenceSpec(
         rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
         input_ids=[0],
-        params=SamplingParams(max_new_tokens=1, temperature=0.0),
+        params=EngineSampling(max_new_tokens=1, temperature=0.0),
         return_logprob=False,
         index=None,
     )
-    group = engine.submit(GenerateRequest([spec], stream=False, batched=False), internal=True)
+    group = engine.submit(EngineRequest([spec], stream=False, batched=False), internal=True)
     try:
         await asyncio.wait_for(_wait_finished(group), engine.config.health_generate_timeout_s)
     except asyncio.TimeoutError:
@@ -199,7 +204,7 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(status=503, text="health generation was aborted")
 
 
-async def _wait_finished(group: Group) -> None:
+async def _wait_finished(group: CallGroup) -> None:
     while not group.finished:
         group.changed.clear()
         await group.changed.wait()
@@ -224,6 +229,7 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
         "incremental_streaming_output": engine.config.incremental_streaming_output,
         "max_running_requests": engine.config.max_running_requests,
         "random_seed": engine.config.seed,
+        "enable_return_routed_experts": engine.config.enable_return_routed_experts,
         "model_config": cfg.to_dict(),
         "internal_states": [{"last_gen_throughput": float(engine.last_gen_throughput)}],
         # Engine-specific (SGLang 0.5.23 has no such counts in server_info): for debugging only.
@@ -287,14 +293,14 @@ async def abort_request(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request, required=False)
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise RequestRefused("the body must be a JSON object")
         rid = body.get("rid") or None
         abort_all = body.get("abort_all", False)
         if rid is not None and not isinstance(rid, str):
-            raise BadRequest("rid must be a string")
+            raise RequestRefused("rid must be a string")
         if not isinstance(abort_all, bool):
-            raise BadRequest("abort_all must be a boolean")
-    except BadRequest as exc:
+            raise RequestRefused("abort_all must be a boolean")
+    except RequestRefused as exc:
         return _error(str(exc))
     engine.abort(rid, abort_all=abort_all)
     return web.Response(status=200)
@@ -306,7 +312,7 @@ async def pause_generation(request: web.Request) -> web.Response:
         body = await _json_body(request, required=False)
         mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
         await engine.pause(mode)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return _error(str(exc))
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -338,9 +344,9 @@ async def set_faults(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request)
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise RequestRefused("the body must be a JSON object")
         engine.faults.update(body)
-    except (BadRequest, ValueError) as exc:
+    except (RequestRefused, ValueError) as exc:
         return _error(str(exc))
     engine.kick()  # a lifted stall resumes at once
     return web.json_response(engine.faults.snapshot())

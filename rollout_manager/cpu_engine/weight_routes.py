@@ -19,7 +19,7 @@ from aiohttp import web
 
 from rollout_manager.cpu_engine.engine import Engine
 from rollout_manager.cpu_engine.http_common import WEIGHT_SESSION_KEY, engine_of, error_response, json_body
-from rollout_manager.cpu_engine.request import BadRequest
+from rollout_manager.cpu_engine.request import RequestRefused
 from rollout_manager.sglang import tensor_payload, wire
 
 
@@ -59,14 +59,14 @@ async def update_weight_version(request: web.Request) -> web.Response:
     try:
         body = await json_body(request)
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise RequestRefused("the body must be a JSON object")
         version = body.get("new_version")
         if not isinstance(version, (str, int)) or isinstance(version, bool) or str(version) == "":
-            raise BadRequest("new_version must be a non-empty string")
+            raise RequestRefused("new_version must be a non-empty string")
         abort_all = body.get("abort_all_requests", True)  # SGLang's default: abort in-flight requests
         if not isinstance(abort_all, bool):
-            raise BadRequest("abort_all_requests must be a boolean")
-    except BadRequest as exc:
+            raise RequestRefused("abort_all_requests must be a boolean")
+    except RequestRefused as exc:
         return error_response(str(exc))
     if abort_all:
         engine.abort(abort_all=True, message="Abort by update_weight_version")
@@ -84,7 +84,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
     try:
         body = await json_body(request)
-    except BadRequest as exc:
+    except RequestRefused as exc:
         return fail(str(exc))
     if not isinstance(body, dict):
         return fail("the body must be a JSON object")
@@ -163,8 +163,8 @@ async def begin_weight_update(request: web.Request) -> web.Response:
     try:
         body = await json_body(request)
         if not isinstance(body, dict) or body.get("selector", "all") not in ("target", "draft", "all"):
-            raise BadRequest("the body must be a JSON object; selector is one of target, draft, all")
-    except BadRequest as exc:
+            raise RequestRefused("the body must be a JSON object; selector is one of target, draft, all")
+    except RequestRefused as exc:
         return error_response(str(exc))
     async with update_turn(request):
         if session.open:
@@ -178,8 +178,8 @@ async def end_weight_update(request: web.Request) -> web.Response:
     try:
         body = await json_body(request)
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-    except BadRequest as exc:
+            raise RequestRefused("the body must be a JSON object")
+    except RequestRefused as exc:
         return error_response(str(exc))
     async with update_turn(request):
         if not session.open:
