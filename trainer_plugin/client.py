@@ -55,8 +55,8 @@ import aiohttp
 from rollout_manager.manager_client import (
     HEALTH,
     RUN_ID_HEADER,
-    Health,
     ManagerAPIError,
+    ManagerHealth,
     bearer_headers,
     decode,
     env_token,
@@ -522,7 +522,7 @@ class ManagerClient:
             self._probe_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4))
         return self._probe_session
 
-    async def _probe_health(self) -> Health | None:
+    async def _probe_health(self) -> ManagerHealth | None:
         """``/health``'s answer, or None if it does not answer 200 within ``probe_timeout_s``."""
         try:
             async with self.probe_session.get(self.base_url + HEALTH,
@@ -532,11 +532,11 @@ class ManagerClient:
                 body = await r.json(content_type=None)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             return None
-        return Health.from_json(body) if isinstance(body, dict) else None
+        return ManagerHealth.from_json(body) if isinstance(body, dict) else None
 
-    async def _wait_for_manager(self, deadline: float, not_run_id: str | None) -> Health | None:
+    async def _wait_for_manager(self, deadline: float, not_run_id: str | None) -> ManagerHealth | None:
         """Poll ``/health`` until it answers (from a run other than ``not_run_id``) or the deadline."""
-        def fresh(health: Health | None) -> bool:
+        def fresh(health: ManagerHealth | None) -> bool:
             return health is not None and (not_run_id is None or health.run_id != not_run_id)
 
         health = await retry_async(self._probe_health, Backoff(0.05, 1.0, deadline_s=deadline - time.monotonic()),
