@@ -21,10 +21,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .batch_stream import PATH
 from .client import ManagerClient, ManagerHTTPError
 
 log = logging.getLogger("trainer_plugin.batcher")
-PATH = "/batch_generate_requests"
 
 
 @dataclass
