@@ -5,7 +5,7 @@ Standard library only: the launcher runs it in SGLang's environment before anyth
 and the daemon's base install has no torch (docs/install.md). It holds what the three must agree on:
 the address form, the bearer token (``$ROLLOUT_MANAGER_AUTH_TOKEN``), the one error type
 (:class:`ManagerAPIError`), the ``{"error": ...}`` message of a refusal, and the typed answers
-(:class:`Health`, :class:`ShutdownResult`, :class:`Registration`). :class:`ManagerAPI` makes blocking
+(:class:`ManagerHealth`, :class:`ShutdownResult`, :class:`Registration`). :class:`ManagerAPI` makes blocking
 calls with a timeout each; the trainer plugin keeps its own aiohttp transport (streams, restarts) and
 uses the rest.
 """
@@ -94,7 +94,7 @@ def describe_os_error(exc: BaseException) -> str:
 
 
 @dataclass(frozen=True)
-class Answer:
+class HTTPAnswer:
     """An HTTP answer: its status and its body, decoded (JSON, else the start of the text)."""
 
     status: int
@@ -110,7 +110,7 @@ class Answer:
 
 
 def http_call(method: str, url: str, body: Any = None, *, timeout_s: float | None = 10.0,
-              token: str | None = None) -> Answer:
+              token: str | None = None) -> HTTPAnswer:
     """One blocking call; an answer of any status is returned. Raises :class:`ManagerAPIError` with
     ``status=None`` when nothing answered over HTTP (also when something other than HTTP answers)."""
     data = None if body is None else json.dumps(body).encode()
@@ -132,11 +132,11 @@ def http_call(method: str, url: str, body: Any = None, *, timeout_s: float | Non
     except OSError as exc:  # refused, timed out, no such host (urllib.error.URLError included)
         why = describe_os_error(exc)
         raise ManagerAPIError(f"{method} {url}: {why}", reason=why, timed_out=why == "timed out") from None
-    return Answer(status, decode(raw))
+    return HTTPAnswer(status, decode(raw))
 
 
 @dataclass(frozen=True)
-class Health:
+class ManagerHealth:
     """``GET /health``: ``status`` is ``healthy`` when the manager serves; ``run_id`` is new on each start
     (None from a manager too old to report one)."""
 
@@ -151,7 +151,7 @@ class Health:
         return self.status == "healthy"
 
     @classmethod
-    def from_json(cls, body: Any) -> Health:
+    def from_json(cls, body: Any) -> ManagerHealth:
         if not isinstance(body, dict):
             return cls(status="unknown")
         run_id, version, weight_version = body.get("run_id"), body.get("version"), body.get("weight_version")
@@ -209,7 +209,7 @@ class ManagerAPI:
     timeout_s: float | None = 10.0
 
     def call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None | object = _DEFAULT,
-             token: str | None = None) -> Answer:
+             token: str | None = None) -> HTTPAnswer:
         """Any status is returned; nothing answering raises :class:`ManagerAPIError` (``status=None``).
         ``token`` replaces the shared one (a box token)."""
         timeout = self.timeout_s if timeout_s is _DEFAULT else timeout_s
@@ -242,8 +242,8 @@ class ManagerAPI:
                                   status=200, body=answer)
         return answer
 
-    def health(self, *, timeout_s: float | None | object = _DEFAULT) -> Health:
-        return Health.from_json(self._object("GET", HEALTH, timeout_s=timeout_s))
+    def health(self, *, timeout_s: float | None | object = _DEFAULT) -> ManagerHealth:
+        return ManagerHealth.from_json(self._object("GET", HEALTH, timeout_s=timeout_s))
 
     def instances_status(self, *, timeout_s: float | None | object = _DEFAULT) -> dict[str, Any]:
         """``GET /get_instances_status``: the status page's document (its shape is docs/http-api.md's)."""

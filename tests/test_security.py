@@ -201,10 +201,11 @@ def test_box_deregister_sends_the_box_token_and_falls_back_to_the_shared_one_on_
     from rollout_manager.launch import box
 
     calls: list[str | None] = []
-    answers = iter([manager_client.Answer(401, {"error": "unknown"}), manager_client.Answer(200, {"removed": ["h:1"]})])
+    answers = iter([manager_client.HTTPAnswer(401, {"error": "unknown"}),
+                    manager_client.HTTPAnswer(200, {"removed": ["h:1"]})])
 
     def fake_call(method: str, url: str, body: Any = None, *, timeout_s: float | None = 10.0,
-                  token: str | None = None) -> manager_client.Answer:
+                  token: str | None = None) -> manager_client.HTTPAnswer:
         calls.append(token)
         return next(answers)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from safetensors.torch import save_file
+from real_sglang_model import make
+from safetensors.torch import load_file, save_file
 
 from rollout_manager.sglang.checkpoint import served_model
 
@@ -41,3 +43,15 @@ def test_the_read_back_compares_in_the_dtype_sglang_serves() -> None:
     assert _served_dtype("auto", "bfloat16", torch.float32) is torch.bfloat16  # --dtype auto: the checkpoint's
     assert _served_dtype("float32", "bfloat16", torch.bfloat16) is torch.float32  # an explicit --dtype wins
     assert _served_dtype(None, None, torch.float16) is torch.float16  # nothing known: as sent
+
+
+@pytest.mark.slow  # transformers builds and saves the model: seconds
+def test_a_save_pretrained_checkpoint_names_every_tensor_in_its_headers(tmp_path: Path) -> None:
+    """The tiny Llama the real-SGLang tests serve (tests/real_sglang_model.py), as transformers'
+    ``save_pretrained`` writes it: the headers name every tensor the file holds, with its shape."""
+    make(tmp_path, "llama")
+    model = served_model(str(tmp_path))
+    assert model is not None
+    held = load_file(str(tmp_path / "model.safetensors"))
+    assert {n: t.shape for n, t in model.tensors.items()} == {n: tuple(t.shape) for n, t in held.items()}
+    assert model.problems([("model.layers.1.mlp.down_proj.weight", (64, 128))]) == []

@@ -3,7 +3,7 @@
 One Ray cluster for the module (Ray's ``cluster_utils.Cluster``): node A at 127.0.0.2 with 4 fake GPUs,
 node B at 127.0.0.3 with 2. verl's ``RayWorkerGroup`` places the training ranks (verl's ``Worker``
 class, see ``verl_topology_workers.py``) on them as it does on GPU nodes, with ``LOCAL_RANK=0`` in
-every rank; each rank pushes through the plugin's adapter exactly as ``engine_workers.py`` calls it.
+every rank; each rank runs verl's own ``update_weights`` (``engine_workers.py``) into the plugin's adapter.
 Boxes are CPU engines with weight receivers (``Box``, as in the other weight tests; in the two-node
 test started by ``scripts/launch_sglang.sh --engine cpu`` against the published manager address);
 bit-exact means the engine's per-tensor checksums equal those of the weights the ranks sharded.
@@ -86,7 +86,7 @@ class Group:
         return list(out) if out is not None else []
 
     async def push(self, steps: int, seed: int | None = None) -> list[dict[str, Any]]:
-        """verl's naive sync of weight version ``steps`` (after a step that left ``build_model(seed)``)."""
+        """verl's sync of weight version ``steps`` (after a step that left ``build_model(seed)``)."""
         if seed is not None:
             await self.call("load", seed)
         return await self.call("update_weights", global_steps=steps)
@@ -161,6 +161,7 @@ async def test_one_sender_per_node_with_four_ranks_on_it(cluster, start_manager,
             assert [(r["rank"], r["pushed"], r.get("staged")) for r in out] == \
                 [(0, True, None), (1, False, False), (2, False, False), (3, False, False)]
             assert out[0]["senders"] == 1 and out[0]["instances_at_version"] == 1
+            assert [r["resumed"] for r in out] == [[["weights"], ["kv_cache"]]] * 4  # verl's naive branch
             assert await senders(m) == [[NODE_A]]
             await serve_exactly(m, [box], seed, steps)
     finally:
@@ -250,13 +251,15 @@ async def test_unmerged_lora_keeps_one_base_per_node_and_merges_each_step_bit_ex
         base_bytes = sum(t.nbytes for t in build_model(4).state_dict().values())
 
         await group.call("load_lora", 4, 10)  # a fresh run: the adapter as initialised
-        fresh = await group.call("sync_lora", 0, True)  # on_init_end: base sync, then the adapter, both as 0
+        # on_init_end: verl syncs the base (load_format dummy: base_sync_done starts False), then the adapter
+        fresh = await group.call("update_weights", global_steps=0)
         assert [r["base"]["lora_base_tensors"] for r in fresh] == [len(build_model(4).state_dict())] * 4
         assert [r["lora_base_bytes"] for r in fresh] == [base_bytes, 0, base_bytes, 0]
         assert [r["pushed"] for r in fresh] == [False] * 4 and await senders(m) == []
         for steps, adapter_seed in ((1, 11), (2, 12)):
             await group.call("load_lora", 4, adapter_seed)  # the step trained the adapter; the base is frozen
-            out = await group.call("sync_lora", steps, False)
+            out = await group.call("update_weights", global_steps=steps)
+            assert not any("base" in r for r in out)  # verl syncs the base once
             assert [(r["rank"], r["pushed"], r.get("staged")) for r in out] == \
                 [(0, True, None), (1, False, False), (2, False, True), (3, False, False)]
             assert [r["lora_base_bytes"] for r in out] == [base_bytes, 0, base_bytes, 0]

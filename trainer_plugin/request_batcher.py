@@ -21,14 +21,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .batch_stream import PATH
 from .client import ManagerClient, ManagerHTTPError
 
 log = logging.getLogger("trainer_plugin.batcher")
-PATH = "/batch_generate_requests"
 
 
 @dataclass
-class _Batch:
+class _WaitingBatch:
     waiters: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
     tokens: int = 0
@@ -50,7 +50,7 @@ class RequestBatcher:
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self._ids = itertools.count()
-        self._open = _Batch()
+        self._open = _WaitingBatch()
         self._timer: asyncio.TimerHandle | None = None
         self._running: set[asyncio.Task[None]] = set()
         self.batches_sent = 0
@@ -79,7 +79,7 @@ class RequestBatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        batch, self._open = self._open, _Batch()
+        batch, self._open = self._open, _WaitingBatch()
         live = {k: f for k, f in batch.waiters.items() if not f.done()}
         if not live:
             return
@@ -88,13 +88,13 @@ class RequestBatcher:
         self._running.add(batch.task)
         batch.task.add_done_callback(self._running.discard)
 
-    def _on_done(self, batch: _Batch, fut: asyncio.Future[Any]) -> None:
+    def _on_done(self, batch: _WaitingBatch, fut: asyncio.Future[Any]) -> None:
         # Only a cancelled caller matters here: if nobody of this batch is left, stop its stream.
         if fut.cancelled() and batch.task is not None and not batch.task.done() \
                 and all(f.done() for f in batch.waiters.values()):
             batch.task.cancel()
 
-    async def _run(self, batch: _Batch) -> None:
+    async def _run(self, batch: _WaitingBatch) -> None:
         items = [(k, batch.bodies.pop(k)) for k in batch.waiters]
         batch.bodies.clear()
         self.batches_sent += 1
@@ -130,7 +130,7 @@ class RequestBatcher:
             self._timer = None
         for fut in self._open.waiters.values():
             fut.cancel()
-        self._open = _Batch()
+        self._open = _WaitingBatch()
         tasks = list(self._running)
         for task in tasks:
             task.cancel()

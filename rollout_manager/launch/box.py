@@ -53,10 +53,10 @@ from typing import Any, NoReturn
 
 from rollout_manager.launch.model_config import model_vocab_size
 from rollout_manager.manager_client import (
-    Answer,
-    Health,
+    HTTPAnswer,
     ManagerAPI,
     ManagerAPIError,
+    ManagerHealth,
     Registration,
     env_token,
     error_message,
@@ -171,14 +171,14 @@ def check_ports(bind: str, ports: Sequence[tuple[str, int]]) -> None:
 # ---------------------------------------------------------------- HTTP
 
 
-def request(method: str, url: str, body: Any = None, *, timeout: float = 10.0, auth: bool = True) -> Answer:
+def request(method: str, url: str, body: Any = None, *, timeout: float = 10.0, auth: bool = True) -> HTTPAnswer:
     """A call to one of this box's own servers (the agent, SGLang), with the shared token when ``auth``;
     raises :class:`ManagerAPIError` when nothing answers over HTTP."""
     return http_call(method, url, body, timeout_s=timeout, token=env_token() if auth else None)
 
 
 def manager_call(manager: str, method: str, path: str, body: Any = None, *,
-                 timeout: float = 10.0, token: str | None = None) -> Answer:
+                 timeout: float = 10.0, token: str | None = None) -> HTTPAnswer:
     """One call to the manager's API (``token``: a box token instead of the shared one)."""
     api = ManagerAPI(normalize_addr(manager), env_token(), timeout)
     try:
@@ -193,9 +193,9 @@ def manager_call(manager: str, method: str, path: str, body: Any = None, *,
     return answer
 
 
-def manager_health(manager: str, timeout: float = 5.0) -> Health:
+def manager_health(manager: str, timeout: float = 5.0) -> ManagerHealth:
     answer = manager_call(manager, "GET", "/health", timeout=timeout)
-    health = Health.from_json(answer.body)
+    health = ManagerHealth.from_json(answer.body)
     if answer.status != 200 or not health.healthy:
         raise NotHealthy(f"rollout manager at {normalize_addr(manager)} is not healthy (GET /health: "
                          f"HTTP {answer.status} {error_message(answer.body)}); check ROLLOUT_MANAGER_ADDR / "
@@ -226,7 +226,7 @@ def check_modules(modules: Sequence[str]) -> None:
                        f"interpreter with --python / PYTHON)")
 
 
-def wait_for_manager(manager: str, timeout: float, wait_s: float) -> Health:
+def wait_for_manager(manager: str, timeout: float, wait_s: float) -> ManagerHealth:
     """``GET /health`` until it answers healthy, for up to ``wait_s`` seconds (0: one try). A refused
     token is final at once: waiting cannot fix it."""
     def waiting(attempt: int, sleep_s: float, outcome: object) -> None:
