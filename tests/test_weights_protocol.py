@@ -31,7 +31,8 @@ from rollout_manager.weights.protocol import (
     PushRequest,
     parse_body,
 )
-from rollout_manager.weights.receiver_agent import ReceiverAgent, create_app
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver_agent import create_app
 from rollout_manager.weights.sender_agent import SenderAgent
 
 
@@ -215,7 +216,7 @@ async def test_a_push_through_the_typed_client_lands_and_loads(rig: Rig):
     assert push.bytes == layout.total_bytes and push.fingerprint == layout.fingerprint()
     assert len(push.shards) == len(push.checksums) == 2
     assert commit.ok and commit.version == 1 and commit.buckets == len(rig.loads) == 1
-    assert rig.sglang_version == "1" and rig.receiver.version == 1
+    assert rig.sglang_version == "1" and rig.receiver.loader.version == 1
 
 
 async def test_the_receiver_refuses_bad_bodies_naming_the_field_and_changes_nothing(rig: Rig):
@@ -242,7 +243,7 @@ async def test_the_receiver_refuses_bad_bodies_naming_the_field_and_changes_noth
 
     rig.sender.stage(weights(2), version=2)  # the next good round still works
     _, commit = await push_once(rig, 2)
-    assert commit.version == rig.receiver.version == 2 and rig.sglang_version == "2"
+    assert commit.version == rig.receiver.loader.version == 2 and rig.sglang_version == "2"
 
 
 async def test_the_sender_refuses_bad_bodies_naming_the_field(rig: Rig):
