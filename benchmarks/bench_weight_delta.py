@@ -35,10 +35,12 @@ import numpy as np
 import torch
 
 from rollout_manager.cpu_engine.model import build_model
+from rollout_manager.sglang.weight_loader import NamedTensors
 from rollout_manager.weights.layout import WeightLayout, unpack
 from rollout_manager.weights.mooncake_engine import mooncake_available
 from rollout_manager.weights.protocol import CommitRequest, PushRequest, TransportName
-from rollout_manager.weights.receiver_agent import ReceiverAgent
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver_loader import Loader
 from rollout_manager.weights.sender_agent import SenderAgent
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -49,13 +51,22 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+class BenchLoader(Loader):
+    """No SGLang behind it: a load counts the tensors it would send and stops there."""
+
+    async def commit(self, layout: WeightLayout, named: NamedTensors, version: int) -> int:
+        names = self.changed()
+        self.reloaded = len(layout) if names is None else len(names)
+        self.version, self.dirty = version, set()
+        return 0
+
+
 class BenchReceiver(ReceiverAgent):
     """A receiver agent without SGLang: a commit verifies and stops there."""
 
-    async def _load(self, version: int, names: set[str] | None = None) -> int:
-        assert self.layout is not None
-        self.reloaded = len(self.layout) if names is None else len(names)
-        return 0
+    def __init__(self, host: str, sglang_url: str) -> None:
+        super().__init__(host, sglang_url)
+        self.loader = BenchLoader(self.loader.sglang_url, self.loader.auth, self.loader.settings)
 
 
 class Link:

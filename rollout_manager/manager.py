@@ -45,7 +45,8 @@ from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.relay import Relay
 from rollout_manager.weights.agent_client import AgentClient
 from rollout_manager.weights.groups import SenderPlan
-from rollout_manager.weights.sync import SyncSettings, WeightSync
+from rollout_manager.weights.sync import WeightSync
+from rollout_manager.weights.sync_settings import SyncSettings
 
 log = logging.getLogger("rollout_manager.manager")
 

@@ -17,7 +17,8 @@ from support import free_port
 
 from rollout_manager.weights.agent_client import AgentClient, PushFailed
 from rollout_manager.weights.protocol import CommitRequest, PrepareRequest, PushRequest
-from rollout_manager.weights.receiver_agent import ReceiverAgent, create_app
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver_agent import create_app
 from rollout_manager.weights.sender_agent import SenderAgent
 
 

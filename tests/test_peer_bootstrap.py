@@ -19,7 +19,8 @@ from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.weights.peers import choose_peer, holders
 from rollout_manager.weights.protocol import ServeRequest
-from rollout_manager.weights.receiver_agent import CommitRefused, ReceiverAgent
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.refused import CommitRefused
 
 MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2}
 

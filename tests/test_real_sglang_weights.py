@@ -26,7 +26,8 @@ from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage
 from rollout_manager.weights.protocol import CommitRequest
-from rollout_manager.weights.receiver_agent import CommitRefused, ReceiverAgent
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.refused import CommitRefused
 from rollout_manager.weights.shards import shard_checksums, split_shards
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
@@ -110,7 +111,7 @@ def new_weights(sglang: Server, seed: int) -> dict[str, torch.Tensor]:
 async def agent_for(sglang: Server, state: dict[str, torch.Tensor], **kw: Any) -> ReceiverAgent:
     """An agent whose buffer holds ``state`` verified-to-be (as if the sender had written it)."""
     agent = ReceiverAgent("127.0.0.1", sglang.url, auth=kw.pop("auth", KEYS), **kw)
-    agent.session = aiohttp.ClientSession()
+    agent.loader.session = aiohttp.ClientSession()
     restage(agent, state)
     return agent
 
@@ -131,8 +132,8 @@ def commit_body(agent: ReceiverAgent, version: int) -> CommitRequest:
 
 
 async def close(agent: ReceiverAgent) -> None:
-    assert agent.session is not None
-    await agent.session.close()
+    assert agent.loader.session is not None
+    await agent.loader.session.close()
 
 
 async def served(http: aiohttp.ClientSession, sglang: Server, name: str, rows: int = 1000) -> torch.Tensor:
@@ -244,19 +245,19 @@ async def test_a_load_that_leaves_stale_tensors_is_caught_by_the_read_back(sglan
     agent = await agent_for(sglang, state, readback_tensors=1000)
     try:
         await agent.commit(commit_body(agent, 14))
-        assert agent.readback == len(state)  # every tensor equal after a full load
+        assert agent.loader.readback == len(state)  # every tensor equal after a full load
         stale = {PROBE: torch.full_like(state[PROBE], 0.5)}
         status, text = await post_tensors(http, sglang, stale)
         assert status == 200, text
         state["model.norm.weight"] = state["model.norm.weight"] + 1  # the delta changes one other tensor
         restage(agent, state)
-        agent.dirty = {"model.norm.weight"}
+        agent.loader.dirty = {"model.norm.weight"}
         with pytest.raises(CommitRefused, match=f"other values for '{PROBE}'") as caught:
             await agent.commit(commit_body(agent, 15))
         assert caught.value.status == 502
         assert await reported_version(http, sglang) == "14"  # the version was not moved on
         await agent.commit(commit_body(agent, 16))  # after a refusal the next load sends every tensor
-        assert agent.reloaded == len(state) and await reported_version(http, sglang) == "16"
+        assert agent.loader.reloaded == len(state) and await reported_version(http, sglang) == "16"
         assert torch.equal(await served(http, sglang, PROBE), state[PROBE])
     finally:
         await close(agent)
@@ -308,7 +309,7 @@ async def test_a_delta_after_sglang_restarted_loads_every_tensor(sglang: Server,
         assert torch.equal(await served(http, sglang, PROBE), checkpoint(sglang)[PROBE])
         state["model.norm.weight"] = state["model.norm.weight"] * 2
         restage(agent, state)
-        agent.dirty = {"model.norm.weight"}  # what a delta that changed only this tensor leaves
+        agent.loader.dirty = {"model.norm.weight"}  # what a delta that changed only this tensor leaves
         answer = await agent.commit(commit_body(agent, 22))
         assert answer.reloaded == len(state)
         assert torch.equal(await served(http, sglang, PROBE), state[PROBE])
@@ -316,7 +317,7 @@ async def test_a_delta_after_sglang_restarted_loads_every_tensor(sglang: Server,
         # With SGLang where the agent left it, the next delta is partial again.
         state["model.norm.weight"] = state["model.norm.weight"] + 1
         restage(agent, state)
-        agent.dirty = {"model.norm.weight"}
+        agent.loader.dirty = {"model.norm.weight"}
         assert (await agent.commit(commit_body(agent, 23))).reloaded == 1
     finally:
         await close(agent)

@@ -5,6 +5,7 @@ and the manager act on it. Engines run in process (aiohttp test servers), so eac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -25,9 +26,10 @@ from rollout_manager.instances.registry import Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.launch import box
 from rollout_manager.sglang import tensor_payload, wire
-from rollout_manager.weights.layout import HostBuffer, build_layout, stage
+from rollout_manager.weights.layout import HostBuffer, build_layout, stage, unpack
 from rollout_manager.weights.mooncake_engine import MooncakeEngine, TransferError
-from rollout_manager.weights.receiver_agent import CommitRefused, ReceiverAgent
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.refused import CommitRefused
 
 WEIGHT_PATHS = (wire.BEGIN_WEIGHT_UPDATE, wire.END_WEIGHT_UPDATE, wire.UPDATE_WEIGHTS_FROM_TENSOR)
 
@@ -151,20 +153,26 @@ async def test_a_data_parallel_engine_refuses_weight_loads(start_engine: StartEn
 async def receiver_for(e: Engine, state: dict[str, torch.Tensor], bucket_bytes: int) -> ReceiverAgent:
     """A receiver with ``state`` already landed in its buffer (the transfer itself is tested elsewhere)."""
     agent = ReceiverAgent("127.0.0.1", e.url, bucket_bytes=bucket_bytes)
-    agent.session = aiohttp.ClientSession()
+    agent.loader.session = aiohttp.ClientSession()
     agent.layout = build_layout(state)
     agent.buffer = HostBuffer.for_layout(agent.layout)
     stage(state, agent.layout, agent.buffer.array)
     return agent
 
 
+async def load_buffer(agent: ReceiverAgent, version: int) -> int:
+    """Every tensor of the agent's buffer into SGLang, as ``/commit`` loads them after verifying."""
+    assert agent.buffer is not None and agent.layout is not None
+    return await agent.loader.load(unpack(agent.buffer, agent.layout), version)
+
+
 async def load(e: Engine, state: dict[str, torch.Tensor], version: int, bucket_bytes: int = 4096) -> int:
     agent = await receiver_for(e, state, bucket_bytes)
     try:
-        return await agent._load(version)
+        return await load_buffer(agent, version)
     finally:
-        assert agent.session is not None
-        await agent.session.close()
+        assert agent.loader.session is not None
+        await agent.loader.session.close()
 
 
 async def test_the_receiver_loads_inside_a_session_on_0_5_23(start_engine: StartEngine) -> None:
@@ -411,13 +419,13 @@ async def test_a_load_whose_cache_cannot_be_flushed_in_time_is_not_committed(sta
     # Paused in place the load runs at once and the request stays held, so the flush cannot happen.
     assert (await e.post(wire.PAUSE_GENERATION, {"mode": "in_place"}))[0] == 200
     agent = await receiver_for(e, dict(named_weights(1)), 1 << 30)
-    agent.flush_wait_s = 0.3
+    agent.loader.settings = dataclasses.replace(agent.loader.settings, flush_wait_s=0.3)
     try:
         with pytest.raises(CommitRefused, match="prefix cache could not be flushed"):
-            await agent._load(12)
+            await load_buffer(agent, 12)
     finally:
-        assert agent.session is not None
-        await agent.session.close()
+        assert agent.loader.session is not None
+        await agent.loader.session.close()
         await e.post(wire.ABORT_REQUEST, wire.abort_body("long"))
         await e.post(wire.CONTINUE_GENERATION, {})
         await gen

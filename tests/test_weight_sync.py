@@ -20,7 +20,9 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import version_check
 from rollout_manager.weights.groups import SenderPlan
-from rollout_manager.weights.sync import SyncSettings, WeightSync
+from rollout_manager.weights.protocol import CommitAnswer, CommitRequest
+from rollout_manager.weights.sync import WeightSync
+from rollout_manager.weights.sync_settings import SyncSettings
 
 SETTINGS = SyncSettings(transport="tcp", drain_timeout_s=2.0, push_timeout_s=2.0, retry_s=0.01, max_attempts=3)
 
@@ -421,3 +423,38 @@ async def test_a_failed_activation_takes_the_instance_out_of_service_and_a_full_
     assert states == [State.PENDING, State.ACTIVE, State.SYNCING, State.ACTIVE]
     commits = [body.get("stage") for name, _, body in rig.agents.calls if name == "commit"]
     assert commits == [True, None]  # staged, then the drain-mode push loads it in full
+
+
+async def test_staging_failures_follow_the_push_retry_rule_and_remove_the_instance(staged_rig: Rig) -> None:
+    """The staged path retries a failed delivery as the drain path does: up to ``max_attempts``, then removed."""
+    rig = staged_rig
+    a = rig.add()
+    rig.agents.staged, rig.agents.fail_pushes = 1, 100
+    rig.sync.bump(1)
+    await async_wait_until(lambda: rig.registry.get(a.id) is None, 2, interval_s=0.005, message="a removed")
+    assert rig.agents.count("push") == SETTINGS.max_attempts and rig.agents.count("activate") == 0
+    assert a.last_error is not None and a.last_error.startswith("weight staging: ")
+    assert a.versions.staging is None and a.versions.staged is None
+    reasons = [e.reason for e in rig.registry.events if e.new == State.DEAD]
+    assert len(reasons) == 1 and reasons[0].startswith("weight push failed 3 times; last: ")
+
+
+async def test_an_unexpected_error_while_staging_counts_as_a_failed_try(staged_rig: Rig) -> None:
+    """A bug in one staging try is retried like a failed push, not the end of the instance's sync."""
+    rig = staged_rig
+    a = rig.add()
+    rig.agents.staged = 1
+    commit = rig.agents.commit
+    tries = 0
+
+    async def commit_with_a_bug(url: str, req: CommitRequest) -> CommitAnswer:
+        nonlocal tries
+        tries += 1
+        if tries == 1:
+            raise RuntimeError("a bug")
+        return await commit(url, req)
+
+    rig.agents.commit = commit_with_a_bug  # type: ignore[method-assign]
+    rig.sync.bump(1)
+    await async_wait_until(lambda: a.weight_version == 1, 2, interval_s=0.005, message="version 1 active")
+    assert tries == 2 and a.state == State.ACTIVE and a.last_error is None

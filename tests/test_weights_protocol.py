@@ -17,9 +17,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from support import free_port
 
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.auth import SGLangAuth
+from rollout_manager.sglang.weight_loader import LoadSettings
+from rollout_manager.weights import activation
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.layout import WeightLayout, build_layout
 from rollout_manager.weights.protocol import (
+    ActivateRequest,
     BadBody,
     CommitAnswer,
     CommitRequest,
@@ -31,7 +35,10 @@ from rollout_manager.weights.protocol import (
     PushRequest,
     parse_body,
 )
-from rollout_manager.weights.receiver_agent import ReceiverAgent, create_app
+from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver_agent import create_app
+from rollout_manager.weights.receiver_loader import Loader
+from rollout_manager.weights.refused import CommitRefused
 from rollout_manager.weights.sender_agent import SenderAgent
 
 
@@ -215,7 +222,7 @@ async def test_a_push_through_the_typed_client_lands_and_loads(rig: Rig):
     assert push.bytes == layout.total_bytes and push.fingerprint == layout.fingerprint()
     assert len(push.shards) == len(push.checksums) == 2
     assert commit.ok and commit.version == 1 and commit.buckets == len(rig.loads) == 1
-    assert rig.sglang_version == "1" and rig.receiver.version == 1
+    assert rig.sglang_version == "1" and rig.receiver.loader.version == 1
 
 
 async def test_the_receiver_refuses_bad_bodies_naming_the_field_and_changes_nothing(rig: Rig):
@@ -242,7 +249,7 @@ async def test_the_receiver_refuses_bad_bodies_naming_the_field_and_changes_noth
 
     rig.sender.stage(weights(2), version=2)  # the next good round still works
     _, commit = await push_once(rig, 2)
-    assert commit.version == rig.receiver.version == 2 and rig.sglang_version == "2"
+    assert commit.version == rig.receiver.loader.version == 2 and rig.sglang_version == "2"
 
 
 async def test_the_sender_refuses_bad_bodies_naming_the_field(rig: Rig):
@@ -284,3 +291,18 @@ async def test_the_client_treats_an_answer_that_does_not_fit_as_a_failed_push():
         layout = LayoutBody.model_validate(build_layout(weights(0)).to_dict())
         with pytest.raises(PushFailed, match="unexpected answer: field 'session_ids'"):
             await client.prepare(str(server.make_url("")).rstrip("/"), PrepareRequest(version=1, layout=layout))
+
+
+async def test_an_activation_is_refused_before_any_pause_when_nothing_is_staged_or_an_earlier_one_failed() -> None:
+    """activate needs only the agent's SGLang part and what it staged: both refusals come before SGLang is
+    asked anything (this loader has no session and no server behind it)."""
+    loader = Loader("http://127.0.0.1:9", SGLangAuth(), LoadSettings())
+    request = ActivateRequest(version=1, mode="retract")
+    with pytest.raises(CommitRefused) as refused:
+        await activation.activate(loader, activation.Staged(None), request)
+    assert refused.value.status == 409 and "staged: None" in str(refused.value)
+    loader.fail_activation("activation of version 1 (retract): lost")
+    assert loader.dirty is None
+    with pytest.raises(CommitRefused) as refused:
+        await activation.activate(loader, activation.Staged(1), request)
+    assert refused.value.status == 503 and "only a full load through /commit" in str(refused.value)

@@ -19,8 +19,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_manager.instances.box_versions import BoxVersions
 from rollout_manager.osutil import format_endpoint
-from rollout_manager.weights.box_versions import BoxVersions
 
 
 class State(str, enum.Enum):

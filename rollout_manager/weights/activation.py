@@ -31,69 +31,64 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from rollout_manager.sglang.weight_loader import LoadRefused, NamedTensors
+from rollout_manager.sglang.weight_loader import LoadRefused
+from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
 from rollout_manager.weights.protocol import ActivateAnswer, ActivateRequest
+from rollout_manager.weights.receiver_loader import Loader, readback_sample
 from rollout_manager.weights.refused import CommitRefused
-
-if TYPE_CHECKING:
-    from rollout_manager.weights.receiver_agent import ReceiverAgent
 
 log = logging.getLogger("rollout_manager.receiver")
 
 
-async def activate(agent: ReceiverAgent, req: ActivateRequest) -> ActivateAnswer:
-    """Steps 1-3 of the module's docstring; the caller holds ``agent.busy``. Raises
-    :class:`CommitRefused`: 409 when ``req.version`` is not staged (nothing paused), 502 when SGLang cannot be
-    paused (nothing changed), 503 when the load failed after the pause (now or in an earlier activation)."""
-    layout, buffer = agent.layout, agent.buffer
-    if agent.failed is not None:
-        raise CommitRefused(503, f"an earlier activation failed after pausing SGLang ({agent.failed}); only a full "
+@dataclass(frozen=True)
+class Staged:
+    """What the agent's buffer holds for ``/activate``: ``version`` (None: nothing staged) and, where the
+    buffer holds that version verified, its layout and bytes (else None)."""
+
+    version: int | None
+    layout: WeightLayout | None = None
+    buffer: HostBuffer | None = None
+
+
+async def activate(loader: Loader, staged: Staged, req: ActivateRequest) -> ActivateAnswer:
+    """Steps 1-3 of the module's docstring; the caller holds the agent's ``busy`` lock and drops what it
+    staged once this returns. Raises :class:`CommitRefused`: 409 when ``req.version`` is not staged (nothing
+    paused), 502 when SGLang cannot be paused (nothing changed), 503 when the load failed after the pause (now
+    or in an earlier activation)."""
+    if loader.failed is not None:
+        raise CommitRefused(503, f"an earlier activation failed after pausing SGLang ({loader.failed}); only a full "
                                  f"load through /commit serves again")
-    if (agent.staged != req.version or layout is None or buffer is None
-            or agent.held != (req.version, layout.fingerprint())):
-        raise CommitRefused(409, f"version {req.version} is not staged here (staged: {agent.staged}, SGLang serves "
-                                 f"{agent.version})")
-    await agent.check_layout(layout)  # before the pause: a refusal here changes nothing
-    weights = agent._weights()
-    names = None if agent.dirty is None or agent.version is None else set(agent.dirty)
-    named, loading = await agent.selection(weights, names)
+    if staged.version != req.version or staged.layout is None or staged.buffer is None:
+        raise CommitRefused(409, f"version {req.version} is not staged here (staged: {staged.version}, SGLang serves "
+                                 f"{loader.version})")
+    await loader.check_layout(staged.layout)  # before the pause: a refusal here changes nothing
+    weights = loader.weights()
+    named = unpack(staged.buffer, staged.layout)
+    loading = await loader.selection(weights, named, loader.changed())
     t0 = time.monotonic()
     try:
         await weights.pause(req.mode)
     except LoadRefused as exc:
-        raise CommitRefused(502, f"{exc}; nothing loaded, SGLang serves version {agent.version}") from None
+        raise CommitRefused(502, f"{exc}; nothing loaded, SGLang serves version {loader.version}") from None
     paused_at = time.monotonic()
-    agent.reloaded = len(loading)
-    sample = readback_sample(named, agent.readback_tensors, req.version)
+    loader.reloaded = len(loading)
+    sample = readback_sample(named, loader.settings.readback_tensors, req.version)
     try:
-        report = await weights.load(loading, req.version, sample=sample, served=agent._served,
+        report = await weights.load(loading, req.version, sample=sample, served=loader.served,
                                     flush="now" if req.mode == "retract" else None)
         load_s = time.monotonic() - paused_at
         await weights.resume()
     except BaseException as exc:  # LoadRefused, a lost connection, a cancelled activation: stay paused
-        agent.dirty = None  # what SGLang holds now is not known
-        agent.failed = f"activation of version {req.version} ({req.mode}): {exc}"
+        loader.fail_activation(f"activation of version {req.version} ({req.mode}): {exc}")
         log.error("%s; SGLang at %s stays paused (no token from a partly loaded model) until a full load",
-                  agent.failed, agent.sglang_url)
+                  loader.failed, loader.sglang_url)
         if isinstance(exc, Exception):
-            raise CommitRefused(503, f"{agent.failed}; SGLang was paused and stays paused, out of service, "
+            raise CommitRefused(503, f"{loader.failed}; SGLang was paused and stays paused, out of service, "
                                      f"until a full load through /commit succeeds") from None
         raise
     paused_s = time.monotonic() - t0
-    agent.version, agent.dirty, agent.staged = req.version, set(), None
-    agent.readback = report.readback
+    loader.loaded(req.version, report)
     return ActivateAnswer(version=req.version, mode=req.mode, paused_s=round(paused_s, 6), load_s=round(load_s, 6),
                           buckets=report.buckets, reloaded=len(loading), readback=report.readback)
-
-
-def readback_sample(named: NamedTensors, count: int, version: int) -> NamedTensors:
-    """``count`` tensors spread over all of them (every tensor must equal what SGLang holds after a load,
-    not only those just sent), starting at a point that moves with the version."""
-    if count <= 0 or not named:
-        return []
-    if count >= len(named):
-        return list(named)
-    step = len(named) / count
-    return [named[(version + int(i * step)) % len(named)] for i in range(count)]
