@@ -187,7 +187,6 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.xfail(reason="activation <-> receiver_agent circle, being removed", strict=True)
 def test_imports_form_no_cycle() -> None:
     if "imports form no cycle" not in _doc():
         pytest.skip("docs/architecture.md makes no claim about import cycles")
@@ -195,7 +194,6 @@ def test_imports_form_no_cycle() -> None:
     assert not cycles, f"import cycles: {cycles}"
 
 
-@pytest.mark.xfail(reason="instances/instance.py imports weights/box_versions.py, being removed", strict=True)
 def test_no_module_imports_a_floor_above_its_own() -> None:
     floor = _floor_of()
     up = sorted(
