@@ -18,6 +18,7 @@ from rollout_manager.rollout.outcome import (
     next_step,
     outcome_of,
 )
+from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import FinishReason
 
 STOP = FinishReason("stop")
@@ -40,9 +41,9 @@ CALLER_ABORT = FinishReason("abort", message="input too long", status_code=400, 
     (INSTANCE_ABORT, "cut", False, EngineFault("cut")),
     (INSTANCE_ABORT, None, True, Moved(Move.MIGRATED)),
     (CALLER_ABORT, None, False,
-     CallerError(400, {"message": "input too long", "type": "BadRequestError", "code": 400})),
+     CallerError(EngineError(400, "input too long", "BadRequestError"))),
     (CALLER_ABORT, "cut after it", False,
-     CallerError(400, {"message": "input too long", "type": "BadRequestError", "code": 400})),
+     CallerError(EngineError(400, "input too long", "BadRequestError"))),
     (CALLER_ABORT, None, True, Moved(Move.MIGRATED)),
 ])
 def test_what_an_engine_call_comes_to(finish: Any, error: str | None, migrating: bool, want: Outcome) -> None:
@@ -55,9 +56,9 @@ def test_what_an_engine_call_comes_to(finish: Any, error: str | None, migrating:
     (EngineFault("x"), False, True, Step.FAULT),
     (Moved(Move.PREEMPTED), False, False, Step.MOVE),
     (Moved(Move.MIGRATED), True, True, Step.MOVE),
-    (CallerError(400, "bad"), False, True, Step.ASK_ANOTHER),  # one second opinion
-    (CallerError(400, "bad"), True, True, Step.FAIL),  # used already: the caller's error after all
-    (CallerError(400, "bad"), False, False, Step.FAIL),  # nobody else could say
+    (CallerError(EngineError(400, "bad")), False, True, Step.ASK_ANOTHER),  # one second opinion
+    (CallerError(EngineError(400, "bad")), True, True, Step.FAIL),  # used already: the caller's error after all
+    (CallerError(EngineError(400, "bad")), False, False, Step.FAIL),  # nobody else could say
     (Cancelled(), False, True, Step.ABORT),
 ])
 def test_the_step_after_each_outcome(outcome: Outcome, used: bool, others: bool, want: Step) -> None:

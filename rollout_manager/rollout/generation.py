@@ -21,7 +21,7 @@ from typing import Any
 from rollout_manager.errors import ManagerError, Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.answers import Answer, StreamError, final_answer, partial_answer
+from rollout_manager.rollout.answers import final_answer, partial_answer
 from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.call_bounds import CallBoundsCache
 from rollout_manager.rollout.counters import new_generation_stats
@@ -55,6 +55,7 @@ from rollout_manager.rollout.sequence import (
 from rollout_manager.rollout.vocab import VocabBound
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.answer import ErrorChunk, GenerateAnswer
 from rollout_manager.sglang.client import (
     CallBounds,
     EngineFailed,
@@ -73,10 +74,9 @@ log = logging.getLogger("rollout_manager.rollout.generation")
 class GenerationFailed(ManagerError):
     """A sequence could not be completed; ``status`` says whose fault (4xx caller, 5xx/503 ours)."""
 
-    def __init__(self, status: int, message: str, detail: Any = None):
+    def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
-        self.detail = detail
         self.reason = "engine_refused" if 400 <= status < 500 else "generation_failed"
 
 
@@ -138,8 +138,8 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    def generate(self, request: Request, answer: Callable[[Answer], None] | None = None
-                 ) -> Coroutine[Any, Any, Answer | list[Answer] | None]:
+    def generate(self, request: Request, answer: Callable[[GenerateAnswer], None] | None = None
+                 ) -> Coroutine[Any, Any, GenerateAnswer | list[GenerateAnswer] | None]:
         """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await. The
         sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits in. The
         awaiting task is registered for the shutdown grace (:meth:`stop`) inside it. ``answer``: one
@@ -149,7 +149,7 @@ class Generator:
             return self.run_sequence(request.sequences[0], guarded=True, answer=answer)
         return self._generate_batch(request.sequences)
 
-    async def _generate_batch(self, items: list[SequenceRequest]) -> list[Answer]:
+    async def _generate_batch(self, items: list[SequenceRequest]) -> list[GenerateAnswer]:
         me = self._enter()
         try:
             return await self._run_batch(items)
@@ -159,8 +159,8 @@ class Generator:
         finally:
             self._requests.discard(me)
 
-    async def _run_batch(self, items: list[SequenceRequest]) -> list[Answer]:
-        results: list[Answer | None] = [None] * len(items)
+    async def _run_batch(self, items: list[SequenceRequest]) -> list[GenerateAnswer]:
+        results: list[GenerateAnswer | None] = [None] * len(items)
 
         async def one(i: int) -> None:
             results[i] = await self.run_sequence(items[i], index=i)
@@ -177,17 +177,16 @@ class Generator:
         finally:
             await window.close()
 
-    async def generate_stream(self, request: Request) -> AsyncGenerator[list[Answer | StreamError], None]:
+    async def generate_stream(self, request: Request) -> AsyncGenerator[list[GenerateAnswer | ErrorChunk], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
         sequence that advanced several times since the last write gets one chunk with all of it.
-        A sequence that fails yields one :class:`StreamError` chunk (``{"error": ...}``), as SGLang does
-        inside a stream.
+        A sequence that fails yields one :class:`.answer.ErrorChunk`, as SGLang does inside a stream.
         """
         self.begin_rollout()
         batched, items = request.batched, request.sequences
-        queue: asyncio.Queue[tuple[int, SequenceState | Answer | GenerationFailed]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, SequenceState | GenerateAnswer | GenerationFailed]] = asyncio.Queue()
 
         async def one(i: int) -> None:
             try:
@@ -205,11 +204,11 @@ class Generator:
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
-                out: list[Answer | StreamError] = []
+                out: list[GenerateAnswer | ErrorChunk] = []
                 partial: dict[int, SequenceState] = {}
                 for i, item in ready:
                     if isinstance(item, GenerationFailed):
-                        yield out + [StreamError(str(item), item.status)]
+                        yield out + [ErrorChunk(str(item), item.status)]
                         return
                     if isinstance(item, SequenceState):
                         partial[i] = item
@@ -230,7 +229,8 @@ class Generator:
 
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None,
-                           guarded: bool = False, answer: Callable[[Answer], None] | None = None) -> Answer | None:
+                           guarded: bool = False, answer: Callable[[GenerateAnswer], None] | None = None
+                           ) -> GenerateAnswer | None:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
         One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
@@ -283,8 +283,8 @@ class Generator:
                     except Unavailable as exc:
                         self.stats["failed"] += 1
                         if seq.refused is not None:  # nobody could check the refusal: it stands
-                            _, status, error = seq.refused
-                            raise GenerationFailed(status, wire.error_message(error), error) from None
+                            refused = seq.refused[1]
+                            raise GenerationFailed(refused.status, refused.message) from None
                         raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
                     if table is not None and keys is not None and first:
                         self._count_affinity(prefer, inst)
@@ -389,11 +389,11 @@ class Generator:
                     finally:
                         chunks.close()
             except EngineRejected as exc:
-                outcome = CallerError(exc.status, exc.error)
+                outcome = CallerError(exc.error)
             except EngineFailed as exc:
                 error = str(exc)
             if not isinstance(outcome, (Moved, CallerError)):
-                outcome = outcome_of(progress.finish_reason, error, migrating=seq.migrating)
+                outcome = outcome_of(progress.finish, error, migrating=seq.migrating)
             self._carry_out(outcome, seq, inst, segments, progress)
         finally:
             if stream is not None and not stream.done():
@@ -439,10 +439,10 @@ class Generator:
         if new and seq.refused is not None:
             self._refusal_overruled(seq, inst)
         segments.advance(progress.weight_version, new)
-        if progress.meta_info.has_spans:
-            segments.exact(progress.meta_info.weight_versions)  # SGLang's exact spans, on the final chunk
+        if progress.final.has_spans:
+            segments.exact(progress.final.spans())  # SGLang's exact spans, on the final chunk
         seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
-        if new and on_tokens is not None and progress.finish_reason is None:
+        if new and on_tokens is not None and progress.finish is None:
             on_tokens(seq)
 
     def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segments: AttemptSegments,
@@ -455,7 +455,7 @@ class Generator:
         segment = segments.current
         if step is Step.DONE:
             assert isinstance(outcome, Finished)
-            seq.finish, seq.meta = outcome.finish.rebased(segments.start), progress.meta_info
+            seq.finish, seq.meta = outcome.finish.rebased(segments.start), progress.final
             seq.texts.append(progress.text)
             segment.outcome = "finished"
             if outcome.cut is None:
@@ -465,18 +465,18 @@ class Generator:
         elif step is Step.ASK_ANOTHER:
             assert isinstance(outcome, CallerError)
             seq.live_text = None
-            seq.refused, seq.second_opinion = (inst, outcome.status, outcome.error), True
-            message = wire.error_message(outcome.error)
+            error = outcome.error
+            seq.refused, seq.second_opinion = (inst, error), True
             log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request "
-                     "is at fault", seq.rid, inst.endpoint, outcome.status, message[:200])
-            segment.outcome = f"rejected: HTTP {outcome.status}: {message[:200]}; asking another instance"
+                     "is at fault", seq.rid, inst.endpoint, error.status, error.message[:200])
+            segment.outcome = f"rejected: HTTP {error.status}: {error.message[:200]}; asking another instance"
             seq.texts.append("" if progress.made == 0 else None)
         elif step is Step.FAIL:
             assert isinstance(outcome, CallerError)
             seq.live_text = None
             seq.refused = None  # a second refusal: the caller's error after all
             segment.outcome = "rejected"
-            raise GenerationFailed(outcome.status, wire.error_message(outcome.error), outcome.error)
+            raise GenerationFailed(outcome.error.status, outcome.error.message)
         elif step is Step.MOVE:
             assert isinstance(outcome, Moved)
             if outcome.why is Move.PREEMPTED:
@@ -513,9 +513,9 @@ class Generator:
     def _refusal_overruled(self, seq: SequenceState, accepted_by: Instance) -> None:
         """Another instance made tokens for a request the refuser called malformed: the refuser is at fault."""
         assert seq.refused is not None
-        refuser, status, error = seq.refused
+        refuser, error = seq.refused
         seq.refused = None
-        reason = (f"refused a request (HTTP {status}: {wire.error_message(error)[:200]}) that "
+        reason = (f"refused a request (HTTP {error.status}: {error.message[:200]}) that "
                   f"{accepted_by.endpoint} accepted")
         log.warning("instance %s %s %s", refuser.id, refuser.endpoint, reason)
         self.on_instance_failure(refuser, reason)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
-from msgspec import UNSET
-
+from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import FinishReason
 
 
@@ -37,8 +35,7 @@ class EngineFault:
 class CallerError:
     """The instance refused the request as the caller's error (HTTP 4xx, or an abort with a 4xx status)."""
 
-    status: int
-    error: Any
+    error: EngineError
 
 
 class Move(enum.Enum):
@@ -75,8 +72,7 @@ def outcome_of(finish: FinishReason | None, error: str | None, *, migrating: boo
     status = finish.caller_status
     if status is not None:
         # SGLang refused the request itself (e.g. too long for its context): every instance would.
-        return CallerError(status, {"message": finish.abort_message,
-                                    "type": None if finish.err_type is UNSET else finish.err_type, "code": status})
+        return CallerError(EngineError(status, finish.abort_message, finish.error_type))
     if instance_abort:
         return EngineFault(f"aborted by the instance: {finish.abort_message}")
     return Finished(finish, cut=error)

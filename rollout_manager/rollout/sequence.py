@@ -13,6 +13,7 @@ from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.progress import token_array
+from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
@@ -40,14 +41,14 @@ class SequenceState:
     rid: str
     output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
-    # The other per-token meta_info lists (wire.PER_TOKEN_META_KEYS: top log-probs, ...), gathered over chunks.
+    # The engine's other per-token lists (top log-probs, ...: wire.PER_TOKEN_META_KEYS), gathered over chunks.
     per_token: dict[str, list[Any]] = field(default_factory=dict)
     texts: list[str | None] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     # Tuples and a shared empty dict until something is recorded: most sequences never fail, and every
     # field made empty per sequence costs its bytes for as long as the sequence runs.
     failures: tuple[str, ...] = ()
-    meta: FinalMeta = NO_META  # what the answer needs of the final chunk's meta_info
+    meta: FinalMeta = NO_META  # what the answer keeps of the finishing engine's own fields
     finish: FinishReason | None = None  # how it ended, as seen from the sequence's first token
     live_text: str | None = None  # the running segment's text so far (None: not known)
     # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
@@ -61,8 +62,8 @@ class SequenceState:
     versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
     discarded: tuple[Segment, ...] = ()  # segments a staleness restart threw away
     # A refusal (HTTP 400 or an error frame) waiting for another instance's verdict: (the instance, the
-    # status, the error); and whether that one extra try was used.
-    refused: tuple[Instance, int, Any] | None = None
+    # error); and whether that one extra try was used.
+    refused: tuple[Instance, EngineError] | None = None
     second_opinion: bool = False
     # The caller's min_weight_version (0: none): the sequence runs only on instances at that version or newer.
     min_version: int = 0
