@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from rollout_manager.sglang import finish as _finish
 
 # Paths (SGLang's http_server.py).
@@ -158,10 +160,10 @@ def read_output(obj: dict[str, Any]) -> GenerateOutput:
 # _INCREMENTAL_STREAMING_META_INFO_KEYS), so they are gathered chunk by chunk like the tokens.
 PER_TOKEN_META_KEYS = ("output_top_logprobs", "output_token_ids_logprobs", "output_token_sampling_mask",
                        "output_token_sampling_logprobs")
+_PER_TOKEN = frozenset(PER_TOKEN_META_KEYS)
 
 
-@dataclass(slots=True)
-class ChunkMeta:
+class ChunkMeta(msgspec.Struct, gc=False):
     """The ``meta_info`` of one chunk: the fields the manager reads, each under its own name; the rest
     opaque (``final``: what a finished sequence keeps of it, passed through to the caller)."""
 
@@ -173,8 +175,7 @@ class ChunkMeta:
     final: _finish.FinalMeta  # the shared NO_META until the chunk that finished the request
 
 
-@dataclass(slots=True)
-class GenerateChunk:
+class GenerateChunk(msgspec.Struct):
     """One ``/generate`` output object (a stream chunk, or a whole answer), decoded once (:meth:`of`).
 
     ``ids`` and ``text`` are the JSON values as sent (the ids are checked against a vocabulary where they
@@ -226,12 +227,13 @@ class GenerateChunk:
                 return _faulty(str(exc))
             final = _finish.FinalMeta.from_json(meta)
         per_token = None
-        for key in PER_TOKEN_META_KEYS:
-            entries = get(key)
-            if isinstance(entries, list):
-                if per_token is None:
-                    per_token = {}
-                per_token[key] = entries
+        if not _PER_TOKEN.isdisjoint(meta):  # one C pass over the keys: most chunks carry none of them
+            for key in PER_TOKEN_META_KEYS:
+                entries = get(key)
+                if isinstance(entries, list):
+                    if per_token is None:
+                        per_token = {}
+                    per_token[key] = entries
         meta_of = ChunkMeta(get("id"), total, get("weight_version"), lps, per_token, final)
         return cls(ids, obj.get("text"), finish, meta_of, obj.get("index"), skipped_ids, skipped_logprobs)
 
