@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_manager.rollout.affinity import AffinityKeys, AffinitySettings, AffinityTable, overloaded
-from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter, make_policy
+from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, make_policy
 
 
 @dataclass
@@ -167,7 +167,7 @@ def simulate(args: argparse.Namespace, seed: int, policy_name: str, affinity: st
     plan = workload(args, seed)
     prompts = [[rng.randrange(50_000) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
                for _ in range(args.groups)]
-    policy: Policy = make_policy(policy_name)
+    policy: PlacementPolicy = make_policy(policy_name)
     insts = [Inst(f"i{k}", args.base_rate * s, args.batch_half, args.max_running,
                   args.base_rate * s * args.prefill_factor, args.cache_tokens) for k, s in enumerate(args.speeds)]
     by_id = {i.iid: i for i in insts}

@@ -70,7 +70,7 @@ from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
     Move,
-    Policy,
+    PlacementPolicy,
     RunningSequence,
     TailMigration,
     TokenRateMeter,
@@ -385,7 +385,7 @@ class ExpressPromotion(TailMigration):
         return moves
 
 
-def simulate(label: str, policy: Policy, lengths: list[int], args: argparse.Namespace,
+def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argparse.Namespace,
              t_preempt: float | None, victim: int | None,
              migration: TailMigration | None = None) -> Result:
     insts = make_instances(args)
@@ -659,7 +659,7 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
             if args.order == "longest-first" or name is None:
                 lengths = sorted(lengths, reverse=True)
             if name is None:
-                pol: Policy = Clairvoyant(args.speeds, args.max_running)
+                pol: PlacementPolicy = Clairvoyant(args.speeds, args.max_running)
             elif name == "express":
                 pol = ExpressLane(args.speeds, args.max_running)
                 mig = ExpressPromotion(fastest, args.max_running // 2 + args.max_running // 8, args.express_tokens,

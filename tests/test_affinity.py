@@ -23,7 +23,7 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import Request, decode
-from rollout_manager.rollout.scheduling import InstanceLoad, LeastInFlight, Policy, RoundRobin, ThroughputAware
+from rollout_manager.rollout.scheduling import InstanceLoad, LeastInFlight, PlacementPolicy, RoundRobin, ThroughputAware
 from rollout_manager.sglang.client import SGLangClient
 
 PROMPT = [5, 17, 42]
@@ -71,10 +71,10 @@ def test_overloaded_follows_what_the_policy_measures() -> None:
     def load(iid: str, n: int, tokens: int, rate: float | None) -> InstanceLoad:
         return InstanceLoad(iid, "remote", n, tokens, rate)
 
-    ta: Policy = ThroughputAware(target_drain_s=10, min_concurrency=1)
+    ta: PlacementPolicy = ThroughputAware(target_drain_s=10, min_concurrency=1)
     busy, idle = load("a", 4, 900, 100.0), load("b", 0, 0, 100.0)
     assert overloaded(busy, [busy, idle], 200, ta, 100.0)  # full under the policy's own rule
-    rr: Policy = RoundRobin()
+    rr: PlacementPolicy = RoundRobin()
     assert overloaded(busy, [busy, idle], 200, rr, 2.0)  # 11 s expected against 2 s
     assert not overloaded(busy, [busy, idle], 200, rr, 10.0)
     assert not overloaded(load("a", 1, 0, None), [load("a", 1, 0, None), load("b", 0, 0, None)], 8, rr, 2.0)
@@ -130,7 +130,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-async def make_rig(session: aiohttp.ClientSession, n: int, policy: Policy, *, affinity: bool = True,
+async def make_rig(session: aiohttp.ClientSession, n: int, policy: PlacementPolicy, *, affinity: bool = True,
                    max_staleness: int | None = None, action: str = "finish_on_old",
                    slowdown: float = 100.0) -> Rig:
     fakes = await start_fakes(n)

@@ -123,8 +123,8 @@ def finish_from(seq: SequenceState, meta: dict[str, Any]) -> None:
     """Fold the final chunk in and keep what the generator keeps of it (``Generator._carry_out``)."""
     progress = SequenceProgress()
     progress.apply(GenerateChunk.of({"output_ids": [4, 9], "meta_info": meta}))
-    assert progress.finish_reason is not None
-    seq.finish, seq.meta = progress.finish_reason.rebased(START), progress.meta_info
+    assert progress.finish is not None
+    seq.finish, seq.meta = progress.finish.rebased(START), progress.final
 
 
 def finished_sequence(wants_logprobs: bool = True, meta: dict[str, Any] | None = None) -> SequenceState:

@@ -1,4 +1,4 @@
-"""An attempt's outcome and the step after it (rollout/outcome.py): every path, without an engine."""
+"""An attempt's outcome and how a refusal is settled (rollout/outcome.py): every path, without an engine."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import pytest
 from rollout_manager.rollout.outcome import (
     CallerError,
     Cancelled,
+    Disputed,
     EngineFault,
     Finished,
-    Move,
-    Moved,
+    Migrated,
     Outcome,
-    Step,
-    next_step,
+    Preempted,
     outcome_of,
+    settle,
 )
+from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import FinishReason
 
 STOP = FinishReason("stop")
@@ -32,33 +33,36 @@ CALLER_ABORT = FinishReason("abort", message="input too long", status_code=400, 
     (LENGTH, None, True, Finished(LENGTH)),  # it finished before the move took effect: kept
     (STOP, "stream ended without [DONE]", False, Finished(STOP, cut="stream ended without [DONE]")),
     (None, "connection reset", False, EngineFault("connection reset")),
-    (None, "connection reset", True, Moved(Move.MIGRATED)),  # the manager's abort cut it
-    (None, None, False, EngineFault("stream finished without a finish_reason")),
-    (None, None, True, Moved(Move.MIGRATED)),
+    (None, "connection reset", True, Migrated()),  # the manager's abort cut it
+    (None, None, False, EngineFault("stream finished without saying how it ended")),
+    (None, None, True, Migrated()),
     (INSTANCE_ABORT, None, False, EngineFault("aborted by the instance: scheduler restarted")),
     (ABORT_500, None, False, EngineFault("aborted by the instance: oops")),
     (INSTANCE_ABORT, "cut", False, EngineFault("cut")),
-    (INSTANCE_ABORT, None, True, Moved(Move.MIGRATED)),
+    (INSTANCE_ABORT, None, True, Migrated()),
     (CALLER_ABORT, None, False,
-     CallerError(400, {"message": "input too long", "type": "BadRequestError", "code": 400})),
+     CallerError(EngineError(400, "input too long", "BadRequestError"))),
     (CALLER_ABORT, "cut after it", False,
-     CallerError(400, {"message": "input too long", "type": "BadRequestError", "code": 400})),
-    (CALLER_ABORT, None, True, Moved(Move.MIGRATED)),
+     CallerError(EngineError(400, "input too long", "BadRequestError"))),
+    (CALLER_ABORT, None, True, Migrated()),
 ])
 def test_what_an_engine_call_comes_to(finish: Any, error: str | None, migrating: bool, want: Outcome) -> None:
     assert outcome_of(finish, error, migrating=migrating) == want
 
 
+BAD = EngineError(400, "bad")
+
+
 @pytest.mark.parametrize("outcome, used, others, want", [
-    (Finished(STOP), False, False, Step.DONE),
-    (Finished(STOP, cut="x"), True, True, Step.DONE),
-    (EngineFault("x"), False, True, Step.FAULT),
-    (Moved(Move.PREEMPTED), False, False, Step.MOVE),
-    (Moved(Move.MIGRATED), True, True, Step.MOVE),
-    (CallerError(400, "bad"), False, True, Step.ASK_ANOTHER),  # one second opinion
-    (CallerError(400, "bad"), True, True, Step.FAIL),  # used already: the caller's error after all
-    (CallerError(400, "bad"), False, False, Step.FAIL),  # nobody else could say
-    (Cancelled(), False, True, Step.ABORT),
+    (Finished(STOP), False, True, Finished(STOP)),
+    (EngineFault("x"), False, True, EngineFault("x")),
+    (Preempted(), False, True, Preempted()),
+    (Migrated(), True, True, Migrated()),
+    (CallerError(BAD), False, True, Disputed(BAD)),  # one second opinion
+    (CallerError(BAD), True, True, CallerError(BAD)),  # used already: the caller's error after all
+    (CallerError(BAD), False, False, CallerError(BAD)),  # nobody else could say
+    (Cancelled(), False, True, Cancelled()),
 ])
-def test_the_step_after_each_outcome(outcome: Outcome, used: bool, others: bool, want: Step) -> None:
-    assert next_step(outcome, second_opinion_used=used, others=others) is want
+def test_a_refusal_is_settled_once_and_every_other_outcome_stands(outcome: Outcome, used: bool, others: bool,
+                                                                  want: Outcome) -> None:
+    assert settle(outcome, second_opinion_used=used, others=others) == want

@@ -76,8 +76,8 @@ async def test_calls_that_start_together_share_one_request_and_each_gets_its_own
     async with aiohttp.ClientSession() as s:
         bodies = [body(n) for n in range(1, 8)] + [body(9, return_logprob=True)]
         answers = await asyncio.gather(*(one(co, s, engine.url, b) for b in bodies))
-    assert [a.output_ids for a in answers] == [[len(b["input_ids"])] for b in bodies]
-    assert [a.meta_info["id"] for a in answers] == [b["rid"] for b in bodies]
+    assert [a.ids for a in answers] == [[len(b["input_ids"])] for b in bodies]
+    assert [a.meta.rid for a in answers] == [b["rid"] for b in bodies]
     # At most 3 per request, and the one with another shape alone.
     assert [len(b["rid"]) if isinstance(b["rid"], list) else 1 for b in engine.bodies] == [3, 3, 1, 1]
     assert engine.bodies[-1]["return_logprob"] is True and "return_logprob" not in engine.bodies[0]
@@ -94,7 +94,7 @@ async def test_a_caller_that_leaves_does_not_disturb_the_others_and_when_all_lea
         tasks[0].cancel()
         engine.release.set()
         rest = await asyncio.gather(*tasks[1:])
-        assert [a.output_ids for a in rest] == [[2], [3]]
+        assert [a.ids for a in rest] == [[2], [3]]
         assert tasks[0].cancelled()
 
         engine.release.clear()

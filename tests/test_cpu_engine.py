@@ -285,7 +285,7 @@ async def test_incremental_stream_agrees_with_non_stream_then_shutdown(engines, 
         assert c["meta_info"]["output_token_logprobs"] == [full["meta_info"]["output_token_logprobs"][i - 1]]
     p = fold(chunks)
     assert p.output_ids.tolist() == full["output_ids"] and p.logprobs == full["meta_info"]["output_token_logprobs"]
-    assert p.finish_reason is not None and p.finish_reason.to_json() == {"type": "length", "length": 12}
+    assert p.finish is not None and p.finish.to_json() == {"type": "length", "length": 12}
     assert p.text == full["text"]
     status, info = await get(session, e.url + wire.SERVER_INFO)
     assert info["incremental_streaming_output"] is True

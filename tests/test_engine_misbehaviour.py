@@ -92,7 +92,7 @@ def test_a_chunk_breaking_a_rule_is_refused_and_nothing_of_it_is_kept(bad: dict[
     p = progress()
     with pytest.raises(BadChunk, match=re.escape(says)):
         p.apply(GenerateChunk.of(bad))
-    assert p.output_ids.tolist() == [9, 9, 1, 2] and p.made == 2 and p.finish_reason is None and p.chunks == 2
+    assert p.output_ids.tolist() == [9, 9, 1, 2] and p.made == 2 and p.finish is None and p.chunks == 2
 
 
 def test_no_tokens_after_the_final_chunk() -> None:
@@ -108,7 +108,7 @@ def test_chunks_that_keep_the_rules_pass_in_either_mode() -> None:
     assert p.apply(GenerateChunk.of(chunk([3, 4], total=4))) == 2  # a delta after cumulative chunks
     assert p.apply(GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6]))) == 2  # and cumulative again
     assert p.apply(GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6)))) == 0
-    assert p.output_ids.tolist() == [9, 9, 1, 2, 3, 4, 5, 6] and p.finish_reason == FinishReason("length", length=6)
+    assert p.output_ids.tolist() == [9, 9, 1, 2, 3, 4, 5, 6] and p.finish == FinishReason("length", length=6)
     last = GenerateChunk.of(chunk([1, 2, 3, 4, 5, 6], finish=wire.finish_reason(wire.LENGTH, length=6)))
     assert p.apply(last) == 0  # a repeat
 
@@ -382,7 +382,7 @@ async def test_trickled_bytes_after_good_chunks_are_no_progress() -> None:
             with pytest.raises(sgl.EngineFailed) as err:
                 async for c in sgl.stream_generate(session, str(server.make_url("")), SequenceBody.of(body(4)),
                                                    sgl.CallBounds(connect_timeout_s=2, stall_timeout_s=0.3)):
-                    got.append(c.output_ids)
+                    got.append(c.ids)
         assert got == [[1], [2]]  # the second, cumulative, parsed without the id already seen
         assert re.match(r"no complete chunk for 0\.[3-9]\d*s after 2 chunk\(s\) \(stream_stall_timeout_s=0.3\); "
                         r"\d+ byte\(s\) of an unfinished frame came meanwhile", str(err.value)), str(err.value)

@@ -195,5 +195,5 @@ async def test_a_connect_timed_out_by_a_blocked_loop_is_retried_and_not_blamed()
                 CallBounds(connect_timeout_s=0.3, stall_timeout_s=5.0, limits=limits))]
     finally:
         await runner.cleanup()
-    assert [c.output_ids for c in chunks] == [[7]]
+    assert [c.ids for c in chunks] == [[7]]
     assert limits.events == 1 and "event loop was blocked" in (limits.last_error or "")

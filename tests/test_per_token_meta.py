@@ -39,7 +39,7 @@ def test_cumulative_chunks_and_a_second_segment() -> None:
     assert gathered["output_top_logprobs"] == [top(1), top(2), top(3), top(4)]
     body = {"input_ids": [9], "sampling_params": {"sampling_seed": 5}}
     out = final_output(SequenceBody.of(body), rid="r", output_ids=[1, 2, 3, 4], logprobs=[],
-                            finish=FinishReason("length"), engine_meta=second.meta_info, segments=[], text=None,
+                            finish=FinishReason("length"), engine_meta=second.final, segments=[], text=None,
                             e2e_latency=0.1, index=None,
                             per_token=gathered).to_json()
     assert out["meta_info"]["output_top_logprobs"] == gathered["output_top_logprobs"]

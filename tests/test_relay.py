@@ -23,6 +23,7 @@ from rollout_manager.sglang.client import (
     generate_once,
     stream_generate,
 )
+from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.generate_request import SequenceBody, encode
 from rollout_manager.sglang.local_limits import LocalLimits
 from rollout_manager.sglang.sse import sse_frame
@@ -111,7 +112,7 @@ ONE = SequenceBody.of({"input_ids": [1]})
 
 
 async def ids(session: aiohttp.ClientSession, url: str, bounds: CallBounds = BOUNDS) -> list[list[int]]:
-    return [c.output_ids for c in [c async for c in stream_generate(session, url, ONE, bounds)]]
+    return [c.ids for c in [c async for c in stream_generate(session, url, ONE, bounds)]]
 
 
 async def poll(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
@@ -129,7 +130,7 @@ async def test_calls_to_one_instance_share_a_kept_alive_connection() -> None:
         assert await ids(session, engine.url) == [[7]]
         await poll(lambda: bool(relay.idle))  # the stream's end may come after its [DONE] frame
         chunk = await generate_once(session, engine.url, SequenceBody.of({"input_ids": [1], "rid": "once"}), BOUNDS)
-        assert list(chunk.output_ids) == [7]
+        assert list(chunk.ids) == [7]
         assert await ids(session, engine.url) == [[7]]
         assert engine.connections == 1
         # Three at once need three; all three are kept for the next calls (up to max_idle).
@@ -160,7 +161,7 @@ async def test_a_kept_connection_the_server_closed_is_retried_once_on_a_fresh_on
     async with relayed(answer) as (engine, session, relay):
         await generate_once(session, engine.url, ONE, BOUNDS)
         chunk = await generate_once(session, engine.url, ONE, BOUNDS)
-        assert list(chunk.output_ids) == [7] and engine.connections == 2
+        assert list(chunk.ids) == [7] and engine.connections == 2
 
 
 async def test_a_fresh_connection_closed_without_an_answer_is_the_instances_failure() -> None:
@@ -248,7 +249,7 @@ async def test_a_reset_before_the_answer_and_a_non_200_with_a_body() -> None:
         assert str(failed.value).startswith("connection to the instance failed (ConnectionResetError"), failed.value
         with pytest.raises(EngineRejected) as rejected:
             await ids(session, engine.url)
-        assert rejected.value.status == 400 and rejected.value.error == {"error": {"message": "bad sampling params"}}
+        assert rejected.value.status == 400 and rejected.value.error == EngineError(400, "bad sampling params")
         with pytest.raises(EngineFailed, match="HTTP 503: engine on fire"):
             await generate_once(session, engine.url, ONE, BOUNDS)
 

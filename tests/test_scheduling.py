@@ -9,7 +9,7 @@ from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
     LeastInFlight,
-    Policy,
+    PlacementPolicy,
     RoundRobin,
     ThroughputAware,
     TokenRateMeter,
@@ -28,7 +28,7 @@ def load(iid, reqs=0, toks=0, rate=None, kind="remote"):
 def test_make_policy_names_and_protocol(name):
     p = make_policy(name)
     assert p.name == name
-    assert isinstance(p, Policy)
+    assert isinstance(p, PlacementPolicy)
 
 
 def test_policy_names_and_default():

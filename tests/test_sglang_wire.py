@@ -50,8 +50,8 @@ def test_progress_folds_cumulative_and_incremental_chunks_alike() -> None:
     # A cumulative chunk that repeats what was seen brings nothing new.
     last = GenerateChunk.of(chunk([1, 2, 3], 3, finish=wire.finish_reason(wire.LENGTH, length=3)))
     assert cumulative.apply(last) == 0
-    assert cumulative.finish_reason == FinishReason("length", length=3)
-    assert cumulative.meta_info == FinalMeta(weight_version="7", other={"cached_tokens": 0})
+    assert cumulative.finish == FinishReason("length", length=3)
+    assert cumulative.final == FinalMeta(weight_version="7", other={"cached_tokens": 0})
 
 
 def test_split_batch_keeps_per_item_fields() -> None:
@@ -132,7 +132,7 @@ def test_a_finish_reason_that_is_not_an_object_with_a_type_is_a_bad_chunk(finish
     p.apply(GenerateChunk.of(chunk([1], 1)))
     with pytest.raises(BadChunk, match="finish_reason"):
         p.apply(GenerateChunk.of(chunk([1, 2], 2, finish=finish)))
-    assert p.output_ids.tolist() == [1] and p.finish_reason is None and p.meta_info is NO_META and p.chunks == 1
+    assert p.output_ids.tolist() == [1] and p.finish is None and p.final is NO_META and p.chunks == 1
 
 
 @pytest.mark.parametrize("error, message", [
@@ -245,7 +245,7 @@ def _fold(raw: bytes, pieces: int, *, skip_seen: bool,
     for at in range(0, len(raw), step):
         for c in dec.feed(raw[at:at + step]):
             c = c if isinstance(c, GenerateChunk) else GenerateChunk.of(c)
-            chunks.append({"output_ids": c.output_ids, "meta_info": c.meta_info})
+            chunks.append(c)
             progress.apply(c)
     assert dec.done
     return progress, chunks
@@ -272,7 +272,7 @@ def test_skipping_seen_ids_folds_exactly_what_a_full_parse_does(
     assert fast.output_ids.tolist() == full.output_ids.tolist() == base[0] + tokens
     assert fast.logprobs == full.logprobs == base[1] + (lps or [])
     assert fast.text == full.text == "".join(f"<{t}>" for t in tokens)
-    assert fast.finish_reason == full.finish_reason == FinishReason("length", length=n)
+    assert fast.finish == full.finish == FinishReason("length", length=n)
 
 
 def test_a_cumulative_chunk_is_parsed_without_the_ids_already_seen() -> None:
@@ -280,8 +280,8 @@ def test_a_cumulative_chunk_is_parsed_without_the_ids_already_seen() -> None:
     lps = [[-0.5, t, None] for t in tokens]
     raw = _stream(tokens, [1, 16, 32, 48, 64], cumulative=True, lps=lps, text=False)
     progress, chunks = _fold(raw, 1, skip_seen=True)
-    assert [len(c["output_ids"]) for c in chunks] == [1, 15, 16, 16, 16]
-    assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks] == [1, 15, 16, 16, 16]
+    assert [len(c.ids) for c in chunks] == [1, 15, 16, 16, 16]
+    assert [len(c.meta.logprobs) for c in chunks] == [1, 15, 16, 16, 16]
     assert progress.output_ids.tolist() == tokens and progress.logprobs == lps
 
 

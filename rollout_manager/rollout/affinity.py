@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.request import KEY_FIELD  # body key the manager reads and strips
-from rollout_manager.rollout.scheduling import InstanceLoad, Policy, ThroughputAware
+from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, ThroughputAware
 
 __all__ = ["AffinityKeys", "AffinityTable", "AffinitySettings", "KEY_FIELD", "KEY_HEADER", "FALLBACK_REASONS",
            "fallback_reason", "overloaded"]
@@ -160,7 +160,7 @@ def _finish_s(c: InstanceLoad, tokens: int) -> float:
     return (c.in_flight_tokens + tokens) / rate if rate > 0 else math.inf
 
 
-def overloaded(preferred: InstanceLoad, candidates: Sequence[InstanceLoad], tokens: int, policy: Policy,
+def overloaded(preferred: InstanceLoad, candidates: Sequence[InstanceLoad], tokens: int, policy: PlacementPolicy,
                max_slowdown: float) -> bool:
     """Whether ``preferred`` is too loaded to take a request for its cache's sake.
 

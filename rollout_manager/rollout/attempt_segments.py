@@ -3,17 +3,16 @@
 An instance may change weights under a running sequence (a staged version activated with a short
 pause): the sequence keeps every token, and a new segment starts at the token where the version
 changed, on the same instance, so every segment has one version and the caller sees the boundary.
-Two sources say where: each chunk's ``meta_info.weight_version`` (to the chunk: the new segment starts at
-the first token of the first chunk reporting the new version), and SGLang's (0.5.23) exact
-``meta_info.weight_versions`` spans on the final chunk, which win when present and well formed.
+Two sources say where: the weight version each chunk reports (to the chunk: the new segment starts at
+the first token of the first chunk reporting the new version), and SGLang's (0.5.23) exact spans on the
+final chunk (:meth:`.finish.FinalMeta.spans`), which win when present, well formed and covering every token.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from rollout_manager.instances.registry import Instance
 from rollout_manager.rollout.sequence import Segment, SequenceState
+from rollout_manager.sglang.finish import VersionSpan
 
 
 def _changed(version: str, at: int) -> str:
@@ -52,20 +51,19 @@ class AttemptSegments:
         if version is not None:
             seg.weight_version = version
 
-    def exact(self, spans: Any) -> None:
-        """Cut this attempt's segments where the engine's ``weight_versions`` spans (``[{"version", "start",
-        "end"}]`` over this request's tokens, SGLang >= 0.5.23) say; spans that do not cover exactly the
-        tokens made, in order, are ignored (the per-chunk cuts stand)."""
-        parsed = _spans(spans, self.made)
-        if parsed is None:
+    def exact(self, spans: list[VersionSpan] | None) -> None:
+        """Cut this attempt's segments where the engine's spans (over this request's tokens, SGLang >= 0.5.23)
+        say; spans that do not cover exactly the tokens made are ignored (the per-chunk cuts stand)."""
+        if not spans or spans[-1].end != self.made:
             return
         seg = self.current
         cuts: list[Segment] = []
-        for version, a, b in parsed:
+        for span in spans:
+            version, a, b = span.version, span.start, span.end
             if cuts and cuts[-1].weight_version == version:
                 cuts[-1].end = self.start + b
                 continue
-            if cuts:
+            if cuts and version is not None:
                 cuts[-1].outcome = _changed(version, self.start + a)
                 _note_version(self.seq, version)
             cuts.append(Segment(seg.instance, seg.endpoint, version, self.start + a, self.start + b))
@@ -78,19 +76,3 @@ def _note_version(seq: SequenceState, version: str) -> None:
     """A version the sequence now has tokens of, for its staleness bound and version floor."""
     if version.isascii() and version.isdigit() and int(version) not in seq.versions:
         seq.versions.append(int(version))
-
-
-def _spans(spans: Any, made: int) -> list[tuple[str, int, int]] | None:
-    if not isinstance(spans, list) or not spans:
-        return None
-    out: list[tuple[str, int, int]] = []
-    at = 0
-    for span in spans:
-        if not isinstance(span, dict):
-            return None
-        version, a, b = span.get("version"), span.get("start"), span.get("end")
-        if version is None or type(a) is not int or type(b) is not int or a != at or b < a:
-            return None
-        out.append((str(version), a, b))
-        at = b
-    return out if at == made else None

@@ -33,7 +33,7 @@ from rollout_manager.notify import Signal
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
 from rollout_manager.rollout.local_budget import LocalWindow
-from rollout_manager.rollout.scheduling import InstanceLoad, Policy, TokenRateMeter, lone_rate_weight
+from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
 
 _MAX_SKIPPED = 32  # constrained requests one placing pass may step over
 _RATE_REUSE_S = 0.01  # how long a computed rate is reused while its meter does not change
@@ -80,7 +80,7 @@ class _Waiter:
 
 
 class Dispatcher:
-    def __init__(self, registry: Registry, policy: Policy, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, registry: Registry, policy: PlacementPolicy, *, clock: Callable[[], float] = time.monotonic,
                  max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0):
         """``max_in_flight_per_instance``: 0 takes each instance's own ``max_running_requests`` (or
         :data:`DEFAULT_INSTANCE_MAX_IN_FLIGHT` where it reports none); N caps every instance at N too.

@@ -18,35 +18,20 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
-from rollout_manager.errors import ManagerError, Unavailable
+from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout import affinity as aff
-from rollout_manager.rollout.answers import Answer, StreamError, final_answer, partial_answer
-from rollout_manager.rollout.attempt_segments import AttemptSegments
-from rollout_manager.rollout.call_bounds import CallBoundsCache
+from rollout_manager.rollout.answers import final_answer, partial_answer
+from rollout_manager.rollout.attempt import Attempts
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
-from rollout_manager.rollout.outcome import (
-    CallerError,
-    Cancelled,
-    EngineFault,
-    Finished,
-    Move,
-    Moved,
-    Outcome,
-    Step,
-    next_step,
-    outcome_of,
-)
-from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
+from rollout_manager.rollout.outcome import GenerationFailed as GenerationFailed  # re-exported
 from rollout_manager.rollout.request import Request, SequenceRequest
 from rollout_manager.rollout.sequence import (
-    Segment,
     SequenceState,
-    version_check,
     version_floor,
     with_failures,
     with_floor,
@@ -55,29 +40,12 @@ from rollout_manager.rollout.sequence import (
 from rollout_manager.rollout.vocab import VocabBound
 from rollout_manager.rollout.window import StartWindow
 from rollout_manager.sglang import wire
-from rollout_manager.sglang.client import (
-    CallBounds,
-    EngineFailed,
-    EngineRejected,
-    SGLangClient,
-    open_stream,
-)
+from rollout_manager.sglang.answer import ErrorChunk, GenerateAnswer
+from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.coalesce import Coalescer
 from rollout_manager.sglang.finish import FinalMeta, FinishReason
-from rollout_manager.sglang.generate_request import SequenceBody, continuation
-from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
-
-
-class GenerationFailed(ManagerError):
-    """A sequence could not be completed; ``status`` says whose fault (4xx caller, 5xx/503 ours)."""
-
-    def __init__(self, status: int, message: str, detail: Any = None):
-        super().__init__(message)
-        self.status = status
-        self.detail = detail
-        self.reason = "engine_refused" if 400 <= status < 500 else "generation_failed"
 
 
 class Generator:
@@ -95,8 +63,6 @@ class Generator:
         self.on_instance_success = on_instance_success
         self.local = dispatcher.local
         self.coalescer = Coalescer(settings.batch_max)
-        self._loop = self.coalescer.loop
-        self._call_bounds = CallBoundsCache(client)  # one CallBounds per instance, not per attempt
         # The manager's own request ids: unique per run (random prefix) and cheap (no urandom per request).
         self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
         self._rid_counter = itertools.count()
@@ -104,7 +70,10 @@ class Generator:
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.vocab = VocabBound(dispatcher.registry, settings.vocab_size)  # input ids are checked against it
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
-                                 bound=lambda seq: self._allowed(seq, restart=False))
+                                 bound=lambda seq: self._allowed(seq, restart=False), stats=self.stats)
+        self.attempts = Attempts(dispatcher, client, settings, self.coalescer, self.migrator, self.stats,
+                                 lambda seq: self._allowed(seq, restart=False), on_instance_failure,
+                                 on_instance_success)
         self.stopping = asyncio.Event()  # the shutdown grace is over: what still runs is failed (503)
         self._requests: set[asyncio.Task[Any]] = set()
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
@@ -138,8 +107,8 @@ class Generator:
         for task in list(self._requests):
             task.cancel()
 
-    def generate(self, request: Request, answer: Callable[[Answer], None] | None = None
-                 ) -> Coroutine[Any, Any, Answer | list[Answer] | None]:
+    def generate(self, request: Request, answer: Callable[[GenerateAnswer], None] | None = None
+                 ) -> Coroutine[Any, Any, GenerateAnswer | list[GenerateAnswer] | None]:
         """A decoded ``/generate`` -> SGLang's final answer (a list for batched input), to await. The
         sequence's own coroutine, not a wrapper's: a sequence in flight holds every frame it awaits in. The
         awaiting task is registered for the shutdown grace (:meth:`stop`) inside it. ``answer``: one
@@ -149,7 +118,7 @@ class Generator:
             return self.run_sequence(request.sequences[0], guarded=True, answer=answer)
         return self._generate_batch(request.sequences)
 
-    async def _generate_batch(self, items: list[SequenceRequest]) -> list[Answer]:
+    async def _generate_batch(self, items: list[SequenceRequest]) -> list[GenerateAnswer]:
         me = self._enter()
         try:
             return await self._run_batch(items)
@@ -159,8 +128,8 @@ class Generator:
         finally:
             self._requests.discard(me)
 
-    async def _run_batch(self, items: list[SequenceRequest]) -> list[Answer]:
-        results: list[Answer | None] = [None] * len(items)
+    async def _run_batch(self, items: list[SequenceRequest]) -> list[GenerateAnswer]:
+        results: list[GenerateAnswer | None] = [None] * len(items)
 
         async def one(i: int) -> None:
             results[i] = await self.run_sequence(items[i], index=i)
@@ -177,17 +146,16 @@ class Generator:
         finally:
             await window.close()
 
-    async def generate_stream(self, request: Request) -> AsyncGenerator[list[Answer | StreamError], None]:
+    async def generate_stream(self, request: Request) -> AsyncGenerator[list[GenerateAnswer | ErrorChunk], None]:
         """Like :meth:`generate`, as SGLang's cumulative stream chunks (``index`` set for a batch).
 
         Yields lists: everything ready at once goes out in one write. Chunks are cumulative, so a
         sequence that advanced several times since the last write gets one chunk with all of it.
-        A sequence that fails yields one :class:`StreamError` chunk (``{"error": ...}``), as SGLang does
-        inside a stream.
+        A sequence that fails yields one :class:`.answer.ErrorChunk`, as SGLang does inside a stream.
         """
         self.begin_rollout()
         batched, items = request.batched, request.sequences
-        queue: asyncio.Queue[tuple[int, SequenceState | Answer | GenerationFailed]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, SequenceState | GenerateAnswer | GenerationFailed]] = asyncio.Queue()
 
         async def one(i: int) -> None:
             try:
@@ -205,11 +173,11 @@ class Generator:
                 ready = [await queue.get()]
                 while not queue.empty():
                     ready.append(queue.get_nowait())
-                out: list[Answer | StreamError] = []
+                out: list[GenerateAnswer | ErrorChunk] = []
                 partial: dict[int, SequenceState] = {}
                 for i, item in ready:
                     if isinstance(item, GenerationFailed):
-                        yield out + [StreamError(str(item), item.status)]
+                        yield out + [ErrorChunk(str(item), item.status)]
                         return
                     if isinstance(item, SequenceState):
                         partial[i] = item
@@ -230,12 +198,13 @@ class Generator:
 
     async def run_sequence(self, item: SequenceRequest, index: int | None = None,
                            on_tokens: Callable[[SequenceState], None] | None = None,
-                           guarded: bool = False, answer: Callable[[Answer], None] | None = None) -> Answer | None:
+                           guarded: bool = False, answer: Callable[[GenerateAnswer], None] | None = None
+                           ) -> GenerateAnswer | None:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
-        One coroutine for the sequence's whole life, and one per attempt (:meth:`_attempt`): a sequence
-        in flight holds every frame of its call chain, so the chain is kept short. ``guarded``: the task
-        is a caller's request, failed with 503 when the shutdown grace ends (:meth:`stop`).
+        One coroutine for the sequence's whole life, and one per attempt (:meth:`.attempt.Attempts.run`): a
+        sequence in flight holds every frame of its call chain, so the chain is kept short. ``guarded``: the
+        task is a caller's request, failed with 503 when the shutdown grace ends (:meth:`stop`).
         """
         started = time.monotonic()
         me = self._enter() if guarded else None
@@ -271,7 +240,7 @@ class Generator:
                     )
                 allow = self._allowed(seq)
                 if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
-                    allow = _excluding(seq.refused[0], allow)
+                    allow = _excluding(seq.refused.instance, allow)
                 inst = self.migrator.take_handoff(seq, allow)
                 if inst is None:
                     first = keys is not None and not seq.versions and not seq.discarded
@@ -283,8 +252,8 @@ class Generator:
                     except Unavailable as exc:
                         self.stats["failed"] += 1
                         if seq.refused is not None:  # nobody could check the refusal: it stands
-                            _, status, error = seq.refused
-                            raise GenerationFailed(status, wire.error_message(error), error) from None
+                            refused = seq.refused.error
+                            raise GenerationFailed(refused.status, refused.message) from None
                         raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
                     if table is not None and keys is not None and first:
                         self._count_affinity(prefer, inst)
@@ -296,7 +265,7 @@ class Generator:
                     log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
                              len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
                 failures = len(seq.failures)
-                await self._attempt(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
+                await self.attempts.run(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
                 if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
                     failing_since = None  # it made progress: a failure from here starts a new wait
                 if len(seq.failures) > failures and failing_since is None:
@@ -328,208 +297,6 @@ class Generator:
         """The newest weight version an active instance serves (what a request made now would get)."""
         versions = [i.weight_version for i in self.dispatcher.registry.in_state(State.ACTIVE)]
         return str(max(versions, default=0))
-
-    # ------------------------------------------------------------ one instance
-    async def _attempt(self, seq: SequenceState, inst: Instance, attempt: int,
-                       on_tokens: Callable[[SequenceState], None] | None = None) -> None:
-        """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable.
-
-        The engine call runs in this coroutine (a remote instance) or in one task that races the local
-        window (a local one); each chunk is folded in by :meth:`_take`. No closures: a sequence holds
-        this frame for as long as it streams.
-        """
-        rid = seq.rid if attempt == 0 else f"{seq.rid}~{attempt}"
-        interval = self.settings.engine_stream_interval
-        # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
-        # A failure then loses no more than a stream at that interval would (<= interval tokens).
-        # Not on a local instance: the local window takes those back every step, routinely.
-        once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
-                and inst.kind == Kind.REMOTE)
-        body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
-                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed)
-        # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
-        # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
-        progress = SequenceProgress(
-            seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
-            vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
-            version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
-        segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
-        reserved = seq.reserve
-        # Only a local instance's stream races the local window (in a task of its own).
-        stream = asyncio.ensure_future(self._consume(seq, inst, body, progress, segments, on_tokens)) \
-            if inst.kind == Kind.LOCAL else None
-        live = id(segments)
-        outcome: Outcome = Cancelled()  # until the call comes to something: the caller went away
-        try:
-            self.migrator.enter(live, seq, inst, rid)
-            error: str | None = None
-            try:
-                if stream is not None:
-                    del body  # the task has it
-                    closed = asyncio.ensure_future(self.local.closed.wait())
-                    await asyncio.wait((stream, closed), return_when=asyncio.FIRST_COMPLETED)
-                    closed.cancel()
-                    if not stream.done():  # the trainer wants its GPUs back: move the sequence on
-                        outcome = Moved(Move.PREEMPTED)
-                    else:
-                        await stream
-                elif once:  # one answer, awaited directly: no stream machinery for the commonest short call
-                    self._take(seq, inst, progress, segments, on_tokens, await self.coalescer.generate_once(
-                        self.client.session, inst.url, body, self._bounds(inst)))
-                else:
-                    chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
-                    del body  # sent: a continuation's prompt plus tokens (a list of ints) is not kept
-                    try:
-                        # The stream's future is awaited in this frame: no coroutine per stream while it waits.
-                        while (ready := chunks.poll()) != []:
-                            if ready is None:
-                                await chunks.readable()
-                            else:
-                                self._take_all(seq, inst, progress, segments, on_tokens, ready)
-                    finally:
-                        chunks.close()
-            except EngineRejected as exc:
-                outcome = CallerError(exc.status, exc.error)
-            except EngineFailed as exc:
-                error = str(exc)
-            if not isinstance(outcome, (Moved, CallerError)):
-                outcome = outcome_of(progress.finish_reason, error, migrating=seq.migrating)
-            self._carry_out(outcome, seq, inst, segments, progress)
-        finally:
-            if stream is not None and not stream.done():
-                stream.cancel()
-                await asyncio.gather(stream, return_exceptions=True)
-            self.dispatcher.release(inst, max(reserved - segments.made, 0))
-            self.migrator.leave(live, seq, segments.current)
-            if isinstance(outcome, Cancelled) or outcome == Moved(Move.PREEMPTED):  # the engine still runs it
-                if isinstance(outcome, Cancelled):
-                    segments.current.outcome = "cancelled"
-                await asyncio.shield(self.client.abort(inst.url, rid))
-
-    async def _consume(self, seq: SequenceState, inst: Instance, body: SequenceBody, progress: SequenceProgress,
-                       segments: AttemptSegments, on_tokens: Callable[[SequenceState], None] | None) -> None:
-        """A local instance's stream, run as a task that races the local window."""
-        chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
-        del body  # sent
-        try:
-            while ready := await chunks.next():
-                self._take_all(seq, inst, progress, segments, on_tokens, ready)
-        finally:
-            chunks.close()
-
-    def _bounds(self, inst: Instance) -> CallBounds:
-        return self._call_bounds.of(inst, self.settings, len(self.dispatcher.registry))
-
-    def _take_all(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
-                  on_tokens: Callable[[SequenceState], None] | None, chunks: list[GenerateChunk]) -> None:
-        """Fold in the chunks of one read, in order; ``chunks`` is emptied, so the sequence keeps only its
-        tokens while the next read waits."""
-        chunks.reverse()
-        while chunks:
-            self._take(seq, inst, progress, segments, on_tokens, chunks.pop())
-
-    def _take(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
-              on_tokens: Callable[[SequenceState], None] | None, chunk: GenerateChunk) -> None:
-        """Fold one chunk into the sequence; raises :class:`EngineFailed` for a chunk it cannot vouch for."""
-        try:
-            new = progress.apply(chunk)
-        except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
-            raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
-        self.dispatcher.progress(inst, new, self._loop.time())
-        if new and seq.refused is not None:
-            self._refusal_overruled(seq, inst)
-        segments.advance(progress.weight_version, new)
-        if progress.meta_info.has_spans:
-            segments.exact(progress.meta_info.weight_versions)  # SGLang's exact spans, on the final chunk
-        seq.live_text = progress.text  # joined only when a streaming caller is sent a chunk
-        if new and on_tokens is not None and progress.finish_reason is None:
-            on_tokens(seq)
-
-    def _carry_out(self, outcome: Outcome, seq: SequenceState, inst: Instance, segments: AttemptSegments,
-                   progress: SequenceProgress) -> None:
-        """Record ``outcome`` on the sequence and the instance, as :func:`next_step` says; raises
-        :class:`GenerationFailed` when the caller gets a refusal."""
-        used = seq.refused is not None or seq.second_opinion
-        others = isinstance(outcome, CallerError) and not used and self._others_may_take(seq, inst)
-        step = next_step(outcome, second_opinion_used=used, others=others)
-        segment = segments.current
-        if step is Step.DONE:
-            assert isinstance(outcome, Finished)
-            seq.finish, seq.meta = outcome.finish.rebased(segments.start), progress.meta_info
-            seq.texts.append(progress.text)
-            segment.outcome = "finished"
-            if outcome.cut is None:
-                self.on_instance_success(inst)
-            else:
-                self.on_instance_failure(inst, f"stream cut after the final chunk: {outcome.cut}")
-        elif step is Step.ASK_ANOTHER:
-            assert isinstance(outcome, CallerError)
-            seq.live_text = None
-            seq.refused, seq.second_opinion = (inst, outcome.status, outcome.error), True
-            message = wire.error_message(outcome.error)
-            log.info("sequence %s: %s refused it (HTTP %d: %s); asking another instance whether the request "
-                     "is at fault", seq.rid, inst.endpoint, outcome.status, message[:200])
-            segment.outcome = f"rejected: HTTP {outcome.status}: {message[:200]}; asking another instance"
-            seq.texts.append("" if progress.made == 0 else None)
-        elif step is Step.FAIL:
-            assert isinstance(outcome, CallerError)
-            seq.live_text = None
-            seq.refused = None  # a second refusal: the caller's error after all
-            segment.outcome = "rejected"
-            raise GenerationFailed(outcome.status, wire.error_message(outcome.error), outcome.error)
-        elif step is Step.MOVE:
-            assert isinstance(outcome, Moved)
-            if outcome.why is Move.PREEMPTED:
-                segment.outcome = "preempted: local window closed"
-                seq.texts.append(None)
-                seq.live_text = None
-                self.stats["preempted"] += 1
-            else:
-                self._migrated(seq, segment)
-        elif step is Step.FAULT:
-            assert isinstance(outcome, EngineFault)
-            segment.outcome = f"failed: {outcome.error}"
-            seq.failures += (f"{inst.endpoint}: {outcome.error}",)
-            seq.texts.append(None)
-            seq.live_text = None
-            log.warning("sequence %s failed on %s after %d token(s): %s", seq.rid, inst.endpoint,
-                        segments.made, outcome.error)
-            self.on_instance_failure(inst, outcome.error)
-
-    # ------------------------------------------------------------ refusals
-    def _others_may_take(self, seq: SequenceState, inst: Instance) -> bool:
-        """Whether another instance could take ``seq`` and settle a refusal by ``inst``.
-
-        SGLang refuses with 400 what its contract forbids, and the manager checked the body against that
-        contract already; so a refusal may be a broken engine's, which would otherwise swallow requests
-        without ever being counted against. One other instance settles it: if it accepts, ``inst`` is at
-        fault (:meth:`_refusal_overruled`); if it refuses too, the caller gets the refusal. Never more
-        than one extra try per sequence (:func:`.outcome.next_step`).
-        """
-        bound = self._allowed(seq, restart=False)
-        return any(i is not inst and (i.kind == Kind.REMOTE or self.local.is_open) and (bound is None or bound(i))
-                   for i in self.dispatcher.registry.in_state(State.ACTIVE))
-
-    def _refusal_overruled(self, seq: SequenceState, accepted_by: Instance) -> None:
-        """Another instance made tokens for a request the refuser called malformed: the refuser is at fault."""
-        assert seq.refused is not None
-        refuser, status, error = seq.refused
-        seq.refused = None
-        reason = (f"refused a request (HTTP {status}: {wire.error_message(error)[:200]}) that "
-                  f"{accepted_by.endpoint} accepted")
-        log.warning("instance %s %s %s", refuser.id, refuser.endpoint, reason)
-        self.on_instance_failure(refuser, reason)
-
-    # ------------------------------------------------------------ tail migration
-    def _migrated(self, seq: SequenceState, segment: Segment) -> None:
-        target = seq.move_to.endpoint if seq.move_to is not None else "another instance"
-        why = f" ({seq.move_reason})" if seq.move_reason else ""
-        segment.outcome = f"migrated to {target}{why}"
-        seq.texts.append(None)
-        seq.live_text = None
-        self.stats["evicted" if seq.move_reason else "migrated"] += 1
-        log.info("sequence %s moved from %s to %s after %d token(s)%s", seq.rid, segment.endpoint, target,
-                 len(seq.output_ids), why)
 
     def evict(self, inst: Instance, reason: str) -> int:
         """Move the sequences streaming from ``inst`` to other instances now (see :meth:`Migrator.evict`)."""
@@ -584,14 +351,7 @@ class Generator:
             return within
         log.info("restarting %s from its prompt: %d token(s) on weight version(s) %d..%d would span more than "
                  "max_staleness=%d", seq.rid, len(seq.output_ids), lo, hi, bound)
-        seq.discarded += tuple(seq.segments)
-        seq.segments.clear()
-        seq.versions.clear()
-        del seq.output_ids[:]
-        seq.logprobs.clear()
-        seq.per_token.clear()
-        seq.texts.clear()
-        seq.live_text = None
+        seq.restart()
         self.stats["stale_restarts"] += 1
         return None
 

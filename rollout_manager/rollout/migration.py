@@ -10,6 +10,7 @@ made, exactly as after a failure but with no failure recorded.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from rollout_manager.instances.registry import Instance, Kind, State
@@ -17,6 +18,8 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
 from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.client import SGLangClient
+
+log = logging.getLogger("rollout_manager.rollout.migration")
 
 # Moves pause while the event loop was blocked for more than this share of the interval.
 MAX_LAG = 0.1
@@ -31,8 +34,9 @@ class Migrator:
     """
 
     def __init__(self, dispatcher: Dispatcher, client: SGLangClient, policy: TailMigration | None,
-                 interval_s: float, bound: Callable[[SequenceState], Bound | None]):
+                 interval_s: float, bound: Callable[[SequenceState], Bound | None], stats: dict[str, int]):
         self.dispatcher = dispatcher
+        self.stats = stats  # generation's counters (rollout.counters): moves that took effect
         self.client = client
         self.policy = policy
         self.interval_s = interval_s
@@ -51,7 +55,7 @@ class Migrator:
 
     def enter(self, key: int, seq: SequenceState, inst: Instance, rid: str) -> None:
         """A segment of ``seq`` starts streaming from ``inst`` as engine request ``rid``."""
-        seq.migrating, seq.move_reason = False, ""
+        seq.migration.leaving, seq.migration.reason = False, ""
         self._live[key] = (seq, inst, rid)  # tracked even with migration off: evict() needs it
         if self.policy is not None and (self._timer is None or self._timer.done()):
             self._timer = asyncio.ensure_future(self._plan_periodically())
@@ -61,10 +65,20 @@ class Migrator:
         self._live.pop(key, None)
         if not segment.outcome.startswith("migrated") or seq.remaining == 0:
             self._drop_handoff(seq)  # it ended where it ran: the instance reserved for it is free again
-        seq.migrating = False
+        seq.migration.leaving = False
         if not self._live and self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def moved(self, seq: SequenceState, segment: Segment) -> None:
+        """The segment ended because this module took the sequence off its instance: say where it goes."""
+        move = seq.migration
+        target = move.target.endpoint if move.target is not None else "another instance"
+        why = f" ({move.reason})" if move.reason else ""
+        segment.outcome = f"migrated to {target}{why}"
+        self.stats["evicted" if move.reason else "migrated"] += 1
+        log.info("sequence %s moved from %s to %s after %d token(s)%s", seq.rid, segment.endpoint, target,
+                 len(seq.output_ids), why)
 
     def evict(self, inst: Instance, reason: str) -> int:
         """Move every sequence streaming from ``inst`` elsewhere now, whatever the policy: the instance
@@ -73,9 +87,9 @@ class Migrator:
         Returns how many were started moving."""
         moved = 0
         for seq, where, rid in list(self._live.values()):
-            if where is not inst or seq.migrating or seq.finish is not None:
+            if where is not inst or seq.migration.leaving or seq.finish is not None:
                 continue
-            seq.migrating, seq.move_reason = True, reason
+            seq.migration.leaving, seq.migration.reason = True, reason
             self._start_abort(seq, where, rid)
             moved += 1
         return moved
@@ -87,24 +101,24 @@ class Migrator:
 
     def take_handoff(self, seq: SequenceState, allow: Bound | None = None) -> Instance | None:
         """The instance a move reserved for this sequence, if it can still take it."""
-        inst, seq.move_to = seq.move_to, None
+        inst, seq.migration.target = seq.migration.target, None
         if inst is None:
             return None
         if inst.state != State.ACTIVE or (allow is not None and not allow(inst)):
-            self.dispatcher.release(inst, seq.move_reserved)
+            self.dispatcher.release(inst, seq.migration.reserved)
             return None
         # Tokens made between the decision and the abort shrink what the new segment reserves.
-        self.dispatcher.unreserve(inst, max(seq.move_reserved - seq.reserve, 0))
+        self.dispatcher.unreserve(inst, max(seq.migration.reserved - seq.reserve, 0))
         return inst
 
     def _drop_handoff(self, seq: SequenceState) -> None:
-        if seq.move_to is not None:
-            self.dispatcher.release(seq.move_to, seq.move_reserved)
-            seq.move_to = None
+        if seq.migration.target is not None:
+            self.dispatcher.release(seq.migration.target, seq.migration.reserved)
+            seq.migration.target = None
 
     async def _abort_to_move(self, seq: SequenceState, src: Instance, rid: str) -> None:
-        if not await self.client.abort(src.url, rid) and seq.migrating:
-            seq.migrating = False  # the instance did not take the abort: the sequence stays there
+        if not await self.client.abort(src.url, rid) and seq.migration.leaving:
+            seq.migration.leaving = False  # the instance did not take the abort: the sequence stays there
             self._drop_handoff(seq)
 
     async def _plan_periodically(self) -> None:
@@ -117,7 +131,7 @@ class Migrator:
 
         A move reserves the target at once (so the next plan and the dispatcher see it loaded), then
         aborts the sequence on its instance; its stream ends, and generation continues it on the
-        target (see ``Generator._attempt``).
+        target (see ``Attempts.run`` in ``attempt.py``).
         """
         policy = self.policy
         if policy is None or not self._live:
@@ -140,24 +154,26 @@ class Migrator:
         draining = {i.id for i in registry.in_state(State.DRAINING)}
         running, by_key = [], {}
         for key, (seq, inst, _) in self._live.items():
-            if seq.migrating or seq.move_to is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
+            part = seq.migration
+            if part.leaving or part.target is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
                 continue
             by_key[str(key)] = key
             running.append(RunningSequence(
                 str(key), inst.id, len(seq.output_ids), len(seq.body.input_ids), seq.remaining,
-                seq.moves, seq.moved_at, frozenset(s.instance for s in seq.segments)))
+                part.moves, part.moved_at, frozenset(s.instance for s in seq.segments)))
         moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining)
         started = 0
-        for move in moves:
-            seq, src, rid = self._live[by_key[move.seq_id]]
-            target = registry.get(move.target)
+        for planned in moves:
+            seq, src, rid = self._live[by_key[planned.seq_id]]
+            target = registry.get(planned.target)
             bound = self.bound(seq)
             if target is None or (bound is not None and not bound(target)) or \
                     not self.dispatcher.claim(target, seq.reserve):
                 continue
-            seq.move_to, seq.move_reserved, seq.migrating = target, seq.reserve, True
-            seq.moves += 1
-            seq.moved_at = now
+            part = seq.migration
+            part.target, part.reserved, part.leaving = target, seq.reserve, True
+            part.moves += 1
+            part.moved_at = now
             started += 1
             self._start_abort(seq, src, rid)
         return started

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 __all__ = [
     "InstanceLoad",
     "TokenRateMeter",
-    "Policy",
+    "PlacementPolicy",
     "RoundRobin",
     "LeastInFlight",
     "ThroughputAware",
@@ -163,7 +163,7 @@ class TokenRateMeter:
 
 
 @runtime_checkable
-class Policy(Protocol):
+class PlacementPolicy(Protocol):
     """Pick an instance id from ``candidates`` or None to hold the request in the manager.
 
     Contract: never return an id that is not in ``candidates``; with no candidates return None;
@@ -322,7 +322,7 @@ class ThroughputAware:
         return best[2] if best is not None else None
 
 
-_POLICIES: dict[str, Callable[..., Policy]] = {
+_POLICIES: dict[str, Callable[..., PlacementPolicy]] = {
     RoundRobin.name: RoundRobin,
     LeastInFlight.name: LeastInFlight,
     ThroughputAware.name: ThroughputAware,
@@ -331,7 +331,7 @@ POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 DEFAULT_POLICY = ThroughputAware.name
 
 
-def make_policy(name: str, **kw: object) -> Policy:
+def make_policy(name: str, **kw: object) -> PlacementPolicy:
     """Build a policy by name; keyword arguments go to its constructor."""
     try:
         factory = _POLICIES[name]

@@ -13,6 +13,7 @@ from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.progress import token_array
+from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
@@ -32,38 +33,60 @@ class Segment:
                 "start": self.start, "end": self.end, "outcome": self.outcome}
 
 
+@dataclass(slots=True)
+class Migration:
+    """Tail migration's part of a sequence: written by ``migration.py`` alone (``Migrator``), read by the
+    attempt that runs the sequence."""
+
+    moves: int = 0  # moves so far
+    moved_at: float | None = None  # when the last one was decided
+    target: Instance | None = None  # where it was decided to go (that instance is already reserved for it)
+    reserved: int = 0  # tokens reserved on target
+    leaving: bool = False  # the running segment is being taken off its instance
+    reason: str = ""  # why it is being taken off ("": tail migration; else an eviction's reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A refusal (HTTP 400 or an error frame) waiting for one other instance's verdict: which instance
+    refused, and SGLang's error. Another instance's tokens overrule it; a second refusal confirms it."""
+
+    instance: Instance
+    error: EngineError
+
+
 @dataclass(slots=True)  # one per sequence, read and written all along its run
 class SequenceState:
-    """Everything known about one sequence across the instances it has been on."""
+    """Everything known about one sequence across the instances it has been on, in parts by who writes them:
+
+    - identity (``body``, ``rid``, ``min_version``, ``budget``, ``seed``): set when the sequence is made.
+    - what it made and where (the token lists, ``texts``, ``live_text``, ``segments``, ``versions``): the
+      attempt's (``attempt.py``, folding chunks through ``progress.py`` and ``attempt_segments.py``); a
+      staleness restart throws them away through :meth:`restart`.
+    - how it ends (``finish``, ``meta``, ``failures``, ``refused``, ``second_opinion``): the attempt's, and
+      generation's for a sequence that needs no instance.
+    - ``migration`` (:class:`Migration`): tail migration's.
+    """
 
     body: SequenceBody  # the caller's, as decoded (shared with the request: never copied per sequence)
     rid: str
     output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
-    # The other per-token meta_info lists (wire.PER_TOKEN_META_KEYS: top log-probs, ...), gathered over chunks.
+    # The engine's other per-token lists (top log-probs, ...: wire.PER_TOKEN_META_KEYS), gathered over chunks.
     per_token: dict[str, list[Any]] = field(default_factory=dict)
     texts: list[str | None] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     # Tuples and a shared empty dict until something is recorded: most sequences never fail, and every
     # field made empty per sequence costs its bytes for as long as the sequence runs.
     failures: tuple[str, ...] = ()
-    meta: FinalMeta = NO_META  # what the answer needs of the final chunk's meta_info
+    meta: FinalMeta = NO_META  # what the answer keeps of the finishing engine's own fields
     finish: FinishReason | None = None  # how it ended, as seen from the sequence's first token
     live_text: str | None = None  # the running segment's text so far (None: not known)
-    # Tail migration: moves so far, when the last one was decided, where it was decided to go (that
-    # instance is already reserved for it), and whether the running segment is being taken off.
-    moves: int = 0
-    moved_at: float | None = None
-    move_to: Instance | None = None
-    move_reserved: int = 0  # tokens reserved on move_to
-    migrating: bool = False
-    move_reason: str = ""  # why the running segment is being taken off ("": tail migration)
+    migration: Migration = field(default_factory=Migration)
     versions: list[int] = field(default_factory=list)  # the registry's weight version of each segment
     discarded: tuple[Segment, ...] = ()  # segments a staleness restart threw away
-    # A refusal (HTTP 400 or an error frame) waiting for another instance's verdict: (the instance, the
-    # status, the error); and whether that one extra try was used.
-    refused: tuple[Instance, int, Any] | None = None
-    second_opinion: bool = False
+    refused: Refusal | None = None
+    second_opinion: bool = False  # the one extra try a refusal may have was used
     # The caller's min_weight_version (0: none): the sequence runs only on instances at that version or newer.
     min_version: int = 0
 
@@ -76,6 +99,18 @@ class SequenceState:
     def __post_init__(self) -> None:
         self.budget = self.body.sampling.max_new_tokens
         self.seed = sampling_seed(self.body)
+
+    def restart(self) -> None:
+        """Throw away what the sequence made (a staleness restart): it starts again from its prompt; what
+        was thrown away stays visible as ``discarded``."""
+        self.discarded += tuple(self.segments)
+        self.segments.clear()
+        self.versions.clear()
+        del self.output_ids[:]
+        self.logprobs.clear()
+        self.per_token.clear()
+        self.texts.clear()
+        self.live_text = None
 
     @property
     def remaining(self) -> int | None:

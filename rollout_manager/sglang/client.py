@@ -304,10 +304,11 @@ async def generate_batch_once(
     raw = await _answer(session, base_url, bodies, bounds,
                         None if frame is None else frame * len(bodies))
     answers = _decode(raw)
-    if not (isinstance(answers, list) and len(answers) == len(bodies)
-            and all(_is_output(a) and a["meta_info"].get("id") == b.rid for a, b in zip(answers, bodies))):
+    chunks = [GenerateChunk.of(a) for a in answers] if isinstance(answers, list) else []
+    if not (len(chunks) == len(bodies) and all(_is_output(a) for a in answers)
+            and all(c.meta.rid == b.rid for c, b in zip(chunks, bodies))):
         raise EngineFailed(f"unexpected answer to a batch of {len(bodies)}: {raw[:200]!r}")
-    return [GenerateChunk.of(a) for a in answers]
+    return chunks
 
 
 async def _answer(session: aiohttp.ClientSession, base_url: str, body: SequenceBody | list[SequenceBody],

@@ -1,12 +1,33 @@
 """What an instance's ``/generate`` answer means when it is not a good one: the caller's error
-(:class:`EngineRejected`) or the instance's (:class:`EngineFailed`)."""
+(:class:`EngineRejected`, carrying SGLang's error decoded: :class:`EngineError`) or the instance's
+(:class:`EngineFailed`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from rollout_manager import jsonutil
 from rollout_manager.sglang import wire
+
+
+class EngineError(msgspec.Struct, frozen=True):
+    """SGLang's error, decoded once where it arrives: an error answer's body, an error frame in a stream, or
+    an abort that refuses the request. ``status``: the HTTP status it came with (or, in a frame or an
+    abort, says); ``type``: SGLang's error type, where it gives one."""
+
+    status: int
+    message: str
+    type: str | None = None
+
+    @classmethod
+    def of(cls, status: int, body: Any) -> EngineError:
+        """The error of a body as SGLang sends it (``{"error": {"message", "type", "code"}}``, the inner
+        object alone, or a string; anything else reads as its text)."""
+        inner = body.get("error", body) if isinstance(body, dict) else body
+        kind = inner.get("type") if isinstance(inner, dict) else None
+        return cls(status, wire.error_message(body), kind if isinstance(kind, str) else None)
 
 
 class EngineRejected(Exception):
@@ -15,10 +36,13 @@ class EngineRejected(Exception):
     Most likely the caller's error, as SGLang says; generation asks one other instance to be sure.
     """
 
-    def __init__(self, status: int, error: Any):
-        self.status = status
+    def __init__(self, error: EngineError):
         self.error = error
-        super().__init__(f"HTTP {status}: {error}")
+        super().__init__(f"HTTP {error.status}: {error.message}")
+
+    @property
+    def status(self) -> int:
+        return self.error.status
 
 
 class EngineFailed(Exception):
@@ -32,10 +56,10 @@ REFUSAL_STATUSES = frozenset({400, 413, 422})
 
 
 def refusal(status: int, error: Any, text: str | None = None) -> EngineRejected | EngineFailed:
-    """What an error status (of the answer, or of an error frame) from ``/generate`` means; ``text``:
-    the error as received, for the message."""
+    """What an error status (of the answer, or of an error frame) from ``/generate`` means; ``error``: the
+    body as decoded, ``text``: as received, for the message."""
     if status in REFUSAL_STATUSES:
-        return EngineRejected(status, error)
+        return EngineRejected(EngineError.of(status, error))
     if text is None:
         text = error if isinstance(error, str) else jsonutil.dumps(error).decode(errors="replace")
     if 400 <= status < 500:

@@ -116,6 +116,11 @@ class FinishReason(msgspec.Struct, frozen=True):
         return status if self.type == ABORT and isinstance(status, int) and 400 <= status < 500 else None
 
     @property
+    def error_type(self) -> str | None:
+        """SGLang's ``err_type`` of an abort (None: not given)."""
+        return self.err_type if isinstance(self.err_type, str) else None
+
+    @property
     def abort_message(self) -> str:
         """Why the engine aborted, for logs and errors (the whole finish_reason when it gives no message)."""
         return self.message or str(self.to_json())
@@ -137,6 +142,14 @@ INTERPRETED_META = frozenset({"id", "finish_reason", "prompt_tokens", "completio
                               "weight_versions", "e2e_latency", "segments", "output_token_logprobs"})
 
 
+class VersionSpan(msgspec.Struct, frozen=True):
+    """One of SGLang's ``weight_versions`` spans: tokens ``start..end`` were made on ``version``."""
+
+    version: str | None
+    start: int
+    end: int
+
+
 class FinalMeta(msgspec.Struct, frozen=True):
     """What a sequence keeps of the ``meta_info`` of the chunk that finished it: the fields its answer reads,
     and the engine's others (``other``, passed through to the caller)."""
@@ -149,6 +162,24 @@ class FinalMeta(msgspec.Struct, frozen=True):
     def has_spans(self) -> bool:
         """Whether the engine sent ``weight_versions`` (SGLang >= 0.5.23; the answer then says them too)."""
         return self.weight_versions is not UNSET
+
+    def spans(self) -> list[VersionSpan] | None:
+        """SGLang's ``weight_versions`` spans over the request's tokens, in order from token 0 with no gap;
+        None when not sent or not so (whether they cover every token made is the caller's to check)."""
+        spans = self.weight_versions
+        if type(spans) is not list or not spans:
+            return None
+        out: list[VersionSpan] = []
+        at = 0
+        for span in spans:
+            if type(span) is not dict:
+                return None
+            version, a, b = span.get("version"), span.get("start"), span.get("end")
+            if version is None or type(a) is not int or type(b) is not int or a != at or b < a:
+                return None
+            out.append(VersionSpan(str(version), a, b))
+            at = b
+        return out
 
     @classmethod
     def from_json(cls, meta: dict[str, Any]) -> FinalMeta:

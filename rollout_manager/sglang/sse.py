@@ -218,9 +218,9 @@ class ChunkDecoder(_Frames[GenerateChunk]):
             _raise_on_error(obj)
             return GenerateChunk.of(obj)
         cuts = [(seen, c) for seen in (ids, lps) if (c := seen.cut(payload)) is not None]
+        skipped: dict[bytes, int] = {}
         if not cuts:
             obj = jsonutil.loads(payload)
-            skipped = {}
         else:
             cuts.sort(key=lambda sc: sc[1][0])
             pieces, pos = [], 0
@@ -231,28 +231,21 @@ class ChunkDecoder(_Frames[GenerateChunk]):
             obj = jsonutil.loads(b"".join(pieces))
             skipped = {seen.key: seen.count for seen, _ in cuts}
         _raise_on_error(obj)
-        if not isinstance(obj, dict):
-            return GenerateChunk.of(obj)
-        meta = obj.get("meta_info")
-        total = meta.get("completion_tokens") if isinstance(meta, dict) else None
-        n_ids = len(obj.get("output_ids") or []) + skipped.get(ids.key, 0)
-        if not isinstance(total, int) or n_ids != total:
-            if skipped:  # it was not the cumulative chunk it looked like: parse it whole, skip no more
-                obj = jsonutil.loads(payload)
+        chunk = GenerateChunk.of(obj, skipped.get(ids.key, 0), skipped.get(lps.key, 0))
+        if chunk.fault is not None or not chunk.cumulative:
+            # Not the cumulative chunk it looked like (or not a chunk): parse it whole, skip no more.
             ids.stop()
             lps.stop()
-            return GenerateChunk.of(obj)
-        ids.remember(payload, n_ids)
-        lp_list = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
-        skipped_lps = 0
-        if isinstance(lp_list, list):
-            skipped_lps = skipped.get(lps.key, 0)
-            lps.remember(payload, len(lp_list) + skipped_lps)
-        elif lps.key in skipped:  # cannot happen with a well-formed chunk; never guess
+            return GenerateChunk.of(jsonutil.loads(payload)) if skipped else chunk
+        ids.remember(payload, chunk.meta.total)
+        lp_list = chunk.meta.logprobs
+        if lp_list is not None:
+            lps.remember(payload, len(lp_list) + chunk.skipped_logprobs)
+        elif chunk.skipped_logprobs:  # cannot happen with a well-formed chunk; never guess
             ids.stop()
             lps.stop()
             return GenerateChunk.of(jsonutil.loads(payload))
-        return GenerateChunk.of(obj, skipped.get(ids.key, 0), skipped_lps)
+        return chunk
 
 
 def iter_frames(chunks: Iterable[bytes]) -> list[Any]:

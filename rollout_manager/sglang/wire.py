@@ -2,7 +2,8 @@
 
 This is the one module that knows how SGLang (0.5.x) spells its endpoints, request bodies and
 ``meta_info`` (like SGLang's own ``io_struct.py``). How a stream is framed and decoded lives in
-:mod:`.sse`; what the manager checks per chunk in ``rollout.progress``; the CPU engine's encoders in
+:mod:`.sse`; a chunk is decoded here (:class:`GenerateChunk`), once, and ``rollout.progress`` checks it
+against the sequence it belongs to; the manager's answer is :mod:`.answer`; the CPU engine's encoders in
 ``cpu_engine.encode``.
 
 Streaming replies are server-sent events: ``data: {json}\\n\\n`` frames ending with ``data: [DONE]``.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from rollout_manager.sglang import finish as _finish
 
@@ -157,32 +160,89 @@ def read_output(obj: dict[str, Any]) -> GenerateOutput:
 # _INCREMENTAL_STREAMING_META_INFO_KEYS), so they are gathered chunk by chunk like the tokens.
 PER_TOKEN_META_KEYS = ("output_top_logprobs", "output_token_ids_logprobs", "output_token_sampling_mask",
                        "output_token_sampling_logprobs")
+_PER_TOKEN = frozenset(PER_TOKEN_META_KEYS)
 
 
-@dataclass(slots=True)
-class GenerateChunk:
-    """One ``/generate`` output object as an engine sent it (a stream chunk, or a whole answer).
+class ChunkMeta(msgspec.Struct, gc=False):
+    """The ``meta_info`` of one chunk: the fields the manager reads, each under its own name; the rest
+    opaque (``final``: what a finished sequence keeps of it, passed through to the caller)."""
 
-    The fields are the JSON values, unchecked: the rollout flow checks them (``rollout.progress``).
-    ``skipped_ids`` and ``skipped_logprobs`` say how many leading ``output_ids`` and
-    ``output_token_logprobs`` entries of a cumulative chunk the decoder left unparsed because the
-    previous chunk had them already (:class:`.sse.ChunkDecoder`): those lists start after that many.
+    rid: Any  # id: the request's
+    total: int  # completion_tokens: tokens of the request so far, in either streaming mode
+    version: Any  # weight_version as reported (any JSON value; None: not reported)
+    logprobs: list[Any] | None  # output_token_logprobs entries the chunk carries (None: not sent)
+    per_token: dict[str, list[Any]] | None  # PER_TOKEN_META_KEYS' lists the chunk carries (None: none)
+    final: _finish.FinalMeta  # the shared NO_META until the chunk that finished the request
+
+
+class GenerateChunk(msgspec.Struct):
+    """One ``/generate`` output object (a stream chunk, or a whole answer), decoded once (:meth:`of`).
+
+    ``ids`` and ``text`` are the JSON values as sent (the ids are checked against a vocabulary where they
+    are kept, ``rollout.progress``). ``skipped_ids`` and ``skipped_logprobs`` say how many leading ids and
+    log-prob entries of a cumulative chunk the decoder left unparsed because the previous chunk had them
+    already (:class:`.sse.ChunkDecoder`): those lists start after that many. A chunk that breaks SGLang's
+    shape (no ``meta_info`` object, a count that is not one, a finish_reason the manager cannot read) says
+    why in ``fault``, and nothing else of it holds: it is refused where it would be folded in, in order.
     """
 
-    output_ids: Any
-    text: Any
-    meta_info: Any
-    index: Any = None
+    ids: list[Any]
+    text: Any  # a string or null, as sent
+    finish: _finish.FinishReason | None  # None while the request runs
+    meta: ChunkMeta
+    index: Any = None  # a batch answer's item number
     skipped_ids: int = 0
     skipped_logprobs: int = 0
+    fault: str | None = None
+
+    @property
+    def cumulative(self) -> bool:
+        """Whether the chunk repeats the whole output so far (SGLang's default) rather than a delta: the
+        one place the two modes are told apart (a first chunk is both; it reads as cumulative)."""
+        return len(self.ids) + self.skipped_ids == self.meta.total
 
     @classmethod
     def of(cls, obj: Any, skipped_ids: int = 0, skipped_logprobs: int = 0) -> GenerateChunk:
-        """The chunk of a decoded JSON value (one that is not an object reads as a chunk of nothing)."""
+        """The chunk of a decoded JSON value (see ``fault`` for one that is not a chunk)."""
         if type(obj) is not dict:
-            return cls(None, None, None)
-        get = obj.get
-        return cls(get("output_ids"), get("text"), get("meta_info"), get("index"), skipped_ids, skipped_logprobs)
+            return _faulty(f"a chunk without the meta_info object or the output_ids list: {str(obj)[:200]}")
+        meta, ids = obj.get("meta_info"), obj.get("output_ids")
+        if ids is None:
+            ids = []
+        if type(meta) is not dict or type(ids) is not list:
+            return _faulty(f"a chunk without the meta_info object or the output_ids list: {str(obj)[:200]}")
+        get = meta.get
+        total = get("completion_tokens")
+        if type(total) is not int:
+            return _faulty(f"completion_tokens is {total!r}, not a count")
+        lps = get("output_token_logprobs")
+        if lps is not None and type(lps) is not list:
+            return _faulty(f"output_token_logprobs is {type(lps).__name__}, not a list")
+        finish = get("finish_reason")
+        final = _finish.NO_META
+        if finish is not None:  # decoded once, from the final chunk
+            try:
+                finish = _finish.FinishReason.from_json(finish)
+            except ValueError as exc:
+                return _faulty(str(exc))
+            final = _finish.FinalMeta.from_json(meta)
+        per_token = None
+        if not _PER_TOKEN.isdisjoint(meta):  # one C pass over the keys: most chunks carry none of them
+            for key in PER_TOKEN_META_KEYS:
+                entries = get(key)
+                if isinstance(entries, list):
+                    if per_token is None:
+                        per_token = {}
+                    per_token[key] = entries
+        meta_of = ChunkMeta(get("id"), total, get("weight_version"), lps, per_token, final)
+        return cls(ids, obj.get("text"), finish, meta_of, obj.get("index"), skipped_ids, skipped_logprobs)
+
+
+_NO_CHUNK_META = ChunkMeta(None, 0, None, None, None, _finish.NO_META)
+
+
+def _faulty(why: str) -> GenerateChunk:
+    return GenerateChunk([], None, None, _NO_CHUNK_META, fault=why)
 
 
 # ---------------------------------------------------------------- request bodies
