@@ -227,24 +227,22 @@ def _declared(handler: Handler, model: type[BaseModel], optional: bool) -> Handl
     return handler
 
 
-def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T],
-            plain: Callable[[Any], bool] | None = None) -> Callable[..., Handler]:
-    """:func:`accepts` for a generation body: validated against ``model`` (the same messages, and the
-    same OpenAPI description; ``plain``, when it says so, vouches for the body instead), then
-    ``decode(request, data)`` builds the typed value the handler gets. Neither the caller's JSON nor
-    its validated form outlives the decode: a request held while its sequences run costs only its
-    typed value."""
+BodySchema = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
+
+
+def decodes(schema: BodySchema, decode: Callable[[web.Request, Any], T]) -> Callable[..., Handler]:
+    """:func:`accepts` for a generation body: ``decode(request, data)`` checks the decoded JSON and types
+    it in one pass (raising ManagerError, 400, naming the field), and the handler gets the typed value.
+    Neither the caller's JSON nor any other form of it outlives the decode: a request held while its
+    sequences run costs only its typed value. ``schema(ref_template)`` describes the body in the OpenAPI
+    document (``openapi.py``): its JSON schema and the named schemas it refers to."""
 
     def wrap(fn: Callable[[web.Request, T], Awaitable[web.StreamResponse]]) -> Handler:
-        def decoded(request: web.Request, data: Any) -> T:
-            if plain is None or not plain(data):
-                validate(data, model)
-            return decode(request, data)
-
         @functools.wraps(fn)
         async def handler(request: web.Request) -> web.StreamResponse:
-            return await fn(request, decoded(request, await read_json(request, large=True)))
+            return await fn(request, decode(request, await read_json(request, large=True)))
 
-        return _declared(handler, model, False)
+        handler.body_schema = schema  # type: ignore[attr-defined]
+        return handler
 
     return wrap
