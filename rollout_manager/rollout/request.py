@@ -25,7 +25,7 @@ from rollout_manager.sglang.generate_request import (
     is_batch,
     split,
 )
-from rollout_manager.sglang.wire import PER_ITEM_KEYS
+from rollout_manager.sglang.wire import PER_ITEM_KEYS, PER_ITEM_LIST_KEYS, per_item
 from rollout_manager.validation import Problem, describe, explain, join
 
 # The manager's own top-level /generate fields (never sent to SGLang), see docs/http-api.md.
@@ -169,6 +169,16 @@ def checked(data: Any) -> CallerBody[Any] | list[Problem]:
                 return [((), f"'{name}' is a list but input_ids is a single sequence")]
             if len(value) != n:
                 return [((), f"'{name}' has {len(value)} items for {n} sequences")]
+    if batched:
+        for name in PER_ITEM_LIST_KEYS:  # passed through, but split per item: the count must match
+            value = data.get(name)
+            if per_item(name, value) and len(value) != n:
+                return [((), f"'{name}' has {len(value)} items for {n} sequences")]
+    if body.return_routed_experts:  # SGLang refuses a start past a prompt: refused here, before any engine
+        start = body.routed_experts_start_len
+        shortest = min(map(len, body.input_ids)) if batched else n
+        if start > shortest:
+            return [(("routed_experts_start_len",), f"{start} is past the end of a prompt of {shortest} token(s)")]
     return body
 
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Generic, TypeVar, cast
 import msgspec
 
 from rollout_manager import jsonutil
-from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
+from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS, PER_ITEM_LIST_KEYS, per_item
 
 _NONE: dict[str, Any] = {}  # the shared ``rest`` of a body with no other fields (never written to)
 _SAMPLING_KEYS = frozenset({"max_new_tokens", "min_new_tokens", "sampling_seed", "stream_interval"})
@@ -51,6 +51,9 @@ class GenerateFields(msgspec.Struct, Generic[Ids], kw_only=True):
     return_logprob: bool | list[bool] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
+    # Routed-expert replay (R3): one value for the whole body, a batch included, as SGLang takes them.
+    return_routed_experts: bool = False
+    routed_experts_start_len: Count = 0
 
 
 def is_batch(ids: Any) -> bool:
@@ -97,6 +100,10 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     stream: bool = False
     return_logprob: bool | None = None  # None: not given
     rest: dict[str, Any] = _NONE  # every other field, passed through as sent
+    # R3: whether the engine returns the experts each token was routed to (``return_routed_experts``), and
+    # from which position (``routed_experts_start_len``; a continuation asks only for the rows it lacks).
+    routed_experts: bool = False
+    experts_from: int = 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -117,6 +124,9 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
             out["rid"] = self.rid
         if self.return_logprob is not None:
             out["return_logprob"] = self.return_logprob
+        if self.routed_experts:
+            out["return_routed_experts"] = True
+            out["routed_experts_start_len"] = self.experts_from
         return out
 
 
@@ -138,16 +148,20 @@ def split(body: GenerateFields[Any], data: dict[str, Any], known: Collection[str
     """
     rest = {k: v for k, v in data.items() if k not in known and k not in _BODY_KEYS} or _NONE
     ids, params, rid, logprob = body.input_ids, body.sampling_params, body.rid, body.return_logprob
+    experts, experts_from = body.return_routed_experts, body.routed_experts_start_len
     raw_params: Any = data.get("sampling_params")
     if not is_batch(ids):  # its per-item fields are single values (the caller's decode checked)
         return [SequenceBody(ids, _sampling(params, raw_params), cast("str | None", rid), body.stream,
-                             cast("bool | None", logprob), rest)], False
-    per_item = params if isinstance(params, list) else None
-    shared = _sampling(params, raw_params) if per_item is None else _DEFAULT_SAMPLING
+                             cast("bool | None", logprob), rest, experts, experts_from)], False
+    items = params if isinstance(params, list) else None
+    shared = _sampling(params, raw_params) if items is None else _DEFAULT_SAMPLING
+    lists = [k for k in PER_ITEM_LIST_KEYS if k in rest and per_item(k, rest[k])]  # SGLang's other per-item fields
     return [SequenceBody(
-        item, shared if per_item is None else _sampling(per_item[i], raw_params[i]),
+        item, shared if items is None else _sampling(items[i], raw_params[i]),
         rid[i] if isinstance(rid, list) else (None if rid is None else f"{rid}_{i}"), body.stream,
-        logprob[i] if isinstance(logprob, list) else logprob, rest) for i, item in enumerate(ids)], True
+        logprob[i] if isinstance(logprob, list) else logprob,
+        {**rest, **{k: rest[k][i] for k in lists}} if lists else rest, experts, experts_from)
+        for i, item in enumerate(ids)], True
 
 
 def _sampling(params: Any, raw: Any) -> Sampling:
@@ -160,7 +174,8 @@ def _sampling(params: Any, raw: Any) -> Sampling:
 
 
 def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_interval: int | None = None,
-                 keep_caller_interval: bool = False, stream: bool = True, seed: Any = None) -> SequenceBody:
+                 keep_caller_interval: bool = False, stream: bool = True, seed: Any = None,
+                 experts_from: int | None = None) -> SequenceBody:
     """The body that continues a single sequence on an engine from the tokens already made.
 
     ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
@@ -173,7 +188,8 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
     tokens, so the manager parses that many times fewer frames. ``keep_caller_interval`` leaves a
     caller's own value in place (a streaming caller chose how often it wants chunks). With
     ``stream=False`` the engine answers once, at the end (no interval is set). ``seed`` (when given)
-    becomes ``sampling_params.sampling_seed``.
+    becomes ``sampling_params.sampling_seed``. ``experts_from`` (when given) becomes
+    ``routed_experts_start_len``: the first position whose routed experts the sequence does not hold yet.
     """
     s = body.sampling
     n = len(made)
@@ -185,7 +201,8 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
         min_new_tokens=None if s.min_new_tokens is None else max(s.min_new_tokens - n, 0), stream_interval=interval,
         sampling_seed=s.sampling_seed if seed is None else seed)
     return msgspec.structs.replace(body, input_ids=[*body.input_ids, *made] if n else body.input_ids,
-                                   sampling=sampling, rid=rid, stream=stream)
+                                   sampling=sampling, rid=rid, stream=stream,
+                                   experts_from=body.experts_from if experts_from is None else experts_from)
 
 
 def encode(body: SequenceBody | Sequence[SequenceBody]) -> bytes:
@@ -201,8 +218,8 @@ def joinable(body: SequenceBody) -> bool:
 
 def join_key(body: SequenceBody) -> tuple[Any, ...]:
     """What bodies must share to join one batch: everything but ``input_ids``, ``sampling_params``
-    and ``rid`` (which SGLang takes as one value per item)."""
-    return (body.stream, body.return_logprob, body.rest)
+    and ``rid`` (which SGLang takes as one value per item; the routed-expert fields it takes once)."""
+    return (body.stream, body.return_logprob, body.rest, body.routed_experts, body.experts_from)
 
 
 def encode_batch(bodies: Sequence[SequenceBody]) -> bytes:
