@@ -334,3 +334,21 @@ async def test_a_short_sequence_the_scheduler_refuses_is_the_callers_error(rig: 
         await generate_one(short_rig(rig), body(8))
     assert info.value.status == 400 and "exceeds the maximum allowed length" in str(info.value)
     assert rig.health.failures == [] and a.health.consecutive_failures == 0 and len(fake.requests) == 1
+
+
+async def test_a_sequence_under_an_output_penalty_continued_elsewhere_says_it_is_not_exact(rig: Rig) -> None:
+    """SGLang counts frequency, presence and repetition penalties over output tokens only: on the next engine
+    the earlier output is prompt, so the samples differ from one engine's. The answer says so."""
+    dying, healthy = rig.fakes
+    dying.die_after_tokens = 3
+    rig.health.marks = False  # a failure does not count against the instance: every sequence starts on it
+    register_active(rig.registry, rig.fakes)
+    penalised = body(8)
+    penalised["sampling_params"]["frequency_penalty"] = 0.5
+    out = await generate_one(rig.generator, penalised)
+    assert len(out["meta_info"]["segments"]) > 1 and out["meta_info"]["inexact_continuation"] is True
+    dying.die_after_tokens = None
+    assert "inexact_continuation" not in (await generate_one(rig.generator, penalised))["meta_info"]  # one engine
+    dying.die_after_tokens = 3
+    plain = await generate_one(rig.generator, body(8))
+    assert len(plain["meta_info"]["segments"]) > 1 and "inexact_continuation" not in plain["meta_info"]

@@ -396,3 +396,18 @@ async def test_no_move_while_the_managers_own_event_loop_lags() -> None:
     finally:
         for f in fakes:
             await f.close()
+
+
+async def test_a_sequence_under_an_output_penalty_is_not_migrated(rig: Rig) -> None:
+    """SGLang counts frequency, presence and repetition penalties over output tokens only: moved, the sequence
+    would sample differently, so tail migration leaves it where it runs."""
+    slow, fast = rig.fakes
+    slow.hold_after = 20
+    penalised = body(40, "p")
+    penalised["sampling_params"]["repetition_penalty"] = 1.1
+    task = asyncio.ensure_future(rig.generator.generate(decode(penalised)))
+    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 20)
+    assert rig.generator.migrate_now() == 0 and slow.aborted == []
+    slow.release.set()
+    out = as_json(await task)
+    assert isinstance(out, dict) and [s["instance"] for s in out["meta_info"]["segments"]] == [rig.a.id]

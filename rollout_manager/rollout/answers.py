@@ -106,8 +106,15 @@ def final_output(
         sampling_seed=UNSET if seed is None else seed,
         per_token=per_token or UNSET, engine=engine_meta.other or UNSET,
         routed_experts=UNSET if experts is None else experts,
+        inexact_continuation=True if body.sampling.output_penalties and continued(segments) else UNSET,
     )
     return GenerateAnswer(text, as_list(output_ids), meta, UNSET if index is None else index)
+
+
+def continued(segments: Sequence[Segment]) -> bool:
+    """Whether an engine continued the sequence from tokens another request made (a segment that made tokens
+    after the first token)."""
+    return any(s.start > 0 and s.end > s.start for s in segments)
 
 
 def version_spans(segments: Sequence[Segment]) -> list[VersionSpan]:

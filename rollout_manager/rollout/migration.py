@@ -157,6 +157,8 @@ class Migrator:
             part = seq.migration
             if part.leaving or part.target is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
                 continue
+            if seq.body.sampling.output_penalties:  # moved, it would sample differently: it stays unless its
+                continue  # instance dies or leaves (then its answer says the continuation was not exact)
             by_key[str(key)] = key
             running.append(RunningSequence(
                 str(key), inst.id, len(seq.output_ids), len(seq.body.input_ids), seq.remaining,

@@ -47,6 +47,9 @@ class AnswerMeta(msgspec.Struct):
     per_token: dict[str, list[Any]] | UnsetType = UNSET
     engine: dict[str, Any] | UnsetType = UNSET
     routed_experts: str | UnsetType = UNSET  # R3: the whole sequence's rows, base64 (only when asked for)
+    # True when the sequence was continued on another engine under a penalty SGLang counts over output tokens
+    # only (the manager's addition; docs/sglang-contract.md): its samples are not one engine's.
+    inexact_continuation: bool | UnsetType = UNSET
 
     def _engine_fields(self, engine: dict[str, Any]) -> dict[str, Any]:
         """The engine's fields (copied: the sequence's stay as they are), less those this answer says itself."""
@@ -86,6 +89,8 @@ class AnswerMeta(msgspec.Struct):
             meta.update(self.per_token)
         if self.routed_experts is not UNSET:
             meta["routed_experts"] = self.routed_experts
+        if self.inexact_continuation is not UNSET:
+            meta["inexact_continuation"] = self.inexact_continuation
         return meta
 
 

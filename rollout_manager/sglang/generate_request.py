@@ -71,6 +71,13 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     rest: dict[str, Any] = _NONE
 
     @property
+    def output_penalties(self) -> bool:
+        """Whether a penalty that SGLang counts over output tokens only is on (frequency, presence, repetition):
+        a continuation, whose earlier output is prompt to the next engine, then samples differently."""
+        get = self.rest.get
+        return bool(get("frequency_penalty") or get("presence_penalty")) or get("repetition_penalty") not in (1, None)
+
+    @property
     def parallel(self) -> bool:
         """Whether SGLang expands this into several samples (``n`` > 1), per batch rather than per item."""
         return bool(self.rest.get("n", 1) != 1)
