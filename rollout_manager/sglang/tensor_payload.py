@@ -28,6 +28,7 @@ import torch
 
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for a bucket
 BUCKET_ALIGN = 64  # each tensor starts at a multiple of this in a bucket: a typed view is always legal
+RUN_GAP = 256  # tensors at most this far apart in one storage (the staged buffer's alignment) share one copy
 
 # Module prefixes a serialized tensor list may reference when unpickled (SGLang restricts its
 # unpickler the same way): tensors rebuilt by value, or through torch's shared-memory reductions.
@@ -126,7 +127,7 @@ def pack_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> FlatBucket:
         nbytes = tensor.numel() * tensor.element_size()
         src = _storage_bytes(tensor)
         if src is not None and run is not None and src[0] == run[0] and 0 <= src[1] - (run[1] + end - run[2]) \
-                < BUCKET_ALIGN and (src[1] - run[1]) % BUCKET_ALIGN == 0:
+                <= RUN_GAP and (src[1] - run[1]) % BUCKET_ALIGN == 0:
             start = run[2] + src[1] - run[1]  # continues the open run: same spacing as in the source
             last = runs[-1]
             runs[-1] = (last[0], last[1], start + nbytes - last[1])
