@@ -14,7 +14,8 @@ default), so every per-tensor cost shows and the bytes do not hide it:
 - the two ``serialized_named_tensors`` forms for one full load: a pickled list of every tensor (what the
   agent sent before) against one flattened bucket (what it sends now), encoded here and decoded by this
   repository's decoder and, where .venv-sglang exists, by SGLang 0.5.23's own (``MultiprocessingSerializer``
-  and ``FlattenedTensorBucket``), in a subprocess.
+  and ``FlattenedTensorBucket``), in a subprocess, which also times SGLang's Qwen3-MoE name mapping for those
+  names (``load_weights`` scans ``expert_params_mapping``, 3 entries per expert, for every name).
 
     .venv/bin/python benchmarks/bench_moe_push.py            # about a minute on 2 cores
 """
@@ -59,6 +60,18 @@ for path, form in zip(sys.argv[1::2], sys.argv[2::2]):
         obj = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
         obj = obj.reconstruct_tensors()
     print(form, len(obj), time.perf_counter() - t0, flush=True)
+# qwen3_moe's load_weights maps every name by scanning its expert_params_mapping (3 entries per expert): the
+# same loop over these names, without the copies
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+names = [n for n, _ in obj]
+experts = 1 + max(int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n)
+mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts=experts)
+t0 = time.perf_counter()
+for name in names:
+    for _, weight_name, _, _ in mapping:
+        if weight_name in name:
+            break
+print("mapping", len(names), time.perf_counter() - t0, flush=True)
 """
 
 
@@ -215,6 +228,9 @@ async def run(args: argparse.Namespace) -> int:
         sg = f"{theirs[form]:.2f}" if form in theirs else "-"
         print(f"| {'pickled list, a tensor each' if form == 'list' else 'one flattened bucket'} | "
               f"{len(payload) / 2**20:.1f} | {enc:.2f} | {dec:.2f} | {sg} |")
+    if "mapping" in theirs:
+        print(f"\nSGLang's Qwen3-MoE load_weights name mapping alone (its scan of expert_params_mapping, "
+              f"{3 * args.experts} entries, for every name; the copies not counted): {theirs['mapping']:.2f}s")
     return 0 if exact else 1
 
 
