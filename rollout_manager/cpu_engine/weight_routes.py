@@ -92,8 +92,9 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
         return fail("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
     load_format = body.get("load_format")
-    if load_format not in (None, "direct"):
-        return fail(f"load_format {load_format!r} is not supported by this engine (use null or 'direct')")
+    if load_format not in (None, "direct", tensor_payload.FLATTENED_BUCKET):
+        return fail(f"load_format {load_format!r} is not supported by this engine (use null, 'direct' or "
+                    f"'{tensor_payload.FLATTENED_BUCKET}')")
     version = body.get("weight_version")
     if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
         return fail("weight_version must be a string")
@@ -109,7 +110,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             return fail(f"serialized_named_tensors has {len(payloads)} entries for tp_size={tp_size}: "
                         f"TP rank r loads entry r, so there must be one per rank")
         try:
-            named = await asyncio.to_thread(_own_rank_payloads, payloads[:tp_size])
+            named = await asyncio.to_thread(_own_rank_payloads, payloads[:tp_size],
+                                            load_format == tensor_payload.FLATTENED_BUCKET)
             if engine.faults.load_delay_s:
                 engine.faults.loading = True
                 try:
@@ -132,12 +134,14 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return web.json_response({"success": True, "message": message})
 
 
-def _own_rank_payloads(payloads: list[str]) -> list[tuple[str, Any]]:
-    """Decode each TP rank's own entry as that rank would (and only its own), check that every rank
-    got the same tensors, each on its own device, and return rank 0's. Raises ValueError."""
+def _own_rank_payloads(payloads: list[str], flattened: bool = False) -> list[tuple[str, Any]]:
+    """Decode each TP rank's own entry as that rank would (and only its own; ``flattened``: a flattened
+    bucket), check that every rank got the same tensors, each on its own device, and return rank 0's.
+    Raises ValueError."""
     import torch
 
-    ranks = [tensor_payload.deserialize_named_tensors(p) for p in payloads]
+    decode = tensor_payload.deserialize_bucket if flattened else tensor_payload.deserialize_named_tensors
+    ranks = [decode(p) for p in payloads]
     first = ranks[0]
     for rank, named in enumerate(ranks):
         for _, tensor in named:

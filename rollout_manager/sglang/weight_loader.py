@@ -4,7 +4,9 @@ agent's SGLang side; docs/sglang-contract.md says why each step is there).
 One load:
 
 1. ``/server_info`` (tp_size, dp_size, version, model_path, dtype); a data-parallel server is refused.
-2. ``/update_weights_from_tensor`` in buckets with ``flush_cache`` false and no ``weight_version``, inside
+2. ``/update_weights_from_tensor`` in buckets of ``bucket_bytes``, each one flat tensor (``load_format``
+   ``flattened_bucket``: a MoE model's thousands of small expert tensors cost one tensor per bucket, not one
+   each), with ``flush_cache`` false and no ``weight_version``, inside
    a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``) from 0.5.21 on. Flushing
    inside the update call fails the call when requests run (0.5.22+: HTTP 400, and the version is then
    not recorded; 0.5.12-0.5.21: an assert that kills the server).
@@ -133,8 +135,9 @@ class SGLangWeights:
         opened = await self._begin_session(wire.weight_update_sessions(info.version))
         try:
             for i, bucket in enumerate(buckets):
-                payloads, keep_alive = _payloads(bucket, info, torch.cuda.is_available())
-                body = wire.update_weights_from_tensor_body(payloads, flush_cache=False, weight_version=None)
+                payloads, keep_alive = await asyncio.to_thread(_payloads, bucket, info, torch.cuda.is_available())
+                body = {**wire.update_weights_from_tensor_body(payloads, flush_cache=False, weight_version=None),
+                        "load_format": tensor_payload.FLATTENED_BUCKET}
                 await self._call(wire.UPDATE_WEIGHTS_FROM_TENSOR, body, f"bucket {i}")
                 del keep_alive  # SGLang has copied the tensors its IPC handles point at
         except BaseException:
@@ -283,16 +286,18 @@ class SGLangWeights:
 
 def _payloads(bucket: NamedTensors, info: wire.ServerInfo, cuda: bool) -> tuple[list[str], list[torch.Tensor]]:
     """One ``serialized_named_tensors`` entry per TP rank, each for that rank, as SGLang's own
-    ``weight_sync`` helper builds them: on a GPU box rank r gets IPC handles to a copy on its own GPU
-    (SGLang's rank r opens entry r only, and must not map another rank's device); on CPU every rank
-    gets the tensors by value. Also returns the tensors the handles point at, to keep alive.
+    ``weight_sync`` helper builds them: the bucket packed into one flat tensor (``load_format``
+    flattened_bucket: one copy of its bytes, one tensor to pickle however many it holds); on a GPU box rank r
+    gets an IPC handle to a copy on its own GPU (SGLang's rank r opens entry r only, and must not map another
+    rank's device); on CPU every rank gets the bytes by value. Also returns the tensors the handles point at,
+    to keep alive.
 
     Device indices are pickled as numbers, which SGLang's patched reductions accept as they are:
     the agent must see the GPUs as SGLang does (launch_sglang.sh starts both with one environment).
     """
-    if not cuda:  # views share the whole buffer's storage, which pickling would copy once per tensor
-        payload = tensor_payload.serialize_named_tensors([(n, t.clone()) for n, t in bucket])
-        return [payload] * info.tp_size, []
+    packed = tensor_payload.pack_bucket(bucket)  # views share the whole buffer's storage: never pickle them
+    if not cuda:
+        return [tensor_payload.serialize_bucket(packed)] * info.tp_size, []
     payloads: list[str] = []
     keep: list[torch.Tensor] = []
     for rank in range(info.tp_size):
@@ -301,10 +306,10 @@ def _payloads(bucket: NamedTensors, info: wire.ServerInfo, cuda: bool) -> tuple[
             raise LoadRefused(500, f"SGLang's TP rank {rank} runs on GPU {gpu}, which this agent does not see "
                                    f"({torch.cuda.device_count()} visible); start it with SGLang's "
                                    f"CUDA_VISIBLE_DEVICES")
-        on_gpu = [(n, t.to(f"cuda:{gpu}", non_blocking=True)) for n, t in bucket]
+        on_gpu = packed.data.to(f"cuda:{gpu}")
         torch.cuda.synchronize(gpu)
-        payloads.append(tensor_payload.serialize_named_tensors(on_gpu, share_memory=True))
-        keep.extend(t for _, t in on_gpu)
+        payloads.append(tensor_payload.serialize_bucket(packed, on_gpu, share_memory=True))
+        keep.append(on_gpu)
     return payloads, keep
 
 

@@ -12,6 +12,7 @@ view of the same width, so floats (bf16 and fp16 included, NaN payloads too) rou
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -33,7 +34,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=64)
 def dtype_from_name(name: str) -> torch.dtype:
+    """Cached: a MoE layout names a dtype once per expert tensor (tens of thousands of times)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
@@ -41,7 +44,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _align_up(value: int, alignment: int) -> int:
@@ -91,6 +94,7 @@ class WeightLayout:
         self.total_bytes = int(total_bytes)
         self.alignment = int(alignment)
         self._by_name = {s.name: s for s in self.specs}
+        self._fingerprint: str | None = None
         self._validate()
 
     def _validate(self) -> None:
@@ -153,9 +157,13 @@ class WeightLayout:
         return cls.from_dict(text if isinstance(text, Mapping) else json.loads(text))
 
     def fingerprint(self) -> str:
-        """Stable SHA-256 (hex) of the canonical JSON: equal layouts, equal fingerprints."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        """Stable SHA-256 (hex) of the canonical JSON: equal layouts, equal fingerprints. Computed once (a
+        layout is immutable): every push step asks for it several times, and at tens of thousands of tensors
+        (a MoE model's experts) each computation costs a third of a second."""
+        if self._fingerprint is None:
+            canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+            self._fingerprint = hashlib.sha256(canonical.encode()).hexdigest()
+        return self._fingerprint
 
 
 StateDict = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
