@@ -194,7 +194,7 @@ async def test_the_daemon_answers_503_on_generate_and_in_an_ndjson_batch(start_m
         await async_wait_until(lambda: _state(m, endpoint, "active"), message="instance active")
         t0 = time.monotonic()
         status, answer = await asyncio.wait_for(m.post("/generate", body()), 10)
-        assert status == 503 and endpoint in answer["error"] and "completion_tokens 99" in answer["error"], answer
+        assert status == 503 and endpoint in answer["error"] and "a count of 99 token(s)" in answer["error"], answer
         assert time.monotonic() - t0 < 5  # 1 s of wait, the attempts, a loaded machine
         items = [[f"r{k}", body()] for k in range(3)]
         lines: list[dict[str, Any]] = []
