@@ -311,3 +311,17 @@ def start_sglang(model_dir: Path, log_dir: Path, *sglang_flags: str, name: str =
         server.stop()
         raise
     return server
+
+
+def start_cpu_engine(log_dir: Path, *flags: str) -> tuple[str, Proc]:
+    """A CPU engine beside a real SGLang box, for the differential tests: the same requests go to both. 2 ms a
+    token, so a long request is still running when a test acts on it, as on real SGLang (~1.5 ms)."""
+    port = free_port()
+    proc = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(port), "--seed", "0", "--token-delay-s",
+                 "0.002", *flags], log_dir / f"cpu-engine-{port}.log")
+    try:
+        wait_http_ok_sync(f"http://127.0.0.1:{port}/health", proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return f"http://127.0.0.1:{port}", proc

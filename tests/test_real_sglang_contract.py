@@ -19,8 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 import torch
-from real_sglang import Daemon, RealBox, start_box, start_manager
-from support import PY, Proc, free_port, wait_http_ok_sync
+from real_sglang import Daemon, RealBox, start_box, start_cpu_engine, start_manager
 
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.sglang import tensor_payload, wire
@@ -43,19 +42,6 @@ class Pair:
         return [("real", self.real), ("cpu", self.cpu)]
 
 
-def _cpu_engine(log_dir: Path, *flags: str) -> tuple[str, Proc]:
-    port = free_port()
-    # 2 ms a token: a long request is still running when the test acts on it, as on real SGLang (~1.5 ms).
-    proc = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(port), "--seed", "0", "--context-length",
-                 str(CONTEXT), "--token-delay-s", "0.002", *flags], log_dir / f"cpu-engine-{port}.log")
-    try:
-        wait_http_ok_sync(f"http://127.0.0.1:{port}/health", proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return f"http://127.0.0.1:{port}", proc
-
-
 @pytest.fixture(scope="module")
 def contract_manager(tmp_path_factory: pytest.TempPathFactory) -> Any:
     manager = start_manager(tmp_path_factory.mktemp("contract"), health_check_interval_s="600")
@@ -67,7 +53,7 @@ def contract_manager(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def _pair(model_dir: Path, manager: Daemon, log_dir: Path, incremental: bool) -> Any:
     flags = ("--incremental-streaming-output",) if incremental else ()
-    cpu_url, cpu = _cpu_engine(log_dir, *flags)
+    cpu_url, cpu = start_cpu_engine(log_dir, "--context-length", str(CONTEXT), *flags)
     box: RealBox | None = None
     try:
         # Both told the context length, so both report the flag in /server_info.

@@ -20,8 +20,15 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from real_sglang import MOE_EXPERTS, MOE_LAYERS, MOE_TOP_K, SGLangServer, make_tiny_moe, start_sglang
-from support import PY, Proc, free_port, wait_http_ok_sync
+from real_sglang import (
+    MOE_EXPERTS,
+    MOE_LAYERS,
+    MOE_TOP_K,
+    SGLangServer,
+    make_tiny_moe,
+    start_cpu_engine,
+    start_sglang,
+)
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
 
@@ -38,27 +45,14 @@ class Pair:
     cpu: str
 
 
-def _cpu_engine(log_dir: Path, *flags: str) -> tuple[str, Proc]:
-    port = free_port()
-    # 2 ms a token: a long request is still running when the test aborts it, as on real SGLang
-    proc = Proc([PY, "-m", "rollout_manager.cpu_engine", "--port", str(port), "--seed", "0", "--num-experts",
-                 str(MOE_EXPERTS), "--num-experts-per-tok", str(MOE_TOP_K), "--token-delay-s", "0.002", *flags],
-                log_dir / f"cpu-engine-{port}.log")
-    try:
-        wait_http_ok_sync(f"http://127.0.0.1:{port}/health", proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return f"http://127.0.0.1:{port}", proc
-
-
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_moe(tmp_path_factory.getbasetemp() / "real_sglang_moe")
 
 
 def _pair(model: Path, log_dir: Path, *flags: str) -> Iterator[Pair]:
-    cpu_url, cpu = _cpu_engine(log_dir, *flags)
+    cpu_url, cpu = start_cpu_engine(log_dir, "--num-experts", str(MOE_EXPERTS), "--num-experts-per-tok",
+                                    str(MOE_TOP_K), *flags)
     real: SGLangServer | None = None
     try:
         real = start_sglang(model, log_dir, *flags, name="moe")
