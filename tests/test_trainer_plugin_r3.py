@@ -21,7 +21,19 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from support import free_port
+from support import async_wait_until, free_port
+from test_verl_v1_streaming import MISSING as V1_MISSING
+from test_verl_v1_streaming import (
+    QUESTIONS,
+    RESPONSE_LEN,
+    N,
+    compose_config,
+    expected_prompt_ids,
+    local_ray,  # noqa: F401 - the fixture, reused
+    prompt_batch,
+    prompt_statuses,
+    write_tiny_model,
+)
 
 from trainer_plugin.proxy import ManagerProxyServer, build_generate_body, token_output_fields
 from trainer_plugin.routed_experts import (
@@ -287,3 +299,84 @@ async def test_a_fleet_started_without_the_flag_fails_at_start(start_manager: An
             await dense.close()
     finally:
         await server.close()
+
+
+# ---------------------------------------------------------------- end to end: verl's own agent loops
+
+
+def write_tiny_moe_model(path: Any, vocab_size: int) -> Any:
+    """test_verl_v1_streaming's character-level model directory, its config a Qwen3-MoE of the engines' shape."""
+    from transformers import Qwen3MoeConfig
+
+    write_tiny_model(path, vocab_size)
+    Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, num_experts=EXPERTS,
+                   num_experts_per_tok=TOP_K, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                   pad_token_id=0, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(V1_MISSING), reason=f"verl 0.9.1's V1 trainer path needs {', '.join(V1_MISSING)}")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+async def test_verls_agent_loops_replay_the_engines_experts_and_refuse_a_fleet_without_them(
+        start_manager: Any, start_engines: Any, local_ray: Any, tmp_path: Any) -> None:  # noqa: F811
+    """verl's V1 path as tests/test_verl_v1_streaming.py runs it, with ``enable_rollout_routing_replay``."""
+    import torch
+    import transfer_queue as tq
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    import trainer_plugin.verl_registration  # noqa: F401 - what verl's plugin entry point loads on `import verl`
+    from rollout_manager.cpu_engine.model import build_model, reference_generate
+
+    model = build_model(0, num_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    port = free_port()
+    config = compose_config(write_tiny_moe_model(tmp_path / "tiny-moe", model.config.vocab_size), port)
+    config.actor_rollout_ref.rollout.enable_rollout_routing_replay = True
+    m = await start_manager(port=port)
+    dense_fleet = await start_engines(MOE_FLAGS, MOE_FLAGS)  # MoE, but started without the flag
+    await m.register(*dense_fleet)
+    await asyncio.to_thread(local_ray, config)
+
+    def setup() -> tuple[Any, Any]:
+        actor_wg = SimpleNamespace(world_size=config.trainer.n_gpus_per_node, workers=[])
+        servers = LLMServerManager.create(config=config, worker_group=actor_wg)
+        agents = AgentLoopManagerTQ.create(config=config, llm_client=servers.get_client(), teacher_client=None,
+                                           reward_loop_worker_handles=None)
+        return servers, agents
+
+    with pytest.raises(Exception, match=MISSING) as err:  # at start, before any prompt
+        await asyncio.to_thread(setup)
+    assert all(e.endpoint in str(err.value) for e in dense_fleet)
+
+    status, answer = await m.post("/shutdown_instances", {"endpoints": [e.endpoint for e in dense_fleet]})
+    assert status == 200, answer
+    await m.register(*await start_engines([*MOE_FLAGS, R3_FLAG], [*MOE_FLAGS, R3_FLAG]))
+    _, agents = await asyncio.to_thread(setup)
+
+    batch = prompt_batch(1)
+    uids = list(batch["uid"])
+    tq.kv_batch_put(keys=uids, partition_id="train",
+                    tags=[{"is_prompt": True, "status": "pending", "global_steps": 1} for _ in uids])
+    await asyncio.to_thread(agents.generate_sequences, batch)
+
+    async def all_finished() -> bool:
+        statuses = await asyncio.to_thread(prompt_statuses)
+        assert "failure" not in statuses.values(), statuses  # see the AgentLoopWorkerTQ log above
+        return sum(s == "finished" for s in statuses.values()) == len(uids)
+
+    await async_wait_until(all_finished, timeout_s=60, interval_s=0.05, message="every group finished")
+    keys = [f"{u}_{s}_0" for u in uids for s in range(N)]
+    data = await asyncio.to_thread(tq.kv_batch_get, keys=keys, partition_id="train")
+    for row, key in enumerate(keys):
+        prompt = expected_prompt_ids(QUESTIONS[uids.index(key.split("_")[0])])
+        ref_ids, _ = reference_generate(model, prompt, RESPONSE_LEN)
+        assert data["responses"][row].tolist() == ref_ids
+        got = data["routed_experts"][row]
+        # verl's agent loop: int16, one row per prompt and response token, the last (never fed) zero
+        assert got.dtype == torch.int16 and tuple(got.shape) == (len(prompt) + RESPONSE_LEN, LAYERS, TOP_K)
+        routes = model.logits_and_routes(prompt + ref_ids[:-1])[1]
+        assert routes is not None and (got[:-1] == routes.to(torch.int16)).all(), key
+        assert not got[-1].any()
