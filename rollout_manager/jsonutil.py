@@ -17,7 +17,7 @@ JSONDecodeError: type[ValueError] = orjson.JSONDecodeError
 
 def dumps(obj: Any) -> bytes:
     """``obj`` as JSON. A value orjson does not know is encoded as its ``to_json()`` (the rollout flow's
-    typed answers: ``rollout.answers.Answer``, ``rollout.batch.BatchLine``), at the edge where it is sent."""
+    typed answers: ``sglang.answer.GenerateAnswer``, ``rollout.batch.BatchLine``), at the edge where it is sent."""
     return orjson.dumps(obj, default=_to_json)
 
 

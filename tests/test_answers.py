@@ -26,6 +26,7 @@ def old_partial_answer(seq: SequenceState, index: int | None) -> dict[str, Any]:
                             "completion_tokens": len(output_ids), "cached_tokens": 0}
     if body.wants_logprobs:
         meta["output_token_logprobs"] = list(seq.logprobs)
+    meta.update({k: list(v) for k, v in seq.per_token.items()})  # as SGLang's own chunks carry them
     out: dict[str, Any] = {"text": seq.known_text(seq.live_text), "output_ids": as_list(output_ids), "meta_info": meta}
     if index is not None:
         out["index"] = index
@@ -189,6 +190,7 @@ def test_a_batch_line_and_a_stream_chunk_encode_as_before() -> None:
         seq.logprobs.append([-0.2, 11, None])
         assert jsonutil.loads(jsonutil.dumps(chunk)) == want
         assert want["meta_info"]["output_token_logprobs"] and want["text"] == "abcd!e"
+        assert want["meta_info"]["output_top_logprobs"]  # the per-token lists, as SGLang's own chunks carry them
 
 
 def test_engine_fields_pass_through_where_the_manager_sets_nothing() -> None:

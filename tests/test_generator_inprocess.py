@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,8 @@ async def test_a_sequence_runs_on_one_instance(rig: Rig) -> None:
     assert [(s["instance"], s["start"], s["end"], s["outcome"]) for s in meta["segments"]] == \
         [(a.id, 0, 6, "finished")]
     assert rig.health.successes == [a.id] and a.load.in_flight == 0 and a.load.in_flight_tokens == 0
-    assert rig.fakes[0].requests[0]["rid"] == "r1" and rig.fakes[0].requests[0]["stream"] is True
+    assert meta["id"] == "r1"  # the caller's id for the caller; the engine gets the manager's own
+    assert rig.fakes[0].requests[0]["rid"].startswith("rm-") and rig.fakes[0].requests[0]["stream"] is True
 
 
 async def test_a_sequence_that_dies_midway_continues_with_the_exact_tokens(rig: Rig) -> None:
@@ -89,7 +91,7 @@ async def test_a_sequence_that_dies_midway_continues_with_the_exact_tokens(rig: 
     (cont,) = healthy.requests
     assert cont["input_ids"] == PROMPT + made
     assert cont["sampling_params"]["max_new_tokens"] == 10 - 4
-    assert cont["rid"] == "seq~1"
+    assert cont["rid"] == dying.requests[0]["rid"] + "~1" and out["meta_info"]["id"] == "seq"
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 10}  # counted from 0, not from the restart
     assert meta["completion_tokens"] == 10 and meta["prompt_tokens"] == len(PROMPT)
@@ -233,7 +235,19 @@ async def test_a_string_rid_names_batch_items_as_sglang_does(rig: Rig) -> None:
     b = {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"temperature": 0, "max_new_tokens": 3}, "rid": "b"}
     out = as_json(await rig.generator.generate(decode(b)))
     assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["b_0", "b_1"]
-    assert sorted(r["rid"] for f in rig.fakes for r in f.requests) == ["b_0", "b_1"]
+    sent = [r["rid"] for f in rig.fakes for r in f.requests]
+    assert len(set(sent)) == 2 and all(rid.startswith("rm-") for rid in sent)  # the engines get the manager's
+
+
+async def test_callers_that_reuse_one_id_get_their_own_sequences(rig: Rig) -> None:
+    """verl's agent loop with full_determinism names concurrent requests det-{n}: the engines must still
+    see one id per attempt (SGLang refuses a running id again, and an abort by id must hit one sequence)."""
+    register_active(rig.registry, rig.fakes)
+    outs = await asyncio.gather(*(generate_one(rig.generator, body(4, rid="det-0")) for _ in range(4)))
+    assert [o["meta_info"]["id"] for o in outs] == ["det-0"] * 4
+    assert all(o["output_ids"] == reference(PROMPT, 4) for o in outs)
+    sent = [r["rid"] for f in rig.fakes for r in f.requests]
+    assert len(sent) == 4 and len(set(sent)) == 4
 
 
 async def test_stream_chunks_carry_the_cumulative_text(rig: Rig) -> None:

@@ -394,3 +394,30 @@ def test_fuzzed_headers_and_paths_never_give_a_500(tokened_daemon, method, path,
         status = raw_call(port, method, path, headers, body)
         assert status < 500 or (status == 503 and path.startswith(b"/generate")), (status, method, path, headers)
     assert proc.popen.poll() is None
+
+
+@pytest.mark.parametrize("path", [b"/generate", b"/batch_generate_requests", b"/update_metrics"])
+async def test_a_content_length_of_thousands_of_digits_is_a_400_not_a_500(path):
+    """llhttp takes a zero-padded length (its value fits 64 bits), but Python's int() refuses a string of
+    more than 4,300 digits: the body's length was read with it and every route answered 500."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from rollout_manager.api import routes
+    from rollout_manager.api.http import MAX_ADMIN_BODY, MAX_BODY, json_errors
+
+    app = web.Application(middlewares=[json_errors])
+    app[MAX_BODY] = app[MAX_ADMIN_BODY] = 1 << 20
+    for method, route, handler in routes.ROUTES:
+        app.router.add_route(method, route, handler)
+    async with TestServer(app, host="127.0.0.1") as server:
+        reader, writer = await raw_request(server.port, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n"
+                                           b"Content-Length: " + b"0" * 4300 + b"2\r\n\r\n{}")
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            answer = json.loads(await reader.readexactly(length))
+        finally:
+            writer.close()
+    assert head.startswith(b"HTTP/1.1 400 "), head
+    assert answer == {"error": "Content-Length has 4301 characters; at most 18 are taken"}

@@ -16,7 +16,8 @@ from rollout_manager.api.openapi import build_openapi
 from rollout_manager.api.routes import ROUTES
 
 DOC = build_openapi(ROUTES, "test")
-BODY_ROUTES = [(m, p, h) for m, p, h in ROUTES if getattr(h, "body_model", None) is not None]
+BODY_ROUTES = [(m, p, h) for m, p, h in ROUTES
+               if getattr(h, "body_model", None) is not None or getattr(h, "body_schema", None) is not None]
 # Valid bodies of these would generate (no instance here: a 503 by design) or wait on purpose.
 NO_VALID_FUZZ = {"/generate", "/batch_generate_requests"}
 
@@ -25,6 +26,12 @@ def test_openapi_document_covers_every_route_with_the_validating_models():
     for method, path, handler in ROUTES:
         op = DOC["paths"][path][method.lower()]
         model = getattr(handler, "body_model", None)
+        described = getattr(handler, "body_schema", None)
+        if described is not None:  # a generation body: its msgspec types' schema, each named one in components
+            schema, named = described("#/components/schemas/{name}")
+            assert op["requestBody"]["content"]["application/json"]["schema"] == schema, path
+            assert all(DOC["components"]["schemas"][name] == value for name, value in named.items()), path
+            continue
         if model is None:
             assert "requestBody" not in op
             continue
@@ -113,3 +120,24 @@ def test_fuzz_endpoint(daemon, method, path):
         assert proc.popen.poll() is None, "the daemon died"
 
     run()
+
+
+def test_the_generate_schema_takes_what_the_door_takes_and_refuses_what_it_refuses():
+    """The document describes /generate bodies as the decode checks them: a few bodies, both ways."""
+    from jsonschema import Draft202012Validator
+
+    from rollout_manager.errors import InvalidField
+    from rollout_manager.rollout.request import decode
+
+    op = DOC["paths"]["/generate"]["post"]
+    validator = Draft202012Validator(resolved(op["requestBody"]["content"]["application/json"]["schema"]))
+    for body in ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3, "top_p": 0.5}, "lora_path": "x"},
+                 {"input_ids": [[1], [2]], "rid": ["a", "b"], "sampling_params": [{}, {"temperature": 1.0}]},
+                 {"input_ids": [1], "trajectory_key": "t", "min_weight_version": 2, "stream": True}):
+        assert validator.is_valid(body), body
+        decode(body)
+    for body in ({"input_ids": []}, {"input_ids": [-1]}, {"input_ids": [1], "stream": 1}, {"rid": "a"},
+                 {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, {"input_ids": [[1], []]}):
+        assert not validator.is_valid(body), body
+        with pytest.raises(InvalidField):
+            decode(body)

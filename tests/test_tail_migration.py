@@ -296,7 +296,7 @@ async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig:
     segs = [(s["instance"], s["start"], s["end"], s["outcome"]) for s in out["meta_info"]["segments"]]
     assert segs == [(rig.a.id, 0, 40, f"migrated to {rig.b.endpoint}"), (rig.b.id, 40, 100, "finished")]
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
-    assert slow.aborted == ["m"] and rig.failures == []
+    assert slow.aborted == [slow.requests[0]["rid"]] and rig.failures == []  # the engine's id for it, not the caller's
     st = rig.generator.stats
     assert (st["migrated"], st["continuations"], st["failed"]) == (1, 1, 0)
     a, b = rig.a.load, rig.b.load
@@ -324,7 +324,7 @@ async def test_a_sequence_that_finishes_before_the_abort_lands_frees_its_reserve
     task = asyncio.ensure_future(rig.generator.generate(decode(body(60, "r"))))
     await wait_for(lambda: rig.dispatcher.streamed_tokens >= 30)
     assert rig.generator.migrate_now() == 1 and rig.b.load.in_flight == 1
-    await wait_for(lambda: slow.aborted == ["r"])
+    await wait_for(lambda: slow.aborted == [slow.requests[0]["rid"]])
     slow.release.set()  # it ends where it was, normally
     out = as_json(await task)
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 60)
@@ -342,7 +342,7 @@ async def test_a_reserved_target_that_dies_meanwhile_falls_back_to_the_dispatche
     assert rig.generator.migrate_now() == 1
     rig.registry.transition(rig.b, State.DEAD, "test: gone")
     slow.ignore_abort = False
-    slow.abort_events["d"].set()
+    slow.abort_events[slow.requests[0]["rid"]].set()
     slow.hold_after = None
     out = as_json(await task)
     assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 40)

@@ -12,16 +12,24 @@ from pydantic import BaseModel
 from rollout_manager.api import schemas
 from rollout_manager.api.http import validate
 from rollout_manager.errors import ManagerError
+from rollout_manager.rollout.request import decode, decode_items
 from rollout_manager.weights.protocol import BadBody, CommitRequest, parse_body
 
 
-def message(model: type[BaseModel], data: Any) -> str:
+def GEN(data: Any) -> Any:  # a generation body, checked by msgspec as the door does
+    return decode(data)
+
+
+def BATCH(data: Any) -> Any:
+    return decode_items(data)
+
+
+def message(model: type[BaseModel] | Any, data: Any) -> str:
     with pytest.raises(ManagerError) as info:
-        validate(data, model)
+        model(data) if model in (GEN, BATCH) else validate(data, model)
     return str(info.value)
 
 
-GEN = schemas.GenerateRequest
 EXACT = [
     # the issue's own examples: an int item is not "a valid list", whatever the union's other branch says
     (GEN, {"input_ids": [-1, 2]}, "field 'input_ids[0]': Input should be greater than or equal to 0"),
@@ -39,16 +47,35 @@ EXACT = [
     (GEN, [], "the body must be a JSON object"),
     (schemas.RegisterRolloutInstance, [1], "the body must be a JSON object"),
     (schemas.Empty, [1], "the body must be a JSON object"),
-    (schemas.BatchGenerateRequests, {}, "the body must be a JSON list of [id, request] pairs"),
+    (BATCH, {}, "the body must be a JSON list of [id, request] pairs"),
     (schemas.RegisterLocalRolloutInstances, {}, "the body must be a JSON list of [host, port] pairs"),
     # batches: the position as written, no union branch names
-    (schemas.BatchGenerateRequests, [["a", {"input_ids": "x"}]], "field '[0][1].input_ids': Input should be a "
+    (BATCH, [["a", {"input_ids": "x"}]], "field '[0][1].input_ids': Input should be a "
                                                                    "valid list"),
-    (schemas.BatchGenerateRequests, [[1.5, {"input_ids": [1]}]],
+    (BATCH, [[1.5, {"input_ids": [1]}]],
      "field '[0][0]': Input should be a string or an integer"),
     (schemas.UpdateWeightVersion, {"wait_for_instances": "some"}, "field 'wait_for_instances': Input should be 'all'"),
     (schemas.UpdateWeightVersion, {"wait_for_instances": -1},
      "field 'wait_for_instances': Input should be greater than or equal to 0"),
+    # the batch body's own shape
+    (BATCH, [], "List should have at least 1 item after validation, not 0"),
+    (BATCH, [{}], "field '[0]': Input should be a valid tuple"),
+    (BATCH, [["a"]], "field '[0][1]': Field required"),
+    (BATCH, [["a", {"input_ids": [1]}, 3]], "field '[0]': Tuple should have at most 2 items after validation, not 3"),
+    (BATCH, [["x" * 513, {"input_ids": [1]}]], "field '[0][0]': String should have at most 512 characters"),
+    (BATCH, [["a", 5]], "field '[0][1]': Input should be a JSON object"),
+    (BATCH, [["a", {"input_ids": [[1], [2]], "rid": ["a"]}]], "field '[0][1]': 'rid' has 1 items for 2 sequences"),
+    (BATCH, [["a", {"input_ids": [1]}], ["a", {"input_ids": [2]}]], "request id 'a' appears more than once"),
+    (GEN, {"input_ids": [1], "rid": ["a"]}, "'rid' is a list but input_ids is a single sequence"),
+    (GEN, {"input_ids": [1], "trajectory_key": ""},
+     "field 'trajectory_key': String should have at least 1 character"),
+    (GEN, {"input_ids": [1], "min_weight_version": True},
+     "field 'min_weight_version': Input should be a valid integer"),
+    (GEN, {"input_ids": [1], "sampling_params": {"temperature": -0.5}},
+     "field 'sampling_params.temperature': Input should be greater than or equal to 0"),
+    (GEN, {"text": "hi"}, "'text' input is not supported: the manager continues sequences token by token, so send "
+                          "'input_ids' (tokenize on the trainer side)"),
+    (GEN, {}, "field 'input_ids': Field required"),
 ]
 
 
@@ -72,15 +99,23 @@ def test_two_real_mistakes_give_two_messages_and_no_label_body():
     {"input_ids": [1], "sampling_params": {"max_new_tokens": 4, "top_p": 0.5}, "rid": "r", "return_logprob": True},
 ])
 def test_valid_generate_bodies_still_pass_unchanged(data):
-    parsed = validate(data, GEN)
-    assert parsed.model_dump(exclude_unset=True, exclude_none=True) == data
+    request = decode(data)
+    assert request.input_ids == data["input_ids"] and request.batched == isinstance(data["input_ids"][0], list)
+    for i, sequence in enumerate(request.sequences):
+        sent = sequence.body.to_json()
+        params = data.get("sampling_params", {})
+        given = params[i] if isinstance(params, list) else params
+        assert {**sent["sampling_params"], **given} == sent["sampling_params"]
+        for key in ("rid", "return_logprob"):
+            if key in data:
+                assert sent[key] == (data[key][i] if isinstance(data[key], list) else data[key])
 
 
 def test_valid_wait_for_and_batch_ids_still_pass():
     assert validate({"wait_for_instances": "all"}, schemas.UpdateWeightVersion).wait_for_instances == "all"
     assert validate({"wait_for_instances": 2}, schemas.UpdateWeightVersion).wait_for_instances == 2
-    batch = validate([["a", {"input_ids": [1]}], [7, {"input_ids": [[1]]}]], schemas.BatchGenerateRequests)
-    assert [rid for rid, _ in batch.root] == ["a", 7]
+    batch = decode_items([["a", {"input_ids": [1]}], [7, {"input_ids": [[1]]}]])
+    assert [rid for rid, _ in batch] == ["a", 7]
 
 
 def test_weight_agents_name_a_cross_field_mistake_without_field_body():

@@ -12,10 +12,11 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from pydantic import BaseModel, ValidationError
 
 from rollout_manager import jsonutil
+from rollout_manager.api.lane_head import MAX_LENGTH_DIGITS
 from rollout_manager.bearer import bearer_matches, bearer_value
 from rollout_manager.errors import (
     INTERNAL_ERROR,
@@ -73,8 +74,9 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
     may go up to ``MAX_BODY`` (the server's own cap).
     """
     limit = request.app[MAX_BODY] if large else request.app[MAX_ADMIN_BODY]
-    if request.content_length is not None and request.content_length > limit:
-        raise TooLarge(f"request body too large ({request.content_length} bytes; limit {limit})")
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
+        raise TooLarge(f"request body too large ({declared} bytes; limit {limit})")
     timeout = request.app.get(BODY_TIMEOUT)
     if request.content.is_eof():  # the whole body came with the headers: no wait, so no timer or task
         timeout = None
@@ -88,6 +90,20 @@ async def read_json(request: web.Request, *, optional: bool = False, large: bool
         detail = str(exc).split("message:", 1)[-1].strip()
         raise BadRequest(f"request body could not be read: {detail}") from None
     return decode_json(raw, limit, optional=optional)
+
+
+def declared_length(request: web.Request) -> int | None:
+    """The body's ``Content-Length``, refused (400) when it has more digits than any real length.
+
+    llhttp lets through only digits whose value fits 64 bits, but leading zeros are not counted, and
+    aiohttp's ``request.content_length`` converts the text with ``int()``, which raises past 4,300
+    digits (Python's limit on converting strings to integers): that was a 500."""
+    text = request.headers.get(hdrs.CONTENT_LENGTH)
+    if text is None:
+        return None
+    if len(text) > MAX_LENGTH_DIGITS:
+        raise BadRequest(f"Content-Length has {len(text)} characters; at most {MAX_LENGTH_DIGITS} are taken")
+    return request.content_length
 
 
 def decode_json(raw: bytes, limit: int, *, optional: bool = False) -> Any:
@@ -211,24 +227,22 @@ def _declared(handler: Handler, model: type[BaseModel], optional: bool) -> Handl
     return handler
 
 
-def decodes(model: type[BaseModel], decode: Callable[[web.Request, Any], T],
-            plain: Callable[[Any], bool] | None = None) -> Callable[..., Handler]:
-    """:func:`accepts` for a generation body: validated against ``model`` (the same messages, and the
-    same OpenAPI description; ``plain``, when it says so, vouches for the body instead), then
-    ``decode(request, data)`` builds the typed value the handler gets. Neither the caller's JSON nor
-    its validated form outlives the decode: a request held while its sequences run costs only its
-    typed value."""
+BodySchema = Callable[[str], tuple[dict[str, Any], dict[str, Any]]]
+
+
+def decodes(schema: BodySchema, decode: Callable[[web.Request, Any], T]) -> Callable[..., Handler]:
+    """:func:`accepts` for a generation body: ``decode(request, data)`` checks the decoded JSON and types
+    it in one pass (raising ManagerError, 400, naming the field), and the handler gets the typed value.
+    Neither the caller's JSON nor any other form of it outlives the decode: a request held while its
+    sequences run costs only its typed value. ``schema(ref_template)`` describes the body in the OpenAPI
+    document (``openapi.py``): its JSON schema and the named schemas it refers to."""
 
     def wrap(fn: Callable[[web.Request, T], Awaitable[web.StreamResponse]]) -> Handler:
-        def decoded(request: web.Request, data: Any) -> T:
-            if plain is None or not plain(data):
-                validate(data, model)
-            return decode(request, data)
-
         @functools.wraps(fn)
         async def handler(request: web.Request) -> web.StreamResponse:
-            return await fn(request, decoded(request, await read_json(request, large=True)))
+            return await fn(request, decode(request, await read_json(request, large=True)))
 
-        return _declared(handler, model, False)
+        handler.body_schema = schema  # type: ignore[attr-defined]
+        return handler
 
     return wrap

@@ -31,7 +31,7 @@ SINGLETONS: Final = frozenset({b"content-length", b"content-location", b"content
                                b"etag", b"host", b"max-forwards", b"server", b"transfer-encoding",
                                b"user-agent"})
 ONCE: Final = READ | SINGLETONS
-MAX_LENGTH_DIGITS: Final = 18  # any body the lane takes has fewer; int() of more is never attempted
+MAX_LENGTH_DIGITS: Final = 18  # the most a Content-Length may have, here and on aiohttp's path (api.http)
 
 HAND_OVER: Final = False  # what :meth:`HeadReader.feed` returns for a request that aiohttp must answer
 

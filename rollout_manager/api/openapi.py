@@ -1,5 +1,6 @@
-"""The API as an OpenAPI 3.1 document, built from the route table and the pydantic models that
-validate each body (``api.http.accepts``), so the description is the validation."""
+"""The API as an OpenAPI 3.1 document, built from the route table and the types that check each body
+(pydantic models, ``api.http.accepts``; msgspec types for generation bodies, ``api.http.decodes``), so
+the description is the validation."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 from pydantic.json_schema import models_json_schema
+
+from rollout_manager.rollout.request import MAX_ITEMS, BatchedBody, OneSequenceBody, RequestId
+
+REF = "#/components/schemas/{name}"
 
 ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "string"}}, "required": ["error"]}
 STREAMING = {
@@ -23,6 +29,9 @@ def build_openapi(routes: Sequence[tuple[str, str, Callable[..., Any]]], version
                                      ref_template="#/components/schemas/{model}")
     schemas = dict(defs.get("$defs", {}))
     schemas["Error"] = ERROR_SCHEMA
+    described = {h: schema(REF) for _, _, h in routes if (schema := getattr(h, "body_schema", None)) is not None}
+    for _, components in described.values():
+        schemas.update(components)
     paths: dict[str, dict[str, Any]] = {}
     for method, path, handler in routes:
         doc = inspect.getdoc(handler) or ""
@@ -36,10 +45,11 @@ def build_openapi(routes: Sequence[tuple[str, str, Callable[..., Any]]], version
             },
         }
         model = getattr(handler, "body_model", None)
-        if model is not None:
+        schema = keyed[(model, "validation")] if model is not None else described.get(handler, (None,))[0]
+        if schema is not None:
             op["requestBody"] = {
                 "required": not getattr(handler, "body_optional", False),
-                "content": {"application/json": {"schema": keyed[(model, "validation")]}},
+                "content": {"application/json": {"schema": schema}},
             }
         paths.setdefault(path, {})[method.lower()] = op
     return {
@@ -51,3 +61,20 @@ def build_openapi(routes: Sequence[tuple[str, str, Callable[..., Any]]], version
         "security": [{"bearer": []}],
         "paths": paths,
     }
+
+
+def generate_schema(ref_template: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``/generate`` body: one sequence or a batch (the first item of ``input_ids`` says which)."""
+    (one, many), components = msgspec.json.schema_components([OneSequenceBody, BatchedBody], ref_template=ref_template)
+    return {"anyOf": [one, many]}, components
+
+
+def batch_schema(ref_template: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``/batch_generate_requests`` body: ``[[id, generate_body], ...]``, ids unique."""
+    (rid,), _ = msgspec.json.schema_components([RequestId], ref_template=ref_template)
+    body, components = generate_schema(ref_template)
+    item = {"type": "array", "prefixItems": [rid, body], "minItems": 2, "maxItems": 2}
+    return {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_ITEMS,
+            "description": "[id, generate body] pairs; ids must be unique within the batch, compared as JSON "
+                           "values: the integer 1 and the string \"1\" are two requests, each answered with its "
+                           "id as sent"}, components

@@ -28,20 +28,16 @@ from rollout_manager.api.http import (
     decodes,
     json_errors,
     json_response,
-    validate,
 )
-from rollout_manager.api.openapi import build_openapi
+from rollout_manager.api.openapi import batch_schema, build_openapi, generate_schema
 from rollout_manager.api.schemas import (
-    BatchGenerateRequests,
     Empty,
-    GenerateRequest,
     RegisterLocalRolloutInstances,
     RegisterRolloutInstance,
     ShutdownInstances,
     UpdateMetrics,
     UpdateWeightSenders,
     UpdateWeightVersion,
-    plain_generate,
 )
 from rollout_manager.bearer import bearer_matches
 from rollout_manager.errors import INTERNAL_ERROR, BadRequest, ManagerError
@@ -50,7 +46,7 @@ from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
-from rollout_manager.rollout.request import Request, decode
+from rollout_manager.rollout.request import Request, decode, decode_items
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.sse import sse_frame
 
@@ -121,16 +117,26 @@ async def update_weight_senders(request: web.Request, body: UpdateWeightSenders,
     return json_response(result)
 
 
+def admit(manager: Manager, data: Any, trajectory_header: str | None) -> Request:
+    """A ``/generate`` body (decoded JSON) as the request to run, on aiohttp's path and on the fast lane:
+    typed in one pass, and its ids checked against the vocabulary (an id past the model's vocabulary
+    crashes SGLang's scheduler); raises ManagerError (400) naming the field."""
+    request = decode(data, trajectory_header)
+    generator = manager.generator
+    assert generator is not None
+    generator.vocab.check(request.input_ids)
+    return request
+
+
 def _generate_request(request: web.Request, data: Any) -> Request:
-    return decode(data, _trajectory_header(request))
+    return admit(manager_of(request), data, _trajectory_header(request))
 
 
-@decodes(GenerateRequest, _generate_request, plain_generate)
+@decodes(generate_schema, _generate_request)
 async def generate(request: web.Request, body: Request) -> web.StreamResponse:
     """SGLang's /generate through the pool, continued on another instance if one dies mid-sequence."""
     generator = manager_of(request).generator
     assert generator is not None
-    generator.vocab.check(body.input_ids)  # an id past the model's vocabulary crashes SGLang's scheduler
     if not body.stream:
         return json_response(await generator.generate(body))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -204,17 +210,11 @@ class GenerateLane:
         """An admitted head's body: what :func:`generate` would run, or None for aiohttp to answer."""
         try:
             data = decode_json(body, self.max_body)
-            if not plain_generate(data):
-                validate(data, GenerateRequest)
-            if data.get("stream") is True:
+            if type(data) is dict and data.get("stream") is True:
                 return None
-            request = decode(data, headers.get(self.key_header))
-            generator = self.manager.generator
-            assert generator is not None
-            generator.vocab.check(request.input_ids)
+            return admit(self.manager, data, headers.get(self.key_header))
         except ManagerError:
             return None
-        return request
 
     async def run(self, prepared: Request) -> tuple[int, bytes]:
         generator = self.manager.generator
@@ -240,10 +240,10 @@ class GenerateLane:
 
 
 def _batch_items(_: web.Request, data: Any) -> list[tuple[Any, Request]]:
-    return [(rid, decode(body)) for rid, body in data]
+    return decode_items(data)
 
 
-@decodes(BatchGenerateRequests, _batch_items)
+@decodes(batch_schema, _batch_items)
 async def batch_generate_requests(request: web.Request, items: list[tuple[Any, Request]]) -> web.StreamResponse:
     """Many /generate bodies at once; NDJSON results in completion order, every id exactly once."""
     generator = manager_of(request).generator

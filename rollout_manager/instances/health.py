@@ -197,4 +197,5 @@ def engine_facts(info: wire.ServerInfo, declared_vocab_size: int | None) -> Engi
         max_running_requests=info.max_running_requests,
         vocab_size=min((v for v in (info.vocab_size, declared_vocab_size) if v is not None), default=None),
         joined_version=info.weight_version,
+        routed_experts=info.routed_experts,
     )

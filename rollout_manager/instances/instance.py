@@ -72,6 +72,9 @@ class EngineFacts:
     # neither is known). SGLang's scheduler dies on an input id at or past it.
     vocab_size: int | None = None
     joined_version: str | None = None  # the weight version it reported before any push from here
+    # Whether it returns the experts each token was routed to (SGLang's --enable-return-routed-experts; None:
+    # not said): only such an engine may take a sequence that asks for them (routed-expert replay, R3).
+    routed_experts: bool | None = None
 
 
 @dataclass
@@ -136,5 +139,6 @@ class Instance:
             "server_stream_interval": engine.server_stream_interval,
             "max_running_requests": engine.max_running_requests,
             "vocab_size": engine.vocab_size,
+            "routed_experts": engine.routed_experts,
             "max_in_flight": load.max_in_flight,
         }

@@ -23,7 +23,7 @@ def partial_answer(seq: SequenceState, index: int | None) -> GenerateAnswer:
     return partial_output(
         seq.body, rid=seq.rid, output_ids=seq.output_ids, logprobs=seq.logprobs,
         weight_version=str(seq.segments[-1].weight_version) if seq.segments else "", index=index,
-        text=seq.known_text(seq.live_text),
+        text=seq.known_text(seq.live_text), per_token=seq.per_token,
     )
 
 
@@ -37,6 +37,7 @@ def final_answer(seq: SequenceState, index: int | None, latency: float) -> Gener
         engine_meta=seq.meta, segments=seq.segments, text=text,
         e2e_latency=latency, index=index, per_token=seq.per_token, seed=seq.seed,
         discarded=seq.discarded,  # a staleness restart: what was thrown away stays visible
+        experts=None if seq.experts is None else seq.experts.to_json(),
     )
 
 
@@ -49,16 +50,19 @@ def partial_output(
     weight_version: str,
     index: int | None,
     text: str | None = None,
+    per_token: dict[str, list[Any]] | None = None,
 ) -> GenerateAnswer:
     """A cumulative, unfinished stream chunk of a sequence run from the single-sequence ``body``.
 
-    Log-probs appear only when ``body`` asked for them, as SGLang does; ``text`` is the text so far
-    (SGLang fills it in every cumulative chunk), null when it is not known. The token lists are copied:
-    the sequence goes on after the chunk is built.
+    Log-probs appear only when ``body`` asked for them, as SGLang does, with the other per-token lists
+    (``per_token``: top log-probs, ...) that SGLang's own chunks carry; ``text`` is the text so far (SGLang
+    fills it in every cumulative chunk), null when it is not known. The token lists are copied: the sequence
+    goes on after the chunk is built.
     """
     meta = AnswerMeta(id=rid, finish_reason=None, prompt_tokens=len(body.input_ids), weight_version=weight_version,
                       completion_tokens=len(output_ids), cached_tokens=0,
-                      output_token_logprobs=list(logprobs) if body.wants_logprobs else UNSET)
+                      output_token_logprobs=list(logprobs) if body.wants_logprobs else UNSET,
+                      per_token={k: list(v) for k, v in per_token.items()} if per_token else UNSET)
     return GenerateAnswer(text, as_list(output_ids), meta, UNSET if index is None else index)
 
 
@@ -77,6 +81,7 @@ def final_output(
     per_token: dict[str, list[Any]] | None = None,
     seed: Any = None,
     discarded: Sequence[Segment] = (),
+    experts: str | None = None,
 ) -> GenerateAnswer:
     """The manager's final ``/generate`` answer for one sequence that may span several engines.
 
@@ -100,6 +105,7 @@ def final_output(
         # what the sequence was sampled with (the manager's when the caller gave none)
         sampling_seed=UNSET if seed is None else seed,
         per_token=per_token or UNSET, engine=engine_meta.other or UNSET,
+        routed_experts=UNSET if experts is None else experts,
     )
     return GenerateAnswer(text, as_list(output_ids), meta, UNSET if index is None else index)
 

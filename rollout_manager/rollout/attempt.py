@@ -76,7 +76,7 @@ class Attempts:
         window (a local one); each chunk is folded in by :meth:`_take`. No closures: a sequence holds
         this frame for as long as it streams.
         """
-        rid = seq.rid if attempt == 0 else f"{seq.rid}~{attempt}"
+        rid = seq.engine_rid if attempt == 0 else f"{seq.engine_rid}~{attempt}"
         interval = self.settings.engine_stream_interval
         # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
         # A failure then loses no more than a stream at that interval would (<= interval tokens).
@@ -84,13 +84,15 @@ class Attempts:
         once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
                 and inst.kind == Kind.REMOTE)
         body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
-                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed)
+                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed,
+                            experts_from=None if seq.experts is None else seq.experts.end)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = SequenceProgress(
             seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
             vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
-            version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version))
+            version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version),
+            experts=seq.experts, prompt=len(seq.body.input_ids))
         segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
         reserved = seq.reserve
         # Only a local instance's stream races the local window (in a task of its own).

@@ -211,10 +211,12 @@ class Generator:
         body = item.body
         table = self.dispatcher.affinity
         keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
-        seq = SequenceState(body=body, rid=body.rid or f"rm-{self._rid_prefix}{next(self._rid_counter)}",
-                            min_version=item.min_version)
+        own = f"rm-{self._rid_prefix}{next(self._rid_counter)}"
+        seq = SequenceState(body=body, rid=body.rid or own, engine_rid=own, min_version=item.min_version)
         self.stats["sequences"] += 1
         try:
+            if seq.experts is not None:
+                self._check_routed_experts()
             tried: list[Instance] = []
             # Since when the sequence fails without making progress (None: it is not failing): its retries
             # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
@@ -317,10 +319,21 @@ class Generator:
             reason = aff.fallback_reason(self.dispatcher.registry.get(prefer), inst)
             self.affinity_fallbacks[reason] = self.affinity_fallbacks.get(reason, 0) + 1
 
+    def _check_routed_experts(self) -> None:
+        """Refuse a request for routed experts (R3) that no active instance can answer, rather than let it
+        wait for one: SGLang started without ``--enable-return-routed-experts`` answers without them."""
+        active = self.dispatcher.registry.in_state(State.ACTIVE)
+        if active and not any(i.engine.routed_experts for i in active):
+            raise GenerationFailed(400, f"return_routed_experts: none of the {len(active)} active instance(s) "
+                                        "returns routed experts (start SGLang with --enable-return-routed-experts)")
+
     def _allowed(self, seq: SequenceState, restart: bool = True) -> Callable[[Instance], bool] | None:
         """Which instances may take ``seq`` next (None: any): within the staleness bound
-        (:meth:`_staleness_bound`) and at :func:`version_floor` or newer."""
+        (:meth:`_staleness_bound`), at :func:`version_floor` or newer, and for a sequence that asked for its
+        routed experts, one that returns them."""
         bound = self._staleness_bound(seq, restart)
+        if seq.experts is not None:
+            bound = _routing_experts(bound)
         floor = version_floor(seq)
         if floor <= 0:
             return bound
@@ -358,3 +371,10 @@ class Generator:
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
     return lambda i: i is not inst and (allow is None or allow(i))
+
+
+def _routing_experts(bound: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
+    """``bound``, narrowed to instances that return routed experts."""
+    def allowed(inst: Instance) -> bool:
+        return inst.engine.routed_experts is True and (bound is None or bound(inst))
+    return allowed

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
+from rollout_manager.sglang.routed_experts import RoutedExperts
 from rollout_manager.sglang.wire import GenerateChunk
 
 # Token ids at or above this are no model's (every vocabulary fits 32 bits): the bound when an instance's
@@ -96,6 +97,10 @@ class SequenceProgress:
     version_ok: Callable[[Any], str | None] | None = None  # why a reported version is wrong, or None
     per_token: dict[str, list[Any]] = field(default_factory=dict)  # the chunks' other per-token lists, gathered
     chunks: int = 0  # chunks folded in
+    # The sequence's routed experts when it asked for them (R3; None: it did not), and its prompt's length:
+    # the final chunk's rows are checked against what this engine owes and kept there.
+    experts: RoutedExperts | None = None
+    prompt: int = 0
     _ids_start: int = field(init=False, repr=False)
     _lps_start: int = field(init=False, repr=False)
     _per_token_start: dict[str, int] | None = field(init=False, repr=False)  # None: no lists yet
@@ -145,6 +150,7 @@ class SequenceProgress:
             checked = checked_token_ids(new, self.vocab_size)
             if isinstance(checked, str):
                 raise BadChunk(checked)
+        rows = self._routed_rows(chunk, len(new))
         version = meta.version
         if version is not None and version != self.weight_version and self.version_ok is not None:
             why = self.version_ok(version)  # asked when it changes: chunks repeat the version they run on
@@ -152,6 +158,9 @@ class SequenceProgress:
                 raise BadChunk(why)
         if isinstance(checked, array):
             self.output_ids.extend(checked)
+        if rows is not None:
+            assert self.experts is not None
+            self.experts.add(rows, self.prompt + len(self.output_ids))
         lps = meta.logprobs
         if lps is not None:
             seen_lps = len(self.logprobs) - self._lps_start - skipped_lps
@@ -173,3 +182,23 @@ class SequenceProgress:
             self.weight_version = version
         self.chunks += 1
         return len(new)
+
+    def _routed_rows(self, chunk: GenerateChunk, new: int) -> bytes | None:
+        """The final chunk's routed-expert rows to keep (None: none), checked; raises :class:`BadChunk`.
+
+        A finished request owes them; an abort may carry them (SGLang sends an abort's too) or not (the next
+        engine's prefill computes what is missing). A refusal's are not the sequence's (SGLang ran a stand-in
+        prompt), so they are ignored."""
+        finish, experts = chunk.finish, self.experts
+        if experts is None or finish is None:
+            return None
+        rows = chunk.meta.experts
+        if finish.is_abort:
+            if rows is None or finish.caller_status is not None:
+                return None
+        elif rows is None:
+            raise BadChunk("the final chunk carries no routed experts, which the request asked for")
+        why = experts.check(rows, self.prompt + len(self.output_ids) + new)
+        if why is not None:
+            raise BadChunk(why)
+        return rows

@@ -16,6 +16,7 @@ from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
+from rollout_manager.sglang.routed_experts import RoutedExperts
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
 
@@ -59,8 +60,10 @@ class Refusal:
 class SequenceState:
     """Everything known about one sequence across the instances it has been on, in parts by who writes them:
 
-    - identity (``body``, ``rid``, ``min_version``, ``budget``, ``seed``): set when the sequence is made.
-    - what it made and where (the token lists, ``texts``, ``live_text``, ``segments``, ``versions``): the
+    - identity (``body``, ``rid``, ``engine_rid``, ``min_version``, ``budget``, ``seed``): set when the sequence
+      is made.
+    - what it made and where (the token lists, ``texts``, ``live_text``, ``segments``, ``versions``,
+      ``experts``): the
       attempt's (``attempt.py``, folding chunks through ``progress.py`` and ``attempt_segments.py``); a
       staleness restart throws them away through :meth:`restart`.
     - how it ends (``finish``, ``meta``, ``failures``, ``refused``, ``second_opinion``): the attempt's, and
@@ -69,7 +72,10 @@ class SequenceState:
     """
 
     body: SequenceBody  # the caller's, as decoded (shared with the request: never copied per sequence)
-    rid: str
+    rid: str  # the caller's id for it (its answer's meta_info.id), else the manager's
+    # The manager's own id, unique whatever the caller sent (callers may reuse ids, e.g. verl's det-{n}): what
+    # the engines are sent, suffixed per attempt, so an abort by id reaches this sequence and no other.
+    engine_rid: str = ""
     output_ids: array[int] = field(default_factory=token_array)  # 4 bytes a token, for as long as it runs
     logprobs: list[list[Any]] = field(default_factory=list)
     # The engine's other per-token lists (top log-probs, ...: wire.PER_TOKEN_META_KEYS), gathered over chunks.
@@ -95,10 +101,15 @@ class SequenceState:
     budget: int | None = field(init=False)
     # The sampling seed every engine request of the sequence carries (see sampling_seed).
     seed: Any = field(init=False)
+    # Its routed experts so far when the caller asked for them (R3; None: not asked).
+    experts: RoutedExperts | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.budget = self.body.sampling.max_new_tokens
         self.seed = sampling_seed(self.body)
+        self.experts = RoutedExperts(self.body.experts_from) if self.body.routed_experts else None
+        if not self.engine_rid:
+            self.engine_rid = self.rid
 
     def restart(self) -> None:
         """Throw away what the sequence made (a staleness restart): it starts again from its prompt; what
@@ -111,6 +122,8 @@ class SequenceState:
         self.per_token.clear()
         self.texts.clear()
         self.live_text = None
+        if self.experts is not None:
+            self.experts.reset()
 
     @property
     def remaining(self) -> int | None:

@@ -46,6 +46,7 @@ class AnswerMeta(msgspec.Struct):
     sampling_seed: Any = UNSET
     per_token: dict[str, list[Any]] | UnsetType = UNSET
     engine: dict[str, Any] | UnsetType = UNSET
+    routed_experts: str | UnsetType = UNSET  # R3: the whole sequence's rows, base64 (only when asked for)
 
     def _engine_fields(self, engine: dict[str, Any]) -> dict[str, Any]:
         """The engine's fields (copied: the sequence's stay as they are), less those this answer says itself."""
@@ -83,6 +84,8 @@ class AnswerMeta(msgspec.Struct):
             meta["sampling_seed"] = self.sampling_seed
         if self.per_token is not UNSET:
             meta.update(self.per_token)
+        if self.routed_experts is not UNSET:
+            meta["routed_experts"] = self.routed_experts
         return meta
 
 

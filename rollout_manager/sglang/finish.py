@@ -139,7 +139,8 @@ class FinishReason(msgspec.Struct, frozen=True):
 # The final meta_info fields the manager reads itself (per chunk, or to say them for a whole sequence):
 # never kept in :attr:`FinalMeta.other`.
 INTERPRETED_META = frozenset({"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version",
-                              "weight_versions", "e2e_latency", "segments", "output_token_logprobs"})
+                              "weight_versions", "e2e_latency", "segments", "output_token_logprobs",
+                              "routed_experts"})
 
 
 class VersionSpan(msgspec.Struct, frozen=True):

@@ -1,26 +1,64 @@
 """SGLang's ``/generate`` request as the manager holds it: one typed body per sequence.
 
-A caller's body is read into :class:`SequenceBody` values once, at the door (a batch becomes one per
-item, split as SGLang splits it), and turned back into JSON once, for the engine (:func:`encode`,
-:func:`encode_batch`). In between the rollout flow reads attributes, never SGLang's keys: only this
-module spells them. The fields the manager reads or rewrites are typed; every other field goes to the
-engine as the caller sent it (``rest``, at the top level and inside ``sampling_params``), so what an
-engine receives means what the caller asked, plus the manager's changes (seed, budget, interval, rid).
+A caller's body is decoded once, at the door, by msgspec into :class:`GenerateFields` (SGLang's fields
+the manager checks; ``rollout.request`` adds the manager's own), whose values become :class:`SequenceBody`
+values (:func:`split`: a batch becomes one per item, split as SGLang splits it); it is turned back into
+JSON once, for the engine (:func:`encode`, :func:`encode_batch`). In between the rollout flow reads
+attributes, never SGLang's keys: only this module spells them. The fields the manager reads or rewrites
+are typed; every other field goes to the engine as the caller sent it (``rest``, at the top level and
+inside ``sampling_params``), so what an engine receives means what the caller asked, plus the manager's
+changes (seed, budget, interval, rid).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Annotated, Any, Generic, TypeVar, cast
 
 import msgspec
 
 from rollout_manager import jsonutil
-from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
+from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS, PER_ITEM_LIST_KEYS, per_item
 
 _NONE: dict[str, Any] = {}  # the shared ``rest`` of a body with no other fields (never written to)
 _SAMPLING_KEYS = frozenset({"max_new_tokens", "min_new_tokens", "sampling_seed", "stream_interval"})
-_BODY_KEYS = frozenset({"input_ids", "sampling_params", "rid", "stream", "return_logprob"})
+
+# ------------------------------------------------------------------ the body as a caller sends it (the schema)
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+TokenIds = Annotated[list[Count], msgspec.Meta(min_length=1)]  # one sequence's prompt
+BatchIds = Annotated[list[TokenIds], msgspec.Meta(min_length=1)]  # a batch's prompts
+Ids = TypeVar("Ids")
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """``sampling_params``: the fields the manager reads, checked; SGLang's others pass through as sent."""
+
+    max_new_tokens: Count | None = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: Count | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    sampling_seed: Any = None
+    stream_interval: Any = None
+
+
+class GenerateFields(msgspec.Struct, Generic[Ids], kw_only=True):
+    """An SGLang ``/generate`` body. ``input_ids`` is required: continuation works on tokens, so the
+    trainer tokenizes (verl always does). A list of prompts is a batch, whose per-item fields may be
+    lists (one value per prompt); other SGLang fields pass through unchanged."""
+
+    input_ids: Ids
+    sampling_params: SamplingFields | list[SamplingFields] | None = None
+    return_logprob: bool | list[bool] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    # Routed-expert replay (R3): one value for the whole body, a batch included, as SGLang takes them.
+    return_routed_experts: bool = False
+    routed_experts_start_len: Count = 0
+
+
+def is_batch(ids: Any) -> bool:
+    """``[1, 2]`` is one sequence, ``[[1, 2], [3]]`` a batch: the first item says which."""
+    return type(ids) is list and bool(ids) and type(ids[0]) is list
 
 
 class Sampling(msgspec.Struct, frozen=True, gc=False):
@@ -37,16 +75,6 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
         """Whether SGLang expands this into several samples (``n`` > 1), per batch rather than per item."""
         return bool(self.rest.get("n", 1) != 1)
 
-    @classmethod
-    def of(cls, params: Any) -> Sampling:
-        """Validated ``sampling_params`` (an object, or null/absent) as typed."""
-        if not params:
-            return _DEFAULT_SAMPLING
-        get = params.get
-        rest = {k: v for k, v in params.items() if k not in _SAMPLING_KEYS}
-        return cls(get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), get("min_new_tokens"), get("sampling_seed"),
-                   get("stream_interval"), rest or _NONE)
-
     def to_json(self) -> dict[str, Any]:
         out = dict(self.rest)
         out["max_new_tokens"] = self.max_new_tokens
@@ -60,6 +88,7 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
 
 
 _DEFAULT_SAMPLING = Sampling()
+_BODY_KEYS = frozenset(GenerateFields.__struct_fields__)
 
 
 class SequenceBody(msgspec.Struct, frozen=True, gc=False):
@@ -71,6 +100,10 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     stream: bool = False
     return_logprob: bool | None = None  # None: not given
     rest: dict[str, Any] = _NONE  # every other field, passed through as sent
+    # R3: whether the engine returns the experts each token was routed to (``return_routed_experts``), and
+    # from which position (``routed_experts_start_len``; a continuation asks only for the rows it lacks).
+    routed_experts: bool = False
+    experts_from: int = 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -78,7 +111,7 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> SequenceBody:
-        """A validated single-sequence body as typed (see :func:`sequences`)."""
+        """A single-sequence body as typed (see :func:`sequences`)."""
         (body,), _ = sequences(data)
         return body
 
@@ -91,32 +124,58 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
             out["rid"] = self.rid
         if self.return_logprob is not None:
             out["return_logprob"] = self.return_logprob
+        if self.routed_experts:
+            out["return_routed_experts"] = True
+            out["routed_experts_start_len"] = self.experts_from
         return out
 
 
-def sequences(data: dict[str, Any], skip: Collection[str] = ()) -> tuple[list[SequenceBody], bool]:
-    """A validated ``/generate`` body -> one body per sequence, and whether it was a batch.
+def sequences(data: dict[str, Any]) -> tuple[list[SequenceBody], bool]:
+    """An SGLang ``/generate`` body (decoded JSON, valid) -> one body per sequence, and whether it was a
+    batch (see :func:`split`); raises ``msgspec.ValidationError`` for an invalid one."""
+    typ = GenerateFields[BatchIds] if is_batch(data.get("input_ids")) else GenerateFields[TokenIds]
+    return split(msgspec.convert(data, typ, strict=True), data)
 
-    ``skip`` names fields that are not SGLang's (the manager's own), left out of what goes on. A batch
-    is split as SGLang splits it: per-item lists give each item its own value, a single string ``rid``
-    names item ``i`` ``f"{rid}_{i}"``, and every other field applies to every item.
+
+def split(body: GenerateFields[Any], data: dict[str, Any], known: Collection[str] = ()) -> tuple[
+        list[SequenceBody], bool]:
+    """A decoded body (and the JSON it was decoded from, for the fields passed through) -> one body per
+    sequence, and whether it was a batch.
+
+    ``known`` names the fields of ``body``'s type, which are not passed through (the manager's own
+    among them). A batch is split as SGLang splits it: per-item lists give each item its own value, a
+    single string ``rid`` names item ``i`` ``f"{rid}_{i}"``, and every other field applies to every item.
     """
-    rest = {k: v for k, v in data.items() if k not in _BODY_KEYS and k not in skip} or _NONE
-    ids = data["input_ids"]
-    stream = data.get("stream") is True
-    params, rid, logprob = data.get("sampling_params"), data.get("rid"), data.get("return_logprob")
-    if not (ids and type(ids[0]) is list):
-        return [SequenceBody(ids, Sampling.of(params), rid, stream, logprob, rest)], False
-    per_item = params if isinstance(params, list) else None
-    shared = Sampling.of(params) if per_item is None else _DEFAULT_SAMPLING
+    rest = {k: v for k, v in data.items() if k not in known and k not in _BODY_KEYS} or _NONE
+    ids, params, rid, logprob = body.input_ids, body.sampling_params, body.rid, body.return_logprob
+    experts, experts_from = body.return_routed_experts, body.routed_experts_start_len
+    raw_params: Any = data.get("sampling_params")
+    if not is_batch(ids):  # its per-item fields are single values (the caller's decode checked)
+        return [SequenceBody(ids, _sampling(params, raw_params), cast("str | None", rid), body.stream,
+                             cast("bool | None", logprob), rest, experts, experts_from)], False
+    items = params if isinstance(params, list) else None
+    shared = _sampling(params, raw_params) if items is None else _DEFAULT_SAMPLING
+    lists = [k for k in PER_ITEM_LIST_KEYS if k in rest and per_item(k, rest[k])]  # SGLang's other per-item fields
     return [SequenceBody(
-        item, shared if per_item is None else Sampling.of(per_item[i]),
-        rid[i] if isinstance(rid, list) else (None if rid is None else f"{rid}_{i}"), stream,
-        logprob[i] if isinstance(logprob, list) else logprob, rest) for i, item in enumerate(ids)], True
+        item, shared if items is None else _sampling(items[i], raw_params[i]),
+        rid[i] if isinstance(rid, list) else (None if rid is None else f"{rid}_{i}"), body.stream,
+        logprob[i] if isinstance(logprob, list) else logprob,
+        {**rest, **{k: rest[k][i] for k in lists}} if lists else rest, experts, experts_from)
+        for i, item in enumerate(ids)], True
+
+
+def _sampling(params: Any, raw: Any) -> Sampling:
+    """Decoded ``sampling_params`` (and their JSON, for the fields passed through) as a sequence's."""
+    if not raw:
+        return _DEFAULT_SAMPLING
+    rest = {k: v for k, v in raw.items() if k not in _SAMPLING_KEYS}
+    return Sampling(params.max_new_tokens, params.min_new_tokens, params.sampling_seed, params.stream_interval,
+                    rest or _NONE)
 
 
 def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_interval: int | None = None,
-                 keep_caller_interval: bool = False, stream: bool = True, seed: Any = None) -> SequenceBody:
+                 keep_caller_interval: bool = False, stream: bool = True, seed: Any = None,
+                 experts_from: int | None = None) -> SequenceBody:
     """The body that continues a single sequence on an engine from the tokens already made.
 
     ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
@@ -129,7 +188,8 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
     tokens, so the manager parses that many times fewer frames. ``keep_caller_interval`` leaves a
     caller's own value in place (a streaming caller chose how often it wants chunks). With
     ``stream=False`` the engine answers once, at the end (no interval is set). ``seed`` (when given)
-    becomes ``sampling_params.sampling_seed``.
+    becomes ``sampling_params.sampling_seed``. ``experts_from`` (when given) becomes
+    ``routed_experts_start_len``: the first position whose routed experts the sequence does not hold yet.
     """
     s = body.sampling
     n = len(made)
@@ -141,7 +201,8 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
         min_new_tokens=None if s.min_new_tokens is None else max(s.min_new_tokens - n, 0), stream_interval=interval,
         sampling_seed=s.sampling_seed if seed is None else seed)
     return msgspec.structs.replace(body, input_ids=[*body.input_ids, *made] if n else body.input_ids,
-                                   sampling=sampling, rid=rid, stream=stream)
+                                   sampling=sampling, rid=rid, stream=stream,
+                                   experts_from=body.experts_from if experts_from is None else experts_from)
 
 
 def encode(body: SequenceBody | Sequence[SequenceBody]) -> bytes:
@@ -157,8 +218,8 @@ def joinable(body: SequenceBody) -> bool:
 
 def join_key(body: SequenceBody) -> tuple[Any, ...]:
     """What bodies must share to join one batch: everything but ``input_ids``, ``sampling_params``
-    and ``rid`` (which SGLang takes as one value per item)."""
-    return (body.stream, body.return_logprob, body.rest)
+    and ``rid`` (which SGLang takes as one value per item; the routed-expert fields it takes once)."""
+    return (body.stream, body.return_logprob, body.rest, body.routed_experts, body.experts_from)
 
 
 def encode_batch(bodies: Sequence[SequenceBody]) -> bytes:

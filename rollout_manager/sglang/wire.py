@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from rollout_manager.sglang import finish as _finish
+from rollout_manager.sglang import routed_experts as _routed
 
 # Paths (SGLang's http_server.py).
 GENERATE = "/generate"
@@ -173,6 +174,7 @@ class ChunkMeta(msgspec.Struct, gc=False):
     logprobs: list[Any] | None  # output_token_logprobs entries the chunk carries (None: not sent)
     per_token: dict[str, list[Any]] | None  # PER_TOKEN_META_KEYS' lists the chunk carries (None: none)
     final: _finish.FinalMeta  # the shared NO_META until the chunk that finished the request
+    experts: bytes | None = None  # the final chunk's routed experts (R3), decoded (None: not sent)
 
 
 class GenerateChunk(msgspec.Struct):
@@ -220,12 +222,18 @@ class GenerateChunk(msgspec.Struct):
             return _faulty(f"output_token_logprobs is {type(lps).__name__}, not a list")
         finish = get("finish_reason")
         final = _finish.NO_META
+        experts = None
         if finish is not None:  # decoded once, from the final chunk
             try:
                 finish = _finish.FinishReason.from_json(finish)
             except ValueError as exc:
                 return _faulty(str(exc))
             final = _finish.FinalMeta.from_json(meta)
+            if "routed_experts" in meta:
+                try:
+                    experts = _routed.decode(meta["routed_experts"])
+                except ValueError as exc:
+                    return _faulty(str(exc))
         per_token = None
         if not _PER_TOKEN.isdisjoint(meta):  # one C pass over the keys: most chunks carry none of them
             for key in PER_TOKEN_META_KEYS:
@@ -234,7 +242,7 @@ class GenerateChunk(msgspec.Struct):
                     if per_token is None:
                         per_token = {}
                     per_token[key] = entries
-        meta_of = ChunkMeta(get("id"), total, get("weight_version"), lps, per_token, final)
+        meta_of = ChunkMeta(get("id"), total, get("weight_version"), lps, per_token, final, experts)
         return cls(ids, obj.get("text"), finish, meta_of, obj.get("index"), skipped_ids, skipped_logprobs)
 
 
@@ -251,10 +259,22 @@ def _faulty(why: str) -> GenerateChunk:
 # engine does (the CPU engine and the benchmarks' fake engines).
 
 # The fields of a batched ``/generate`` body that may hold one value per item (a list as long as
-# ``input_ids``) instead of one value for all. The manager splits and validates these; SGLang 0.5.23
-# has more (``logprob_start_len``, ``top_logprobs_num``, ``lora_path``, ...), which the manager
-# hands to every item unchanged.
+# ``input_ids``) instead of one value for all. The manager types and validates these.
 PER_ITEM_KEYS: tuple[str, ...] = ("sampling_params", "return_logprob", "rid")
+# SGLang 0.5.23's other per-item fields the manager passes through (``GenerateReqInput.__getitem__``): given
+# as a list, each item takes its own value (``token_ids_logprob``: a list of lists, one item's value being a
+# list itself); given once, the value applies to every item. ``return_routed_experts`` and
+# ``routed_experts_start_len`` are not among them: SGLang takes one value for the whole batch.
+PER_ITEM_LIST_KEYS: tuple[str, ...] = ("logprob_start_len", "top_logprobs_num", "token_ids_logprob", "lora_path")
+
+
+def per_item(key: str, value: Any) -> bool:
+    """Whether ``value`` of the pass-through field ``key`` of a batch is one value per item."""
+    if type(value) is not list:
+        return False
+    if key == "token_ids_logprob":
+        return bool(value) and all(v is None or type(v) is list for v in value)
+    return True
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default, when the key is absent
 
@@ -293,6 +313,8 @@ def _batch_item(body: dict[str, Any], i: int) -> dict[str, Any]:
             sub[key] = f"{value}_{i}"
         elif key in ("input_ids", "rid") or (key in PER_ITEM_KEYS and isinstance(value, list)):
             sub[key] = value[i] if isinstance(value, list) else value
+        elif key in PER_ITEM_LIST_KEYS and per_item(key, value):
+            sub[key] = value[i]
         else:
             sub[key] = value
     return sub
@@ -398,6 +420,9 @@ class ServerInfo:
     # settled on as internal_states[0].effective_max_running_requests_per_dp; the top-level
     # max_running_requests is the launch flag (None unless given).
     max_running_requests: int | None = None
+    # ``--enable-return-routed-experts``: whether /generate answers ``return_routed_experts`` (without it SGLang
+    # answers such a request without them, and says nothing; None: the server did not say).
+    routed_experts: bool | None = None
 
     def with_model_info(self, model: Any) -> ServerInfo:
         """This, plus what ``GET /model_info`` adds (``weight_version``; ``vocab_size`` where present)."""
@@ -422,6 +447,7 @@ class ServerInfo:
         states = info.get("internal_states")
         state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
         running = state.get("effective_max_running_requests_per_dp")
+        experts = info.get("enable_return_routed_experts")
         if not (isinstance(running, int) and not isinstance(running, bool) and running > 0):
             running = number("max_running_requests", 0)
         return cls(version=str(version) if version is not None else None, tp_size=max(number("tp_size", 1), 1),
@@ -429,7 +455,8 @@ class ServerInfo:
                    gpu_id_step=max(number("gpu_id_step", 1), 1),
                    incremental_streaming_output=incremental if isinstance(incremental, bool) else None,
                    stream_interval=interval if interval > 0 else None,
-                   max_running_requests=running if running > 0 else None)
+                   max_running_requests=running if running > 0 else None,
+                   routed_experts=experts if isinstance(experts, bool) else None)
 
     def gpu_of_rank(self, tp_rank: int) -> int:
         """The GPU (in SGLang's own numbering) that TP rank ``tp_rank`` runs on."""
