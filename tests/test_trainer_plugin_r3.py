@@ -63,7 +63,7 @@ def routes(rows: int, seed: int = 0) -> np.ndarray:
 
 
 def instance(endpoint: str, routed_experts: bool | None, state: str = "active") -> dict[str, Any]:
-    return {"endpoint": endpoint, "state": state, "engine": {"routed_experts": routed_experts}}
+    return {"endpoint": endpoint, "state": state, "routed_experts": routed_experts}
 
 
 # ---------------------------------------------------------------- decode and layout

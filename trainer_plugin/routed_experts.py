@@ -83,7 +83,8 @@ def decode_routed_experts(meta_info: Mapping[str, Any], layout: ExpertsLayout, *
 @dataclass(frozen=True)
 class FleetExperts:
     """Which instances say they return routed experts (SGLang's ``/server_info``
-    ``enable_return_routed_experts``, as ``/get_instances_status`` reports it); unknown: not said yet."""
+    ``enable_return_routed_experts``, each instance's ``routed_experts`` in ``/get_instances_status``);
+    unknown: not said yet (still starting, or a manager that does not report it)."""
 
     capable: tuple[str, ...]
     incapable: tuple[str, ...]
@@ -99,8 +100,7 @@ class FleetExperts:
 
 
 def _says(inst: Mapping[str, Any]) -> bool | None:
-    engine = inst.get("engine")
-    value = engine.get("routed_experts") if isinstance(engine, Mapping) else None
+    value = inst.get("routed_experts")
     return value if isinstance(value, bool) else None
 
 

@@ -122,7 +122,7 @@ class DisaggregatedReplica(RolloutReplica):
         self.settings: PluginSettings = from_rollout_config(self.config)
         self.manager: ManagerProcess | None = None
         # verl's routing replay (R3): the experts' layout, read from the model as verl's SGLang server does
-        self.routed_experts = (ExpertsLayout.of_model(self.model_config)
+        self.routed_experts = (ExpertsLayout.of_model(_with_hf_config(self.model_config))
                                if getattr(self.config, "enable_rollout_routing_replay", False) else None)
 
     def rollout_worker_use_gpu(self) -> bool:
@@ -220,6 +220,16 @@ class ManagerServerAdapter(BaseRollout):
         if global_steps is not None and self._last_steps is not None and int(global_steps) == self._last_steps:
             raise RuntimeError(f"update_weights called twice with global_steps={global_steps}: a second payload "
                                "may not be published under a version the instances already have")
+
+
+def _with_hf_config(model_config: Any) -> Any:
+    """verl hands replicas the model config as a DictConfig; its servers build ``HFModelConfig`` (which
+    loads the model's ``config.json`` as ``hf_config``) from it, as here."""
+    if model_config is None or hasattr(model_config, "hf_config"):
+        return model_config
+    from verl.workers.config import HFModelConfig
+
+    return omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
 
 
 def _rank_and_world() -> tuple[int, int]:
