@@ -250,32 +250,59 @@ async def direct(session: aiohttp.ClientSession, url: str, body: dict[str, Any])
         return dict(await r.json())
 
 
+PROMPTS = [[11 + i, 22, 33 + 2 * i, 44][: 2 + i % 3] + [5] * (i % 4) for i in range(8)]
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+
+
+async def samples_through_the_proxy(m: Any, engines: list[Any]) -> list[Any]:
+    """PROMPTS greedy through the proxy with replay on, all at once (coalesced into batch requests)."""
+    server = ManagerProxyServer(m.url, prompt_length=16, response_length=6, routed_experts=LAYOUT)
+    try:
+        fleet = await server.check_routed_experts()
+        assert sorted(fleet.capable) == sorted(e.endpoint for e in engines) and not fleet.incapable
+        outs = await asyncio.gather(*(server.generate(p, dict(GREEDY), f"s{i}") for i, p in enumerate(PROMPTS)))
+    finally:
+        await server.close()
+    assert server.batching_stats()["batches"] < len(PROMPTS)
+    return outs
+
+
+async def assert_the_engines_experts(outs: list[Any], engine: Any) -> None:
+    """Each sample's tokens and experts equal ``engine``'s own greedy answer (every engine is seed 0)."""
+    async with aiohttp.ClientSession() as session:
+        for prompt, out in zip(PROMPTS, outs):
+            assert len(out.token_ids) == 6 and out.routed_experts.shape == (len(prompt) + 6 - 1, LAYERS, TOP_K)
+            assert ((out.routed_experts >= 0) & (out.routed_experts < EXPERTS)).all()
+            body = {"input_ids": prompt, "return_routed_experts": True,
+                    "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+            own = await direct(session, engine.url, body)
+            assert own["output_ids"] == out.token_ids
+            want = decode_routed_experts(own["meta_info"], LAYOUT, rows=len(prompt) + 5)
+            assert (out.routed_experts == want).all()
+
+
 @pytest.mark.slow
 @needs_verl
 async def test_every_sample_gets_the_experts_the_engine_chose(start_manager: Any, start_engines: Any) -> None:
     m = await start_manager()
     engines = await start_engines([*MOE_FLAGS, R3_FLAG], [*MOE_FLAGS, R3_FLAG])
     await m.register(*engines)
-    server = ManagerProxyServer(m.url, prompt_length=16, response_length=6, routed_experts=LAYOUT)
-    prompts = [[11 + i, 22, 33 + 2 * i, 44][: 2 + i % 3] + [5] * (i % 4) for i in range(8)]
-    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
-    try:
-        fleet = await server.check_routed_experts()
-        assert sorted(fleet.capable) == sorted(e.endpoint for e in engines) and not fleet.incapable
-        outs = await asyncio.gather(*(server.generate(p, dict(greedy), f"s{i}") for i, p in enumerate(prompts)))
-    finally:
-        await server.close()
-    assert server.batching_stats()["batches"] < len(prompts)  # they went out as batch requests
-    async with aiohttp.ClientSession() as session:
-        for prompt, out in zip(prompts, outs):
-            assert len(out.token_ids) == 6 and out.routed_experts.shape == (len(prompt) + 6 - 1, LAYERS, TOP_K)
-            assert ((out.routed_experts >= 0) & (out.routed_experts < EXPERTS)).all()
-            body = {"input_ids": prompt, "return_routed_experts": True,
-                    "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
-            own = await direct(session, engines[0].url, body)  # the engines share seed 0: same model
-            assert own["output_ids"] == out.token_ids
-            want = decode_routed_experts(own["meta_info"], LAYOUT, rows=len(prompt) + 5)
-            assert (out.routed_experts == want).all()
+    await assert_the_engines_experts(await samples_through_the_proxy(m, engines), engines[0])
+
+
+@pytest.mark.slow
+@needs_verl
+async def test_samples_continued_on_another_box_keep_the_experts_of_an_uninterrupted_run(
+        start_manager: Any, start_engines: Any) -> None:
+    m = await start_manager()
+    slow = ["--token-delay-s", "0.01"]
+    engines = await start_engines([*MOE_FLAGS, R3_FLAG, *slow, "--die-after-tokens", "7"],
+                                  [*MOE_FLAGS, R3_FLAG, *slow])
+    await m.register(*engines)
+    outs = await samples_through_the_proxy(m, engines)
+    assert await asyncio.to_thread(engines[0].proc.wait, 10) != 0  # it died mid-step...
+    assert any(len(out.extra_fields["segments"]) > 1 for out in outs)  # ...and its sequences went on elsewhere
+    await assert_the_engines_experts(outs, engines[1])
 
 
 @pytest.mark.slow
