@@ -17,13 +17,23 @@ Nothing here imports verl at module level except inside :meth:`ManagerProxyServe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from rollout_manager.sglang import wire
 
-from .client import ManagerClient
+from .client import ManagerClient, ManagerHTTPError
 from .request_batcher import RequestBatcher
+from .routed_experts import (
+    REQUEST_FIELD,
+    ExpertsLayout,
+    FleetExperts,
+    RoutedExpertsUnavailable,
+    decode_routed_experts,
+    refusal_error,
+    require_routed_experts,
+)
 from .trajectory_keys import TrajectoryKeys
 
 log = logging.getLogger("trainer_plugin.proxy")
@@ -38,7 +48,8 @@ _RENAMED = {"seed": "sampling_seed"}
 
 def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None, *,
                         prompt_length: int, response_length: int, max_model_len: int | None = None,
-                        trajectory_key: str | None = None, min_weight_version: int | None = None) -> dict[str, Any]:
+                        trajectory_key: str | None = None, min_weight_version: int | None = None,
+                        return_routed_experts: bool = False) -> dict[str, Any]:
     """verl's sampling dict -> a manager ``/generate`` body, as verl's own SGLang server does it.
 
     ``max_new_tokens``: the caller's ``max_new_tokens``/``max_tokens``, else
@@ -47,7 +58,8 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
     ``trajectory_key`` (default: ``request_id``) the manager's affinity key, which it strips before the
     engine (see :mod:`trainer_plugin.trajectory_keys` for the key verl's agent loops get).
     ``min_weight_version`` (the manager's own field, see :func:`weight_floor`): the oldest weight version
-    the sequence may run on.
+    the sequence may run on. ``return_routed_experts``: verl's routing replay (see
+    :mod:`trainer_plugin.routed_experts`).
     """
     params = dict(sampling_params)
     if params.get("max_new_tokens") is not None:
@@ -74,6 +86,8 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
     body: dict[str, Any] = {"input_ids": [int(t) for t in prompt_ids], "sampling_params": sampling}
     if return_logprob:
         body["return_logprob"] = True
+    if return_routed_experts:
+        body[REQUEST_FIELD] = True
     if request_id:
         body["rid"] = str(request_id)
     key = trajectory_key or request_id
@@ -94,8 +108,12 @@ def weight_floor(published: int | None, max_staleness: int) -> int | None:
 
 
 def token_output_fields(result: dict[str, Any], return_logprob: bool,
-                        fallback_global_steps: int | None = None) -> dict[str, Any]:
-    """A manager ``/generate`` answer -> keyword arguments of verl's ``TokenOutput``."""
+                        fallback_global_steps: int | None = None, *, experts: ExpertsLayout | None = None,
+                        prompt_len: int = 0) -> dict[str, Any]:
+    """A manager ``/generate`` answer -> keyword arguments of verl's ``TokenOutput``.
+
+    ``experts``: the model's layout when routing replay asked for them (``routed_experts``: rows for the
+    ``prompt_len`` prompt tokens and the output but its last token, as verl's SGLang server hands them)."""
     out = wire.read_output(result)
     token_ids = [int(t) for t in out.output_ids]
     log_probs = None
@@ -119,7 +137,11 @@ def token_output_fields(result: dict[str, Any], return_logprob: bool,
         "segments": out.segments,
         "request_id": out.rid,
     }
-    return {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": out.finish_type, "extra_fields": extra}
+    fields = {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": out.finish_type, "extra_fields": extra}
+    if experts is not None:
+        fields["routed_experts"] = decode_routed_experts(out.meta_info, experts, rows=prompt_len + len(token_ids) - 1,
+                                                         rid=out.rid)
+    return fields
 
 
 def _as_int(value: Any) -> int | None:
@@ -139,10 +161,12 @@ class ManagerProxyServer:
     def __init__(self, manager_url: str, *, prompt_length: int, response_length: int,
                  max_model_len: int | None = None, timeout_s: float = 30.0,
                  batch_window_s: float = 0.005, max_batch: int = 1024,
-                 client_options: dict[str, Any] | None = None, max_staleness: int = -1):
+                 client_options: dict[str, Any] | None = None, max_staleness: int = -1,
+                 routed_experts: ExpertsLayout | None = None):
         """``client_options``: more :class:`ManagerClient` arguments (stall and restart bounds);
         ``max_staleness``: how many versions behind the published one a sample may be made by (-1: any;
-        sent as ``min_weight_version``, see :func:`weight_floor`)."""
+        sent as ``min_weight_version``, see :func:`weight_floor`); ``routed_experts``: the model's MoE
+        layout when verl's routing replay is on (None: off)."""
         self.manager_url = manager_url
         self.client_options = dict(client_options or {})
         self.prompt_length = prompt_length
@@ -153,6 +177,8 @@ class ManagerProxyServer:
         self.max_staleness = max_staleness
         self.batch_window_s = batch_window_s
         self.max_batch = max_batch
+        self.routed_experts = routed_experts
+        self._fleet_check: asyncio.Task[FleetExperts] | None = None  # the first replay request's, shared
         self._client: ManagerClient | None = None
         self._batcher: RequestBatcher | None = None
         # verl sends a fresh request id per turn: the trajectory is recognised by its token context
@@ -186,13 +212,24 @@ class ManagerProxyServer:
             prompt_ids = prompt_ids.tolist()
         prompt_ids = list(prompt_ids)
         key = self.trajectories.key_for(prompt_ids, str(request_id))
+        experts = self.routed_experts
         body = build_generate_body(prompt_ids, sampling_params, request_id,
                                    prompt_length=self.prompt_length, response_length=self.response_length,
                                    max_model_len=self.max_model_len, trajectory_key=key,
-                                   min_weight_version=weight_floor(self.global_steps, self.max_staleness))
+                                   min_weight_version=weight_floor(self.global_steps, self.max_staleness),
+                                   return_routed_experts=experts is not None)
+        if experts is not None:
+            await self._fleet_checked()
         batcher = self.batcher
-        result = await (batcher.generate(body) if batcher is not None else self.client.generate(body))
-        fields = token_output_fields(result, bool(body.get("return_logprob")), self.global_steps)
+        try:
+            result = await (batcher.generate(body) if batcher is not None else self.client.generate(body))
+        except ManagerHTTPError as exc:
+            refused = refusal_error(exc.status, exc.message) if experts is not None else None
+            if refused is not None:
+                raise refused from exc
+            raise
+        fields = token_output_fields(result, bool(body.get("return_logprob")), self.global_steps,
+                                     experts=experts, prompt_len=len(prompt_ids))
         self.trajectories.finished(key, prompt_ids, fields["token_ids"])
         extra = fields["extra_fields"]
         if extra["global_steps"] is not None:  # the newest integer version seen stands in for unknown ones
@@ -202,6 +239,29 @@ class ManagerProxyServer:
             for key in ("global_steps", "min_global_steps", "max_global_steps"):
                 extra[key] = fallback if extra[key] is None else extra[key]
         return TokenOutput(**fields)
+
+    async def check_routed_experts(self) -> FleetExperts:
+        """With routing replay on: fail unless some instance of the manager can return routed experts
+        (see :func:`~trainer_plugin.routed_experts.require_routed_experts`). Run at start and before the
+        first replay request (boxes may register after the trainer starts)."""
+        fleet = FleetExperts.from_status(await self.client.get_instances_status())
+        if self.routed_experts is not None:
+            require_routed_experts(fleet, self.manager_url)
+        return fleet
+
+    async def _fleet_checked(self) -> None:
+        """The first replay requests wait for one shared check; a verdict stands, a failed look is retried."""
+        if self._fleet_check is None:
+            self._fleet_check = asyncio.ensure_future(self.check_routed_experts())
+        check = self._fleet_check
+        try:
+            await asyncio.shield(check)
+        except RoutedExpertsUnavailable:
+            raise
+        except Exception:
+            if self._fleet_check is check:
+                self._fleet_check = None
+            raise
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps

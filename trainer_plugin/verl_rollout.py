@@ -15,6 +15,10 @@ A rollout backend in verl 0.9.1 is two registrations under one name (see
   Ray, see :mod:`trainer_plugin.node_layout`) and the manager URL the replica published
   (:mod:`trainer_plugin.manager_address`).
 
+Routing replay (``rollout.enable_rollout_routing_replay``): the proxy asks the manager for every sample's
+routed experts and hands them to verl as its SGLang server does; a fleet that cannot return them fails
+the start (:mod:`trainer_plugin.routed_experts`).
+
 LoRA: merged (``actor_rollout_ref.model.lora.merge=True``): verl hands over full HF-named weights once
 per step, pushed like any step. Unmerged (verl's default): verl calls ``update_weights`` with the base
 weights once (``base_sync_done=False``) and then with the adapter every step, the first time under the
@@ -49,6 +53,7 @@ from .launcher import ManagerProcess
 from .lora_merge import LoraMerge, LoraSpec
 from .node_layout import gather_layout, this_node_id, this_node_ip
 from .proxy import ManagerProxyServer
+from .routed_experts import ExpertsLayout
 from .settings import ROLLOUT_NAME, PluginSettings, from_rollout_config
 from .weight_push import TorchDistComm, WeightPush, WeightPushContext, call_weight_push, load_weight_push
 
@@ -116,6 +121,9 @@ class DisaggregatedReplica(RolloutReplica):
         refuse_lora_without_base_sync(self.model_config, self.config)
         self.settings: PluginSettings = from_rollout_config(self.config)
         self.manager: ManagerProcess | None = None
+        # verl's routing replay (R3): the experts' layout, read from the model as verl's SGLang server does
+        self.routed_experts = (ExpertsLayout.of_model(_with_hf_config(self.model_config))
+                               if getattr(self.config, "enable_rollout_routing_replay", False) else None)
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
@@ -145,8 +153,10 @@ class DisaggregatedReplica(RolloutReplica):
                  batch_window_s=self.settings.manager.batch_window_ms / 1000.0,
                  max_batch=self.settings.manager.batch_max_requests,
                  client_options=self.settings.manager.client_options(),
-                 max_staleness=self.settings.manager.max_staleness)
+                 max_staleness=self.settings.manager.max_staleness, routed_experts=self.routed_experts)
         health = await proxy.health.remote()  # fails fast if the workers cannot reach the manager
+        if self.routed_experts is not None:  # fails fast on a fleet that cannot return routed experts
+            await proxy.check_routed_experts.remote()
         log.info("replica %d -> rollout manager %s (%s)", self.replica_rank, url, health)
         self.servers = [proxy]
         self._server_handle = proxy
@@ -210,6 +220,16 @@ class ManagerServerAdapter(BaseRollout):
         if global_steps is not None and self._last_steps is not None and int(global_steps) == self._last_steps:
             raise RuntimeError(f"update_weights called twice with global_steps={global_steps}: a second payload "
                                "may not be published under a version the instances already have")
+
+
+def _with_hf_config(model_config: Any) -> Any:
+    """verl hands replicas the model config as a DictConfig; its servers build ``HFModelConfig`` (which
+    loads the model's ``config.json`` as ``hf_config``) from it, as here."""
+    if model_config is None or hasattr(model_config, "hf_config"):
+        return model_config
+    from verl.workers.config import HFModelConfig
+
+    return omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
 
 
 def _rank_and_world() -> tuple[int, int]:
