@@ -77,7 +77,7 @@ async def activate(loader: Loader, staged: Staged, req: ActivateRequest) -> Acti
     sample = readback_sample(named, loader.settings.readback_tensors, req.version)
     try:
         report = await weights.load(loading, req.version, sample=sample, served=loader.served,
-                                    flush="now" if req.mode == "retract" else None)
+                                    flush="now" if req.mode == "retract" else "in_place")
         load_s = time.monotonic() - paused_at
         await weights.resume()
     except BaseException as exc:  # LoadRefused, a lost connection, a cancelled activation: stay paused
