@@ -160,12 +160,17 @@ async def fake_sglang(loads: list[dict[str, Any]], versions: list[str]) -> web.A
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response({"tp_size": 1})
 
+    async def pause_or_continue(request: web.Request) -> web.Response:  # a full load runs paused
+        return web.json_response({"status": "ok"})
+
     app = web.Application(client_max_size=256 << 20)
     app.router.add_post(wire.UPDATE_WEIGHTS_FROM_TENSOR, update)
     app.router.add_get(wire.SERVER_INFO, server_info)
     app.router.add_post(wire.FLUSH_CACHE, flush)
     app.router.add_post(wire.UPDATE_WEIGHT_VERSION, set_version)
     app.router.add_get(wire.MODEL_INFO, model_info)
+    app.router.add_post(wire.PAUSE_GENERATION, pause_or_continue)
+    app.router.add_post(wire.CONTINUE_GENERATION, pause_or_continue)
     return app
 
 

@@ -32,6 +32,7 @@ from rollout_manager.cpu_engine.model import (
     state_dict_checksums,
     stop_reason,
 )
+from rollout_manager.cpu_engine.prefix_cache import Cursor, PrefixCache
 from rollout_manager.cpu_engine.request import (
     _SCHEDULER_INPUT_MARGIN,
     EngineRequest,
@@ -100,6 +101,7 @@ class Sequence:
         # [routed_experts_start_len, routes_next), appended as the decoding rounds compute them.
         self.routes: bytearray | None = None
         self.routes_next = spec.routed_experts_start_len
+        self.cached: Cursor | None = None  # its tokens in the prefix cache, from its (last) prefill
         seed = spec.params.sampling_seed
         if seed is None and not spec.params.greedy:
             seed = random.getrandbits(63)
@@ -155,6 +157,7 @@ class Engine:
         self.pause_mode: str | None = None  # SGLang's PauseGenerationReqInput mode while paused
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache = PrefixCache()
         self.last_gen_throughput = 0.0
         self.total_generated = 0
         self._rounds: deque[tuple[float, float, int]] = deque()  # (end time, duration, tokens)
@@ -312,7 +315,17 @@ class Engine:
     async def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors in by name between two decoding rounds. Raises ValueError."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.model.load_named_tensors, named)
+        try:
+            return await loop.run_in_executor(self._executor, self.model.load_named_tensors, named)
+        finally:  # even a load that failed half-way may have changed weights: the cached KV is not theirs
+            self.prefix_cache.weights_loaded()
+
+    def flush_cache(self) -> bool:
+        """SGLang's ``Scheduler.flush_cache``: empty the prefix cache if :meth:`flushable`; whether it did."""
+        if not self.flushable():
+            return False
+        self.prefix_cache.flush()
+        return True
 
     async def checksums(self) -> dict[str, str]:
         loop = asyncio.get_running_loop()
@@ -330,7 +343,9 @@ class Engine:
     def _admit(self) -> None:
         cap = self.config.max_running_requests
         while self.waiting and (cap is None or len(self.running) < cap):
-            self.running.append(self.waiting.popleft())
+            seq = self.waiting.popleft()
+            seq.cached = self.prefix_cache.prefill(seq.tokens, count=not seq.internal)
+            self.running.append(seq)
 
     def _can_run(self) -> bool:
         return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
@@ -424,6 +439,8 @@ class Engine:
             s.versions.append((self.weight_version, len(s.output_ids)))
         s.output_ids.append(token)
         s.logprobs.append(lp)
+        if s.cached is not None:
+            self.prefix_cache.extend(s.cached, s.tokens)
         p = s.spec.params
         matched = stop_reason(token, len(s.output_ids), p, self.model.config.eos_token_id)
         limit = self.max_new_tokens(s.spec)

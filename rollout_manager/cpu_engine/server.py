@@ -42,6 +42,7 @@ STOP_KEY = web.AppKey("stop", asyncio.Event)
 
 DEBUG_FAULTS = "/debug/faults"
 DEBUG_CHECKSUM = "/debug/state_dict_checksum"
+DEBUG_PREFIX_CACHE = "/debug/prefix_cache"
 
 VERSION = "cpu-engine-0.1"
 
@@ -335,6 +336,13 @@ async def shutdown(request: web.Request) -> web.Response:
 # ------------------------------------------------------------------ debug (engine-specific)
 
 
+async def prefix_cache(request: web.Request) -> web.Response:
+    """What the prefix cache model saw: ``stale_reads`` (client prefills that read KV older weights made)."""
+    cache = _engine(request).prefix_cache
+    return web.json_response({"stale_reads": cache.stale_reads, "stale_tokens": cache.stale_tokens,
+                              "cached_tokens": cache.nodes, "flushes": cache.generation})
+
+
 async def get_faults(request: web.Request) -> web.Response:
     return web.json_response(_engine(request).faults.snapshot())
 
@@ -408,6 +416,7 @@ def create_app(engine_config: EngineConfig | None = None) -> web.Application:
     r.add_get(DEBUG_FAULTS, get_faults)
     r.add_post(DEBUG_FAULTS, set_faults)
     r.add_get(DEBUG_CHECKSUM, state_dict_checksum)
+    r.add_get(DEBUG_PREFIX_CACHE, prefix_cache)
     return app
 
 

@@ -48,7 +48,7 @@ async def flush_cache(request: web.Request) -> web.Response:
         deadline = asyncio.get_running_loop().time() + timeout
         while engine.busy() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)  # SGLang's scheduler re-checks each loop iteration too
-    if not engine.flushable() or (timeout > 0 and engine.busy()):
+    if (timeout > 0 and engine.busy()) or not engine.flush_cache():
         return web.Response(status=400, text="Timed out waiting for idle state." if timeout else
                             "Flush cache failed.\n")
     return web.Response(status=200, text="Cache flushed.\n")
@@ -127,7 +127,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         if version is not None:
             engine.set_weight_version(str(version))
             message += f" Weight version updated to {version}."
-        if _sessions(engine) and body.get("flush_cache", True) is not False and not engine.flushable():
+        if body.get("flush_cache", True) is not False and not engine.flush_cache() and _sessions(engine):
             # SGLang >= 0.5.21: the weights and the version are in, but the prefix cache could not be
             # flushed while requests run or wait, and the call fails.
             return fail(wire.CACHE_NOT_FLUSHED_MESSAGE)

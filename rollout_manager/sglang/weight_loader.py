@@ -11,7 +11,9 @@ One load:
    inside the update call fails the call when requests run (0.5.22+: HTTP 400, and the version is then
    not recorded; 0.5.12-0.5.21: an assert that kills the server).
 3. ``/flush_cache?timeout=S``: SGLang flushes once it is idle, waiting up to S seconds. No flush, no
-   commit: a prefix cache the old weights made would mix versions inside one sequence.
+   commit: a prefix cache the old weights made would mix versions inside one sequence. Paused (an
+   activation, and the receiver agent's full loads), once without a timeout, after retracting
+   whatever an ``in_place`` pause left running (:meth:`SGLangWeights.flush_paused`).
 4. ``/get_weights_by_name`` for a sample of tensors, compared with what was sent (where SGLang offers
    it: Llama-family models, TP 1); a mismatch refuses the commit (the load was silently partial).
 5. ``/update_weight_version`` with ``abort_all_requests`` false, then ``/model_info`` must report it:
@@ -39,7 +41,7 @@ log = logging.getLogger("rollout_manager.receiver")
 
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
 NamedTensors = list[tuple[str, torch.Tensor]]
-FlushWhen = Literal["when_idle", "now"] | None
+FlushWhen = Literal["when_idle", "now", "in_place"] | None
 
 
 class LoadRefused(Exception):
@@ -124,8 +126,8 @@ class SGLangWeights:
         """Steps 1-5 of the module's docstring; ``sample``: the tensors to read back (name, what SGLang
         must now hold); ``served``: the checkpoint, whose dtypes SGLang keeps under ``--dtype auto``;
         ``flush``: "when_idle" (step 3), "now" (paused in 'retract' mode: once, without waiting, which is the
-        only flush SGLang takes while the retracted requests wait), None (skipped: an 'in_place' pause
-        keeps the running requests' cache on purpose, and SGLang would refuse the flush).
+        only flush SGLang takes while the retracted requests wait), "in_place" (paused in 'in_place' mode:
+        :meth:`flush_paused`), None (skipped).
         Raises :class:`LoadRefused`; the weight-update session is closed whatever happens."""
         facts = await self.server_facts()
         info = facts.info
@@ -149,7 +151,9 @@ class SGLangWeights:
             raise
         if opened:
             await self._call(wire.END_WEIGHT_UPDATE, wire.end_weight_update_body(), "end_weight_update")
-        if flush is not None:
+        if flush == "in_place":
+            await self.flush_paused()
+        elif flush is not None:
             await self.flush_when_idle(now=flush == "now")
         readback = await self.read_back(sample, facts, served) if sample else 0
         await self.set_version(version)
@@ -188,17 +192,34 @@ class SGLangWeights:
         if status != 200:
             raise LoadRefused(502, f"SGLang refused {what}: HTTP {status} {text.strip()}{_key_hint(status)}")
 
+    async def flush_paused(self) -> None:
+        """Paused in place, after the load: flush the prefix cache before any request can read it. SGLang
+        refuses the flush while the requests paused in place run, and offers no way to let them finish while
+        holding new ones back (those wait only while paused; its writer lock is taken only unpaused, and by
+        then the requests released by ``/continue_generation`` hold it shared): so they are retracted first
+        (their KV, the old weights', is freed; they re-prefill under the new weights), then flushed."""
+        status, _ = await self._flush(0.0)
+        if status == 200:
+            return
+        log.info("SGLang at %s runs requests paused in place: retracting them so the old weights' cache can "
+                 "be flushed before anything reads it", self.url)
+        await self.pause("retract")
+        await self.flush_when_idle(now=True)
+
+    async def _flush(self, wait: float) -> tuple[int, str]:
+        try:
+            async with self.session.post(self.url + wire.flush_cache_path(wait), headers=self.auth.admin_headers(),
+                                         timeout=aiohttp.ClientTimeout(total=wait + 30)) as r:
+                return r.status, (await r.text())[:200]
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise LoadRefused(502, f"the weights are loaded but /flush_cache failed: {exc}") from None
+
     async def flush_when_idle(self, now: bool = False) -> None:
         """Flush SGLang's prefix cache once nothing runs there, waiting up to ``flush_wait_s``; ``now``: once,
         at once. Paused, SGLang ignores its waiting queue for a flush without a timeout only: one with a
         timeout waits for the queue to empty too (``SchedulerFlushWrapper``), which never happens paused."""
         wait = 0.0 if now else self.settings.flush_wait_s
-        try:
-            async with self.session.post(self.url + wire.flush_cache_path(wait), headers=self.auth.admin_headers(),
-                                         timeout=aiohttp.ClientTimeout(total=wait + 30)) as r:
-                status, text = r.status, (await r.text())[:200]
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise LoadRefused(502, f"the weights are loaded but /flush_cache failed: {exc}") from None
+        status, text = await self._flush(wait)
         if status != 200:
             raise LoadRefused(503, f"the weights are loaded but SGLang's prefix cache could not be flushed "
                                    f"within {wait:g}s (requests still running or queued there): HTTP {status} "

@@ -7,13 +7,15 @@ buffer) while SGLang keeps serving the previous one. ``POST /activate {version, 
    in: ``retract`` (the default) puts every running request back in the waiting queue and frees its KV, so
    the prefix cache can be flushed and each request re-prefills under the new weights when generation
    continues; ``in_place`` leaves them where they are with their KV, and SGLang then refuses a flush while
-   any of them runs, so the load skips the flush (use it only where the old weights' cache may be kept).
+   any of them runs: if any does after the load, they are retracted then, so the flush can run before
+   anything reads the old weights' cache (SGLang 0.5.23 has no way to let them finish while holding new
+   requests back: see ``SGLangWeights.flush_paused``); an idle box is flushed in place.
    Either way SGLang stops decoding, new requests wait at its tokenizer, and weight-update calls run at
    once: unpaused, ``/begin_weight_update`` and every ``/update_weights_from_tensor`` take the
    ``model_update_lock`` writer lock, which waits for every ``/generate`` in flight to finish.
 2. The load (:mod:`rollout_manager.sglang.weight_loader`): the changed tensors in buckets inside
    ``/begin_weight_update`` ... ``/end_weight_update`` where the server has sessions, the flush
-   (``retract``; once, without a timeout: with one SGLang waits for its waiting queue, holding the retracted
+   (once, without a timeout: with one SGLang waits for its waiting queue, holding the retracted
    requests, to empty, which cannot happen while paused), the read-back of a sample,
    ``/update_weight_version`` confirmed by ``/model_info``.
 3. ``/continue_generation``: the requests go on; their chunks from here carry the new ``weight_version``.
@@ -77,7 +79,7 @@ async def activate(loader: Loader, staged: Staged, req: ActivateRequest) -> Acti
     sample = readback_sample(named, loader.settings.readback_tensors, req.version)
     try:
         report = await weights.load(loading, req.version, sample=sample, served=loader.served,
-                                    flush="now" if req.mode == "retract" else None)
+                                    flush="now" if req.mode == "retract" else "in_place")
         load_s = time.monotonic() - paused_at
         await weights.resume()
     except BaseException as exc:  # LoadRefused, a lost connection, a cancelled activation: stay paused

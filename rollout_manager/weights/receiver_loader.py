@@ -14,7 +14,14 @@ import aiohttp
 
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.checkpoint import ServedModel
-from rollout_manager.sglang.weight_loader import LoadRefused, LoadReport, LoadSettings, NamedTensors, SGLangWeights
+from rollout_manager.sglang.weight_loader import (
+    FlushWhen,
+    LoadRefused,
+    LoadReport,
+    LoadSettings,
+    NamedTensors,
+    SGLangWeights,
+)
 from rollout_manager.weights.layout import WeightLayout
 from rollout_manager.weights.refused import CommitRefused
 
@@ -90,25 +97,47 @@ class Loader:
                                      f"{'; '.join(problems[:5])}{more}; nothing loaded")
 
     async def commit(self, layout: WeightLayout, named: NamedTensors, version: int) -> int:
-        """The full load behind ``/commit``: the changed tensors of the buffer (``named``) into SGLang, which
-        serves again if an activation had left it paused. Returns the buckets."""
+        """The full load behind ``/commit``, inside a ``retract`` pause: the manager drained the box, but a
+        request that reaches SGLang some other way must not run between two buckets on a half-loaded model
+        (unpaused, SGLang takes its writer lock per call, not for the load). Generation continues after the
+        load, also after a failed one (as before the pause: the manager keeps the box out of service and
+        pushes again), except where a failed activation had left SGLang paused, which only a complete load
+        continues. Returns the buckets."""
         names = self.changed()
+        weights = self.weights()
         try:
             await self.check_layout(layout)
-            buckets = await self.load(named, version, names)
+            await weights.pause("retract")
+        except LoadRefused as exc:
+            self.forget()
+            raise CommitRefused(exc.status, f"{exc}; nothing loaded") from None
+        except BaseException:
+            self.forget()
+            raise
+        try:
+            buckets = await self.load(named, version, names, flush="now")
         except BaseException:
             self.forget()  # what SGLang holds now is not known: the next load sends every tensor
+            if self.failed is None:
+                await self._resume_after_failed_load(weights)
             raise
+        try:
+            await weights.resume()
+        except LoadRefused as exc:
+            raise CommitRefused(exc.status, str(exc)) from None
         if self.failed is not None:  # an activation failed with SGLang paused: a full load is in, serve again
-            try:
-                await self.weights().resume()
-            except LoadRefused as exc:
-                raise CommitRefused(exc.status, str(exc)) from None
             log.info("version %d fully loaded after a failed activation; SGLang continues", version)
             self.failed = None
         return buckets
 
-    async def load(self, named: NamedTensors, version: int, names: set[str] | None = None) -> int:
+    async def _resume_after_failed_load(self, weights: SGLangWeights) -> None:
+        try:
+            await weights.resume()
+        except LoadRefused as exc:  # the load's own failure is what the caller reports
+            log.warning("SGLang at %s could not continue generation after a failed load: %s", self.sglang_url, exc)
+
+    async def load(self, named: NamedTensors, version: int, names: set[str] | None = None,
+                   flush: FlushWhen = "when_idle") -> int:
         """Load the tensors of ``named`` in ``names`` (None: all; none: the smallest one) into SGLang (see
         rollout_manager/sglang/weight_loader.py), and read a sample back. A partial load happens only
         when SGLang still reports the version this agent last loaded: a server that restarted under
@@ -118,7 +147,7 @@ class Loader:
         loading = await self.selection(weights, named, names)
         self.reloaded = len(loading)
         try:
-            report = await weights.load(loading, version, served=self.served,
+            report = await weights.load(loading, version, served=self.served, flush=flush,
                                         sample=readback_sample(named, self.settings.readback_tensors, version))
         except LoadRefused as exc:
             raise CommitRefused(exc.status, str(exc)) from None
