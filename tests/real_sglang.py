@@ -11,7 +11,8 @@ Stable API (other test modules build on it; change only by adding):
 - ``start_box(model_dir, manager_url, log_dir, *sglang_flags, deterministic=False, name="box",
   launcher_flags=()) -> RealBox``:
   real SGLang plus the receiver agent, started THROUGH ``scripts/launch_sglang.sh --engine sglang`` on free
-  loopback ports, registered with the manager; returns once the manager reports it active.
+  loopback ports (this checkout's scripts/sglang_cpu/ first on the path, as for ``start_sglang``), registered
+  with the manager; returns once the manager reports it active.
   ``RealBox.url`` is SGLang's own URL, ``.endpoint`` the manager's name for it, ``.agent_url`` the receiver
   agent; ``.stop()`` tears everything down (SIGTERM to the launcher, then SIGKILL to every process it left,
   torch_shm_manager included); ``.kill_sglang()`` SIGKILLs the SGLang server's process group (a dead box).
@@ -53,6 +54,14 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
              "--dtype", "float32", "--sleep-on-idle", "--log-level", "warning")
 SGLANG_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
 START_TIMEOUT_S = 240.0  # ~17 s alone on 2 cores; far longer while other suites load the machine
+HOOK_DIR = ROOT / "scripts" / "sglang_cpu"
+
+
+def _with_hook(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout's scripts/sglang_cpu/ first on PYTHONPATH: its hook (routed-expert capture
+    included) is the one SGLang imports, whichever copy .venv-sglang holds."""
+    path = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path}
 
 
 def require_sglang_venv() -> None:
@@ -154,7 +163,8 @@ def _launch(model_dir: Path, manager_url: str, log_dir: Path, sglang_flags: tupl
             "--python", str(SGLANG_PY), "--ready-timeout-s", str(int(START_TIMEOUT_S)), "--drain-timeout-s", "5",
             "--stop-timeout-s", "10", *(("--deterministic",) if deterministic else ()), *launcher_flags,
             "--", *CPU_FLAGS, *sglang_flags]
-    return RealBox(Proc(args, log_dir / f"{name}-{port}.log", env=SGLANG_ENV), port, agent_port, manager_url)
+    return RealBox(Proc(args, log_dir / f"{name}-{port}.log", env=_with_hook(SGLANG_ENV)), port, agent_port,
+                   manager_url)
 
 
 def start_boxes(model_dir: Path, manager_url: str, log_dir: Path, names: list[str], *sglang_flags: str,
@@ -266,7 +276,6 @@ def real_sglang(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactor
 # ------------------------------------------------------------------ MoE and SGLang alone
 
 MOE_EXPERTS, MOE_TOP_K, MOE_LAYERS = 8, 2, 2  # tests/real_sglang_model.py's qwen3_moe
-HOOK_DIR = ROOT / "scripts" / "sglang_cpu"
 
 
 def make_tiny_moe(dest: Path) -> Path:
@@ -293,8 +302,7 @@ def start_sglang(model_dir: Path, log_dir: Path, *sglang_flags: str, name: str =
     port = quiet_port()
     args = [str(SGLANG_PY), "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
             "--port", str(port), *CPU_FLAGS, *sglang_flags]
-    path = os.pathsep.join(p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    server = SGLangServer(port, Proc(args, log_dir / f"{name}-{port}.log", env={**SGLANG_ENV, "PYTHONPATH": path}))
+    server = SGLangServer(port, Proc(args, log_dir / f"{name}-{port}.log", env=_with_hook(SGLANG_ENV)))
 
     def ready() -> bool:
         if server.proc.popen.poll() is not None:

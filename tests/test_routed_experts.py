@@ -13,6 +13,7 @@ import asyncio
 import base64
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -23,6 +24,7 @@ from aiohttp.test_utils import TestServer
 from fakes import HealthRecorder
 from support import as_json, async_wait_until
 
+from rollout_manager.api.routes import admit
 from rollout_manager.cpu_engine.engine import EngineConfig
 from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.server import create_app
@@ -189,6 +191,19 @@ async def test_experts_go_only_to_engines_that_return_them(rig: Rig) -> None:
     assert rows(out["meta_info"]).shape[0] == len(PROMPT) + 1 and not rig.requests[0]
     plain_out = await rig.run({k: v for k, v in body(2).items() if k != "return_routed_experts"})
     assert "routed_experts" not in plain_out["meta_info"]
+
+
+async def test_a_streamed_request_for_experts_is_refused_at_admission(rig: Rig) -> None:
+    """Before its stream starts (a 400 status, not an error chunk in a 200 stream), when no active instance
+    returns experts."""
+    rig.register(0, routed_experts=False)
+    manager: Any = SimpleNamespace(generator=rig.generator)
+    with pytest.raises(GenerationFailed) as refused:
+        admit(manager, body(2, stream=True), None)
+    assert refused.value.status == 400 and "return_routed_experts" in str(refused.value)
+    assert admit(manager, {k: v for k, v in body(2, stream=True).items() if k != "return_routed_experts"}, None)
+    rig.register(1)
+    assert admit(manager, body(2, stream=True), None).stream
 
 
 async def _alone(rig: Rig, n: int) -> dict[str, Any]:

@@ -119,12 +119,15 @@ async def update_weight_senders(request: web.Request, body: UpdateWeightSenders,
 
 def admit(manager: Manager, data: Any, trajectory_header: str | None) -> Request:
     """A ``/generate`` body (decoded JSON) as the request to run, on aiohttp's path and on the fast lane:
-    typed in one pass, and its ids checked against the vocabulary (an id past the model's vocabulary
-    crashes SGLang's scheduler); raises ManagerError (400) naming the field."""
+    typed in one pass, its ids checked against the vocabulary (an id past the model's vocabulary
+    crashes SGLang's scheduler) and a request for routed experts against the active instances; raises
+    ManagerError (400) naming the field."""
     request = decode(data, trajectory_header)
     generator = manager.generator
     assert generator is not None
     generator.vocab.check(request.input_ids)
+    if any(s.body.routed_experts for s in request.sequences):
+        generator.check_routed_experts()
     return request
 
 

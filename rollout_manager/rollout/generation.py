@@ -216,7 +216,7 @@ class Generator:
         self.stats["sequences"] += 1
         try:
             if seq.experts is not None:
-                self._check_routed_experts()
+                self.check_routed_experts()
             tried: list[Instance] = []
             # Since when the sequence fails without making progress (None: it is not failing): its retries
             # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
@@ -319,9 +319,10 @@ class Generator:
             reason = aff.fallback_reason(self.dispatcher.registry.get(prefer), inst)
             self.affinity_fallbacks[reason] = self.affinity_fallbacks.get(reason, 0) + 1
 
-    def _check_routed_experts(self) -> None:
+    def check_routed_experts(self) -> None:
         """Refuse a request for routed experts (R3) that no active instance can answer, rather than let it
-        wait for one: SGLang started without ``--enable-return-routed-experts`` answers without them."""
+        wait for one: SGLang started without ``--enable-return-routed-experts`` answers without them. Also
+        asked when a /generate is admitted, so a streamed one is refused with its status, not in a stream."""
         active = self.dispatcher.registry.in_state(State.ACTIVE)
         if active and not any(i.engine.routed_experts for i in active):
             raise GenerationFailed(400, f"return_routed_experts: none of the {len(active)} active instance(s) "
