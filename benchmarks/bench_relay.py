@@ -193,7 +193,7 @@ async def r3_table(args: argparse.Namespace, off: dict[str, dict[int, Figures]],
     n, mode, shape = args.lengths[-1], args.modes[0], args.r3[0]
     print(f"r3 ({mode}, {shape[0]}x{shape[1]}, {args.sequences} x {n} tokens): cpu per token "
           f"{on[mode, shape][n].us_per_token / off[mode][n].us_per_token:.2f}x, peak bytes per token "
-          f"+{on[mode, shape][n].peak_bytes_per_token - off[mode][n].peak_bytes_per_token:,.0f} "
+          f"{on[mode, shape][n].peak_bytes_per_token - off[mode][n].peak_bytes_per_token:+,.0f} "
           f"(experts {shape[0] * shape[1] * 4:,})")
 
 
