@@ -191,8 +191,8 @@ async def r3_table(args: argparse.Namespace, off: dict[str, dict[int, Figures]],
         cells = "".join(f"{r3_cell(row[n], off[mode][n]):>34}" for n in args.lengths)
         print(f"{mode:<22}{f'{shape[0]}x{shape[1]}':>7}{shape[0] * shape[1] * 4:>16,}{cells}")
     n, mode, shape = args.lengths[-1], args.modes[0], args.r3[0]
-    print(f"r3 ({mode}, {shape[0]}x{shape[1]}, {args.sequences} x {n} tokens): cpu per token "
-          f"{on[mode, shape][n].us_per_token / off[mode][n].us_per_token:.2f}x, peak bytes per token "
+    print(f"the last line: {mode}, {shape[0]}x{shape[1]}, {args.sequences} x {n} tokens; bytes per token at the peak")
+    print(f"r3: cpu per token {on[mode, shape][n].us_per_token / off[mode][n].us_per_token:.2f}x, bytes per token "
           f"{on[mode, shape][n].peak_bytes_per_token - off[mode][n].peak_bytes_per_token:+,.0f} "
           f"(experts {shape[0] * shape[1] * 4:,})")
 
