@@ -17,8 +17,16 @@ The figure is the manager's CPU time (utime + stime from ``/proc/<pid>/stat``, a
 load, divided by the tokens relayed. Every output is checked token for token. Everything runs in one
 run, so the ratios are comparable.
 
+With ``--r3 48x8 [2x4 ...]`` every mode also runs with routed-expert replay (R3) on, one run per shape
+(layers x top-k: Qwen3-30B-A3B is 48x8): the fakes answer ``return_routed_experts`` as SGLang does
+(rows on the final chunk only), every request asks for them, every answer's experts are checked equal to
+what the engine sent, and the table gains the cost against R3 off, and the manager's peak RSS above its
+RSS before the loads, per token (VmHWM: all sequences finishing at once; the experts' own bytes are
+``layers x top_k x 4`` a token, 4/3 of that as base64).
+
     .venv/bin/python benchmarks/bench_relay.py                 # 64 x 1024 and 64 x 4096, every mode
     .venv/bin/python benchmarks/bench_relay.py --interval 32 --lengths 4096 --modes incremental/req
+    .venv/bin/python benchmarks/bench_relay.py --modes incremental/req cumulative/req --r3 48x8 2x4
 """
 
 from __future__ import annotations
@@ -29,13 +37,17 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_manager_overhead import cpu_s, register_backends, spawn, stop_all, wait_ok
+from bench_scale import status_kb
+from fake_sglang import parse_shape, routed_rows
 
 from rollout_manager.osutil import free_port
 
@@ -52,16 +64,24 @@ MODES: dict[str, tuple[list[str], bool]] = {
 }
 
 
-async def relay(manager: str, sequences: int, tokens: int) -> float:
-    """Send ``sequences`` non-streaming requests at once; check each output; return the wall time."""
-    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
+async def relay(manager: str, sequences: int, tokens: int, experts: tuple[int, int] | None = None) -> float:
+    """Send ``sequences`` non-streaming requests at once (asking for routed experts of shape ``experts``
+    when given); check each output; return the wall time."""
+    prompt = [1, 2, 3, 4]
+    body: dict[str, Any] = {"input_ids": prompt,
+                            "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
     expected = list(range(1, tokens + 1))
+    rows = None
+    if experts is not None:
+        body["return_routed_experts"] = True
+        rows = routed_rows(experts, 0, len(prompt) + tokens)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=1800)) as s:
         async def one() -> None:
             async with s.post(manager + "/generate", json=body) as r:
                 out = await r.json()
-                if r.status != 200 or out["output_ids"] != expected:
+                if r.status != 200 or out["output_ids"] != expected or \
+                        out["meta_info"].get("routed_experts") != rows:
                     raise RuntimeError(f"HTTP {r.status}: wrong output ({str(out)[:200]})")
 
         t0 = time.perf_counter()
@@ -69,13 +89,26 @@ async def relay(manager: str, sequences: int, tokens: int) -> float:
         return time.perf_counter() - t0
 
 
+@dataclass
+class Figures:
+    """One mode's (and R3 shape's) figures at one length: median CPU, its run's wall time, and the peak RSS
+    per token above the manager's RSS before the loads (VmHWM: it covers this length and the shorter ones
+    run before it)."""
+
+    us_per_token: float
+    wall_s: float
+    peak_bytes_per_token: float
+
+
 async def run_mode(mode: str, lengths: list[int], sequences: int, interval: int,
-                   logs: Path, repeat: int = 1) -> dict[int, tuple[float, float]]:
+                   logs: Path, repeat: int = 1, experts: tuple[int, int] | None = None) -> dict[int, Figures]:
     flags, per_request = MODES[mode]
+    if experts is not None:
+        flags = [*flags, "--routed-experts", f"{experts[0]}x{experts[1]}"]
     procs: list[subprocess.Popen] = []
     try:
         backends = []
-        name = mode.replace("/", "_")
+        name = mode.replace("/", "_") + ("" if experts is None else f"-r3-{experts[0]}x{experts[1]}")
         for k in range(2):
             port = free_port()
             procs.append(spawn([PY, str(ROOT / "benchmarks/fake_sglang.py"), "--port", str(port),
@@ -91,15 +124,17 @@ async def run_mode(mode: str, lengths: list[int], sequences: int, interval: int,
         url = f"http://127.0.0.1:{mport}"
         await register_backends(url, backends)
         await wait_ok(url + "/health")
-        await relay(url, 4, 64)  # warm up connections and code paths
+        await relay(url, 4, 64, experts)  # warm up connections and code paths
+        rss_kb = status_kb(manager.pid, "VmRSS")
         out = {}
-        for n in lengths:
+        for n in sorted(lengths):
             runs = []
             for _ in range(repeat):  # the median run: one run is under a second, and as noisy
                 before = cpu_s(manager.pid)
-                wall = await relay(url, sequences, n)
+                wall = await relay(url, sequences, n, experts)
                 runs.append(((cpu_s(manager.pid) - before) / (sequences * n) * 1e6, wall))
-            out[n] = sorted(runs)[len(runs) // 2]
+            cpu, wall = sorted(runs)[len(runs) // 2]
+            out[n] = Figures(cpu, wall, 1024 * (status_kb(manager.pid, "VmHWM") - rss_kb) / (sequences * n))
         return out
     finally:
         stop_all(procs)
@@ -112,7 +147,10 @@ async def main() -> None:
     parser.add_argument("--interval", type=int, default=64, help="the manager's engine_stream_interval (default 64)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--repeat", type=int, default=3, help="runs per length; the median is printed")
+    parser.add_argument("--r3", type=parse_shape, nargs="*", default=[], metavar="LAYERSxTOP_K",
+                        help="also run every mode with routed-expert replay on, per shape (Qwen3-30B-A3B: 48x8)")
     args = parser.parse_args()
+    args.lengths.sort()
     logs = Path(os.environ.get("BENCH_LOGS", "/tmp/bench-relay"))
     logs.mkdir(parents=True, exist_ok=True)
     results = {mode: await run_mode(mode, args.lengths, args.sequences, args.interval, logs, args.repeat)
@@ -122,13 +160,41 @@ async def main() -> None:
     print(f"{'mode':<22}" + "".join(f"{f'{n} tokens':>20}" for n in args.lengths)
           + (f"{'growth':>9}" if len(args.lengths) > 1 else ""))
     for mode, row in results.items():
-        cells = "".join(f"{f'{row[n][0]:.2f} ({row[n][1]:.1f}s)':>20}" for n in args.lengths)
-        growth = f"{row[args.lengths[-1]][0] / row[args.lengths[0]][0]:>8.2f}x" if len(args.lengths) > 1 else ""
+        cells = "".join(f"{f'{row[n].us_per_token:.2f} ({row[n].wall_s:.1f}s)':>20}" for n in args.lengths)
+        growth = (f"{row[args.lengths[-1]].us_per_token / row[args.lengths[0]].us_per_token:>8.2f}x"
+                  if len(args.lengths) > 1 else "")
         print(f"{mode:<22}{cells}{growth}")
     base = args.modes[0]
     for n in args.lengths:
-        ratios = ", ".join(f"{m} {results[base][n][0] / results[m][n][0]:.0f}x" for m in args.modes[1:])
-        print(f"{n} tokens, cheaper than {base}: {ratios}")
+        ratios = ", ".join(f"{m} {results[base][n].us_per_token / results[m][n].us_per_token:.0f}x"
+                           for m in args.modes[1:])
+        if ratios:
+            print(f"{n} tokens, cheaper than {base}: {ratios}")
+    if args.r3:
+        await r3_table(args, results, logs)
+
+
+def r3_cell(on: Figures, off: Figures) -> str:
+    return (f"{on.us_per_token:.2f} ({on.us_per_token / off.us_per_token:.2f}x), "
+            f"{on.peak_bytes_per_token:,.0f} ({off.peak_bytes_per_token:,.0f})")
+
+
+async def r3_table(args: argparse.Namespace, off: dict[str, dict[int, Figures]], logs: Path) -> None:
+    """Run every mode again with R3 on, per shape; print its cost against R3 off (``off``, this run's)."""
+    on = {(mode, shape): await run_mode(mode, args.lengths, args.sequences, args.interval, logs, args.repeat,
+                                        shape)
+          for shape in args.r3 for mode in args.modes}
+    print("\nrouted-expert replay (R3) on against off: µs/token (x off), peak RSS bytes per token (off)")
+    print(f"{'mode':<22}{'shape':>7}{'experts B/token':>16}"
+          + "".join(f"{f'{n} tokens':>34}" for n in args.lengths))
+    for (mode, shape), row in on.items():
+        cells = "".join(f"{r3_cell(row[n], off[mode][n]):>34}" for n in args.lengths)
+        print(f"{mode:<22}{f'{shape[0]}x{shape[1]}':>7}{shape[0] * shape[1] * 4:>16,}{cells}")
+    n, mode, shape = args.lengths[-1], args.modes[0], args.r3[0]
+    print(f"the last line: {mode}, {shape[0]}x{shape[1]}, {args.sequences} x {n} tokens; bytes per token at the peak")
+    print(f"r3: cpu per token {on[mode, shape][n].us_per_token / off[mode][n].us_per_token:.2f}x, bytes per token "
+          f"{on[mode, shape][n].peak_bytes_per_token - off[mode][n].peak_bytes_per_token:+,.0f} "
+          f"(experts {shape[0] * shape[1] * 4:,})")
 
 
 if __name__ == "__main__":

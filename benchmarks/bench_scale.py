@@ -18,6 +18,12 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
    held and the peak (VmHWM, which also covers every sequence finishing at once). The throughput-aware
    policy places 8 sequences on an instance before it has measured its rate, so keep ``--sequences``
    at most 8 x ``--instances``. See docs/memory.md.
+5. with ``--routed-experts LAYERSxTOP_K``: every sequence asks for routed-expert replay (R3), the fakes answer
+   it as SGLang does (benchmarks/fake_sglang.py: rows on the final chunk only) and every answer's experts are
+   checked; ``--r3 LAYERSxTOP_K`` runs the whole measurement twice, R3 off then on (a fresh fleet and manager
+   each), and prints the CPU and bytes per token of the two with their ratio. The experts reach the manager
+   with each sequence's final chunk, so they weigh on the peak (every sequence finishing at once), not on
+   the tokens held before it.
 
     .venv/bin/python benchmarks/bench_scale.py                      # 1,000 instances, 8,000 x 64 tokens
     .venv/bin/python benchmarks/bench_scale.py --hard 1024          # the daemon cannot raise its limit
@@ -26,6 +32,7 @@ or 1024 too with ``--hard 1024``, when the daemon cannot raise its soft limit), 
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --instances 100 --sequences 800
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --trace-memory --trace-frames 8 ...  # by site
     .venv/bin/python benchmarks/bench_scale.py --tokens 1024 --hold --allocator-stats ...  # RSS by allocator
+    .venv/bin/python benchmarks/bench_scale.py --instances 16 --sequences 128 --tokens 4096 --hold --r3 48x8
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_manager_overhead import cpu_s, stop_all
+from fake_sglang import parse_shape, routed_rows
 
 from rollout_manager.osutil import free_port
 
@@ -56,7 +65,8 @@ PY = sys.executable
 
 
 # ---------------------------------------------------------------- the fake fleet (helper processes)
-async def serve_fake(count: int, tokens: int, cumulative: bool, hold: bool) -> None:
+async def serve_fake(count: int, tokens: int, cumulative: bool, hold: bool,
+                     experts: tuple[int, int] | None = None) -> None:
     """Serve ``count`` ports from this process; print them as one JSON line, then serve until killed."""
     from aiohttp import web
 
@@ -64,7 +74,8 @@ async def serve_fake(count: int, tokens: int, cumulative: bool, hold: bool) -> N
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    runner = web.AppRunner(make_app(tokens, incremental=not cumulative, hold=hold), access_log=None,
+    runner = web.AppRunner(make_app(tokens, incremental=not cumulative, hold=hold, experts=experts),
+                           access_log=None,
                            handle_signals=False)
     await runner.setup()
     ports = []
@@ -80,13 +91,14 @@ async def serve_fake(count: int, tokens: int, cumulative: bool, hold: bool) -> N
 
 
 def start_fleet(instances: int, helpers: int, tokens: int, cumulative: bool, hold: bool, logs: Path,
-                procs: list[subprocess.Popen[bytes]]) -> list[list[int]]:
+                procs: list[subprocess.Popen[bytes]], experts: tuple[int, int] | None = None) -> list[list[int]]:
     """Start the helpers; each one's ports."""
     counts = [instances // helpers + (1 if k < instances % helpers else 0) for k in range(helpers)]
     started = []
     for k, count in enumerate(counts):
         p = subprocess.Popen([PY, __file__, "--serve-fake", str(count), "--tokens", str(tokens),
-                              *(["--cumulative"] if cumulative else []), *(["--hold"] if hold else [])],
+                              *(["--cumulative"] if cumulative else []), *(["--hold"] if hold else []),
+                              *(["--routed-experts", f"{experts[0]}x{experts[1]}"] if experts else [])],
                              cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=open(logs / f"fake{k}.log", "wb"),
                              start_new_session=True)
@@ -213,7 +225,21 @@ async def wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float = 
     raise RuntimeError("the manager did not come up")
 
 
-async def run(args: argparse.Namespace) -> None:
+async def ndjson_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of an NDJSON answer, however long (aiohttp's own line reader refuses lines over 128 KiB, and
+    an answer with routed experts is megabytes)."""
+    buf = bytearray()
+    async for data in content.iter_any():
+        buf += data
+        while (end := buf.find(b"\n")) >= 0:
+            yield bytes(buf[:end])
+            del buf[:end + 1]
+    if buf.strip():
+        yield bytes(buf)
+
+
+async def run(args: argparse.Namespace) -> dict[str, float]:
+    """One measurement (printed); its figures: CPU per token, bytes per token held and at the peak."""
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     machine_soft, machine_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -222,7 +248,7 @@ async def run(args: argparse.Namespace) -> None:
     try:
         t0 = time.monotonic()
         helper_ports = start_fleet(args.instances, args.helpers, args.tokens, args.cumulative, args.hold, logs,
-                                   procs)
+                                   procs, args.routed_experts)
         ports = [port for some in helper_ports for port in some]
         print(f"fleet: {len(ports)} fake SGLang ports in {args.helpers} helper processes "
               f"({time.monotonic() - t0:.1f}s)", flush=True)
@@ -286,27 +312,31 @@ async def run(args: argparse.Namespace) -> None:
             # 3. the load
             per_batch = args.sequences // args.batches
             expected = list(range(1, args.tokens + 1))
+            experts = args.routed_experts
+            rows = None if experts is None else routed_rows(experts, 0, 3 + args.tokens)  # prompts of 3
             bad: list[str] = []
             done = 0
 
             async def batch(b: int) -> None:
                 nonlocal done
                 items = [[f"{b}-{i}", {"input_ids": [1 + (i % 97), 2, 3],
-                                       "sampling_params": {"max_new_tokens": args.tokens, "temperature": 0}}]
+                                       "sampling_params": {"max_new_tokens": args.tokens, "temperature": 0},
+                                       **({"return_routed_experts": True} if experts else {})}]
                          for i in range(per_batch)]
                 seen = set()
                 async with s.post(url + "/batch_generate_requests", json=items,
                                   timeout=aiohttp.ClientTimeout(total=None)) as r:
                     if r.status != 200:
                         raise RuntimeError(f"batch: HTTP {r.status} {await r.text()}")
-                    async for raw in r.content:
+                    async for raw in ndjson_lines(r.content):
                         line = json.loads(raw)
                         seen.add(line["id"])
                         done += 1
                         data = line.get("data") or {}
                         meta = data.get("meta_info") or {}
                         if not line["success"] or data.get("output_ids") != expected or \
-                                meta.get("completion_tokens") != args.tokens:
+                                meta.get("completion_tokens") != args.tokens or \
+                                meta.get("routed_experts") != rows:
                             bad.append(json.dumps(line)[:300])
                 missing = per_batch - len(seen)
                 if missing:
@@ -398,9 +428,12 @@ async def run(args: argparse.Namespace) -> None:
                   f"{peak['waiting_conn']} waiting for a connection; at the sample with the most connections: "
                   f"{top[0]} sequences placed on instances, {top[1]} of them waiting for a connection, "
                   f"{top[2]} connections to instances")
+            figures = {"cpu_us_per_token": 1e6 * cpu / (n * args.tokens)}
             if hold_result:
                 # the memory figure: what the manager holds per token in flight, above its idle footprint
                 peak_kb, tokens = status_kb(pid, "VmHWM"), hold_result["tokens"]
+                figures.update(held=1024 * (hold_result["rss_kb"] - idle_rss_kb) / max(tokens, 1),
+                               peak=1024 * (peak_kb - idle_rss_kb) / max(tokens, 1))
                 print(f"  memory: {hold_result['sequences']} sequences held {tokens} tokens in flight; RSS idle "
                       f"{idle_rss_kb / 1024:.0f} MB, with them all held {hold_result['rss_kb'] / 1024:.0f} MB, "
                       f"peak {peak_kb / 1024:.0f} MB: "
@@ -417,8 +450,32 @@ async def run(args: argparse.Namespace) -> None:
                 print("  BAD:", line)
             if bad or removed:
                 raise SystemExit(1)
+            return figures
     finally:
         stop_all(procs)
+
+
+def compare_r3(args: argparse.Namespace) -> None:
+    """``--r3``: the measurement with R3 off, then on, and what R3 adds."""
+    shape = args.r3
+    print("== routed-expert replay off", flush=True)
+    off = asyncio.run(run(argparse.Namespace(**{**vars(args), "routed_experts": None})))
+    print(f"== routed-expert replay on, {shape[0]} layers x top-{shape[1]}", flush=True)
+    on = asyncio.run(run(argparse.Namespace(**{**vars(args), "routed_experts": shape})))
+    experts = shape[0] * shape[1] * 4
+    print(f"R3 {shape[0]}x{shape[1]} against off, {args.sequences} x {args.tokens} tokens: manager CPU "
+          f"{on['cpu_us_per_token']:.2f} against {off['cpu_us_per_token']:.2f} us per token")
+    if "held" in on:
+        print(f"  bytes per token held {on['held']:,.1f} against {off['held']:,.1f} (the experts come with the "
+              f"final chunk); at the peak {on['peak']:,.1f} against {off['peak']:,.1f}; the experts' own bytes "
+              f"{experts:,} a token, {experts * 4 // 3:,} as base64")
+        print(f"  bytes per token held {on['held'] - off['held']:+,.0f}, at the peak (the next line) "
+              f"{on['peak'] - off['peak']:+,.0f}")
+        extra = f"{on['peak'] - off['peak']:+,.0f}"
+    else:
+        extra = "not measured (no --hold)"
+    print(f"r3: cpu per token {on['cpu_us_per_token'] / off['cpu_us_per_token']:.2f}x, bytes per token {extra} "
+          f"(experts {experts:,})")
 
 
 def main() -> None:
@@ -447,15 +504,22 @@ def main() -> None:
     parser.add_argument("--trace-frames", type=int, default=1,
                         help="with --trace-memory: frames per traced allocation; above 1, also print the "
                              "biggest allocation sites with their callers")
+    parser.add_argument("--routed-experts", type=parse_shape, default=None, metavar="LAYERSxTOP_K",
+                        help="every sequence asks for routed experts (R3), which the fakes send in this shape")
+    parser.add_argument("--r3", type=parse_shape, default=None, metavar="LAYERSxTOP_K",
+                        help="run twice, R3 off then on in this shape (Qwen3-30B-A3B: 48x8), and compare")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="manager config")
     parser.add_argument("--logs", default="/tmp/bench-scale")
     parser.add_argument("--serve-fake", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fake:
-        asyncio.run(serve_fake(args.serve_fake, args.tokens, args.cumulative, args.hold))
+        asyncio.run(serve_fake(args.serve_fake, args.tokens, args.cumulative, args.hold, args.routed_experts))
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the helpers
-        asyncio.run(run(args))
+        if args.r3:
+            compare_r3(args)
+        else:
+            asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ class SequenceProgress:
         self.chunks += 1
         return len(new)
 
-    def _routed_rows(self, chunk: GenerateChunk, new: int) -> bytes | None:
+    def _routed_rows(self, chunk: GenerateChunk, new: int) -> str | None:
         """The final chunk's routed-expert rows to keep (None: none), checked; raises :class:`BadChunk`.
 
         A finished request owes them; an abort may carry them (SGLang sends an abort's too) or not (the next

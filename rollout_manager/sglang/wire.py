@@ -174,7 +174,7 @@ class ChunkMeta(msgspec.Struct, gc=False):
     logprobs: list[Any] | None  # output_token_logprobs entries the chunk carries (None: not sent)
     per_token: dict[str, list[Any]] | None  # PER_TOKEN_META_KEYS' lists the chunk carries (None: none)
     final: _finish.FinalMeta  # the shared NO_META until the chunk that finished the request
-    experts: bytes | None = None  # the final chunk's routed experts (R3), decoded (None: not sent)
+    experts: str | None = None  # the final chunk's routed experts (R3), base64 as sent, checked (None: not sent)
 
 
 class GenerateChunk(msgspec.Struct):
@@ -231,7 +231,7 @@ class GenerateChunk(msgspec.Struct):
             final = _finish.FinalMeta.from_json(meta)
             if "routed_experts" in meta:
                 try:
-                    experts = _routed.decode(meta["routed_experts"])
+                    experts = _routed.checked(meta["routed_experts"])
                 except ValueError as exc:
                     return _faulty(str(exc))
         per_token = None
