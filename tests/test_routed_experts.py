@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -219,3 +220,16 @@ async def _alone(rig: Rig, n: int) -> dict[str, Any]:
             return out
     finally:
         await engine.close()
+
+
+async def test_the_experts_final_frame_is_not_held_against_the_frame_bound(rig: Rig) -> None:
+    """The rows can outweigh the tokens a thousandfold (Qwen3-30B-A3B: 2 KiB of base64 a position): a request
+    for them gets room for them in its final frame, on top of the bound that keeps a babbling engine out."""
+    rig.register(0)
+    bounded = dataclasses.replace(SETTINGS, max_frame_bytes=1200)
+    rig.generator.settings = rig.generator.attempts.settings = bounded
+    plain = await rig.run({k: v for k, v in body(40).items() if k != "return_routed_experts"})
+    assert len(plain["output_ids"]) == 40  # the tokens' frames fit the bound
+    out = await rig.run(body(40))
+    assert rows(out["meta_info"]).shape == (len(PROMPT) + 39, LAYERS, TOP_K)
+    assert len(out["meta_info"]["segments"]) == 1  # no attempt failed on the final frame's size

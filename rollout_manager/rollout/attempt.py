@@ -9,6 +9,7 @@ fails, so the next attempt continues from the tokens made.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ from rollout_manager.rollout.sequence import Refusal, SequenceState, version_che
 from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineRejected, SGLangClient, open_stream
 from rollout_manager.sglang.coalesce import Coalescer
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
+from rollout_manager.sglang.routed_experts import MAX_ROW_TEXT
 from rollout_manager.sglang.wire import GenerateChunk
 
 log = logging.getLogger("rollout_manager.rollout.generation")
@@ -115,9 +117,9 @@ class Attempts:
                         await stream
                 elif once:  # one answer, awaited directly: no stream machinery for the commonest short call
                     self._take(seq, inst, progress, segments, on_tokens, await self.coalescer.generate_once(
-                        self.client.session, inst.url, body, self._bounds(inst)))
+                        self.client.session, inst.url, body, self._bounds(inst, seq)))
                 else:
-                    chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
+                    chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst, seq))
                     del body  # sent: a continuation's prompt plus tokens (a list of ints) is not kept
                     try:
                         # The stream's future is awaited in this frame: no coroutine per stream while it waits.
@@ -149,7 +151,7 @@ class Attempts:
     async def _consume(self, seq: SequenceState, inst: Instance, body: SequenceBody, progress: SequenceProgress,
                        segments: AttemptSegments, on_tokens: Callable[[SequenceState], None] | None) -> None:
         """A local instance's stream, run as a task that races the local window."""
-        chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst))
+        chunks = await open_stream(self.client.session, inst.url, body, self._bounds(inst, seq))
         del body  # sent
         try:
             while ready := await chunks.next():
@@ -157,8 +159,14 @@ class Attempts:
         finally:
             chunks.close()
 
-    def _bounds(self, inst: Instance) -> CallBounds:
-        return self._call_bounds.of(inst, self.settings, len(self.dispatcher.registry))
+    def _bounds(self, inst: Instance, seq: SequenceState) -> CallBounds:
+        """``inst``'s call bounds; for a sequence that asked for its routed experts, with room in the final
+        frame for their rows (they can outweigh the tokens a thousandfold: never the instance's fault)."""
+        bounds = self._call_bounds.of(inst, self.settings, len(self.dispatcher.registry))
+        if seq.experts is None or bounds.max_frame_bytes is None:
+            return bounds
+        positions = len(seq.body.input_ids) + len(seq.output_ids) + seq.reserve
+        return dataclasses.replace(bounds, max_frame_bytes=bounds.max_frame_bytes + positions * MAX_ROW_TEXT)
 
     def _take_all(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
                   on_tokens: Callable[[SequenceState], None] | None, chunks: list[GenerateChunk]) -> None:

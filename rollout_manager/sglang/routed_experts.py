@@ -27,6 +27,10 @@ import binascii
 from dataclasses import dataclass, field
 
 ROW_ITEM = 4  # bytes of one expert id (int32)
+# The most base64 text one position's row may take in an engine's frame: 96 layers x top-16 ids (8 KiB), past
+# every MoE model served today (Qwen3: 48 x 8, DeepSeek-V3 and Kimi K2: 58-61 x 8). A request for routed experts
+# gets this much room per position on top of engine_max_frame_mb, which bounds the tokens' part.
+MAX_ROW_TEXT = 96 * 16 * ROW_ITEM * 4 // 3
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
 
