@@ -220,3 +220,18 @@ async def test_through_the_manager_status_and_metrics(start_manager: Any, start_
     assert samples[("rollout_manager_length_groups", None)] == 1
     assert samples[("rollout_manager_length_predictions_scored_total", "0")] == 3
     assert ("rollout_manager_length_prediction_abs_error_tokens_total", "0") in samples
+
+
+# ------------------------------------------------------------------ the plugin passes verl's group key
+def test_the_plugin_sends_verls_uid_as_the_group_key() -> None:
+    np = pytest.importorskip("numpy")
+    from trainer_plugin.proxy import build_generate_body, group_key_of
+    from trainer_plugin.streaming import RolloutStream
+
+    assert group_key_of({"uid": "3f2a"}) == "3f2a" and group_key_of({"uid": np.array(["u"], dtype=object)[0]}) == "u"
+    assert group_key_of({}) is None and group_key_of({"uid": ""}) is None
+    body = build_generate_body([1, 2], {}, "r", prompt_length=8, response_length=6, group_key="3f2a")
+    assert decode(body).sequences[0].group_key == "3f2a"
+    assert "group_key" not in build_generate_body([1, 2], {}, "r", prompt_length=8, response_length=6)
+    stream = RolloutStream(None, [[1, 2], [3]], n=2, uids=["ua", "ub"])  # type: ignore[arg-type]
+    assert [decode(b).sequences[0].group_key for _, b in stream.requests()] == ["ua", "ua", "ub", "ub"]
