@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from heapq import nlargest
+from itertools import islice
 from statistics import NormalDist
 
 import msgspec
@@ -36,9 +37,12 @@ from cachetools import LRUCache
 _STD = NormalDist()
 _SQRT2 = math.sqrt(2.0)
 MIN_SIGMA = 0.05  # log space: lengths of one group are never known better than ~5%
-EM_ITERATIONS = 12
-EM_TOLERANCE = 1e-4
-MAX_FINISHED = 512  # finished log lengths kept per group (a group is n samples; the bound is for misuse)
+EM_ITERATIONS = 8
+EM_TOLERANCE = 1e-3
+MAX_FINISHED = 64  # finished log lengths kept per group (a GRPO group is n samples; the bound is for misuse)
+# Running siblings a finish reads and predicts again, and a fit takes as censored: a group's work per event
+# is bounded by this, not by how many callers sent one prompt at once (the fallback group of a hot prompt).
+MAX_SIBLINGS = 16
 # Buckets of "the fraction of the group that had finished when the prediction was made".
 BUCKETS = ("0", "0-25", "25-50", "50-75", "75-100")
 
@@ -77,9 +81,11 @@ class Prior:
     weight: float
 
 
-def censored_fit(exact: Sequence[float], censored: Sequence[float], prior: Prior) -> tuple[float, float]:
+def censored_fit(exact: Sequence[float], censored: Sequence[float], prior: Prior,
+                 start: tuple[float, float] | None = None) -> tuple[float, float]:
     """(mu, sigma) of a normal fitted to ``exact`` values and to values known only to exceed each of
-    ``censored``, with ``prior`` as pseudo-observations (EM on the right-censored normal)."""
+    ``censored``, with ``prior`` as pseudo-observations (EM on the right-censored normal; ``start``: the
+    last fit, from which a few iterations suffice)."""
     w = prior.weight + len(exact) + len(censored)
     s1 = prior.weight * prior.mu + sum(exact)
     s2 = prior.weight * (prior.var + prior.mu * prior.mu) + sum(x * x for x in exact)
@@ -88,6 +94,8 @@ def censored_fit(exact: Sequence[float], censored: Sequence[float], prior: Prior
     sigma = math.sqrt(max((s2 + sum(c * c for c in censored)) / w - mu * mu, MIN_SIGMA ** 2))
     if not censored:
         return mu, sigma
+    if start is not None:
+        mu, sigma = start
     for _ in range(EM_ITERATIONS):
         e1, e2 = s1, s2
         for c in censored:
@@ -169,11 +177,12 @@ class Group:
     running: set[Track] = field(default_factory=set)
     started: int = 0
     fit: tuple[float, float] | None = None
+    last: tuple[float, float] | None = None  # the fit before the last change: where the next EM starts
 
     def fitted(self) -> tuple[float, float]:
         if self.fit is None:
-            censored = [_log(t.made) for t in self.running if t.made > 0]
-            self.fit = censored_fit(self.finished, censored, self.prior)
+            censored = [_log(t.made) for t in islice(self.running, MAX_SIBLINGS) if t.made > 0]
+            self.fit = self.last = censored_fit(self.finished, censored, self.prior, self.last)
         return self.fit
 
     @property
@@ -286,10 +295,13 @@ class LengthModel:
             hist = self.history[track.prompt] = deque(maxlen=self.history_depth)
         hist.append(length)
         self._learn(_log(length))
-        for sibling in group.running:
-            sibling.refresh()
-        for sibling in group.running:
-            self._remember(sibling)
+        where = bucket(group.finished_fraction)  # each sibling is predicted once per bucket (what is scored)
+        due = [t for t in islice(group.running, MAX_SIBLINGS) if where not in t.predicted]
+        if due:
+            for sibling in islice(group.running, MAX_SIBLINGS):
+                sibling.refresh()
+            for sibling in due:
+                self._remember(sibling)
 
     def drop(self, track: Track) -> None:
         """A sequence failed or was cancelled: it leaves its group without an observation."""
