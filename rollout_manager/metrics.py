@@ -29,6 +29,7 @@ from rollout_manager.instances.version import WeightVersion
 from rollout_manager.rollout.counters import GENERATION_COUNTERS
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import Generator
+from rollout_manager.rollout.lengths import LengthModel
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.sglang.local_limits import LocalLimits
 from rollout_manager.weights.push_record import WeightPush
@@ -214,6 +215,7 @@ class StateCollector(Collector):
         for reason, n in m.generator.affinity_fallbacks.items():
             reasons.add_metric([reason], n)
         yield reasons
+        yield from length_families(m.generator.lengths)
 
         gbps = GaugeMetricFamily(PREFIX + "weight_push_last_gbps",
                                  "Transfer GB/s of the last weight push through each sender group.",
@@ -221,6 +223,31 @@ class StateCollector(Collector):
         for (sender, group), value in sorted(m.last_gbps.items()):
             gbps.add_metric([sender, group], value)
         yield gbps
+
+
+def length_families(model: LengthModel) -> Iterator[Metric]:
+    """The length model (``rollout.lengths``): what it holds, and its predictions' error when their
+    sequences ended, by the fraction of the group finished when predicted (MAE: ``..._abs_error_*`` over
+    ``..._scored``)."""
+    yield GaugeMetricFamily(PREFIX + "length_groups", "Groups whose output lengths the manager estimates.",
+                            value=len(model.groups))
+    yield GaugeMetricFamily(PREFIX + "length_history_prompts",
+                            "Prompts whose lengths of earlier epochs are remembered (bounded).",
+                            value=len(model.history))
+    labels = ["finished_fraction"]
+    scored = CounterMetricFamily(PREFIX + "length_predictions_scored",
+                                 "Length predictions scored at their sequence's end, by the percentage of the "
+                                 "group finished when predicted.", labels=labels)
+    tokens = CounterMetricFamily(PREFIX + "length_prediction_abs_error_tokens",
+                                 "Sum of |predicted - actual| output tokens over the scored predictions.",
+                                 labels=labels)
+    logs = CounterMetricFamily(PREFIX + "length_prediction_abs_error_log",
+                               "Sum of |log predicted - log actual| over the scored predictions.", labels=labels)
+    for where, err in model.errors.items():
+        scored.add_metric([where], err.n)
+        tokens.add_metric([where], err.abs_tokens)
+        logs.add_metric([where], err.abs_log)
+    yield from (scored, tokens, logs)
 
 
 class ManagerMetrics:

@@ -49,7 +49,7 @@ _RENAMED = {"seed": "sampling_seed"}
 def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str | None, *,
                         prompt_length: int, response_length: int, max_model_len: int | None = None,
                         trajectory_key: str | None = None, min_weight_version: int | None = None,
-                        return_routed_experts: bool = False) -> dict[str, Any]:
+                        return_routed_experts: bool = False, group_key: str | None = None) -> dict[str, Any]:
     """verl's sampling dict -> a manager ``/generate`` body, as verl's own SGLang server does it.
 
     ``max_new_tokens``: the caller's ``max_new_tokens``/``max_tokens``, else
@@ -59,7 +59,9 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
     engine (see :mod:`trainer_plugin.trajectory_keys` for the key verl's agent loops get).
     ``min_weight_version`` (the manager's own field, see :func:`weight_floor`): the oldest weight version
     the sequence may run on. ``return_routed_experts``: verl's routing replay (see
-    :mod:`trainer_plugin.routed_experts`).
+    :mod:`trainer_plugin.routed_experts`). ``group_key`` (the manager's own field): the sample's GRPO
+    group, verl's ``uid``, whose siblings' lengths predict its own (without it the manager groups the
+    samples of one prompt).
     """
     params = dict(sampling_params)
     if params.get("max_new_tokens") is not None:
@@ -95,7 +97,21 @@ def build_generate_body(prompt_ids: list[int], sampling_params: dict[str, Any], 
         body["trajectory_key"] = str(key)
     if min_weight_version is not None:
         body["min_weight_version"] = int(min_weight_version)
+    if group_key:
+        body["group_key"] = str(group_key)
     return body
+
+
+def group_key_of(kwargs: dict[str, Any]) -> str | None:
+    """verl's GRPO group key of a ``generate`` call: the ``uid`` of its sample, when the agent loop hands it
+    on (``LLMServerClient.generate`` passes its extra keyword arguments to the server). verl 0.9.1's own
+    agent loops keep the ``uid`` to themselves: the manager then groups the samples of one prompt, which is
+    the GRPO group of a single-turn loop."""
+    uid = kwargs.get("uid")
+    if uid is None:
+        return None
+    text = str(uid.item() if hasattr(uid, "item") else uid)
+    return text if 0 < len(text) <= 512 else None
 
 
 def weight_floor(published: int | None, max_staleness: int) -> int | None:
@@ -217,7 +233,7 @@ class ManagerProxyServer:
                                    prompt_length=self.prompt_length, response_length=self.response_length,
                                    max_model_len=self.max_model_len, trajectory_key=key,
                                    min_weight_version=weight_floor(self.global_steps, self.max_staleness),
-                                   return_routed_experts=experts is not None)
+                                   return_routed_experts=experts is not None, group_key=group_key_of(kwargs))
         if experts is not None:
             await self._fleet_checked()
         batcher = self.batcher

@@ -1,7 +1,8 @@
 """Stream one rollout step as verl ``DataProto`` micro-batches, in completion order.
 
 :class:`RolloutStream` takes the step's prompts (token id lists) and ``n`` (GRPO samples per
-prompt), submits ONE ``/batch_generate_requests`` of ``len(prompts) * n`` requests, and yields
+prompt), submits ONE ``/batch_generate_requests`` of ``len(prompts) * n`` requests (each carrying its
+group's ``uid`` as ``group_key``, so the manager predicts a sample's length from its siblings'), and yields
 micro-batches as results arrive:
 
 - a group (the ``n`` samples of one prompt) is released only when all its ``n`` are done, so a
@@ -323,7 +324,7 @@ class RolloutStream:
         items = []
         for g, prompt in enumerate(self.prompts):
             for j in range(self.n):
-                body: dict[str, Any] = {**self.extra_body, "input_ids": prompt,
+                body: dict[str, Any] = {**self.extra_body, "input_ids": prompt, "group_key": self.uids[g],
                                         "sampling_params": dict(self.sampling_params)}
                 if self.return_logprob:
                     body["return_logprob"] = True

@@ -4,7 +4,7 @@ The HTTP handler, the fast lane and each ``/batch_generate_requests`` item hand 
 JSON) to :func:`decode`, which checks it and types it in one pass (msgspec, against :class:`OneSequenceBody`
 or :class:`BatchedBody`): from there on the flow works on these values and the caller's dict is dropped. A
 refused body is described as the API always described it (``validation.explain``). The manager's own
-fields (``trajectory_key``, ``min_weight_version``) are taken out here; what is SGLang's is
+fields (``trajectory_key``, ``group_key``, ``min_weight_version``) are taken out here; what is SGLang's is
 :class:`.generate_request.SequenceBody`'s.
 """
 
@@ -31,6 +31,7 @@ from rollout_manager.validation import Problem, describe, explain, join
 # The manager's own top-level /generate fields (never sent to SGLang), see docs/http-api.md.
 KEY_FIELD = "trajectory_key"  # affinity: requests with one key go where their context is cached
 MIN_VERSION_FIELD = "min_weight_version"  # place only on instances at this weight version or newer
+GROUP_FIELD = "group_key"  # the sequence's group (a GRPO prompt's samples): its length is predicted from theirs
 TrajectoryKey = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 _TEXT = ("'text' input is not supported: the manager continues sequences token by token, so send "
          "'input_ids' (tokenize on the trainer side)")
@@ -41,9 +42,12 @@ class CallerBody(GenerateFields[Ids], kw_only=True):
     sees the body). ``trajectory_key``: requests with one key, e.g. the turns of one agent trajectory, go
     to the instance whose prefix cache holds their context. ``min_weight_version``: place the sequences
     only on instances at this weight version or newer; none such: they wait as for capacity
-    (``wait_timeout_s``), then 503."""
+    (``wait_timeout_s``), then 503. ``group_key``: the sequences of one group (verl's ``uid``: a GRPO
+    prompt's samples), whose lengths predict each other's (``rollout.lengths``); without one, the samples
+    of one prompt are a group."""
 
     trajectory_key: TrajectoryKey | list[TrajectoryKey | None] | None = None
+    group_key: TrajectoryKey | list[TrajectoryKey | None] | None = None
     min_weight_version: Count | None = None
 
 
@@ -67,15 +71,17 @@ RequestId = Annotated[
     msgspec.Meta(description="the caller's id for the request, echoed in its result line; compared as a JSON "
                              "value, so 1 and \"1\" are two different ids")]
 _ItemCount = Annotated[list[Any], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
-_PER_ITEM = (*PER_ITEM_KEYS, KEY_FIELD)
+_PER_ITEM = (*PER_ITEM_KEYS, KEY_FIELD, GROUP_FIELD)
 
 
 class SequenceRequest(msgspec.Struct, frozen=True, gc=False):
-    """One sequence to run: its body, its affinity key, and the oldest weight version it may run on."""
+    """One sequence to run: its body, its affinity key, the oldest weight version it may run on, and its
+    group (None: its prompt's samples)."""
 
     body: SequenceBody
     trajectory_key: str | None = None
     min_version: int = 0  # 0: any
+    group_key: str | None = None
 
 
 class Request(msgspec.Struct, frozen=True, gc=False):
@@ -144,11 +150,10 @@ def _request(body: CallerBody[Any], data: dict[str, Any], trajectory_header: str
     bodies, batched = split(body, data, _FIELDS)
     key = body.trajectory_key if KEY_FIELD in data else trajectory_header
     floor = body.min_weight_version or 0
-    if isinstance(key, list):
-        items = [SequenceRequest(b, k, floor) for b, k in zip(bodies, key)]
-    else:
-        items = [SequenceRequest(b, key, floor) for b in bodies]
-    return Request(items, batched, body.stream)
+    keys = key if isinstance(key, list) else [key] * len(bodies)
+    group = body.group_key
+    groups = group if isinstance(group, list) else [group] * len(bodies)
+    return Request([SequenceRequest(b, k, floor, g) for b, k, g in zip(bodies, keys, groups)], batched, body.stream)
 
 
 def checked(data: Any) -> CallerBody[Any] | list[Problem]:

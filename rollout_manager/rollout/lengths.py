@@ -1,0 +1,370 @@
+"""Output lengths known early: a censored lognormal estimate per GRPO group, sharpened as siblings finish.
+
+A step ends with its longest sequence, so the scheduler wants each sequence's final length before it is
+made. Lengths are roughly lognormal, the samples of one prompt have similar lengths, and the same prompt
+comes back every epoch with similar ones. :class:`LengthModel` keeps, per group (the caller's
+``group_key``, else the samples of one prompt), a normal fit of the log lengths:
+
+- a finished sibling is an exact observation;
+- a running one is censored: it is at least as long as what it has made so far (``made``), which a fit
+  on the finished ones alone would ignore, predicting short exactly where the long samples still run.
+  The fit is a censored-normal EM (Tobit): each censored value is replaced by its conditional moments
+  given ``X > log made``; a few iterations over the group, O(group size) each;
+- the prior is the lengths the same prompt had before (a bounded LRU of prompt hash -> its last
+  lengths), else the fleet's running figure over every finished sequence.
+
+:meth:`LengthModel.predict` gives the conditional median (the scored prediction), mean and a quantile of
+a running sequence's final length given what it has made. Nothing here is per token: the manager calls
+:meth:`~LengthModel.start` and :meth:`~LengthModel.finish` once per sequence, and a track's ``progress``
+(its running length) is read only at a sibling's finish or when the status is asked for. Every prediction
+is remembered per "how much of the group had finished" bucket and scored when its sequence ends
+(:class:`ErrorStats`). Pure: no I/O, no clock, no asyncio.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from heapq import nlargest
+from itertools import islice
+from statistics import NormalDist
+
+import msgspec
+from cachetools import LRUCache
+
+_STD = NormalDist()
+_SQRT2 = math.sqrt(2.0)
+MIN_SIGMA = 0.05  # log space: lengths of one group are never known better than ~5%
+EM_ITERATIONS = 8
+EM_TOLERANCE = 1e-3
+MAX_FINISHED = 64  # finished log lengths kept per group (a GRPO group is n samples; the bound is for misuse)
+# Running siblings a finish reads and predicts again, and a fit takes as censored: a group's work per event
+# is bounded by this, not by how many callers sent one prompt at once (the fallback group of a hot prompt).
+MAX_SIBLINGS = 16
+# Buckets of "the fraction of the group that had finished when the prediction was made".
+BUCKETS = ("0", "0-25", "25-50", "50-75", "75-100")
+
+
+def bucket(fraction: float) -> str:
+    """The :data:`BUCKETS` label of a finished fraction in [0, 1]."""
+    if fraction <= 0.0:
+        return BUCKETS[0]
+    return BUCKETS[min(4, math.ceil(fraction * 4.0))]
+
+
+def _log(length: int) -> float:
+    return math.log(max(length, 1))
+
+
+def _tail(a: float) -> float:
+    """P(Z > a) for a standard normal Z."""
+    return 0.5 * math.erfc(a / _SQRT2)
+
+
+def _hazard(a: float) -> float:
+    """phi(a) / P(Z > a): the mean of a standard normal above ``a`` (the inverse Mills ratio)."""
+    q = _tail(a)
+    if q < 1e-300:  # far tail: its asymptote
+        return a + 1.0 / a
+    return math.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi) / q
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """What is believed of a group before its own samples say anything: a normal on log length, worth
+    ``weight`` observations."""
+
+    mu: float
+    var: float
+    weight: float
+
+
+def censored_fit(exact: Sequence[float], censored: Sequence[float], prior: Prior,
+                 start: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(mu, sigma) of a normal fitted to ``exact`` values and to values known only to exceed each of
+    ``censored``, with ``prior`` as pseudo-observations (EM on the right-censored normal; ``start``: the
+    last fit, from which a few iterations suffice)."""
+    w = prior.weight + len(exact) + len(censored)
+    s1 = prior.weight * prior.mu + sum(exact)
+    s2 = prior.weight * (prior.var + prior.mu * prior.mu) + sum(x * x for x in exact)
+    # a start that treats the censored values as exact (they are lower bounds, so it is low)
+    mu = (s1 + sum(censored)) / w
+    sigma = math.sqrt(max((s2 + sum(c * c for c in censored)) / w - mu * mu, MIN_SIGMA ** 2))
+    if not censored:
+        return mu, sigma
+    if start is not None:
+        mu, sigma = start
+    for _ in range(EM_ITERATIONS):
+        e1, e2 = s1, s2
+        for c in censored:
+            a = (c - mu) / sigma
+            lam = _hazard(a)
+            e1 += mu + sigma * lam
+            e2 += mu * mu + sigma * sigma * (1.0 + a * lam) + 2.0 * mu * sigma * lam
+        new_mu = e1 / w
+        sigma = math.sqrt(max(e2 / w - new_mu * new_mu, MIN_SIGMA ** 2))
+        done = abs(new_mu - mu) < EM_TOLERANCE
+        mu = new_mu
+        if done:
+            break
+    return mu, sigma
+
+
+FLEET_PRIOR = Prior(math.log(512.0), 1.0, 1.0)  # before anything finished: a median of 512 tokens, wide
+
+
+class Prediction(msgspec.Struct, frozen=True, gc=False):
+    """A running sequence's final length in tokens, given what it has made: the conditional ``median``
+    (what is scored), ``mean`` and the ``q``-``quantile``; ``finished_fraction`` of its group had
+    finished."""
+
+    median: float
+    mean: float
+    quantile: float
+    q: float
+    finished_fraction: float
+
+
+def conditional(mu: float, sigma: float, made: int, q: float, budget: int | None) -> tuple[float, float, float]:
+    """(median, mean, q-quantile) of a lognormal(mu, sigma) length known to be at least ``made``, capped at
+    ``budget`` tokens (``max_new_tokens``; None: no cap)."""
+    if made > 0:
+        a = (_log(made) - mu) / sigma
+        below, above = 1.0 - _tail(a), _tail(a)
+    else:
+        a, below, above = -math.inf, 0.0, 1.0
+    if above < 1e-12:  # far beyond the fit: it is as long as it is, for all the fit can say
+        median = mean = quant = float(made)
+    else:
+        def at(p: float) -> float:
+            return math.exp(mu + sigma * _STD.inv_cdf(min(max(below + p * above, 1e-12), 1.0 - 1e-12)))
+
+        median, quant = at(0.5), at(q)
+        mean = math.exp(mu + 0.5 * sigma * sigma) * _tail(a - sigma) / above
+    cap = math.inf if budget is None else float(budget)
+    return (min(max(median, made), cap), min(max(mean, made), cap), min(max(quant, made), cap))
+
+
+@dataclass(eq=False, slots=True)
+class Track:
+    """One running sequence: its group, prompt, budget, and how to read its running length."""
+
+    group: Group
+    prompt: int
+    name: str
+    progress: Callable[[], int] | None
+    budget: int | None
+    made: int = 0
+    open: bool = True
+    predicted: dict[str, float] = field(default_factory=dict)  # bucket -> first median predicted there
+
+    def refresh(self) -> None:
+        if self.progress is not None:
+            made = self.progress()
+            if made != self.made:
+                self.made = made
+                self.group.fit = None
+
+
+@dataclass(eq=False, slots=True)
+class Group:
+    """The samples of one group: finished log lengths, running tracks, the prior, and the cached fit."""
+
+    prior: Prior
+    finished: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_FINISHED))
+    running: set[Track] = field(default_factory=set)
+    started: int = 0
+    fit: tuple[float, float] | None = None
+    last: tuple[float, float] | None = None  # the fit before the last change: where the next EM starts
+
+    def fitted(self) -> tuple[float, float]:
+        if self.fit is None:
+            censored = [_log(t.made) for t in islice(self.running, MAX_SIBLINGS) if t.made > 0]
+            self.fit = self.last = censored_fit(self.finished, censored, self.prior, self.last)
+        return self.fit
+
+    @property
+    def finished_fraction(self) -> float:
+        return len(self.finished) / self.started if self.started else 0.0
+
+
+class ErrorSummary(msgspec.Struct, frozen=True):
+    """Predictions scored at their sequence's end: how many, and the mean absolute error in tokens and in
+    log space (|log predicted - log actual|: 0.1 is about 10% off)."""
+
+    n: int
+    mae_tokens: float
+    mae_log: float
+
+
+@dataclass(slots=True)
+class ErrorStats:
+    n: int = 0
+    abs_tokens: float = 0.0
+    abs_log: float = 0.0
+
+    def add(self, predicted: float, actual: int) -> None:
+        self.n += 1
+        self.abs_tokens += abs(predicted - actual)
+        self.abs_log += abs(math.log(max(predicted, 1.0)) - _log(actual))
+
+    def summary(self) -> ErrorSummary:
+        n = self.n or 1
+        return ErrorSummary(self.n, round(self.abs_tokens / n, 3), round(self.abs_log / n, 5))
+
+
+class RunningPrediction(msgspec.Struct, frozen=True):
+    """A running sequence and what is predicted of it (the status' longest)."""
+
+    rid: str
+    made: int
+    predicted: Prediction
+
+
+class LengthsStatus(msgspec.Struct, frozen=True):
+    """``/get_instances_status``'s ``lengths``: what the model holds, how good its predictions were (by
+    the fraction of the group finished when they were made), and the running sequences predicted
+    longest."""
+
+    groups: int
+    running: int
+    finished: int
+    history_prompts: int
+    history_capacity: int
+    fleet_median_tokens: float
+    fleet_sigma_log: float
+    errors: dict[str, ErrorSummary]
+    longest: list[RunningPrediction]
+
+
+class LengthModel:
+    """Per-group online length estimates, the per-prompt history across epochs, and their scored error."""
+
+    def __init__(self, history_capacity: int = 65536, group_capacity: int = 65536, history_depth: int = 16,
+                 quantile: float = 0.9, history_weight: float = 0.5, fleet_weight: float = 1.0,
+                 fleet_prior: Prior = FLEET_PRIOR):
+        """``history_capacity`` prompts keep their last ``history_depth`` lengths, each worth
+        ``history_weight`` of an observation of the group (the policy moves between epochs);
+        ``fleet_weight``: what the fleet's figure is worth for a prompt never seen."""
+        if not 0.0 < quantile < 1.0:
+            raise ValueError("quantile must be in (0, 1)")
+        self.q = quantile
+        self.history_weight = history_weight
+        self.fleet_weight = fleet_weight
+        self.history: LRUCache[int, deque[int]] = LRUCache(maxsize=history_capacity)
+        self.history_depth = history_depth
+        self.groups: LRUCache[str | int, Group] = LRUCache(maxsize=group_capacity)
+        self.running: set[Track] = set()
+        # the fleet's figure: an exponentially weighted mean and variance of every finished log length
+        self.fleet = fleet_prior
+        self.finished = 0
+        self.errors = {b: ErrorStats() for b in BUCKETS}
+
+    # ------------------------------------------------------------ events
+    def start(self, group_key: str | None, prompt: Sequence[int], name: str = "",
+              progress: Callable[[], int] | None = None, budget: int | None = None) -> Track:
+        """A sequence started: its group is ``group_key``, else its prompt's samples. Predicted once now."""
+        pkey = hash(tuple(prompt))
+        key: str | int = pkey if group_key is None else group_key
+        group = self.groups.get(key)
+        if group is None or (group_key is None and not group.running and group.finished):
+            # a prompt's samples that all ended are last epoch's: its next samples are a new group
+            group = self.groups[key] = Group(self._prior(pkey))
+        group.started += 1
+        track = Track(group, pkey, name, progress, budget)
+        group.running.add(track)
+        self.running.add(track)
+        self._remember(track)
+        return track
+
+    def finish(self, track: Track, length: int) -> None:
+        """A sequence ended with ``length`` tokens: score its predictions, sharpen its group, predict its
+        running siblings again (each reads its running length once)."""
+        if not track.open:
+            return
+        self._close(track)
+        for where, predicted in track.predicted.items():
+            self.errors[where].add(predicted, length)
+        group = track.group
+        group.finished.append(_log(length))
+        group.fit = None
+        hist = self.history.get(track.prompt)
+        if hist is None:
+            hist = self.history[track.prompt] = deque(maxlen=self.history_depth)
+        hist.append(length)
+        self._learn(_log(length))
+        where = bucket(group.finished_fraction)  # each sibling is predicted once per bucket (what is scored)
+        due = [t for t in islice(group.running, MAX_SIBLINGS) if where not in t.predicted]
+        if due:
+            for sibling in islice(group.running, MAX_SIBLINGS):
+                sibling.refresh()
+            for sibling in due:
+                self._remember(sibling)
+
+    def drop(self, track: Track) -> None:
+        """A sequence failed or was cancelled: it leaves its group without an observation."""
+        if track.open:
+            self._close(track)
+            track.group.started -= 1
+
+    # ------------------------------------------------------------ predictions
+    def predict(self, track: Track, made: int | None = None) -> Prediction:
+        """``track``'s final length given ``made`` tokens so far (default: what it last reported)."""
+        group = track.group
+        mu, sigma = group.fitted()
+        median, mean, quant = conditional(mu, sigma, track.made if made is None else made, self.q, track.budget)
+        return Prediction(round(median, 1), round(mean, 1), round(quant, 1), self.q,
+                          round(group.finished_fraction, 4))
+
+    def status(self, top: int = 10) -> LengthsStatus:
+        """The model's state; every running sequence reads its running length (and is predicted: the
+        prediction is scored when it ends)."""
+        for track in self.running:
+            track.refresh()
+        predicted = [(self._remember(t), t) for t in self.running]
+        ranked = nlargest(top, predicted, key=lambda pt: pt[0].median)
+        longest = [RunningPrediction(t.name, t.made, p) for p, t in ranked]
+        return LengthsStatus(
+            groups=len(self.groups), running=len(self.running), finished=self.finished,
+            history_prompts=len(self.history), history_capacity=int(self.history.maxsize),
+            fleet_median_tokens=round(math.exp(self.fleet.mu), 1), fleet_sigma_log=round(math.sqrt(self.fleet.var), 4),
+            errors={b: e.summary() for b, e in self.errors.items() if e.n},
+            longest=longest)
+
+    # ------------------------------------------------------------ inside
+    def _close(self, track: Track) -> None:
+        track.open = False
+        track.group.running.discard(track)
+        self.running.discard(track)
+        track.progress = None  # let go of the sequence
+
+    def _remember(self, track: Track) -> Prediction:
+        prediction = self.predict(track)
+        track.predicted.setdefault(bucket(prediction.finished_fraction), prediction.median)
+        return prediction
+
+    def _prior(self, prompt: int) -> Prior:
+        """The prompt's earlier lengths (the fleet's spread when there are few), else the fleet's figure."""
+        hist = self.history.get(prompt)
+        fleet = Prior(self.fleet.mu, self.fleet.var, self.fleet_weight)
+        if not hist:
+            return fleet
+        logs = [_log(n) for n in hist]
+        k = len(logs)
+        mu = sum(logs) / k
+        own = sum((x - mu) ** 2 for x in logs) / k
+        var = (own * k + self.fleet.var) / (k + 1)  # shrunk towards the fleet's spread
+        return Prior(mu, max(var, MIN_SIGMA ** 2), self.history_weight * k)
+
+    def _learn(self, x: float) -> None:
+        """The fleet's figure moves towards a finished log length (weight 1/(n+1): the starting figure
+        counts as one, then no less than 1/1000)."""
+        self.finished += 1
+        rate = max(1.0 / (self.finished + 1), 1e-3)
+        f = self.fleet
+        delta = x - f.mu
+        mu = f.mu + rate * delta
+        var = (1.0 - rate) * (f.var + rate * delta * delta)
+        self.fleet = Prior(mu, max(var, MIN_SIGMA ** 2), f.weight)
