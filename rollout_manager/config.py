@@ -124,6 +124,7 @@ class Config(BaseModel):
     engine_batch_max: int = Field(default=64, ge=1)  # short calls joined into one engine batch at most (1: never)
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True
+    length_prediction: bool = False  # rollout.lengths: observe and predict output lengths per group
     tail_migration_interval_s: float = Field(default=1.0, gt=0)
     tail_migration_min_speedup: float = Field(default=1.25, ge=1)
     tail_migration_min_gain_s: float = Field(default=1.0, ge=0)

@@ -181,7 +181,7 @@ class Manager:
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
             "generation": {**self.generator.stats, "streamed_tokens": self.dispatcher.streamed_tokens},
-            "lengths": msgspec.to_builtins(self.generator.lengths.status()),
+            "lengths": None if self.generator.lengths is None else msgspec.to_builtins(self.generator.lengths.status()),
             "requests_waiting_for_instance": self.dispatcher.waiting,
             "admission": self.dispatcher.admission_status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],

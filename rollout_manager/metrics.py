@@ -215,7 +215,8 @@ class StateCollector(Collector):
         for reason, n in m.generator.affinity_fallbacks.items():
             reasons.add_metric([reason], n)
         yield reasons
-        yield from length_families(m.generator.lengths)
+        if m.generator.lengths is not None:
+            yield from length_families(m.generator.lengths)
 
         gbps = GaugeMetricFamily(PREFIX + "weight_push_last_gbps",
                                  "Transfer GB/s of the last weight push through each sender group.",

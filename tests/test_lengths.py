@@ -16,6 +16,7 @@ import pytest
 from fakes import FakeSGLang, register_active, start_fakes
 from prometheus_client.parser import text_string_to_metric_families
 
+from rollout_manager.config import Config
 from rollout_manager.errors import InvalidField
 from rollout_manager.instances.registry import Registry
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -172,7 +173,7 @@ async def fleet() -> AsyncIterator[tuple[Generator, list[FakeSGLang]]]:
             registry = Registry()
             dispatcher = Dispatcher(registry, LeastInFlight())
             settings = GenerationSettings(max_attempts=2, wait_timeout_s=2.0, connect_timeout_s=2.0,
-                                          stall_timeout_s=2.0, engine_stream_interval=1)
+                                          stall_timeout_s=2.0, engine_stream_interval=1, length_prediction=True)
             generator = Generator(dispatcher, SGLangClient(session), settings, LocalBudget(0.0, 0.0, 1.0),
                                   on_instance_failure=lambda i, r: None, on_instance_success=lambda i: None)
             register_active(registry, fakes)
@@ -198,7 +199,7 @@ async def test_the_generator_records_each_sequence_of_a_group_and_never_forwards
 # ------------------------------------------------------------------ through a real manager and a CPU engine
 @pytest.mark.slow
 async def test_through_the_manager_status_and_metrics(start_manager: Any, start_engines: Any) -> None:
-    m = await start_manager()
+    m = await start_manager(length_prediction="true")
     (engine,) = await start_engines([])
     await m.register(engine)
     params = {"max_new_tokens": 4, "temperature": 0.0}
@@ -235,3 +236,8 @@ def test_the_plugin_sends_verls_uid_as_the_group_key() -> None:
     assert "group_key" not in build_generate_body([1, 2], {}, "r", prompt_length=8, response_length=6)
     stream = RolloutStream(None, [[1, 2], [3]], n=2, uids=["ua", "ub"])  # type: ignore[arg-type]
     assert [decode(b).sequences[0].group_key for _, b in stream.requests()] == ["ua", "ua", "ub", "ub"]
+
+
+def test_off_by_default_it_costs_nothing() -> None:
+    """Until placement uses the predictions, the model is off unless configured: no work per request."""
+    assert GenerationSettings.from_config(Config()).length_prediction is False

@@ -80,7 +80,7 @@ class Generator:
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
         self.finished_listeners: list[Callable[[float, int, bool], None]] = []
         # Each sequence's group, told at its start and end only (never per token): lengths predicted early.
-        self.lengths = LengthModel()
+        self.lengths = LengthModel() if settings.length_prediction else None
 
     # ------------------------------------------------------------ public
     def begin_rollout(self) -> None:
@@ -217,7 +217,9 @@ class Generator:
         own = f"rm-{self._rid_prefix}{next(self._rid_counter)}"
         seq = SequenceState(body=body, rid=body.rid or own, engine_rid=own, min_version=item.min_version)
         self.stats["sequences"] += 1
-        track = self.lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
+        lengths = self.lengths
+        track = None if lengths is None else \
+            lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
         try:
             if seq.experts is not None:
                 self.check_routed_experts()
@@ -277,7 +279,8 @@ class Generator:
                 if len(seq.failures) > failures and failing_since is None:
                     failing_since = self.dispatcher.clock()
             self.stats["tokens"] += len(seq.output_ids)
-            self.lengths.finish(track, len(seq.output_ids))
+            if lengths is not None and track is not None:
+                lengths.finish(track, len(seq.output_ids))
             if table is not None and keys is not None and seq.segments:
                 table.finished(keys, seq.output_ids, seq.segments[-1].instance)
         except GenerationFailed:
@@ -289,7 +292,8 @@ class Generator:
                 self._stopped(me)
             raise
         finally:
-            self.lengths.drop(track)  # failed or cancelled (a finished one is closed already)
+            if lengths is not None and track is not None:
+                lengths.drop(track)  # failed or cancelled (a finished one is closed already)
             if me is not None:
                 self._requests.discard(me)
         latency = round(time.monotonic() - started, 6)

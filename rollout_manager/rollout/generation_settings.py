@@ -35,6 +35,8 @@ class GenerationSettings:
     # Short non-streaming calls that start together on one instance go as one SGLang batch of at most
     # this many (sglang.coalesce; 1: one call each).
     batch_max: int = 64
+    # Output lengths predicted per group (rollout.lengths), observation only; off: no work per request.
+    length_prediction: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> GenerationSettings:
@@ -47,4 +49,4 @@ class GenerationSettings:
                    cfg.tail_migration_interval_s, None if cfg.max_staleness < 0 else cfg.max_staleness,
                    cfg.staleness_action, first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
                    max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size,
-                   batch_max=cfg.engine_batch_max)
+                   batch_max=cfg.engine_batch_max, length_prediction=cfg.length_prediction)
