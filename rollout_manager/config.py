@@ -106,6 +106,9 @@ class Config(BaseModel):
     health_check_timeout_s: float = Field(default=30.0, gt=0)
     health_failure_threshold: int = Field(default=3, gt=0)
     health_check_path: Literal["/health_generate", "/health"] = "/health_generate"
+    trust_probe_interval_s: float = Field(default=60.0, ge=0)  # 0: probe only after each activation
+    trust_probe_timeout_s: float = Field(default=30.0, gt=0)
+    trust_probe_tolerance: float = Field(default=0.0, ge=0)  # 0: by each box's dtype, quantization and TP size
     drain_timeout_s: float = Field(default=120.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 

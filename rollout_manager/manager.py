@@ -30,6 +30,7 @@ from rollout_manager.config import Config
 from rollout_manager.errors import Forbidden
 from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
+from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
@@ -76,6 +77,7 @@ class Manager:
                                    cfg.allow_registration_host_mismatch)
         self.health = HealthMonitor(self.registry, self.version, self.sglang.probe, HealthSettings.from_config(cfg),
                                     server_info=self.sglang.server_info)
+        self.probes = ProbeMonitor(self.registry, self.sglang.prefill_logprobs, ProbeSettings.from_config(cfg))
         # rollout
         self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
                                      max_in_flight_per_instance=cfg.max_in_flight_per_instance,
@@ -97,9 +99,15 @@ class Manager:
         self.weights = WeightSync(self.registry, self.version, self.senders,
                                   AgentClient(self.session, cfg.auth_token, cfg.weight_push_timeout_s),
                                   SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
-                                  on_serving=self.dispatcher.recovered)  # place requests waiting for the version
+                                  on_serving=self._serving_new_version)
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
                                       self.local_budget, self.sglang.limits, self.started_at)
+
+        self.probes.start()
+
+    def _serving_new_version(self, inst: Instance) -> None:
+        self.dispatcher.recovered(inst)  # place requests waiting for the version
+        self.probes.nudge(inst)  # its tokens at the version are provisional until the probe passes
 
     @property
     def weight_version(self) -> int:
@@ -124,6 +132,7 @@ class Manager:
         """Cancel every background task and close outgoing connections."""
         await self.weights.close()
         await self.health.close()
+        await self.probes.close()
         self.relay.close()
         await self.session.close()
 

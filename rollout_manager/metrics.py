@@ -130,6 +130,12 @@ class StateCollector(Collector):
                                    "Seconds the instance generated nothing for each recent version's update (staged: "
                                    "the activation pause; drain: the whole time out of service).",
                                    labels=["endpoint", "version"])
+        trust = GaugeMetricFamily(PREFIX + "instance_trust", "1 for the instance's trust state at the version it "
+                                  "serves (checked, provisional: not yet checked there, disagrees: its trust probe "
+                                  "disagrees with the other boxes at that version).", labels=["endpoint", "state"])
+        disagreements = CounterMetricFamily(PREFIX + "instance_trust_disagreements",
+                                            "Times the instance's trust probe was found to disagree.",
+                                            labels=["endpoint"])
         failures = GaugeMetricFamily(PREFIX + "instance_consecutive_failures",
                                      "Consecutive failed health checks or requests of the instance.",
                                      labels=["endpoint"])
@@ -142,6 +148,8 @@ class StateCollector(Collector):
             version.add_metric(ep, inst.weight_version)
             lag.add_metric(ep, m.version.current - inst.weight_version)
             failures.add_metric(ep, inst.health.consecutive_failures)
+            trust.add_metric([inst.endpoint, inst.trust.state(inst.versions.serving(inst.weight_version)).value], 1)
+            disagreements.add_metric(ep, inst.trust.disagreements)
             bv = inst.versions
             if bv.staged is not None:
                 staged.add_metric(ep, bv.staged)
@@ -154,7 +162,8 @@ class StateCollector(Collector):
             measured = meter.rate(now) if meter is not None else None
             if measured is not None:
                 rate.add_metric(ep, measured)
-        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound, staged, activating, paused)
+        yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound, staged, activating, paused,
+                    trust, disagreements)
 
         yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
                                 value=m.version.current)

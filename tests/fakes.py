@@ -26,6 +26,7 @@ from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import Probe
 from rollout_manager.sglang.finish import FinishReason
+from rollout_manager.sglang.logprob_probe import is_probe
 from rollout_manager.sglang.sse import sse_frame
 from rollout_manager.weights.agent_client import AgentClient, PushFailed, SenderUnavailable
 from rollout_manager.weights.protocol import (
@@ -195,6 +196,8 @@ class FakeSGLang:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if is_probe(body):  # the manager's trust probe: no model here to answer it, and no request of a test's
+            return web.json_response(wire.error_object("the fake engine has no model to probe", 404), status=404)
         self.requests.append(body)
         if self.silent:
             await self._unstall.wait()

@@ -78,6 +78,8 @@ def test_identity_is_set_at_registration_and_the_status_shape_is_unchanged() -> 
         "mooncake_handshake_port", "weight_receiver_port", "in_flight", "in_flight_tokens",
         "consecutive_failures", "failures_total", "last_error", "last_error_at", "waiting_for", "streaming",
         "server_stream_interval", "max_running_requests", "vocab_size", "routed_experts", "max_in_flight",
+        "trust",  # the trust probe's record (issue 39): provisional until a probe at its version passed
     ]
+    assert status["trust"]["state"] == "provisional" and status["trust"]["probes"] == 0
     assert status["state_for_s"] == 2.5 and status["vocab_size"] == 512 and status["in_flight"] == 0
     assert status["endpoint"] == "127.0.0.1:30000" and inst.url == "http://127.0.0.1:30000"

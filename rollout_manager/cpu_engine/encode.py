@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def logprob_entry(logprob: float, token_id: int) -> list[Any]:
-    """One ``output_token_logprobs`` entry: ``[logprob, token_id, text_or_null]``."""
-    return [float(logprob), int(token_id), None]
+def logprob_entry(logprob: float | None, token_id: int) -> list[Any]:
+    """One ``output_token_logprobs`` (or ``input_token_logprobs``) entry: ``[logprob, token_id, text_or_null]``
+    (the first input token's log-prob is null: nothing predicts it)."""
+    return [None if logprob is None else float(logprob), int(token_id), None]
 
 
 def output_chunk(
@@ -23,6 +24,7 @@ def output_chunk(
     finish: dict[str, Any] | None,
     weight_version: str,
     logprobs: list[list[Any]] | None = None,
+    input_logprobs: list[list[Any]] | None = None,
     text: str | None = None,
     index: int | None = None,
     e2e_latency: float | None = None,
@@ -38,6 +40,8 @@ def output_chunk(
     }
     if logprobs is not None:
         meta["output_token_logprobs"] = logprobs
+    if input_logprobs is not None:
+        meta["input_token_logprobs"] = input_logprobs
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}

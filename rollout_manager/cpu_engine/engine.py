@@ -71,6 +71,10 @@ class EngineConfig:
 
 # ------------------------------------------------------------------ running state
 
+# One sequence's part of a decoding round: its tokens, sampling, generator, the position its routed experts are
+# wanted from (None: not wanted) and the position its input log-probs are wanted from (None: not, or had).
+Work = tuple[list[int], EngineSampling, torch.Generator | None, int | None, int | None]
+
 
 class CallGroup:
     """The sequences of one /generate call; ``changed`` wakes its HTTP handler."""
@@ -93,6 +97,7 @@ class Sequence:
         self.internal = internal
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.input_logprobs: list[float | None] | None = None  # from spec.logprob_start_len, at its first round
         self.versions: list[tuple[str, int]] = []  # (weight version, first output position it made)
         self.finish: FinishReason | None = None
         self.created = time.monotonic()
@@ -214,6 +219,8 @@ class Engine:
             if spec.rid in active:
                 raise RequestRefused(f"rid {spec.rid!r} is already running")
         group = CallGroup(req.stream)
+        if not internal:
+            self.faults.note_request()
         for spec in req.specs:
             seq = Sequence(spec, group, internal=internal)
             if spec.return_routed_experts and self.config.enable_return_routed_experts:
@@ -350,19 +357,20 @@ class Engine:
     def _can_run(self) -> bool:
         return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
 
-    def _compute_round(
-        self, work: list[tuple[list[int], EngineSampling, torch.Generator | None, int | None]]
-    ) -> list[tuple[int, float, bytes | None]]:
-        """Each sequence's next token and log-prob, and (when ``routes_from`` is set) the little-endian
-        int32 experts of its positions from ``routes_from`` on."""
+    def _compute_round(self, work: list[Work]) -> list[tuple[int, float, bytes | None, list[float | None] | None]]:
+        """Each sequence's next token and log-prob, (when ``routes_from`` is set) the little-endian int32
+        experts of its positions from ``routes_from`` on, and (when ``prompt_from`` is set) its input
+        tokens' log-probs from that position on."""
         out = []
-        for tokens, params, gen, routes_from in work:
+        for tokens, params, gen, routes_from, prompt_from in work:
+            self.faults.perturb_due(self.model.named_tensors())  # in the compute thread: between two forwards
             logits, routes = self.model.logits_and_routes(tokens)
             token, lp = choose_token(logits, params, gen)
             rows = None
             if routes_from is not None and routes is not None:
                 rows = routes[routes_from:].numpy().astype("<i4", copy=False).tobytes()
-            out.append((token, lp, rows))
+            prompt = self.model.input_logprobs(tokens, prompt_from) if prompt_from is not None else None
+            out.append((token, lp, rows, prompt))
         return out
 
     async def _loop(self) -> None:
@@ -390,8 +398,8 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            work = [(s.tokens, s.spec.params, s.generator, None if s.routes is None else s.routes_next)
-                    for s in batch]
+            work = [(s.tokens, s.spec.params, s.generator, None if s.routes is None else s.routes_next,
+                     s.spec.logprob_start_len if s.input_logprobs is None else None) for s in batch]
             t0 = time.perf_counter()
             self._idle.clear()
             try:
@@ -408,9 +416,11 @@ class Engine:
                 raise
             elapsed = time.perf_counter() - t0
             made = 0
-            for s, (token, lp, rows) in zip(batch, results):
+            for s, (token, lp, rows, prompt) in zip(batch, results):
                 if s.finish is not None:  # aborted while the round ran
                     continue
+                if prompt is not None:
+                    s.input_logprobs = prompt
                 if rows is not None and s.routes is not None:
                     s.routes += rows
                     s.routes_next = len(s.tokens)
@@ -481,6 +491,10 @@ class Engine:
         lps = None
         if s.spec.return_logprob:
             lps = [logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
+        prompt_lps = None
+        if s.input_logprobs is not None and not since:  # with the first (or every cumulative) chunk
+            start = s.spec.logprob_start_len or 0
+            prompt_lps = [logprob_entry(lp, t) for lp, t in zip(s.input_logprobs, s.spec.input_ids[start:])]
         out = output_chunk(
             rid=s.rid,
             output_ids=ids,
@@ -489,6 +503,7 @@ class Engine:
             finish=s.finish.to_json() if final and s.finish is not None else None,
             weight_version=self.weight_version,
             logprobs=lps,
+            input_logprobs=prompt_lps,
             text=text,
             index=s.spec.index if s.group.stream else None,  # streamed batch items carry index
             e2e_latency=(s.finished_at or time.monotonic()) - s.created if final else None,

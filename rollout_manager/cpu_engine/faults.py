@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import torch
+
+log = logging.getLogger("rollout_manager.cpu_engine")
 
 @dataclass
 class Faults:
@@ -20,7 +24,15 @@ class Faults:
     health_fail: bool = False  # /health and /health_generate answer 503
     load_delay_s: float = 0.0  # a weight load takes this long; health answers 503 meanwhile (a busy box)
     load_fail: bool = False  # /update_weights_from_tensor fails (a load that breaks half-way)
+    # Silent corruption (a GPU's bad memory, a write from nowhere): once more than perturb_after_requests client
+    # requests came in, noise of perturb_scale times the tensor's mean magnitude is added to the tensor named
+    # perturb_tensor, once; nothing says so (a weight load that rewrites the tensor heals it).
+    perturb_tensor: str | None = None
+    perturb_after_requests: int = 0
+    perturb_scale: float = 0.05
     loading: bool = field(default=False)
+    requests: int = field(default=0)  # client /generate calls since start or since perturb_tensor was armed
+    perturbed: bool = field(default=False)  # the perturbation happened
     # Counters, since start or since the matching fault was last armed.
     emitted_tokens: int = field(default=0)
     generated_tokens: int = field(default=0)
@@ -36,6 +48,9 @@ class Faults:
         "health_fail",
         "load_delay_s",
         "load_fail",
+        "perturb_tensor",
+        "perturb_after_requests",
+        "perturb_scale",
     )
 
     def __post_init__(self) -> None:
@@ -60,6 +75,13 @@ class Faults:
             raise ValueError("load_fail must be a boolean")
         if not isinstance(self.load_delay_s, (int, float)) or self.load_delay_s < 0:
             raise ValueError("load_delay_s must be >= 0")
+        if self.perturb_tensor is not None and not isinstance(self.perturb_tensor, str):
+            raise ValueError("perturb_tensor must be a tensor's name or null")
+        v = self.perturb_after_requests
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError("perturb_after_requests must be a non-negative integer")
+        if not isinstance(self.perturb_scale, (int, float)) or self.perturb_scale <= 0:
+            raise ValueError("perturb_scale must be > 0")
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a runtime change; arming die/stall restarts its counter. Raises ValueError."""
@@ -71,7 +93,7 @@ class Faults:
             if key == "seed":
                 continue
             is_int = isinstance(value, int) and not isinstance(value, bool)
-            if key in ("slowdown", "token_delay_s", "fail_rate") and is_int:
+            if key in ("slowdown", "token_delay_s", "fail_rate", "perturb_scale") and is_int:
                 value = float(value)
             setattr(self, key, value)
         try:
@@ -86,6 +108,8 @@ class Faults:
             self.emitted_tokens = 0
         if "stall_after_tokens" in changes:
             self.generated_tokens = 0
+        if "perturb_tensor" in changes:
+            self.requests, self.perturbed = 0, False
 
     def snapshot(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,6 +130,24 @@ class Faults:
         if self.stall_after_tokens is None:
             return None
         return max(self.stall_after_tokens - self.generated_tokens, 0)
+
+    def note_request(self) -> None:
+        self.requests += 1
+
+    def perturb_due(self, named: dict[str, torch.Tensor]) -> None:
+        """Perturb the armed tensor of ``named`` in place once its request count is passed (call it where no
+        forward runs: the engine's compute thread, before a forward)."""
+        if self.perturb_tensor is None or self.perturbed or self.requests <= self.perturb_after_requests:
+            return
+        self.perturbed = True
+        tensor = named.get(self.perturb_tensor)
+        if tensor is None:
+            log.warning("fault perturb_tensor: the model has no tensor %r; nothing perturbed", self.perturb_tensor)
+            return
+        gen = torch.Generator().manual_seed(self.requests)
+        noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32).to(tensor.dtype)
+        with torch.no_grad():
+            tensor.add_(noise * (self.perturb_scale * float(tensor.abs().mean())))
 
     def note_generated(self, n: int) -> None:
         self.generated_tokens += n

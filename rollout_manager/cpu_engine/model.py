@@ -235,6 +235,18 @@ class TinyCausalLM(nn.Module):
             logits: torch.Tensor = self.lm_head(x)[0].float()
             return logits, routes
 
+    @torch.inference_mode()
+    def input_logprobs(self, input_ids: Sequence[int], start: int) -> list[float | None]:
+        """SGLang's ``input_token_logprobs`` values from prompt position ``start`` on: the log-prob of each
+        input token given the ones before it, None for the first (nothing predicts it)."""
+        with fixed_threads():
+            ids = torch.tensor(list(input_ids), dtype=torch.long)
+            x, _ = self._layers(ids)
+            logprobs = torch.log_softmax(self.lm_head(self.model.norm(x)).float(), dim=-1)
+            picked = logprobs[:-1].gather(1, ids[1:, None])[:, 0].tolist()
+        values: list[float | None] = [None, *picked]
+        return values[start:]
+
     def _layers(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = ids.shape[0]
         x = self.model.embed_tokens(ids)

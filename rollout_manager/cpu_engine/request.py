@@ -68,6 +68,9 @@ class SequenceSpec:
     stream_interval: int | None = None  # sampling_params.stream_interval (None: the server's)
     return_routed_experts: bool = False  # the body's, the same for every item of a batch
     routed_experts_start_len: int = 0
+    # SGLang's logprob_start_len: with return_logprob, the prompt position from which input_token_logprobs
+    # are returned (None: SGLang's -1 default, none)
+    logprob_start_len: int | None = None
 
 
 @dataclass
@@ -191,6 +194,9 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Engi
             rlp = False
         if not isinstance(rlp, bool):
             raise RequestRefused(f"{where}return_logprob must be a boolean (or a list of booleans)")
+        start = part.get("logprob_start_len")
+        if start is not None and (not _is_int(start) or start < -1 or start >= n_in):
+            raise RequestRefused(f"{where}logprob_start_len must be an integer in [-1, {n_in}) (the input's length)")
         rid = part.get("rid")
         if rid is None or rid == "":
             rid = uuid.uuid4().hex
@@ -202,6 +208,7 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Engi
         raw_params = part.get("sampling_params") or {}
         specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None,
                                   stream_interval=raw_params.get("stream_interval"),
-                                  return_routed_experts=wants_experts, routed_experts_start_len=experts_start))
+                                  return_routed_experts=wants_experts, routed_experts_start_len=experts_start,
+                                  logprob_start_len=start if rlp and start is not None and start >= 0 else None))
     return EngineRequest(specs, stream, batched)
 

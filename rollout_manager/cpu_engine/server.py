@@ -34,6 +34,7 @@ from rollout_manager.cpu_engine.weight_routes import (
 )
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.finish import FinishReason
+from rollout_manager.sglang.logprob_probe import is_probe
 from rollout_manager.sglang.sse import sse_frame
 
 log = logging.getLogger("rollout_manager.cpu_engine")
@@ -71,17 +72,20 @@ async def generate(request: web.Request) -> web.StreamResponse:
         req = engine.parse(body)
     except RequestRefused as exc:
         return await _refuse(request, str(exc), stream=stream)
-    if engine.faults.should_fail_request():
+    # The manager's trust probe is the engine's own business, as /health_generate is: no fault or count bites it.
+    probe = is_probe(body)
+    if not probe and engine.faults.should_fail_request():
         status = engine.faults.fail_status
         return _error(f"injected failure (fail_rate={engine.faults.fail_rate})", status, "ServiceUnavailable")
     # SGLang's model_update_lock, held shared for the request's life: a weight update waits for it.
     async with request.app[WEIGHT_SESSION_KEY].lock.shared():
-        return await _run(request, engine, req)
+        return await _run(request, engine, req, internal=probe)
 
 
-async def _run(request: web.Request, engine: Engine, req: EngineRequest) -> web.StreamResponse:
+async def _run(request: web.Request, engine: Engine, req: EngineRequest, *,
+               internal: bool = False) -> web.StreamResponse:
     try:
-        group = engine.submit(req)
+        group = engine.submit(req, internal=internal)
     except RequestRefused as exc:
         return await _refuse(request, str(exc), stream=req.stream)
     if req.stream:
@@ -222,6 +226,8 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
         "base_gpu_id": 0,
         "gpu_id_step": 1,
         "model_path": f"cpu-engine/{engine.config.model_size}",
+        "dtype": "float32",  # what the weights are computed in (SGLang reports its --dtype flag here)
+        "quantization": None,
         "served_model_name": name,
         "skip_tokenizer_init": True,
         "context_length": engine.config.context_length,  # SGLang reports its flag here (None unless given)

@@ -198,4 +198,7 @@ def engine_facts(info: wire.ServerInfo, declared_vocab_size: int | None) -> Engi
         vocab_size=min((v for v in (info.vocab_size, declared_vocab_size) if v is not None), default=None),
         joined_version=info.weight_version,
         routed_experts=info.routed_experts,
+        dtype=info.dtype,
+        quantization=info.quantization,
+        tp_size=info.tp_size,
     )

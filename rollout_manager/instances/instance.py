@@ -11,6 +11,8 @@ Many modules read an instance; each part has one writer, so a field's value has 
 - :class:`EngineFacts`: the health monitor's, frozen: what the engine said about itself when it became
   ready, replaced whole, never edited field by field.
 - ``versions`` (:class:`BoxVersions`): weight sync's (``weights/sync.py``): staged and activating versions.
+- ``trust`` (:class:`TrustRecord`): the trust probe's (``probe.py``), frozen, replaced whole: whether the box
+  serves the weights it is named at.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.box_versions import BoxVersions
+from rollout_manager.instances.trust import TrustRecord
 from rollout_manager.osutil import format_endpoint
 
 
@@ -75,6 +78,10 @@ class EngineFacts:
     # Whether it returns the experts each token was routed to (SGLang's --enable-return-routed-experts; None:
     # not said): only such an engine may take a sequence that asks for them (routed-expert replay, R3).
     routed_experts: bool | None = None
+    # How it computes (``--dtype``, ``--quantization``, ``--tp-size``): the trust probe's tolerance follows them.
+    dtype: str | None = None
+    quantization: str | None = None
+    tp_size: int | None = None
 
 
 @dataclass
@@ -105,6 +112,7 @@ class Instance:
     health: Health = field(default_factory=Health)
     engine: EngineFacts = EngineFacts()
     versions: BoxVersions = field(default_factory=BoxVersions)  # staged/activating versions, paused seconds
+    trust: TrustRecord = TrustRecord()  # what the trust probe found
     # Computed once: host and port never change, and every sequence placed here reads both.
     endpoint: str = field(init=False)
     url: str = field(init=False)
@@ -141,4 +149,5 @@ class Instance:
             "vocab_size": engine.vocab_size,
             "routed_experts": engine.routed_experts,
             "max_in_flight": load.max_in_flight,
+            "trust": self.trust.to_dict(self.versions.serving(self.weight_version)),
         }

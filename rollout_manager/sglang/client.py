@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 
 from rollout_manager import jsonutil
-from rollout_manager.sglang import wire
+from rollout_manager.sglang import logprob_probe, wire
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.deadline import Deadline
 from rollout_manager.sglang.errors import REFUSAL_STATUSES, EngineFailed, EngineRejected, refusal
@@ -106,6 +106,10 @@ class SGLangClient:
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
             pass
         return info
+
+    async def prefill_logprobs(self, base_url: str, ids: list[int], rid: str, timeout_s: float) -> list[float]:
+        """The trust probe (:mod:`rollout_manager.sglang.logprob_probe`): the log-probs of ``ids`` on one box."""
+        return await logprob_probe.prefill_logprobs(self.session, base_url, ids, rid, self.generate_headers, timeout_s)
 
     async def post_json(self, base_url: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
         """POST to one of SGLang's admin-optional endpoints (abort, pause, ...), with its admin key."""

@@ -14,8 +14,11 @@ One load:
    commit: a prefix cache the old weights made would mix versions inside one sequence. Paused (an
    activation, and the receiver agent's full loads), once without a timeout, after retracting
    whatever an ``in_place`` pause left running (:meth:`SGLangWeights.flush_paused`).
-4. ``/get_weights_by_name`` for a sample of tensors, compared with what was sent (where SGLang offers
-   it: Llama-family models, TP 1); a mismatch refuses the commit (the load was silently partial).
+4. Only where asked (``readback_tensors`` > 0, the drain path's ``/commit`` alone; never inside an
+   activation's pause): ``/get_weights_by_name`` for a sample of tensors, compared with what was sent (where
+   SGLang offers it: Llama-family models, TP 1); a mismatch refuses the commit (the load was silently
+   partial). SGLang converts the whole parameter to Python floats for it, so it is off by default: the
+   manager's trust probe checks what every box serves instead (``instances/probe.py``).
 5. ``/update_weight_version`` with ``abort_all_requests`` false, then ``/model_info`` must report it:
    success is never declared on SGLang's silence.
 
@@ -57,7 +60,7 @@ class LoadSettings:
     bucket_bytes: int = 256 << 20
     load_timeout_s: float = 600.0
     flush_wait_s: float = 30.0  # how long SGLang may take to go idle for the cache flush
-    readback_tensors: int = 4  # tensors read back after a load (0: none)
+    readback_tensors: int = 0  # tensors read back after a /commit load (0: none; activations never read back)
     readback_rows: int = 4  # leading rows of each (SGLang's truncate_size)
 
 

@@ -423,6 +423,10 @@ class ServerInfo:
     # ``--enable-return-routed-experts``: whether /generate answers ``return_routed_experts`` (without it SGLang
     # answers such a request without them, and says nothing; None: the server did not say).
     routed_experts: bool | None = None
+    # ``--dtype`` as launched ("auto": the checkpoint's) and ``--quantization`` (None: none, or not said): how
+    # far two boxes' log-probs may differ for the same weights (instances/trust.py).
+    dtype: str | None = None
+    quantization: str | None = None
 
     def with_model_info(self, model: Any) -> ServerInfo:
         """This, plus what ``GET /model_info`` adds (``weight_version``; ``vocab_size`` where present)."""
@@ -448,6 +452,7 @@ class ServerInfo:
         state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
         running = state.get("effective_max_running_requests_per_dp")
         experts = info.get("enable_return_routed_experts")
+        dtype, quantization = info.get("dtype"), info.get("quantization")
         if not (isinstance(running, int) and not isinstance(running, bool) and running > 0):
             running = number("max_running_requests", 0)
         return cls(version=str(version) if version is not None else None, tp_size=max(number("tp_size", 1), 1),
@@ -456,7 +461,9 @@ class ServerInfo:
                    incremental_streaming_output=incremental if isinstance(incremental, bool) else None,
                    stream_interval=interval if interval > 0 else None,
                    max_running_requests=running if running > 0 else None,
-                   routed_experts=experts if isinstance(experts, bool) else None)
+                   routed_experts=experts if isinstance(experts, bool) else None,
+                   dtype=dtype if isinstance(dtype, str) else None,
+                   quantization=quantization if isinstance(quantization, str) and quantization else None)
 
     def gpu_of_rank(self, tp_rank: int) -> int:
         """The GPU (in SGLang's own numbering) that TP rank ``tp_rank`` runs on."""

@@ -16,8 +16,11 @@ buffer) while SGLang keeps serving the previous one. ``POST /activate {version, 
 2. The load (:mod:`rollout_manager.sglang.weight_loader`): the changed tensors in buckets inside
    ``/begin_weight_update`` ... ``/end_weight_update`` where the server has sessions, the flush
    (once, without a timeout: with one SGLang waits for its waiting queue, holding the retracted
-   requests, to empty, which cannot happen while paused), the read-back of a sample,
-   ``/update_weight_version`` confirmed by ``/model_info``.
+   requests, to empty, which cannot happen while paused), ``/update_weight_version`` confirmed by
+   ``/model_info``. No tensor is read back here: SGLang's ``/get_weights_by_name`` converts a whole parameter
+   to Python floats while nothing generates (tens of seconds for a large embedding), exists for few model
+   families and at TP 1 only. What the box serves is checked after the pause by the manager's trust probe
+   (``instances/probe.py``), and its tokens at the new version are provisional until that passes.
 3. ``/continue_generation``: the requests go on; their chunks from here carry the new ``weight_version``.
 
 The guarantee that a failed load never serves a half-loaded model: ``/continue_generation`` is called only
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 from rollout_manager.sglang.weight_loader import LoadRefused
 from rollout_manager.weights.layout import HostBuffer, WeightLayout, unpack
 from rollout_manager.weights.protocol import ActivateAnswer, ActivateRequest
-from rollout_manager.weights.receiver_loader import Loader, readback_sample
+from rollout_manager.weights.receiver_loader import Loader
 from rollout_manager.weights.refused import CommitRefused
 
 log = logging.getLogger("rollout_manager.receiver")
@@ -76,9 +79,8 @@ async def activate(loader: Loader, staged: Staged, req: ActivateRequest) -> Acti
         raise CommitRefused(502, f"{exc}; nothing loaded, SGLang serves version {loader.version}") from None
     paused_at = time.monotonic()
     loader.reloaded = len(loading)
-    sample = readback_sample(named, loader.settings.readback_tensors, req.version)
     try:
-        report = await weights.load(loading, req.version, sample=sample, served=loader.served,
+        report = await weights.load(loading, req.version, served=loader.served,
                                     flush="now" if req.mode == "retract" else "in_place")
         load_s = time.monotonic() - paused_at
         await weights.resume()
@@ -93,4 +95,4 @@ async def activate(loader: Loader, staged: Staged, req: ActivateRequest) -> Acti
     paused_s = time.monotonic() - t0
     loader.loaded(req.version, report)
     return ActivateAnswer(version=req.version, mode=req.mode, paused_s=round(paused_s, 6), load_s=round(load_s, 6),
-                          buckets=report.buckets, reloaded=len(loading), readback=report.readback)
+                          buckets=report.buckets, reloaded=len(loading), readback=0)

@@ -49,7 +49,7 @@ class ReceiverAgent:
     def __init__(self, host: str, sglang_url: str, *, protocol: str = "tcp", device_name: str = "",
                  num_engines: int = 1, bucket_bytes: int = 256 << 20, load_timeout_s: float = 600.0,
                  flush_wait_s: float = 30.0, faults: ReceiverFaults = NO_FAULTS,
-                 auth: SGLangAuth | None = None, readback_tensors: int = 4,
+                 auth: SGLangAuth | None = None, readback_tensors: int = 0,
                  readback_rows: int = 4):
         self.host = host
         self.loader = Loader(sglang_url.rstrip("/"), auth or SGLangAuth(), LoadSettings(

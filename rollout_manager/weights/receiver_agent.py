@@ -215,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--flush-wait-s", type=float, default=30.0,
                         help="after a load, how long to wait for SGLang to go idle so it can flush its cache")
-    parser.add_argument("--readback-tensors", type=int, default=4,
-                        help="tensors read back from SGLang after each load and compared (0: none)")
+    parser.add_argument("--readback-tensors", type=int, default=0,
+                        help="tensors read back through SGLang's /get_weights_by_name after a full load through "
+                             "/commit (the drain path) and compared (0: none; activations never read back: the "
+                             "manager's trust probe checks what SGLang serves)")
     parser.add_argument("--load-timeout-s", type=float, default=600.0,
                         help="longest one weight load into SGLang (or one transfer to a peer) may take")
     parser.add_argument("--log-level", default="info")

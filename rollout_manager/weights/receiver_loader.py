@@ -139,9 +139,9 @@ class Loader:
     async def load(self, named: NamedTensors, version: int, names: set[str] | None = None,
                    flush: FlushWhen = "when_idle") -> int:
         """Load the tensors of ``named`` in ``names`` (None: all; none: the smallest one) into SGLang (see
-        rollout_manager/sglang/weight_loader.py), and read a sample back. A partial load happens only
-        when SGLang still reports the version this agent last loaded: a server that restarted under
-        the agent (or was loaded by someone else) gets every tensor. Returns the buckets; ``reloaded``
+        rollout_manager/sglang/weight_loader.py), and read a sample back where ``readback_tensors`` asks. A
+        partial load happens only when SGLang still reports the version this agent last loaded: a server that
+        restarted under the agent (or was loaded by someone else) gets every tensor. Returns the buckets; ``reloaded``
         says how many tensors went."""
         weights = self.weights()
         loading = await self.selection(weights, named, names)

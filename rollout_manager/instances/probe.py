@@ -1,0 +1,161 @@
+"""The trust probe: after each activation, and periodically while serving, a short fixed prefill with per-token
+log-probs sent to every serving box, compared across the boxes at one weight version (``trust.py`` judges).
+
+It replaces reading tensors back through SGLang's ``/get_weights_by_name`` inside the activation pause (Llama
+only, TP 1 only, and a whole parameter converted to Python floats while nothing generates): the probe works
+for every model family and TP size, costs one short prefill per box, and never runs inside the pause. A box
+activating a version, or syncing, is not probed; a probe whose box changed version (or started activating)
+while it ran says nothing and is dropped. Until a box's first probe at the version it serves passes, what it
+makes at that version is provisional (``Instance.trust``, shown in the instance status and ``/metrics``). A
+box that disagrees is reported (its status, a warning, a metric) and nothing more: nothing is quarantined.
+
+Of each instance this module alone writes ``Instance.trust`` (replaced whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from rollout_manager.config import Config
+from rollout_manager.instances.registry import Event, Instance, Registry, State
+from rollout_manager.instances.trust import Probed, Trust, judge, tolerance
+from rollout_manager.sglang.logprob_probe import PROBE_RID_PREFIX, ProbeFailed, probe_ids
+
+log = logging.getLogger("rollout_manager.trust")
+
+# (base_url, prompt ids, rid, timeout_s) -> the prompt's log-probs; raises ProbeFailed
+PrefillFn = Callable[[str, list[int], str, float], Awaitable[list[float]]]
+KEEP_VERSIONS = 4  # probe results kept for this many recent versions
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    interval_s: float  # between periodic probes of every serving box (0: only after activations)
+    timeout_s: float
+    tolerance: float  # 0: by each box's dtype, quantization and TP size (trust.tolerance)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ProbeSettings:
+        return cls(cfg.trust_probe_interval_s, cfg.trust_probe_timeout_s, cfg.trust_probe_tolerance)
+
+
+class ProbeMonitor:
+    """Probes boxes and records their trust. :meth:`start` runs the loop that probes each box after it starts
+    serving a version (:meth:`nudge`, and every move to ``active``) and every box each ``interval_s``."""
+
+    def __init__(self, registry: Registry, prefill: PrefillFn, settings: ProbeSettings, *,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.registry = registry
+        self.prefill = prefill
+        self.settings = settings
+        self.wall = wall
+        # version -> (vocabulary limit of the prompt) -> instance id -> its probe there
+        self._results: dict[tuple[int, int], dict[str, Probed]] = {}
+        self._due: set[str] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        registry.listeners.append(self._on_event)
+
+    # ------------------------------------------------------------ when to probe
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="trust-probe")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def nudge(self, inst: Instance) -> None:
+        """``inst`` serves a new version (or serves again): probe it soon, out of any pause."""
+        self._due.add(inst.id)
+        self._wake.set()
+
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.new == State.ACTIVE:
+            self.nudge(inst)
+        elif event.new == State.DEAD:
+            self._due.discard(inst.id)
+            for results in self._results.values():
+                results.pop(inst.id, None)
+
+    async def _loop(self) -> None:
+        interval = self.settings.interval_s
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval if interval > 0 else None)
+            except asyncio.TimeoutError:  # the periodic round: every serving box
+                self._due.update(i.id for i in self.registry)
+            self._wake.clear()
+            due, self._due = self._due, set()
+            boxes = [i for i in (self.registry.get(d) for d in due) if i is not None]
+            if boxes:
+                await self.check_all(boxes)
+
+    # ------------------------------------------------------------ probing
+    async def check_all(self, boxes: list[Instance] | None = None) -> None:
+        """Probe ``boxes`` (None: every registered one) at once; those not serving now are skipped."""
+        targets = list(self.registry) if boxes is None else boxes
+        await asyncio.gather(*(self.check(inst) for inst in targets))
+
+    async def check(self, inst: Instance) -> Trust | None:
+        """Probe one box and judge its version's boxes again; its trust, or None when it was not probed (not
+        serving, or its version moved while the probe ran)."""
+        if not _serving(inst):
+            return None
+        version = inst.versions.serving(inst.weight_version)
+        engine = inst.engine
+        ids = probe_ids(engine.vocab_size)
+        try:
+            values = await self.prefill(inst.url, ids, PROBE_RID_PREFIX + uuid.uuid4().hex,
+                                        self.settings.timeout_s)
+        except ProbeFailed as exc:
+            if self.registry.get(inst.id) is inst:
+                inst.trust = dataclasses.replace(inst.trust, last_probe_error=str(exc))
+                log.info("instance %s %s: trust probe got no usable answer: %s", inst.id, inst.endpoint, exc)
+            return None
+        if not _serving(inst) or inst.versions.serving(inst.weight_version) != version:
+            return None  # loading, gone, or another version since: this answer says nothing about either
+        tol = self.settings.tolerance or tolerance(engine.dtype, engine.quantization, engine.tp_size)
+        key = (version, max(ids) + 1)
+        group = self._results.setdefault(key, {})
+        before = group.get(inst.id)
+        group[inst.id] = Probed(tuple(values), tol, before.baseline if before is not None else None)
+        inst.trust = dataclasses.replace(inst.trust, probes=inst.trust.probes + 1, last_probe_error=None,
+                                         checked_at=self.wall())
+        self._judge(version, group)
+        for old in sorted(self._results)[:-KEEP_VERSIONS]:
+            del self._results[old]
+        return inst.trust.state(version)
+
+    def _judge(self, version: int, group: dict[str, Probed]) -> None:
+        for box, verdict in judge(group).items():
+            inst = self.registry.get(box)
+            if inst is None:
+                continue
+            probed = group[box]
+            if verdict.trust == Trust.CHECKED and probed.baseline is None:
+                group[box] = dataclasses.replace(probed, baseline=probed.values)
+            record = inst.trust
+            newly = verdict.trust == Trust.DISAGREES and record.state(version) != Trust.DISAGREES
+            if newly:
+                log.warning("instance %s %s serving weight version %d disagrees with the trust probe: %s (reported "
+                            "only; nothing quarantined)", inst.id, inst.endpoint, version, verdict.detail)
+            elif verdict.trust == Trust.CHECKED and record.state(version) == Trust.DISAGREES:
+                log.info("instance %s %s agrees again at weight version %d: %s", inst.id, inst.endpoint, version,
+                         verdict.detail)
+            inst.trust = dataclasses.replace(record, version=version, verdict=verdict.trust, diff=verdict.diff,
+                                             detail=verdict.detail,
+                                             disagreements=record.disagreements + (1 if newly else 0))
+
+
+def _serving(inst: Instance) -> bool:
+    """Serving a version and not loading one: a probe now runs out of any pause."""
+    return inst.state == State.ACTIVE and inst.versions.activating is None

@@ -1,0 +1,133 @@
+"""Whether a box serves the weights it is named at, judged from the trust probe's log-probs.
+
+Boxes at one weight version hold the same weights, so they give the same log-probs for the same prompt, up
+to their arithmetic's noise. The noise is the tolerance, on the mean absolute difference of the probe's
+per-token log-probs (a mean, not a max: one near-tie token moves more than the rest without meaning much,
+while a corrupted tensor moves every position):
+
+- float32: 1e-3. The CPU engine is bit-exact (0); SGLang in fp32 differs between batch shapes and kernels
+  by about 1e-5 to 1e-4 per token; a corrupted tensor moves the mean by far more than 1e-3.
+- float16: 2e-2; bfloat16, and a dtype not known ("auto" serves the checkpoint's, which is bf16 for
+  nearly every model served): 5e-2. bf16 keeps 8 bits of mantissa, so logits of magnitude 10-30 round by
+  0.05-0.1 and a single token's log-prob can move by that much between two kernels; the mean over the
+  probe moves far less, and a perturbation that matters moves it more.
+- quantized weights (fp8 and the like): 0.1, as the quantization's own rounding differs between kernels.
+- twice the above for TP > 1 (the all-reduce sums partial results in another order than one GPU does).
+
+Two boxes of different settings are compared with the larger of their tolerances. ``trust_probe_tolerance``
+replaces all of this with one number. A verdict (:func:`judge`):
+
+- a box whose probe moved beyond the tolerance since it was checked at this version *changed*: it
+  disagrees, whatever the others say (this also tells which of two boxes went wrong);
+- else a box is checked when the boxes within the tolerance of it, itself included, are a strict majority
+  of the unchanged boxes that probed this version; else it disagrees (of two boxes that differ, both);
+- a box alone at its version, never checked there, stays provisional: nothing to compare it with.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class Trust(str, enum.Enum):
+    PROVISIONAL = "provisional"  # no probe at the version it serves has passed yet: its tokens are unchecked
+    CHECKED = "checked"  # its probe at the version it serves agrees with the other boxes at that version
+    DISAGREES = "disagrees"  # its probe does not: it may serve other weights than it is named at
+
+
+FP32_TOLERANCE = 1e-3
+FP16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 5e-2
+QUANTIZED_TOLERANCE = 0.1
+TP_FACTOR = 2.0
+
+
+def tolerance(dtype: str | None, quantization: str | None, tp_size: int | None) -> float:
+    """The largest mean absolute log-prob difference that is arithmetic noise, for a box served so."""
+    name = (dtype or "").lower()
+    if quantization:
+        base = QUANTIZED_TOLERANCE
+    elif name in ("float32", "fp32", "float"):
+        base = FP32_TOLERANCE
+    elif name in ("float16", "fp16", "half"):
+        base = FP16_TOLERANCE
+    else:  # bfloat16, "auto" (the checkpoint's: bf16 for nearly all), or not said
+        base = BF16_TOLERANCE
+    return base * (TP_FACTOR if tp_size is not None and tp_size > 1 else 1.0)
+
+
+def mean_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    """Mean absolute difference of two probes' log-probs (infinite when their lengths differ)."""
+    if len(a) != len(b) or not a:
+        return float("inf")
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """One box's latest probe at a version, and its first passing one there (None: never checked there)."""
+
+    values: tuple[float, ...]
+    tolerance: float
+    baseline: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    trust: Trust
+    diff: float | None  # the mean absolute difference behind it: to its baseline, else to the nearest peer
+    detail: str
+
+
+def judge(boxes: Mapping[str, Probed]) -> dict[str, Verdict]:
+    """The verdict on every box that probed one version (see the module's docstring)."""
+    verdicts: dict[str, Verdict] = {}
+    steady: dict[str, Probed] = {}
+    for box, p in boxes.items():
+        moved = mean_abs_diff(p.values, p.baseline) if p.baseline is not None else 0.0
+        if moved > p.tolerance:
+            verdicts[box] = Verdict(Trust.DISAGREES, moved, f"its probe moved by {moved:.3g} (tolerance "
+                                                            f"{p.tolerance:g}) since it was checked at this version")
+        else:
+            steady[box] = p
+    for box, p in steady.items():
+        diffs = {other: mean_abs_diff(p.values, q.values) for other, q in steady.items() if other != box}
+        if not diffs:
+            trust = Trust.CHECKED if p.baseline is not None else Trust.PROVISIONAL
+            verdicts[box] = Verdict(trust, None, "no other box at this version to compare with")
+            continue
+        agree = [o for o, d in diffs.items() if d <= max(p.tolerance, steady[o].tolerance)]
+        nearest = min(diffs.values())
+        if 2 * (len(agree) + 1) > len(steady):
+            verdicts[box] = Verdict(Trust.CHECKED, nearest, f"agrees with {len(agree)} of {len(diffs)} other box(es)")
+        else:
+            verdicts[box] = Verdict(Trust.DISAGREES, nearest,
+                                    f"agrees with {len(agree)} of {len(diffs)} other box(es) at this version "
+                                    f"(nearest mean |log-prob difference| {nearest:.3g}, tolerance {p.tolerance:g})")
+    return verdicts
+
+
+@dataclass(frozen=True, slots=True)
+class TrustRecord:
+    """What the trust probe found of one box (``Instance.trust``): the probe monitor's, replaced whole."""
+
+    version: int | None = None  # the version its verdict is about (None: never probed)
+    verdict: Trust = Trust.PROVISIONAL
+    diff: float | None = None
+    detail: str | None = None
+    checked_at: float | None = None  # wall-clock time of the probe behind the verdict
+    probes: int = 0  # probes answered, all versions
+    disagreements: int = 0  # verdicts of 'disagrees' given, all versions
+    last_probe_error: str | None = None  # the last probe that got no usable answer (None: the last one did)
+
+    def state(self, serving: int) -> Trust:
+        """Its trust at the version it serves now: provisional until a probe there was judged."""
+        return self.verdict if self.version == serving else Trust.PROVISIONAL
+
+    def to_dict(self, serving: int) -> dict[str, Any]:
+        return {"state": self.state(serving).value, "version": self.version, "diff": self.diff,
+                "detail": self.detail, "checked_at": self.checked_at, "probes": self.probes,
+                "disagreements": self.disagreements, "last_probe_error": self.last_probe_error}
