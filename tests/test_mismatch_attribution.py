@@ -8,6 +8,8 @@ runs in process against a real :class:`Manager` and its aiohttp app.
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -205,3 +207,71 @@ async def test_garbage_is_refused_naming_the_field_and_changes_nothing(api: tupl
     after = await (await client.get("/get_instances_status")).json()
     assert after["mismatch"] == before["mismatch"] and after["instances"][0]["mismatch"] is None
     assert manager.mismatch.by_instance == {}
+
+
+# ------------------------------------------------------------------ the trainer mode's hook, end to end
+V1_MISSING = [m for m in ("verl", "transfer_queue", "cachetools", "fastapi", "uvicorn")
+              if importlib.util.find_spec(m) is None]
+
+
+@pytest.mark.slow  # imports verl's V1 trainer (seconds) and starts a real manager
+@pytest.mark.skipif(bool(V1_MISSING), reason=f"verl 0.9.1's V1 trainers need {', '.join(V1_MISSING)}")
+async def test_trainer_mode_posts_each_boxs_mismatch_after_the_step(start_manager, stub_engine, monkeypatch):
+    """verl's ``_compute_old_log_prob`` runs (stubbed: no cluster), the hook reads the micro-batch back from
+    TransferQueue (stubbed with the shape it returns), and after the step the manager shows the figures."""
+    import transfer_queue
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from trainer_plugin.verl_trainer import PPOTrainerSyncWithManager
+
+    m = await start_manager()
+    engines = [await stub_engine(), await stub_engine()]
+    ids = []
+    for e in engines:
+        status, body = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": e.port})
+        assert status == 200
+        ids.append(body["id"])
+    seg = [{"instance": ids[0], "endpoint": engines[0].endpoint, "start": 0, "end": 2},
+           {"instance": ids[1], "endpoint": engines[1].endpoint, "start": 2, "end": 4}]
+    data = TensorDict({"old_log_probs": torch.tensor([[-1.0, -1.0, -1.0, -1.0]]),
+                       "rollout_log_probs": torch.tensor([[-1.0, -1.0, -3.0, -3.0]]),
+                       "response_mask": torch.ones(1, 4, dtype=torch.int64),
+                       "extra_fields": NonTensorStack({"segments": seg})}, batch_size=[1])
+    read: list[list[str]] = []
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        read.append(list(select_fields))
+        return data
+
+    monkeypatch.setattr(PPOTrainerSync, "_compute_old_log_prob", lambda self, batch, metrics: batch)
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", kv_batch_get)
+
+    class Checkpoints:
+        def update_weights(self, step):
+            pass
+
+        def sleep_replicas(self):
+            pass
+
+    t = object.__new__(PPOTrainerSyncWithManager)  # the hooks only; verl's __init__ needs a cluster
+    t.config = OmegaConf.create({"data": {"train_batch_size": 1}, "algorithm": {}, "actor_rollout_ref": {"rollout": {
+        "n": 1, "calculate_log_probs": True,
+        "custom": {"rollout_manager": {"host": "127.0.0.1", "port": int(m.url.rsplit(":", 1)[1])}}}}})
+    t.checkpoint_manager, t.timing_raw, t.curr_step_profile, t.global_steps = Checkpoints(), {}, False, 9
+
+    def one_step() -> dict[str, float]:
+        t.on_step_begin()
+        batch = type("Batch", (), {"keys": ["k0"], "partition_id": "train"})()
+        t._compute_old_log_prob(batch, {})
+        t.on_step_end()
+        return t._consume_sync_metrics()
+
+    logged = await asyncio.to_thread(one_step)
+    assert read == [["old_log_probs", "rollout_log_probs", "response_mask", "extra_fields"]]
+    assert logged[f"rollout_manager/mismatch/{ids[0]}/mean_abs_diff"] == 0.0
+    assert logged[f"rollout_manager/mismatch/{ids[1]}/mean_abs_diff"] == pytest.approx(2.0)
+    st = await m.status()
+    figures = {i["id"]: i["mismatch"] for i in st["instances"]}
+    assert figures[ids[1]]["mean_abs_diff"] == pytest.approx(2.0) and figures[ids[1]]["last_step"] == 9
+    assert figures[ids[0]]["tokens"] == 2 and st["mismatch"]["last_step"] == 9
