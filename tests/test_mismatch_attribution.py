@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from tensordict import NonTensorStack, TensorDict
+from test_metrics_status import needs_chromium, render_page, syncing_instance, tbody, text_of
 
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config
@@ -275,3 +278,31 @@ async def test_trainer_mode_posts_each_boxs_mismatch_after_the_step(start_manage
     figures = {i["id"]: i["mismatch"] for i in st["instances"]}
     assert figures[ids[1]]["mean_abs_diff"] == pytest.approx(2.0) and figures[ids[1]]["last_step"] == 9
     assert figures[ids[0]]["tokens"] == 2 and st["mismatch"]["last_step"] == 9
+
+
+@pytest.mark.slow
+@needs_chromium
+async def test_status_page_shows_each_instances_mismatch_and_the_fleets(tmp_path):
+    """The page renders the figure the status carries: a column per instance (marked when called out) and
+    a card with the fleet's median and note."""
+    ledger = MismatchLedger(MismatchSettings(alpha=1.0))
+    ledger.report(12, [BoxReport("i1", 100, 0.02, 0.001), BoxReport("i2", 100, 0.03, 0.002),
+                       BoxReport("i3", 100, 0.6, 0.2)])
+    fleet = ledger.fleet()
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({
+            "ready_instances": 3, "pending_instances": 0, "weight_version": 0,
+            "counts": {"syncing": 3}, "generation": {}, "requests_waiting_for_instance": 0,
+            "instances": [{**syncing_instance(p), "mismatch": ledger.of(f"i{p}", fleet)} for p in (1, 2, 3)],
+            "mismatch": ledger.summary(),
+            "local": {"open": False, "budget_s": 1.0}, "weight_senders": {"senders": []},
+            "recent_events": [], "recent_weight_pushes": [],
+        })
+
+    dom = await render_page(tmp_path, status)
+    assert text_of(dom, "c-mismatch") == "0.0300"
+    assert text_of(dom, "c-mismatch-s").startswith("step 12 \u00b7 1 instance(s) above 3x")
+    rows = tbody(dom, "instances")
+    assert re.search(r'class="num lag" title="mismatch 20.0x the fleet\'s median[^"]*">0.6000 \(20.0\u00d7\)<', rows)
+    assert re.search(r'class="num" title="ok [^"]*">0.0200 \(0.7\u00d7\)<', rows), rows
