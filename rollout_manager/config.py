@@ -149,6 +149,11 @@ class Config(BaseModel):
     local_budget_max_s: float = Field(default=600.0, gt=0)
     local_budget_gain: float = Field(default=0.5, gt=0, le=1)
 
+    # Trust: the trainer's log-prob mismatch per box (instances.mismatch; config.toml explains them).
+    mismatch_ewma_alpha: float = Field(default=0.3, gt=0, le=1)
+    mismatch_outlier_multiple: float = Field(default=3.0, gt=1)
+    mismatch_floor: float = Field(default=0.05, ge=0)
+
     # HTTP API and security.
     max_request_body_mb: float = Field(default=64.0, gt=0)
     max_admin_body_kb: float = Field(default=256.0, gt=0)

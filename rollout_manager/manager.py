@@ -30,6 +30,7 @@ from rollout_manager.config import Config
 from rollout_manager.errors import Forbidden
 from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
+from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
@@ -75,6 +76,7 @@ class Manager:
         self.version = WeightVersion()
         self.admission = Admission(cfg.registration_networks, cfg.registration_allowed_networks,
                                    cfg.allow_registration_host_mismatch)
+        self.mismatch = MismatchLedger(MismatchSettings.from_config(cfg))  # trust figures (report only)
         self.health = HealthMonitor(self.registry, self.version, self.sglang.probe, HealthSettings.from_config(cfg),
                                     server_info=self.sglang.server_info)
         self.probes = ProbeMonitor(self.registry, self.sglang.prefill_logprobs, ProbeSettings.from_config(cfg))
@@ -101,7 +103,7 @@ class Manager:
                                   SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
                                   on_serving=self._serving_new_version)
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
-                                      self.local_budget, self.sglang.limits, self.started_at)
+                                      self.local_budget, self.sglang.limits, self.started_at, self.mismatch)
 
         self.probes.start()
 
@@ -176,6 +178,8 @@ class Manager:
     def status(self) -> dict[str, Any]:
         now = self.registry.clock()
         ready = self.registry.in_state(State.ACTIVE)
+        live = [i.id for i in self.registry]
+        fleet = self.mismatch.fleet(live)
         pending = self.registry.in_state(*NOT_SERVING)
         return {
             "ready_instances": len(ready),
@@ -184,8 +188,10 @@ class Manager:
             "pending_instance_endpoints": [i.endpoint for i in pending],
             "weight_version": self.version.current,
             "counts": self.registry.counts(),
-            "instances": [{**i.to_dict(now), "weight_versions": i.versions.to_dict(i.weight_version)}
+            "instances": [{**i.to_dict(now), "weight_versions": i.versions.to_dict(i.weight_version),
+                           "mismatch": self.mismatch.of(i.id, fleet)}
                           for i in self.registry],
+            "mismatch": self.mismatch.summary(live),
             "weight_senders": self.senders.status(),
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
@@ -218,6 +224,19 @@ class Manager:
         log.info("step metrics: %s; local budget %.3gs -> %.3gs", self.last_metrics, before, after)
         return {**self.last_metrics, "previous_local_budget_s": before, "local_budget_s": after,
                 "generation": dict(self.generator.stats)}
+
+    def update_mismatch(self, step: int, boxes: Sequence[BoxReport], unattributed_tokens: int) -> dict[str, Any]:
+        """A step's trainer/rollout log-prob gap per instance: fold it into each one's trust figure.
+        Instances no longer registered are left out (named in ``unknown_instances``)."""
+        live = [i.id for i in self.registry]
+        self.mismatch.forget(live)
+        known = [b for b in boxes if self.registry.get(b.instance) is not None]
+        unknown = sorted({b.instance for b in boxes} - {b.instance for b in known})
+        self.mismatch.report(step, known, unattributed_tokens)
+        fleet = self.mismatch.summary(live)
+        if fleet["outliers"] or fleet["fleet_wide"]:
+            log.warning("step %d log-prob mismatch: %s (%s)", step, fleet["note"], ", ".join(fleet["outliers"]))
+        return {"step": step, "recorded": len(known), "unknown_instances": unknown, "fleet": fleet}
 
     # ------------------------------------------------------------ weight versions
     async def update_weight_version(self, new_version: int | None, wait_for: int | str | None,

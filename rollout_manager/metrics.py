@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from rollout_manager.instances.mismatch import MismatchLedger
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.rollout.counters import GENERATION_COUNTERS
@@ -80,6 +81,51 @@ class EventHistograms(Collector):
                                        "Completion tokens per finished sequence.")
         self.metrics.completion_tokens.add_to(tokens, [])
         yield tokens
+
+
+class MismatchCollector(Collector):
+    """Each instance's trust figure (``instances.mismatch``): the trainer's log-prob gap on its tokens."""
+
+    def __init__(self, metrics: ManagerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        ledger, instances = self.metrics.mismatch, list(self.metrics.registry)
+        fleet = ledger.fleet(i.id for i in instances)
+        gap = GaugeMetricFamily(PREFIX + "instance_mismatch_abs_logprob",
+                                "Exponentially weighted mean |trainer - rollout| log-prob gap per token the "
+                                "instance made, as the trainer reports it each step (absent: not reported).",
+                                labels=["endpoint"])
+        k3 = GaugeMetricFamily(PREFIX + "instance_mismatch_k3_kl",
+                               "Exponentially weighted k3 estimate of KL(rollout || trainer) over its tokens.",
+                               labels=["endpoint"])
+        ratio = GaugeMetricFamily(PREFIX + "instance_mismatch_ratio_to_median",
+                                  "The instance's weighted gap over the fleet's median.", labels=["endpoint"])
+        outlier = GaugeMetricFamily(PREFIX + "instance_mismatch_outlier",
+                                    "1 while the instance's gap is above mismatch_outlier_multiple x the fleet's "
+                                    "median (and above mismatch_floor); report only.", labels=["endpoint"])
+        step = GaugeMetricFamily(PREFIX + "instance_mismatch_last_step",
+                                 "The trainer step the instance's gap was last reported for.", labels=["endpoint"])
+        for inst in instances:
+            figure = ledger.of(inst.id, fleet)
+            if figure is None:
+                continue
+            ep = [inst.endpoint]
+            gap.add_metric(ep, figure["mean_abs_diff"])
+            k3.add_metric(ep, figure["k3_kl"])
+            if figure["ratio_to_median"] is not None:
+                ratio.add_metric(ep, figure["ratio_to_median"])
+            outlier.add_metric(ep, 1 if figure["above_median_multiple"] else 0)
+            step.add_metric(ep, figure["last_step"])
+        yield from (gap, k3, ratio, outlier, step)
+        median = GaugeMetricFamily(PREFIX + "mismatch_fleet_median",
+                                   "Median of the instances' weighted log-prob gaps (absent: none reported).")
+        if fleet.median is not None:
+            median.add_metric([], fleet.median)
+        yield median
+        yield GaugeMetricFamily(PREFIX + "mismatch_fleet_wide",
+                                "1 while every instance that reported is above mismatch_floor: the trainer "
+                                "and the whole fleet disagree, not one box.", value=1 if fleet.fleet_wide else 0)
 
 
 class StateCollector(Collector):
@@ -264,8 +310,10 @@ class ManagerMetrics:
     """The metrics of one manager: its own Prometheus registry, the state collector and the listeners."""
 
     def __init__(self, registry: Registry, version: WeightVersion, dispatcher: Dispatcher, generator: Generator,
-                 weights: WeightSync, budget: LocalBudget, limits: LocalLimits, started_at: float) -> None:
+                 weights: WeightSync, budget: LocalBudget, limits: LocalLimits, started_at: float,
+                 mismatch: MismatchLedger | None = None) -> None:
         self.registry, self.version, self.dispatcher, self.limits = registry, version, dispatcher, limits
+        self.mismatch = mismatch or MismatchLedger()
         self.generator, self.budget, self.started_at = generator, budget, started_at
         self.prometheus = CollectorRegistry(auto_describe=False)
         self.last_gbps: dict[tuple[str, str], float] = {}
@@ -303,6 +351,7 @@ class ManagerMetrics:
             self.peer_bootstraps.labels(outcome)
         self.prometheus.register(StateCollector(self))
         self.prometheus.register(EventHistograms(self))
+        self.prometheus.register(MismatchCollector(self))
         registry.listeners.append(self._on_event)
         weights.push_listeners.append(self._on_push)
         generator.finished_listeners.append(self._on_finished)

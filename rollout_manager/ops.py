@@ -145,12 +145,30 @@ def render_status(st: dict[str, Any], url: str) -> str:
     instances = st.get("instances") or []
     streaming = any(streaming_of(i) is not None for i in instances)
     headers = ["ENDPOINT", "ID", "KIND", "STATE", "VERSION", "IN FLIGHT", *(["STREAMING"] * streaming),
-               "WAITING FOR", "LAST ERROR"]
+               "MISMATCH", "WAITING FOR", "LAST ERROR"]
     rows = [[i.get("endpoint"), i.get("id"), i.get("kind"), i.get("state"), f"v{i.get('weight_version')}",
-             i.get("in_flight"), *([_dash(streaming_of(i))] * streaming), _dash(i.get("waiting_for")),
-             _dash(i.get("last_error"))] for i in instances]
+             i.get("in_flight"), *([_dash(streaming_of(i))] * streaming), mismatch_cell(i.get("mismatch")),
+             _dash(i.get("waiting_for")), _dash(i.get("last_error"))] for i in instances]
     out = f"manager {url}  {summary_line(st)}\n"
-    return out + (table(headers, rows) if rows else "no instances registered\n")
+    out += table(headers, rows) if rows else "no instances registered\n"
+    return out + mismatch_line(st.get("mismatch"))
+
+
+def mismatch_cell(m: Any) -> str:
+    """An instance's trust figure: weighted mean log-prob gap, its multiple of the median, ``!`` if called out."""
+    if not isinstance(m, dict):
+        return "-"
+    ratio = m.get("ratio_to_median")
+    times = f" ({ratio:.1f}x)" if isinstance(ratio, (int, float)) else ""
+    return f"{_num(m.get('mean_abs_diff'), 4)}{times}{' !' if m.get('above_median_multiple') else ''}"
+
+
+def mismatch_line(fleet: Any) -> str:
+    """The fleet's mismatch in one line, once the trainer reported any."""
+    if not isinstance(fleet, dict) or fleet.get("last_step") is None:
+        return ""
+    return (f"log-prob mismatch (step {fleet.get('last_step')}): median {_num(fleet.get('median_mean_abs_diff'), 4)};"
+            f" {fleet.get('note')}\n")
 
 
 def push_failures(st: dict[str, Any]) -> list[dict[str, Any]]:

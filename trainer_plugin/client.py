@@ -311,6 +311,10 @@ class ManagerClient:
             "step_throughput": float(step_throughput),
         })
 
+    async def update_mismatch(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /update_mismatch``: a step's log-prob mismatch per box (:mod:`trainer_plugin.mismatch`)."""
+        return await self._call("POST", "/update_mismatch", body)
+
 
 def _http_error(method: str, path: str, status: int, raw: bytes) -> ManagerHTTPError:
     body = decode(raw)

@@ -1,10 +1,12 @@
-"""Report each step's timings to the manager (``POST /update_metrics``), which adapts its local budget."""
+"""Report each step's timings to the manager (``POST /update_metrics``), which adapts its local budget, and
+the step's per-box log-prob mismatch (``POST /update_mismatch``, figures from :mod:`trainer_plugin.mismatch`)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,12 +22,22 @@ async def post_step_metrics(client: ManagerClient, *, step_time_s: float, traine
 
 
 def post_step_metrics_sync(manager_url: str, **figures: float) -> dict[str, Any]:
-    """The same from synchronous code (opens and closes its own connection); from a thread whose
+    """The same from synchronous code (see :func:`call_sync`)."""
+    return call_sync(manager_url, lambda client: post_step_metrics(client, **figures))
+
+
+def post_mismatch_sync(manager_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /update_mismatch`` from synchronous code (see :func:`call_sync`)."""
+    return call_sync(manager_url, lambda client: client.update_mismatch(body))
+
+
+def call_sync(manager_url: str, call: Callable[[ManagerClient], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """One manager call from synchronous code (opens and closes its own connection); from a thread whose
     event loop is running (where ``asyncio.run`` is refused) it runs on a short-lived thread."""
 
     async def run() -> dict[str, Any]:
         async with ManagerClient(manager_url) as client:
-            return await post_step_metrics(client, **figures)
+            return await call(client)
 
     try:
         asyncio.get_running_loop()

@@ -27,7 +27,8 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from .metrics import StepTimer, as_log_metrics, post_step_metrics_sync
+from .metrics import StepTimer, as_log_metrics, post_mismatch_sync, post_step_metrics_sync
+from .mismatch import FIELDS, StepMismatch, tally_batch
 from .settings import PluginSettings, from_rollout_config
 
 log = logging.getLogger("trainer_plugin.trainer")
@@ -38,7 +39,9 @@ class ManagerMetricsMixin:
     """Step and bubble timing posted to the manager; mix in before a verl V1 ``PPOTrainer``."""
 
     config: Any
+    global_steps: int
     _rm_timer: StepTimer | None = None
+    _rm_mismatch: StepMismatch | None = None
 
     @property
     def _rm_settings(self) -> PluginSettings:
@@ -78,8 +81,49 @@ class ManagerMetricsMixin:
             self._rm_timer.end_wait()
         super().on_sample_end()  # type: ignore[misc]
 
+    def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        batch = super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
+        try:
+            self._rm_tally_mismatch(batch)
+        except Exception as exc:  # attribution is a report: it never costs the step
+            log.warning("per-box log-prob mismatch not computed: %s", exc)
+        return batch
+
+    def _rm_tally_mismatch(self, batch: Any) -> None:
+        """The trainer's log-probs of the micro-batch against the rollout's, split by box (see
+        :mod:`trainer_plugin.mismatch`); nothing to split in bypass mode (old = rollout) or without
+        the rollout's log-probs."""
+        corr = self.config.algorithm.get("rollout_correction", None)
+        if (corr and corr.get("bypass_mode", False)) \
+                or not self.config.actor_rollout_ref.rollout.get("calculate_log_probs", False):
+            return
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(FIELDS))
+        if self._rm_mismatch is None:
+            self._rm_mismatch = StepMismatch()
+        self._rm_mismatch.add(tally_batch(data))
+
+    def _rm_post_mismatch(self) -> dict[str, float]:
+        step, self._rm_mismatch = self._rm_mismatch, None
+        if not step:
+            return {}
+        body = step.body(int(getattr(self, "global_steps", 0) or 0))
+        logged = {f"rollout_manager/mismatch/{b['instance']}/{k}": float(b[k])
+                  for b in body["boxes"] for k in ("mean_abs_diff", "k3_kl")}
+        try:
+            answer = post_mismatch_sync(self._rm_settings.manager_url, body)
+            logged.update(as_log_metrics(answer.get("fleet") or {}, "rollout_manager/mismatch/fleet/"))
+        except Exception as exc:
+            log.warning("per-box log-prob mismatch not posted: %s", exc)
+        return logged
+
     def on_step_end(self) -> None:
         super().on_step_end()  # type: ignore[misc]
+        mismatch = self._rm_post_mismatch()
+        if mismatch:
+            pending = getattr(self, "_pending_sync_metrics", None) or {}
+            self._pending_sync_metrics = {**pending, **mismatch}
         if self._rm_timer is None or not self._rm_timer.in_step:
             return
         figures = self._rm_timer.end_step(self._rm_samples_per_step())

@@ -36,11 +36,13 @@ from rollout_manager.api.schemas import (
     RegisterRolloutInstance,
     ShutdownInstances,
     UpdateMetrics,
+    UpdateMismatch,
     UpdateWeightSenders,
     UpdateWeightVersion,
 )
 from rollout_manager.bearer import bearer_matches
 from rollout_manager.errors import INTERNAL_ERROR, BadRequest, ManagerError
+from rollout_manager.instances.mismatch import BoxReport
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
@@ -281,6 +283,15 @@ async def update_metrics(request: web.Request, body: UpdateMetrics, _: Any) -> w
     return json_response(result)
 
 
+@accepts(UpdateMismatch)
+async def update_mismatch(request: web.Request, body: UpdateMismatch, _: Any) -> web.Response:
+    """A step's trainer/rollout log-prob mismatch per instance: each instance's trust figure (report only)."""
+    result = manager_of(request).update_mismatch(
+        body.step, [BoxReport(b.instance, b.tokens, b.mean_abs_diff, b.k3_kl) for b in body.boxes],
+        body.unattributed_tokens)
+    return json_response(result)
+
+
 @accepts(UpdateWeightVersion, optional=True)
 async def update_weight_version(request: web.Request, body: UpdateWeightVersion, _: Any) -> web.Response:
     """New weights are staged: remote instances sync to the new version; optionally wait for them."""
@@ -316,6 +327,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/batch_generate_requests", batch_generate_requests),
     ("POST", "/abort_local_requests", abort_local_requests),
     ("POST", "/update_metrics", update_metrics),
+    ("POST", "/update_mismatch", update_mismatch),
     ("POST", "/update_weight_version", update_weight_version),
     ("GET", "/metrics", prometheus_metrics),
     ("GET", "/", status_page_html),

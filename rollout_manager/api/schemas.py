@@ -159,3 +159,26 @@ class UpdateWeightVersion(StrictModel):
     # beside the version they serve, or serving it), which with weight_activation = "staged" comes before
     # the short activation pause.
     wait_until: Literal["serving", "staged"] = "serving"
+
+
+Gap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class BoxMismatch(StrictModel):
+    """One instance's share of a step's trainer/rollout log-prob gap (the tokens it made)."""
+
+    instance: Annotated[str, Field(min_length=1, max_length=200, description="the manager's instance id (a segment's "
+                                                                              "`instance`)")]
+    endpoint: Annotated[str, Field(max_length=300)] = ""
+    tokens: Annotated[int, Field(ge=1)]
+    mean_abs_diff: Gap = Field(description="mean |trainer - rollout| log-prob over its tokens")
+    k3_kl: Gap = Field(description="mean of exp(r) - r - 1, r = trainer - rollout log-prob (k3 estimate of "
+                                   "KL(rollout || trainer))")
+
+
+class UpdateMismatch(StrictModel):
+    """The trainer's log-prob mismatch of one step, split by the instance that made each token."""
+
+    step: Annotated[int, Field(ge=0)]
+    boxes: Annotated[list[BoxMismatch], Field(max_length=4096)]
+    unattributed_tokens: Annotated[int, Field(ge=0)] = 0

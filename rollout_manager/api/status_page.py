@@ -4,7 +4,8 @@ The page polls ``get_instances_status`` every second (and ``metrics`` every few 
 measured per-instance token rates) and renders instances, counts by state (the same states as the
 badges), the weight version, tokens/s from the tokens streamed so far (so it moves while sequences
 run, not only when they finish), the requests waiting for an instance, the local window and budget,
-generation counters, recent weight pushes and recent lifecycle events. It
+generation counters, each instance's trust figure (the trainer's log-prob mismatch on its tokens, and
+its multiple of the fleet's median: ``instances.mismatch``), recent weight pushes and recent lifecycle events. It
 loads nothing from anywhere else. With ``auth_token`` set on the manager, open ``/#token=<token>``:
 the page keeps the token in the tab's session storage and sends it as a bearer token.
 """
