@@ -153,6 +153,10 @@ class Config(BaseModel):
     mismatch_ewma_alpha: float = Field(default=0.3, gt=0, le=1)
     mismatch_outlier_multiple: float = Field(default=3.0, gt=1)
     mismatch_floor: float = Field(default=0.05, ge=0)
+    # Quarantine: acting on the probe's and the mismatch's verdicts (instances.quarantine; config.toml explains).
+    quarantine: bool = True
+    quarantine_min_active: int = Field(default=1, ge=0)
+    quarantine_recheck_s: float = Field(default=5.0, ge=0)
 
     # HTTP API and security.
     max_request_body_mb: float = Field(default=64.0, gt=0)

@@ -32,6 +32,7 @@ from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
+from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
@@ -102,10 +103,14 @@ class Manager:
                                   AgentClient(self.session, cfg.auth_token, cfg.weight_push_timeout_s),
                                   SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
                                   on_serving=self._serving_new_version)
+        self.quarantine = Quarantine(self.registry, self.probes, self.mismatch, QuarantineSettings.from_config(cfg),
+                                     self.generator.evict, self.generator.migrator.vouch)
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
-                                      self.local_budget, self.sglang.limits, self.started_at, self.mismatch)
+                                      self.local_budget, self.sglang.limits, self.started_at, self.mismatch,
+                                      self.quarantine)
 
         self.probes.start()
+        self.quarantine.start()
 
     def _serving_new_version(self, inst: Instance) -> None:
         self.dispatcher.recovered(inst)  # place requests waiting for the version
@@ -135,6 +140,7 @@ class Manager:
         await self.weights.close()
         await self.health.close()
         await self.probes.close()
+        await self.quarantine.close()
         self.relay.close()
         await self.session.close()
 
@@ -192,6 +198,7 @@ class Manager:
                            "mismatch": self.mismatch.of(i.id, fleet)}
                           for i in self.registry],
             "mismatch": self.mismatch.summary(live),
+            "quarantine": self.quarantine.status(),
             "weight_senders": self.senders.status(),
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
@@ -236,7 +243,9 @@ class Manager:
         fleet = self.mismatch.summary(live)
         if fleet["outliers"] or fleet["fleet_wide"]:
             log.warning("step %d log-prob mismatch: %s (%s)", step, fleet["note"], ", ".join(fleet["outliers"]))
-        return {"step": step, "recorded": len(known), "unknown_instances": unknown, "fleet": fleet}
+        quarantined = self.quarantine.on_mismatch(live)
+        return {"step": step, "recorded": len(known), "unknown_instances": unknown, "fleet": fleet,
+                "quarantined": quarantined}
 
     # ------------------------------------------------------------ weight versions
     async def update_weight_version(self, new_version: int | None, wait_for: int | str | None,

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rollout_manager.instances.mismatch import MismatchLedger
+from rollout_manager.instances.quarantine import Quarantine
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.rollout.counters import GENERATION_COUNTERS
@@ -126,6 +127,17 @@ class MismatchCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "mismatch_fleet_wide",
                                 "1 while every instance that reported is above mismatch_floor: the trainer "
                                 "and the whole fleet disagree, not one box.", value=1 if fleet.fleet_wide else 0)
+        quarantine = self.metrics.quarantine
+        if quarantine is not None:
+            events = CounterMetricFamily(PREFIX + "quarantine_events",
+                                         "Quarantine decisions: quarantined, lifted (reloaded and probed), "
+                                         "held_by_floor (kept serving by quarantine_min_active), fleet_wide "
+                                         "(every box disagreed together: nothing quarantined).", labels=["event"])
+            for name, n in quarantine.counts.items():
+                events.add_metric([name], n)
+            yield events
+            yield GaugeMetricFamily(PREFIX + "quarantined_instances", "Instances out of service as untrusted now.",
+                                    value=len(quarantine.at_version))
 
 
 class StateCollector(Collector):
@@ -311,8 +323,9 @@ class ManagerMetrics:
 
     def __init__(self, registry: Registry, version: WeightVersion, dispatcher: Dispatcher, generator: Generator,
                  weights: WeightSync, budget: LocalBudget, limits: LocalLimits, started_at: float,
-                 mismatch: MismatchLedger | None = None) -> None:
+                 mismatch: MismatchLedger | None = None, quarantine: Quarantine | None = None) -> None:
         self.registry, self.version, self.dispatcher, self.limits = registry, version, dispatcher, limits
+        self.quarantine = quarantine
         self.mismatch = mismatch or MismatchLedger()
         self.generator, self.budget, self.started_at = generator, budget, started_at
         self.prometheus = CollectorRegistry(auto_describe=False)

@@ -105,6 +105,9 @@ class Instance:
     last_error: str | None = None  # the last failure anyone reported (a probe, a request, a weight push)
     last_error_at: float | None = None  # wall-clock time of last_error; both cleared on recovery
     weight_version: int = 0  # the version it is named at (see BoxVersions.serving for what it serves)
+    # Why it was taken out of service as untrusted (None: it is not): it stays out of ``active`` until a
+    # reload and a passing probe lift it (``instances/quarantine.py``).
+    quarantined: str | None = None
     sender: int | None = None
     group: int | None = None
     # the other owners' parts
@@ -143,6 +146,7 @@ class Instance:
             "last_error": self.last_error,
             "last_error_at": self.last_error_at,
             "waiting_for": self.waiting_for,
+            "quarantined": self.quarantined,
             "streaming": engine.streaming,
             "server_stream_interval": engine.server_stream_interval,
             "max_running_requests": engine.max_running_requests,

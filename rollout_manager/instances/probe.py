@@ -7,7 +7,9 @@ for every model family and TP size, costs one short prefill per box, and never r
 activating a version, or syncing, is not probed; a probe whose box changed version (or started activating)
 while it ran says nothing and is dropped. Until a box's first probe at the version it serves passes, what it
 makes at that version is provisional (``Instance.trust``, shown in the instance status and ``/metrics``). A
-box that disagrees is reported (its status, a warning, a metric) and nothing more: nothing is quarantined.
+box that disagrees is reported (its status, a warning, a metric); each verdict is told to ``verdict_listeners``,
+where the quarantine (``quarantine.py``) acts on it. A quarantined box, held in ``syncing`` after its reload, is
+probed too (on :meth:`ProbeMonitor.check` with ``quarantined=True``): its passing probe lets it serve again.
 
 Of each instance this module alone writes ``Instance.trust`` (replaced whole).
 """
@@ -31,6 +33,8 @@ log = logging.getLogger("rollout_manager.trust")
 
 # (base_url, prompt ids, rid, timeout_s) -> the prompt's log-probs; raises ProbeFailed
 PrefillFn = Callable[[str, list[int], str, float], Awaitable[list[float]]]
+# (the box just probed, the version, each judged box's verdict there): told after each probe that was judged
+VerdictListener = Callable[[Instance, int, list[tuple[Instance, Trust]]], None]
 KEEP_VERSIONS = 4  # probe results kept for this many recent versions
 
 
@@ -60,6 +64,7 @@ class ProbeMonitor:
         self._due: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.verdict_listeners: list[VerdictListener] = []
         registry.listeners.append(self._on_event)
 
     # ------------------------------------------------------------ when to probe
@@ -105,10 +110,14 @@ class ProbeMonitor:
         targets = list(self.registry) if boxes is None else boxes
         await asyncio.gather(*(self.check(inst) for inst in targets))
 
-    async def check(self, inst: Instance) -> Trust | None:
+    async def check(self, inst: Instance, quarantined: bool = False) -> Trust | None:
         """Probe one box and judge its version's boxes again; its trust, or None when it was not probed (not
-        serving, or its version moved while the probe ran)."""
-        if not _serving(inst):
+        serving, or its version moved while the probe ran). ``quarantined``: probe a quarantined box held
+        out of service after its reload too."""
+        def probed() -> bool:
+            return _serving(inst) or (quarantined and _held(inst))
+
+        if not probed():
             return None
         version = inst.versions.serving(inst.weight_version)
         engine = inst.engine
@@ -121,7 +130,7 @@ class ProbeMonitor:
                 inst.trust = dataclasses.replace(inst.trust, last_probe_error=str(exc))
                 log.info("instance %s %s: trust probe got no usable answer: %s", inst.id, inst.endpoint, exc)
             return None
-        if not _serving(inst) or inst.versions.serving(inst.weight_version) != version:
+        if not probed() or inst.versions.serving(inst.weight_version) != version:
             return None  # loading, gone, or another version since: this answer says nothing about either
         tol = self.settings.tolerance or tolerance(engine.dtype, engine.quantization, engine.tp_size)
         key = (version, max(ids) + 1)
@@ -130,12 +139,15 @@ class ProbeMonitor:
         group[inst.id] = Probed(tuple(values), tol, before.baseline if before is not None else None)
         inst.trust = dataclasses.replace(inst.trust, probes=inst.trust.probes + 1, last_probe_error=None,
                                          checked_at=self.wall())
-        self._judge(version, group)
+        judged = self._judge(version, group)
         for old in sorted(self._results)[:-KEEP_VERSIONS]:
             del self._results[old]
+        for listener in list(self.verdict_listeners):
+            listener(inst, version, judged)
         return inst.trust.state(version)
 
-    def _judge(self, version: int, group: dict[str, Probed]) -> None:
+    def _judge(self, version: int, group: dict[str, Probed]) -> list[tuple[Instance, Trust]]:
+        judged: list[tuple[Instance, Trust]] = []
         for box, verdict in judge(group).items():
             inst = self.registry.get(box)
             if inst is None:
@@ -146,16 +158,23 @@ class ProbeMonitor:
             record = inst.trust
             newly = verdict.trust == Trust.DISAGREES and record.state(version) != Trust.DISAGREES
             if newly:
-                log.warning("instance %s %s serving weight version %d disagrees with the trust probe: %s (reported "
-                            "only; nothing quarantined)", inst.id, inst.endpoint, version, verdict.detail)
+                log.warning("instance %s %s serving weight version %d disagrees with the trust probe: %s", inst.id,
+                            inst.endpoint, version, verdict.detail)
             elif verdict.trust == Trust.CHECKED and record.state(version) == Trust.DISAGREES:
                 log.info("instance %s %s agrees again at weight version %d: %s", inst.id, inst.endpoint, version,
                          verdict.detail)
             inst.trust = dataclasses.replace(record, version=version, verdict=verdict.trust, diff=verdict.diff,
                                              detail=verdict.detail,
                                              disagreements=record.disagreements + (1 if newly else 0))
+            judged.append((inst, verdict.trust))
+        return judged
 
 
 def _serving(inst: Instance) -> bool:
     """Serving a version and not loading one: a probe now runs out of any pause."""
     return inst.state == State.ACTIVE and inst.versions.activating is None
+
+
+def _held(inst: Instance) -> bool:
+    """Quarantined, held in ``syncing`` and not loading: probed so that it may serve again."""
+    return inst.quarantined is not None and inst.state == State.SYNCING and inst.versions.activating is None

@@ -144,6 +144,9 @@ class Registry:
         """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed."""
         if inst.id not in self._instances or new not in ALLOWED[inst.state]:
             return False
+        if new == State.ACTIVE and inst.quarantined is not None:
+            self.wait_for(inst, f"a passing trust probe after its reload (quarantined: {inst.quarantined})")
+            return False  # only lift_quarantine serves it again
         old = inst.state
         inst.state, inst.state_since = new, self.clock()
         inst.waiting_for = None  # whatever it waited for belonged to the old state
@@ -165,6 +168,23 @@ class Registry:
         inst.waiting_for = what
         if what is not None:
             log.info("instance %s %s (%s) waits for %s", inst.id, inst.endpoint, inst.state.value, what)
+
+    def quarantine(self, inst: Instance, why: str) -> bool:
+        """Take an active ``inst`` out of service as untrusted: ``syncing`` (so nothing places work on it and its
+        next push reloads it), held there until :meth:`lift_quarantine`. False if it was not active."""
+        if inst.state != State.ACTIVE or inst.quarantined is not None:
+            return False
+        inst.quarantined = why
+        return self.transition(inst, State.SYNCING, f"quarantined: {why}")
+
+    def lift_quarantine(self, inst: Instance, why: str) -> bool:
+        """``inst`` was reloaded and its probe passed: it serves again."""
+        if inst.quarantined is None:
+            return False
+        inst.quarantined = None
+        if inst.state == State.ACTIVE:
+            return True
+        return self.transition(inst, State.ACTIVE, f"quarantine lifted: {why}")
 
     def set_error(self, inst: Instance, error: str) -> None:
         """Record what went wrong, with its time, so a reader can tell a stale error from a fresh one."""

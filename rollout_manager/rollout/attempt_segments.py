@@ -57,6 +57,8 @@ class AttemptSegments:
         if not spans or spans[-1].end != self.made:
             return
         seg = self.current
+        # A passing probe's vouching is a token index: it holds for whichever segments the exact cuts make.
+        vouched = max((s.trusted for s in self.seq.segments[self.first:] if s.trusted is not None), default=None)
         cuts: list[Segment] = []
         for span in spans:
             version, a, b = span.version, span.start, span.end
@@ -66,7 +68,8 @@ class AttemptSegments:
             if cuts and version is not None:
                 cuts[-1].outcome = _changed(version, self.start + a)
                 _note_version(self.seq, version)
-            cuts.append(Segment(seg.instance, seg.endpoint, version, self.start + a, self.start + b))
+            cuts.append(Segment(seg.instance, seg.endpoint, version, self.start + a, self.start + b,
+                                trusted=vouched))
         cuts[-1].outcome = seg.outcome
         self.seq.segments[self.first:] = cuts
         self.current = cuts[-1]

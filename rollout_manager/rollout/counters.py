@@ -14,6 +14,8 @@ GENERATION_COUNTERS = {
     "migrated": ("migrated_sequences", "Segments tail migration moved to an instance where they finish sooner."),
     "evicted": ("evicted_sequences", "Segments moved off an instance that had to be idle for a weight push "
                 "(still running after drain_timeout_s)."),
+    "cut_back_tokens": ("cut_back_tokens", "Tokens thrown away from running sequences because the instance that "
+                        "made them was quarantined after its last passing trust probe (remade elsewhere)."),
     "affinity_hits": ("affinity_hits", "Sequences placed on the instance that holds their trajectory's or prompt's "
                       "prefix."),
     "affinity_misses": ("affinity_misses", "Sequences with no remembered instance (a new trajectory or prompt)."),

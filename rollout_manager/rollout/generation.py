@@ -310,9 +310,9 @@ class Generator:
         versions = [i.weight_version for i in self.dispatcher.registry.in_state(State.ACTIVE)]
         return str(max(versions, default=0))
 
-    def evict(self, inst: Instance, reason: str) -> int:
+    def evict(self, inst: Instance, reason: str, cut: bool = False) -> int:
         """Move the sequences streaming from ``inst`` to other instances now (see :meth:`Migrator.evict`)."""
-        return self.migrator.evict(inst, reason)
+        return self.migrator.evict(inst, reason, cut)
 
     def migrate_now(self) -> int:
         """Run one tail-migration plan now (see :meth:`Migrator.migrate_now`); the number of moves started."""

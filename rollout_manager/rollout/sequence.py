@@ -28,6 +28,9 @@ class Segment:
     start: int
     end: int
     outcome: str = "running"
+    # Its tokens before this index passed a trust probe of its instance (None: none did); those after it are
+    # cut back if the instance is quarantined (``cut_point``).
+    trusted: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance": self.instance, "endpoint": self.endpoint, "weight_version": self.weight_version,
@@ -45,6 +48,7 @@ class Migration:
     reserved: int = 0  # tokens reserved on target
     leaving: bool = False  # the running segment is being taken off its instance
     reason: str = ""  # why it is being taken off ("": tail migration; else an eviction's reason)
+    cut: bool = False  # its instance was quarantined: cut back to its last trusted token before it goes on
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,50 @@ class SequenceState:
         self.live_text = None
         if self.experts is not None:
             self.experts.reset()
+
+    def cut_point(self, instance: str) -> int:
+        """Where a quarantine of ``instance`` cuts this sequence back to: the first of its latest segments on
+        ``instance`` whose tokens were not all vouched for by a passing probe, at the last vouched token."""
+        cut = len(self.output_ids)
+        for seg in reversed(self.segments):
+            if seg.instance != instance:
+                break
+            trusted = seg.start if seg.trusted is None else min(max(seg.trusted, seg.start), seg.end)
+            if trusted < seg.end:
+                cut = trusted
+        return cut
+
+    def cut_back(self, at: int, why: str) -> None:
+        """Throw away the tokens from ``at`` on (made by a quarantined instance since it was last vouched for):
+        the sequence continues from there; the cut part stays visible in ``discarded`` with ``why``. With
+        routed experts asked for (their rows cannot be cut per token here) it restarts from its prompt."""
+        if at >= len(self.output_ids):
+            return
+        if self.experts is not None:
+            for seg in self.segments:
+                seg.outcome = f"distrusted: {why}"
+            self.restart()
+            return
+        kept: list[Segment] = []
+        cut: list[Segment] = []
+        for seg in self.segments:
+            if seg.end <= at:
+                kept.append(seg)
+                continue
+            if seg.start < at:
+                kept.append(Segment(seg.instance, seg.endpoint, seg.weight_version, seg.start, at,
+                                    f"cut back at token {at}: {why}", seg.trusted))
+            cut.append(Segment(seg.instance, seg.endpoint, seg.weight_version, max(seg.start, at), seg.end,
+                               f"distrusted: {why}"))
+        self.discarded += tuple(cut)
+        self.segments[:] = kept
+        self.versions[:] = [v for v in self.versions if any(s.weight_version == str(v) for s in kept)]
+        del self.output_ids[at:]
+        del self.logprobs[at:]
+        for values in self.per_token.values():
+            del values[at:]
+        self.texts[:] = [None] if kept else []  # the text up to a cut inside a chunk is not known
+        self.live_text = None
 
     @property
     def remaining(self) -> int | None:

@@ -1,0 +1,218 @@
+"""Quarantine and regenerate (issue 39, item 3): a box the trust probe or the trainer's mismatch singles out
+leaves service, its running sequences are cut back to their last trusted token and finish elsewhere exactly,
+and it serves again only after a reload and a passing probe. CPU engines in this process stand for the boxes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from support import as_json, async_wait_until, free_port
+
+from rollout_manager.cpu_engine.engine import EngineConfig
+from rollout_manager.cpu_engine.model import build_model
+from rollout_manager.cpu_engine.server import create_app
+from rollout_manager.instances.instance import EngineFacts
+from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
+from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
+from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
+from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.trust import Trust
+from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.generation import GenerationSettings, Generator
+from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.request import decode
+from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.rollout.sequence import Segment, SequenceState
+from rollout_manager.sglang import tensor_payload, wire
+from rollout_manager.sglang.client import SGLangClient
+
+TENSOR = "model.layers.0.self_attn.q_proj.weight"
+PROMPT = [5, 17, 42, 9]
+SETTINGS = GenerationSettings(max_attempts=3, wait_timeout_s=5.0, connect_timeout_s=5.0, stall_timeout_s=30.0,
+                              engine_stream_interval=1)
+
+
+@dataclass
+class Fleet:
+    registry: Registry
+    probes: ProbeMonitor
+    ledger: MismatchLedger
+    quarantine: Quarantine
+    generator: Generator
+    boxes: list[Instance]
+    urls: list[str]
+
+
+async def make_fleet(n: int, settings: QuarantineSettings) -> AsyncIterator[Fleet]:
+    servers = [TestServer(create_app(EngineConfig()), host="127.0.0.1", port=free_port()) for _ in range(n)]
+    for server in servers:
+        await server.start_server()
+    session = aiohttp.ClientSession()
+    registry = Registry()
+    client = SGLangClient(session)
+    probes = ProbeMonitor(registry, client.prefill_logprobs, ProbeSettings(interval_s=0, timeout_s=30, tolerance=0))
+    generator = Generator(Dispatcher(registry, LeastInFlight()), client, SETTINGS, LocalBudget(0.0, 0.0, 1.0),
+                          on_instance_failure=lambda i, e: None, on_instance_success=lambda i: None)
+    ledger = MismatchLedger(MismatchSettings(alpha=1.0, outlier_multiple=3.0, floor=0.05))
+    quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.vouch)
+    boxes = []
+    for server in servers:
+        inst = registry.add("127.0.0.1", server.port or 0, Kind.REMOTE)
+        inst.engine = EngineFacts(vocab_size=256, dtype="float32", tp_size=1)
+        registry.transition(inst, State.ACTIVE, "healthy")
+        boxes.append(inst)
+    try:
+        yield Fleet(registry, probes, ledger, quarantine, generator, boxes,
+                    [str(s.make_url("")).rstrip("/") for s in servers])
+    finally:
+        await quarantine.close()
+        await probes.close()
+        await session.close()
+        for server in servers:
+            await server.close()
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    async for f in make_fleet(3, QuarantineSettings(enabled=True, min_active=1, recheck_s=0)):
+        yield f
+
+
+async def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        return dict(await r.json())
+
+
+def greedy(n: int) -> dict[str, Any]:
+    return {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": n}}
+
+
+async def perturb(url: str) -> None:
+    """The box's tensor goes wrong silently on its next client request (which this sends)."""
+    await post(url, "/debug/faults", {"perturb_tensor": TENSOR, "perturb_after_requests": 0, "perturb_scale": 0.5})
+    await post(url, "/generate", greedy(1))
+
+
+async def reload_clean(f: Fleet, box: Instance, version: int) -> None:
+    """What the drain path does: load the trainer's weights (here the clean tensor) at a new version."""
+    tensor = dict(build_model(0).named_parameters())[TENSOR].detach().clone()
+    body = wire.update_weights_from_tensor_body([tensor_payload.serialize_named_tensors([(TENSOR, tensor)])],
+                                                flush_cache=True, weight_version=str(version))
+    await post(box.url, "/begin_weight_update", {})
+    await post(box.url, "/update_weights_from_tensor", as_json(body))
+    await post(box.url, "/end_weight_update", {})
+    f.registry.set_weight_version(box, version)
+
+
+# ------------------------------------------------------------------ the cut-back alone
+
+def test_a_cut_back_keeps_the_vouched_tokens_and_earlier_segments() -> None:
+    seq = SequenceState(decode(greedy(10)).sequences[0].body, "r")
+    seq.output_ids.extend(range(10))
+    seq.logprobs.extend([[-1.0, t, None] for t in range(10)])
+    seq.segments[:] = [Segment("a", "a:1", "0", 0, 4, "failed"), Segment("b", "b:1", "0", 4, 10, "running", 7)]
+    seq.versions[:] = [0]
+    assert seq.cut_point("b") == 7 and seq.cut_point("a") == 10
+    seq.cut_back(7, "quarantined")
+    assert list(seq.output_ids) == list(range(7)) and len(seq.logprobs) == 7
+    assert [(s.instance, s.start, s.end) for s in seq.segments] == [("a", 0, 4), ("b", 4, 7)]
+    assert [(s.start, s.end, s.outcome) for s in seq.discarded] == [(7, 10, "distrusted: quarantined")]
+    seq.segments[-1].trusted = None  # nothing of b vouched for: back to where it began
+    assert seq.cut_point("b") == 4
+
+
+# ------------------------------------------------------------------ CPU engines
+
+async def test_a_perturbed_box_is_quarantined_and_its_sequence_finishes_elsewhere_exactly(fleet: Fleet) -> None:
+    f = fleet
+    reference = as_json(await f.generator.generate(decode(greedy(40))))["output_ids"]
+    await f.probes.check_all()
+    await post(f.urls[0], "/debug/faults", {"token_delay_s": 0.01})  # slow: the sequence is running on it
+    base = f.generator.dispatcher.streamed_tokens
+    running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
+    await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and f.generator.dispatcher.streamed_tokens > base + 5)
+    assert await f.probes.check(f.boxes[0]) == Trust.CHECKED  # vouches for the tokens made so far
+    vouched = f.generator.dispatcher.streamed_tokens
+    await async_wait_until(lambda: f.generator.dispatcher.streamed_tokens > vouched + 3)
+    await perturb(f.urls[0])
+    await f.probes.check_all()
+
+    assert f.boxes[0].state == State.SYNCING and f.boxes[0].quarantined is not None
+    answer = as_json(await running)
+    assert answer["output_ids"] == reference  # cut back and continued elsewhere: as if never interrupted
+    meta = answer["meta_info"]
+    assert any(s["outcome"].startswith("distrusted: quarantined") for s in meta["discarded_segments"])
+    assert meta["segments"][0]["instance"] == f.boxes[0].id and "cut back" in meta["segments"][0]["outcome"]
+    assert {s["instance"] for s in meta["segments"][1:]} <= {f.boxes[1].id, f.boxes[2].id}
+    assert f.generator.stats["cut_back_tokens"] > 0
+    status = f.quarantine.status()
+    assert status["quarantined"] == 1 and status["quarantined_now"] == [f.boxes[0].id]
+    assert [s["instance"] for s in status["distrusted_spans"]] == [f.boxes[0].id]
+    # nothing new goes to it
+    later = as_json(await f.generator.generate(decode(greedy(5))))
+    assert f.boxes[0].id not in {s["instance"] for s in later["meta_info"]["segments"]}
+
+
+async def test_a_clean_fleet_quarantines_nothing(fleet: Fleet) -> None:
+    for _ in range(20):
+        await fleet.probes.check_all()
+        await fleet.generator.generate(decode(greedy(3)))
+    assert all(b.state == State.ACTIVE and b.quarantined is None for b in fleet.boxes)
+    assert fleet.quarantine.status()["quarantined"] == 0
+
+
+async def test_the_floor_holds_and_says_so() -> None:
+    async for f in make_fleet(3, QuarantineSettings(enabled=True, min_active=3, recheck_s=0)):
+        await f.probes.check_all()
+        await perturb(f.urls[1])
+        await f.probes.check_all()
+        assert f.boxes[1].trust.state(0) == Trust.DISAGREES and f.boxes[1].state == State.ACTIVE
+        status = f.quarantine.status()
+        assert status["held_by_floor"] and "quarantine_min_active=3" in status["held_by_floor"]
+        assert status["quarantined"] == 0
+
+
+async def test_every_box_disagreeing_with_the_trainer_quarantines_nothing(fleet: Fleet) -> None:
+    f = fleet
+    live = [b.id for b in f.boxes]
+    f.ledger.report(1, [BoxReport(i, 100, 0.5, 0.1) for i in live])
+    assert f.quarantine.on_mismatch(live) == []
+    assert all(b.state == State.ACTIVE for b in f.boxes) and f.quarantine.status()["fleet_wide"]
+    f.ledger.report(2, [BoxReport(live[0], 100, 0.01, 0.0), BoxReport(live[1], 100, 0.01, 0.0),
+                        BoxReport(live[2], 100, 0.6, 0.2)])
+    assert f.quarantine.on_mismatch(live) == [live[2]]  # one box far above the median: its fault
+    assert f.boxes[2].state == State.SYNCING
+
+
+async def test_no_probe_majority_quarantines_nothing() -> None:
+    async for f in make_fleet(2, QuarantineSettings(enabled=True, min_active=0, recheck_s=0)):
+        await perturb(f.urls[1])  # never checked before: two boxes that differ, nobody can tell which
+        await f.probes.check_all()
+        assert {b.trust.state(0) for b in f.boxes} == {Trust.DISAGREES}
+        assert all(b.state == State.ACTIVE for b in f.boxes) and f.quarantine.status()["fleet_wide"]
+
+
+async def test_a_quarantined_box_serves_again_after_a_reload_and_a_passing_probe(fleet: Fleet) -> None:
+    f = fleet
+    bad = f.boxes[0]
+    await f.probes.check_all()
+    await perturb(bad.url)
+    await f.probes.check_all()
+    assert bad.quarantined is not None
+    assert not f.registry.transition(bad, State.ACTIVE, "weights pushed")  # a push alone does not readmit it
+    await f.quarantine.readmit()  # not reloaded yet: not even probed
+    assert bad.state == State.SYNCING
+    for box in f.boxes[1:]:  # the fleet moves to version 1
+        f.registry.set_weight_version(box, 1)
+        await f.probes.check(box)
+    await reload_clean(f, bad, 1)
+    await f.quarantine.readmit()
+    assert bad.state == State.ACTIVE and bad.quarantined is None and bad.trust.state(1) == Trust.CHECKED
+    assert f.quarantine.status()["lifted"] == 1 and f.quarantine.status()["quarantined_now"] == []
