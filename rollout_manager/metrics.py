@@ -104,7 +104,8 @@ class MismatchCollector(Collector):
                                   "The instance's weighted gap over the fleet's median.", labels=["endpoint"])
         outlier = GaugeMetricFamily(PREFIX + "instance_mismatch_outlier",
                                     "1 while the instance's gap is above mismatch_outlier_multiple x the fleet's "
-                                    "median (and above mismatch_floor); report only.", labels=["endpoint"])
+                                    "median (and above mismatch_floor): quarantined when quarantine is on.",
+                                    labels=["endpoint"])
         step = GaugeMetricFamily(PREFIX + "instance_mismatch_last_step",
                                  "The trainer step the instance's gap was last reported for.", labels=["endpoint"])
         for inst in instances:

@@ -119,7 +119,9 @@ def test_a_cut_back_keeps_the_vouched_tokens_and_earlier_segments() -> None:
     seq.logprobs.extend([[-1.0, t, None] for t in range(10)])
     seq.segments[:] = [Segment("a", "a:1", "0", 0, 4, "failed"), Segment("b", "b:1", "0", 4, 10, "running", 7)]
     seq.versions[:] = [0]
-    assert seq.cut_point("b") == 7 and seq.cut_point("a") == 10
+    assert seq.cut_point("b") == 7 and seq.cut_point("a") == 0  # nothing of a's vouched for
+    seq.segments[0].trusted = 4
+    assert seq.cut_point("a") == 10
     seq.cut_back(7, "quarantined")
     assert list(seq.output_ids) == list(range(7)) and len(seq.logprobs) == 7
     assert [(s.instance, s.start, s.end) for s in seq.segments] == [("a", 0, 4), ("b", 4, 7)]

@@ -285,7 +285,8 @@ async def update_metrics(request: web.Request, body: UpdateMetrics, _: Any) -> w
 
 @accepts(UpdateMismatch)
 async def update_mismatch(request: web.Request, body: UpdateMismatch, _: Any) -> web.Response:
-    """A step's trainer/rollout log-prob mismatch per instance: each instance's trust figure (report only)."""
+    """A step's trainer/rollout log-prob mismatch per instance: each instance's trust figure (outliers are
+    quarantined)."""
     result = manager_of(request).update_mismatch(
         body.step, [BoxReport(b.instance, b.tokens, b.mean_abs_diff, b.k3_kl) for b in body.boxes],
         body.unattributed_tokens)

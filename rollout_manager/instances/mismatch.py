@@ -8,7 +8,8 @@ its ratio to the fleet's median. A single box's bad GPU, kernel or stray weight 
 instance far above the median; every instance above ``mismatch_floor`` together says the trainer and
 the fleet disagree as a whole (a dtype, a weight sync gone wrong): then it is not the boxes' fault.
 
-Report only: nothing here takes an instance out of service. No I/O; the event loop alone writes it.
+Nothing here takes an instance out of service (``quarantine.py`` acts on the verdicts). No I/O; the event
+loop alone writes it.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class Migrator:
 
     def enter(self, key: int, seq: SequenceState, inst: Instance, rid: str) -> None:
         """A segment of ``seq`` starts streaming from ``inst`` as engine request ``rid``."""
-        seq.migration.leaving, seq.migration.reason, seq.migration.cut = False, "", False
+        seq.migration.leaving, seq.migration.reason, seq.migration.cut = False, "", None
         self._live[key] = (seq, inst, rid)  # tracked even with migration off: evict() needs it
         if self.policy is not None and (self._timer is None or self._timer.done()):
             self._timer = asyncio.ensure_future(self._plan_periodically())
@@ -76,11 +76,10 @@ class Migrator:
         target = move.target.endpoint if move.target is not None else "another instance"
         why = f" ({move.reason})" if move.reason else ""
         segment.outcome = f"migrated to {target}{why}"
-        if move.cut:
-            at = seq.cut_point(segment.instance)
+        if move.cut is not None:
             made = len(seq.output_ids)
-            seq.cut_back(at, move.reason)
-            move.cut = False
+            seq.cut_back(seq.cut_point(move.cut), move.reason)
+            move.cut = None
             self.stats["cut_back_tokens"] += made - len(seq.output_ids)
         self.stats["evicted" if move.reason else "migrated"] += 1
         log.info("sequence %s moved from %s to %s after %d token(s)%s", seq.rid, segment.endpoint, target,
@@ -90,28 +89,28 @@ class Migrator:
         """Move every sequence streaming from ``inst`` elsewhere now, whatever the policy: the instance
         must be idle (a weight load whose cache flush SGLang refuses while requests run). Each is
         aborted there and continues from the tokens made on whichever instance the dispatcher picks.
-        ``cut``: ``inst`` is quarantined, and each is cut back to its last trusted token first
+        ``cut``: ``inst`` is quarantined: every running sequence with tokens it made that no passing probe
+        vouched for (wherever it runs now) is moved too, cut back to before the first of them
         (``SequenceState.cut_point``). Returns how many were started moving."""
         moved = 0
         for seq, where, rid in list(self._live.values()):
-            if where is not inst or seq.migration.leaving or seq.finish is not None:
+            if seq.migration.leaving or seq.finish is not None:
                 continue
-            seq.migration.leaving, seq.migration.reason, seq.migration.cut = True, reason, cut
+            if where is not inst and not (cut and seq.cut_point(inst.id) < len(seq.output_ids)):
+                continue
+            seq.migration.leaving, seq.migration.reason = True, reason
+            seq.migration.cut = inst.id if cut else None
             self._start_abort(seq, where, rid)
             moved += 1
         return moved
 
     def vouch(self, inst: Instance, version: int) -> int:
-        """A probe of ``inst`` at ``version`` passed: the tokens its running segments at that version made so
-        far are trusted. Returns how many segments it vouched for."""
+        """A probe of ``inst`` at ``version`` passed: the tokens it made so far at that version in every running
+        sequence (on it now or moved on) are trusted. Returns how many segments it vouched for."""
         n = 0
-        for seq, where, _ in self._live.values():
-            if where is not inst:
-                continue
-            for seg in reversed(seq.segments):
-                if seg.instance != inst.id:
-                    break
-                if seg.weight_version in (None, str(version)):
+        for seq, _, _ in self._live.values():
+            for seg in seq.segments:
+                if seg.instance == inst.id and seg.weight_version in (None, str(version)):
                     seg.trusted = seg.end
                     n += 1
         return n

@@ -48,7 +48,8 @@ class Migration:
     reserved: int = 0  # tokens reserved on target
     leaving: bool = False  # the running segment is being taken off its instance
     reason: str = ""  # why it is being taken off ("": tail migration; else an eviction's reason)
-    cut: bool = False  # its instance was quarantined: cut back to its last trusted token before it goes on
+    # A quarantined instance it has tokens of: cut back to before the first it made unvouched before it goes on.
+    cut: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +131,15 @@ class SequenceState:
             self.experts.reset()
 
     def cut_point(self, instance: str) -> int:
-        """Where a quarantine of ``instance`` cuts this sequence back to: the first of its latest segments on
-        ``instance`` whose tokens were not all vouched for by a passing probe, at the last vouched token."""
-        cut = len(self.output_ids)
-        for seg in reversed(self.segments):
+        """Where a quarantine of ``instance`` cuts this sequence back to: the first token ``instance`` made that
+        no passing probe vouched for (``Segment.trusted``); the sequence's length when there is none."""
+        for seg in self.segments:
             if seg.instance != instance:
-                break
+                continue
             trusted = seg.start if seg.trusted is None else min(max(seg.trusted, seg.start), seg.end)
             if trusted < seg.end:
-                cut = trusted
-        return cut
+                return trusted
+        return len(self.output_ids)
 
     def cut_back(self, at: int, why: str) -> None:
         """Throw away the tokens from ``at`` on (made by a quarantined instance since it was last vouched for):
