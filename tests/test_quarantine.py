@@ -26,6 +26,7 @@ from rollout_manager.instances.trust import Trust
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.migration import distrust
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import Segment, SequenceState
@@ -128,6 +129,8 @@ def test_a_cut_back_keeps_the_vouched_tokens_and_earlier_segments() -> None:
     assert [(s.start, s.end, s.outcome) for s in seq.discarded] == [(7, 10, "distrusted: quarantined")]
     seq.segments[-1].trusted = None  # nothing of b vouched for: back to where it began
     assert seq.cut_point("b") == 4
+    distrust(seq, "b", "quarantined")  # what an answer that finished before its cut-back says
+    assert seq.segments[0].outcome == "failed" and seq.segments[1].outcome.endswith("; distrusted: quarantined")
 
 
 # ------------------------------------------------------------------ CPU engines
@@ -160,6 +163,30 @@ async def test_a_perturbed_box_is_quarantined_and_its_sequence_finishes_elsewher
     # nothing new goes to it
     later = as_json(await f.generator.generate(decode(greedy(5))))
     assert f.boxes[0].id not in {s["instance"] for s in later["meta_info"]["segments"]}
+
+
+async def test_a_sequence_that_left_the_box_unvouched_is_cut_back_where_it_runs_now(fleet: Fleet) -> None:
+    f = fleet
+    reference = as_json(await f.generator.generate(decode(greedy(40))))["output_ids"]
+    await f.probes.check_all()  # every box checked: the baselines a perturbation moves away from
+    for url in f.urls[:2]:
+        await post(url, "/debug/faults", {"token_delay_s": 0.01})
+    base = f.generator.dispatcher.streamed_tokens
+    running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
+    await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and f.generator.dispatcher.streamed_tokens > base + 5)
+    dispatcher = f.generator.dispatcher
+    assert dispatcher.claim(f.boxes[0], 1)  # box 0 looks busy: the move goes to box 1
+    assert f.generator.evict(f.boxes[0], "test move") == 1
+    await async_wait_until(lambda: f.boxes[1].load.in_flight == 1)
+    dispatcher.release(f.boxes[0], 1)
+    await perturb(f.urls[0])
+    await f.probes.check_all()
+    assert f.boxes[0].quarantined is not None
+    answer = as_json(await running)
+    assert answer["output_ids"] == reference
+    discarded = answer["meta_info"]["discarded_segments"]
+    assert discarded[0]["instance"] == f.boxes[0].id and discarded[0]["start"] == 0  # nothing of it was vouched
+    assert f.boxes[0].id not in {s["instance"] for s in answer["meta_info"]["segments"]}
 
 
 async def test_a_clean_fleet_quarantines_nothing(fleet: Fleet) -> None:

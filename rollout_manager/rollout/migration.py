@@ -63,6 +63,9 @@ class Migrator:
     def leave(self, key: int, seq: SequenceState, segment: Segment) -> None:
         """The segment ended (finished, failed, moved or cancelled)."""
         self._live.pop(key, None)
+        if seq.migration.cut is not None and seq.finish is not None:  # finished before its abort landed
+            distrust(seq, seq.migration.cut, seq.migration.reason)
+            seq.migration.cut = None
         if not segment.outcome.startswith("migrated") or seq.remaining == 0:
             self._drop_handoff(seq)  # it ended where it ran: the instance reserved for it is free again
         seq.migration.leaving = False
@@ -200,3 +203,12 @@ class Migrator:
             started += 1
             self._start_abort(seq, src, rid)
         return started
+
+
+def distrust(seq: SequenceState, instance: str, why: str) -> None:
+    """``seq`` finished with tokens from the quarantined ``instance`` that no probe vouched for (it ended
+    before it could be cut back): its answer says so on each such segment."""
+    at = seq.cut_point(instance)
+    for seg in seq.segments:
+        if seg.instance == instance and seg.end > at:
+            seg.outcome = f"{seg.outcome}; distrusted: {why}"
