@@ -61,7 +61,7 @@ async def make_fleet(n: int, settings: QuarantineSettings) -> AsyncIterator[Flee
     generator = Generator(Dispatcher(registry, LeastInFlight()), client, SETTINGS, LocalBudget(0.0, 0.0, 1.0),
                           on_instance_failure=lambda i, e: None, on_instance_success=lambda i: None)
     ledger = MismatchLedger(MismatchSettings(alpha=1.0, outlier_multiple=3.0, floor=0.05))
-    quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.vouch)
+    quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.mark)
     boxes = []
     for server in servers:
         inst = registry.add("127.0.0.1", server.port or 0, Kind.REMOTE)
@@ -143,7 +143,7 @@ async def test_a_perturbed_box_is_quarantined_and_its_sequence_finishes_elsewher
     base = f.generator.dispatcher.streamed_tokens
     running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
     await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and f.generator.dispatcher.streamed_tokens > base + 5)
-    assert await f.probes.check(f.boxes[0]) == Trust.CHECKED  # vouches for the tokens made so far
+    assert await f.probes.check(f.boxes[0]) == Trust.CHECKED  # vouches for the tokens made before it was sent
     vouched = f.generator.dispatcher.streamed_tokens
     await async_wait_until(lambda: f.generator.dispatcher.streamed_tokens > vouched + 3)
     await perturb(f.urls[0])
@@ -245,3 +245,14 @@ async def test_a_quarantined_box_serves_again_after_a_reload_and_a_passing_probe
     await f.quarantine.readmit()
     assert bad.state == State.ACTIVE and bad.quarantined is None and bad.trust.state(1) == Trust.CHECKED
     assert f.quarantine.status()["lifted"] == 1 and f.quarantine.status()["quarantined_now"] == []
+
+
+async def test_a_quarantined_box_that_is_removed_is_forgotten_but_its_span_stays_listed(fleet: Fleet) -> None:
+    f = fleet
+    await f.probes.check_all()
+    await perturb(f.urls[2])
+    await f.probes.check_all()
+    assert f.quarantine.status()["quarantined_now"] == [f.boxes[2].id]
+    f.registry.transition(f.boxes[2], State.DEAD, "removed by request")
+    status = f.quarantine.status()
+    assert status["quarantined_now"] == [] and [s["instance"] for s in status["distrusted_spans"]] == [f.boxes[2].id]

@@ -33,6 +33,8 @@ log = logging.getLogger("rollout_manager.trust")
 
 # (base_url, prompt ids, rid, timeout_s) -> the prompt's log-probs; raises ProbeFailed
 PrefillFn = Callable[[str, list[int], str, float], Awaitable[list[float]]]
+# (the box about to be probed, the version it serves): told as each probe is sent
+StartListener = Callable[[Instance, int], None]
 # (the box just probed, the version, each judged box's verdict there): told after each probe that was judged
 VerdictListener = Callable[[Instance, int, list[tuple[Instance, Trust]]], None]
 KEEP_VERSIONS = 4  # probe results kept for this many recent versions
@@ -64,6 +66,7 @@ class ProbeMonitor:
         self._due: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.start_listeners: list[StartListener] = []
         self.verdict_listeners: list[VerdictListener] = []
         registry.listeners.append(self._on_event)
 
@@ -122,6 +125,8 @@ class ProbeMonitor:
         version = inst.versions.serving(inst.weight_version)
         engine = inst.engine
         ids = probe_ids(engine.vocab_size)
+        for started in list(self.start_listeners):
+            started(inst, version)
         try:
             values = await self.prefill(inst.url, ids, PROBE_RID_PREFIX + uuid.uuid4().hex,
                                         self.settings.timeout_s)

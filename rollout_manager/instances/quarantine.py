@@ -31,7 +31,7 @@ from typing import Any
 
 from rollout_manager.instances.mismatch import MismatchLedger
 from rollout_manager.instances.probe import ProbeMonitor
-from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.trust import Trust
 
 log = logging.getLogger("rollout_manager.trust")
@@ -40,8 +40,8 @@ KEEP_SPANS = 100  # distrusted spans kept for the status
 
 # (instance, reason, cut back) -> sequences started moving off it
 Evict = Callable[[Instance, str, bool], int]
-# (instance, version) -> running segments vouched for by a passing probe
-Vouch = Callable[[Instance, int], int]
+# (instance, version), as a probe is sent -> what vouches for what it made so far there, once the probe passed
+Mark = Callable[[Instance, int], Callable[[], int]]
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,14 @@ class Quarantine:
     """Acts on the probe's and the ledger's verdicts (see the module's docstring)."""
 
     def __init__(self, registry: Registry, probes: ProbeMonitor, ledger: MismatchLedger, settings: QuarantineSettings,
-                 evict: Evict, vouch: Vouch, *, wall: Callable[[], float] = time.time) -> None:
+                 evict: Evict, mark: Mark, *, wall: Callable[[], float] = time.time) -> None:
         self.registry = registry
         self.probes = probes
         self.ledger = ledger
         self.settings = settings
         self.evict = evict
-        self.vouch = vouch
+        self.mark = mark
+        self._marks: dict[str, tuple[int, Callable[[], int]]] = {}  # instance -> its probe in flight's mark
         self.wall = wall
         self.at_version: dict[str, int] = {}  # quarantined instance -> the version it served then
         self.passed: dict[str, tuple[int, float]] = {}  # instance -> (version, wall time) of its last passing probe
@@ -91,9 +92,21 @@ class Quarantine:
         self.held_by_floor: str | None = None  # the last quarantine the floor kept back, in words
         self.fleet_wide: str | None = None  # the last time every box disagreed together, in words
         self._task: asyncio.Task[None] | None = None
+        registry.listeners.append(self._on_event)
+        probes.start_listeners.append(self.on_probe_sent)
         probes.verdict_listeners.append(self.on_probe)
 
+    def _on_event(self, inst: Instance, event: Event) -> None:
+        if event.new == State.DEAD:  # ids are never reused: what is kept of it goes (its spans stay listed)
+            for kept in (self.at_version, self.passed, self._marks):
+                kept.pop(inst.id, None)
+
     # ------------------------------------------------------------ verdicts
+    def on_probe_sent(self, inst: Instance, version: int) -> None:
+        """A probe of ``inst`` goes out: a pass vouches for what it made up to now, not for what it makes while
+        the probe runs."""
+        self._marks[inst.id] = (version, self.mark(inst, version))
+
     def on_probe(self, probed: Instance, version: int, judged: list[tuple[Instance, Trust]]) -> None:
         """A probe of ``probed`` at ``version`` was judged (with every box there)."""
         verdicts = {inst.id: trust for inst, trust in judged}
@@ -103,7 +116,9 @@ class Quarantine:
                 self._lift(probed, version)
             else:
                 self.passed[probed.id] = (version, self.wall())
-                self.vouch(probed, version)
+                marked = self._marks.pop(probed.id, None)
+                if marked is not None and marked[0] == version:
+                    marked[1]()
             return
         if mine != Trust.DISAGREES or probed.quarantined is not None:
             return

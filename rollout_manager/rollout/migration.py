@@ -107,16 +107,19 @@ class Migrator:
             moved += 1
         return moved
 
-    def vouch(self, inst: Instance, version: int) -> int:
-        """A probe of ``inst`` at ``version`` passed: the tokens it made so far at that version in every running
-        sequence (on it now or moved on) are trusted. Returns how many segments it vouched for."""
-        n = 0
-        for seq, _, _ in self._live.values():
-            for seg in seq.segments:
-                if seg.instance == inst.id and seg.weight_version in (None, str(version)):
-                    seg.trusted = seg.end
-                    n += 1
-        return n
+    def mark(self, inst: Instance, version: int) -> Callable[[], int]:
+        """A probe of ``inst`` at ``version`` is being sent: what it may vouch for is what ``inst`` made so far at
+        that version in every running sequence (on it now or moved on). Returns what vouches for exactly that,
+        to call once the probe passed (how many segments it vouched for)."""
+        marks = [(seg, seg.end) for seq, _, _ in self._live.values() for seg in seq.segments
+                 if seg.instance == inst.id and seg.weight_version in (None, str(version))]
+
+        def vouch() -> int:
+            for seg, end in marks:
+                seg.trusted = end if seg.trusted is None else max(seg.trusted, end)
+            return len(marks)
+
+        return vouch
 
     def _start_abort(self, seq: SequenceState, src: Instance, rid: str) -> None:
         task = asyncio.ensure_future(self._abort_to_move(seq, src, rid))
