@@ -69,9 +69,9 @@ def fleets(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         futures = {arch: pool.submit(_fleet, arch, models[arch], log_dir) for arch in ARCHS}
         started = {arch: f.result() for arch, f in futures.items() if f.exception() is None}
     try:
-        failed = [f.exception() for f in futures.values() if f.exception() is not None]
-        if failed:
-            raise failed[0]  # type: ignore[misc]
+        for future in futures.values():
+            if (failed := future.exception()) is not None:
+                raise failed
         yield started
     finally:
         for fleet in started.values():
