@@ -5,8 +5,10 @@ to their arithmetic's noise. The noise is the tolerance, on the mean absolute di
 per-token log-probs (a mean, not a max: one near-tie token moves more than the rest without meaning much,
 while a corrupted tensor moves every position):
 
-- float32: 1e-3. The CPU engine is bit-exact (0); SGLang in fp32 differs between batch shapes and kernels
-  by about 1e-5 to 1e-4 per token; a corrupted tensor moves the mean by far more than 1e-3.
+- float32: 1e-3. The CPU engine is bit-exact (0), and so is real SGLang on CPU, in fp32 and bf16, between
+  boxes and whatever shares the probe's batch (measured: docs/reliability.md); on a GPU, kernels chosen by
+  batch shape differ by about 1e-5 to 1e-4 per token (arithmetic, not measured here); a corrupted tensor
+  moves the mean by far more than 1e-3.
 - float16: 2e-2; bfloat16, and a dtype not known ("auto" serves the checkpoint's, which is bf16 for
   nearly every model served): 5e-2. bf16 keeps 8 bits of mantissa, so logits of magnitude 10-30 round by
   0.05-0.1 and a single token's log-prob can move by that much between two kernels; the mean over the
