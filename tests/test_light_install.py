@@ -187,7 +187,7 @@ def test_no_import_path_from_the_daemon_reaches_torch_or_numpy() -> None:
     # And nothing else beyond the base install: each third-party module the daemon can import is a base
     # dependency's (or one of the standard library's).
     base = {"aiohttp", "httptools", "pydantic", "pydantic_core", "orjson", "msgspec", "prometheus_client", "rich",
-            "uvloop", "tomli"}
+            "uvloop", "tomli", "cachetools"}
     third_party = {m for m in parent if "." not in m and m not in sys.stdlib_module_names
                    and m not in ("rollout_manager", "trainer_plugin")}
     assert third_party <= base, {m: _path_to(parent, m) for m in third_party - base}

@@ -348,7 +348,10 @@ async def test_a_call_waiting_for_its_answer_keeps_no_copy_of_the_encoded_body()
     async with relayed(late) as (engine, session, _):
         tracemalloc.start(16)
         try:
-            calls = [asyncio.ensure_future(ids(session, engine.url)) for _ in range(50)]
+            # Patient bounds: tracemalloc slows everything, and this test is about memory, not timing (on a
+            # loaded machine the default 5 s for the first byte ran out before the answer was let go).
+            patient = CallBounds(connect_timeout_s=2.0, stall_timeout_s=120.0)
+            calls = [asyncio.ensure_future(ids(session, engine.url, patient)) for _ in range(50)]
             await poll(lambda: len(engine.heads) == 50)  # every request sent, no answer yet
             held = sum(t.size for t in tracemalloc.take_snapshot().traces
                        if any(f.filename.endswith("generate_request.py") for f in t.traceback))

@@ -154,7 +154,7 @@ def local_ray():
 
         runtime_env = OmegaConf.to_container(OmegaConf.create(get_ppo_ray_runtime_env(config)))
         runtime_env.setdefault("env_vars", {})["TRANSFER_QUEUE_ENABLE"] = "1"
-        ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, object_store_memory=200 << 20,
+        ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, object_store_memory=200 << 20,
                  runtime_env=runtime_env, logging_level="WARNING")
         started.append(True)
         tq.init(config.transfer_queue)
