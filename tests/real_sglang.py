@@ -35,6 +35,7 @@ Every process that imports SGLang gets ``SGLANG_USE_CPU_ENGINE=1`` (its CPU path
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -333,3 +334,14 @@ def start_cpu_engine(log_dir: Path, *flags: str) -> tuple[str, Proc]:
         proc.stop()
         raise
     return f"http://127.0.0.1:{port}", proc
+
+
+async def call(s: Any, url: str, path: str, body: Any) -> tuple[int, Any]:
+    """POST ``body`` as JSON to ``url + path`` (an aiohttp session ``s``): the status and the decoded answer,
+    or its text when it is not JSON (SGLang answers some refusals in plain text)."""
+    async with s.post(url + path, json=body) as r:
+        text = await r.text()
+    try:
+        return r.status, json.loads(text)
+    except ValueError:
+        return r.status, text

@@ -25,6 +25,7 @@ from real_sglang import (
     MOE_LAYERS,
     MOE_TOP_K,
     SGLangServer,
+    call,
     make_tiny_moe,
     start_cpu_engine,
     start_sglang,
@@ -91,15 +92,6 @@ def greedy(n: int) -> dict[str, Any]:
 
 def r3_body(n: int = 4, **extra: Any) -> dict[str, Any]:
     return {"input_ids": PROMPT, "sampling_params": greedy(n), "return_routed_experts": True, **extra}
-
-
-async def call(s: aiohttp.ClientSession, url: str, path: str, body: Any) -> tuple[int, Any]:
-    async with s.post(url + path, json=body) as r:
-        text = await r.text()
-    try:
-        return r.status, json.loads(text)
-    except ValueError:
-        return r.status, text
 
 
 async def stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from real_sglang import Daemon, RealBox, make_tiny_moe, start_boxes, start_manager
+from real_sglang import Daemon, RealBox, call, make_tiny_moe, start_boxes, start_manager
 from support import async_wait_until
 from test_real_sglang_moe import experts, greedy
 
@@ -85,15 +85,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 def r3_body(input_ids: Any, n: int, **extra: Any) -> dict[str, Any]:
     return {"input_ids": input_ids, "sampling_params": greedy(n), "return_routed_experts": True, **extra}
-
-
-async def call(s: aiohttp.ClientSession, url: str, path: str, body: Any) -> tuple[int, Any]:
-    async with s.post(url + path, json=body) as r:
-        text = await r.text()
-    try:
-        return r.status, json.loads(text)
-    except ValueError:
-        return r.status, text
 
 
 async def generate(s: aiohttp.ClientSession, url: str, body: Any) -> Any:
