@@ -11,17 +11,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
-from support import as_json, async_wait_until, free_port
+from support import as_json, async_wait_until
+from test_trust_probe import register_active_fp32, start_cpu_engines, urls
 
-from rollout_manager.cpu_engine.engine import EngineConfig
 from rollout_manager.cpu_engine.model import build_model
-from rollout_manager.cpu_engine.server import create_app
-from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
-from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.instances.trust import Trust
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
@@ -51,9 +48,7 @@ class Fleet:
 
 
 async def make_fleet(n: int, settings: QuarantineSettings) -> AsyncIterator[Fleet]:
-    servers = [TestServer(create_app(EngineConfig()), host="127.0.0.1", port=free_port()) for _ in range(n)]
-    for server in servers:
-        await server.start_server()
+    servers = await start_cpu_engines(n)
     session = aiohttp.ClientSession()
     registry = Registry()
     client = SGLangClient(session)
@@ -62,15 +57,9 @@ async def make_fleet(n: int, settings: QuarantineSettings) -> AsyncIterator[Flee
                           on_instance_failure=lambda i, e: None, on_instance_success=lambda i: None)
     ledger = MismatchLedger(MismatchSettings(alpha=1.0, outlier_multiple=3.0, floor=0.05))
     quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.mark)
-    boxes = []
-    for server in servers:
-        inst = registry.add("127.0.0.1", server.port or 0, Kind.REMOTE)
-        inst.engine = EngineFacts(vocab_size=256, dtype="float32", tp_size=1)
-        registry.transition(inst, State.ACTIVE, "healthy")
-        boxes.append(inst)
+    boxes = register_active_fp32(registry, servers)
     try:
-        yield Fleet(registry, probes, ledger, quarantine, generator, boxes,
-                    [str(s.make_url("")).rstrip("/") for s in servers])
+        yield Fleet(registry, probes, ledger, quarantine, generator, boxes, urls(servers))
     finally:
         await quarantine.close()
         await probes.close()

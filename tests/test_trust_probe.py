@@ -76,24 +76,41 @@ def test_an_answer_without_the_prompts_log_probs_is_no_probe() -> None:
 Fleet = tuple[Registry, ProbeMonitor, list[Instance], list[str]]
 
 
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    """Three CPU engines (seed 0, the same weights) registered and active at version 0."""
-    servers = [TestServer(create_app(EngineConfig()), host="127.0.0.1", port=free_port()) for _ in range(3)]
+async def start_cpu_engines(n: int) -> list[TestServer]:
+    """``n`` CPU engines in process (seed 0: the same weights), listening on free 127.0.0.1 ports."""
+    servers = [TestServer(create_app(EngineConfig()), host="127.0.0.1", port=free_port()) for _ in range(n)]
     for server in servers:
         await server.start_server()
-    session = aiohttp.ClientSession()
-    registry = Registry()
-    client = SGLangClient(session)
-    monitor = ProbeMonitor(registry, client.prefill_logprobs, ProbeSettings(interval_s=0, timeout_s=30, tolerance=0))
+    return servers
+
+
+def register_active_fp32(registry: Registry, servers: list[TestServer]) -> list[Instance]:
+    """Each server registered and active at version 0, serving float32 at TP 1 (the probe's tightest
+    tolerance)."""
     boxes = []
     for server in servers:
         inst = registry.add("127.0.0.1", server.port or 0, Kind.REMOTE)
         inst.engine = EngineFacts(vocab_size=256, dtype="float32", tp_size=1)
         registry.transition(inst, State.ACTIVE, "healthy")
         boxes.append(inst)
+    return boxes
+
+
+def urls(servers: list[TestServer]) -> list[str]:
+    return [str(s.make_url("")).rstrip("/") for s in servers]
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    """Three CPU engines (seed 0, the same weights) registered and active at version 0."""
+    servers = await start_cpu_engines(3)
+    session = aiohttp.ClientSession()
+    registry = Registry()
+    client = SGLangClient(session)
+    monitor = ProbeMonitor(registry, client.prefill_logprobs, ProbeSettings(interval_s=0, timeout_s=30, tolerance=0))
+    boxes = register_active_fp32(registry, servers)
     try:
-        yield registry, monitor, boxes, [str(s.make_url("")).rstrip("/") for s in servers]
+        yield registry, monitor, boxes, urls(servers)
     finally:
         await monitor.close()
         await session.close()
