@@ -150,7 +150,7 @@ class SequenceProgress:
             checked = checked_token_ids(new, self.vocab_size)
             if isinstance(checked, str):
                 raise BadChunk(checked)
-        rows = self._routed_rows(chunk, len(new))
+        rows = None if self.experts is None else self._routed_rows(chunk, len(new))  # no call per chunk without R3
         version = meta.version
         if version is not None and version != self.weight_version and self.version_ok is not None:
             why = self.version_ok(version)  # asked when it changes: chunks repeat the version they run on
