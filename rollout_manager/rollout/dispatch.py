@@ -71,6 +71,7 @@ class _Waiter:
     allow: Callable[[Instance], bool] | None
     future: asyncio.Future[Instance]
     since: float  # when its wait for an instance began (see accepted_at)
+    predicted: float | None = None  # tokens it is predicted to make on this placement (None: no prediction)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
@@ -218,14 +219,16 @@ class Dispatcher:
         return out
 
     def try_acquire(self, tokens: int, avoid: Collection[str] = (), prefer: str | None = None,
-                    allow: Callable[[Instance], bool] | None = None) -> Instance | None:
+                    allow: Callable[[Instance], bool] | None = None,
+                    predicted: float | None = None) -> Instance | None:
         """Pick an instance now, or None. Local (trainer-side) instances are offered the work first.
 
         An instance this sequence already failed on is used again only once it has recovered (a
         health check or another request succeeded there); instances with recent failures get work
         only when no clean instance is there. ``prefer`` (affinity: it holds the request's prefix)
         wins while it is clean and not overloaded; ``allow`` restricts the candidates (the staleness
-        bound).
+        bound); ``predicted`` is how many tokens the sequence is expected to make on this placement
+        (the length model's figure; None where there is none).
         """
         if self.in_flight >= self.max_in_flight_total:
             return None
@@ -286,7 +289,8 @@ class Dispatcher:
         self._busy_changed(inst, now)
 
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
-                      allow: Callable[[Instance], bool] | None = None, since: float | None = None) -> Instance:
+                      allow: Callable[[Instance], bool] | None = None, since: float | None = None,
+                      predicted: float | None = None) -> Instance:
         """Wait until the policy places this sequence, within the bounds; raises Unavailable when no
         instance could serve it for ``timeout_s``.
 
@@ -310,11 +314,11 @@ class Dispatcher:
         if self._left(since, timeout_s, now) <= 0 and not self._fresh(avoid, allow):
             raise self._unavailable(timeout_s)  # its wait is over, and only instances that failed it are left
         if not self._queue:  # nobody is waiting ahead of it
-            inst = self.try_acquire(tokens, avoid, prefer, allow)
+            inst = self.try_acquire(tokens, avoid, prefer, allow, predicted)
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), since)
+        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted)
         self._queue.append(waiter)
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
@@ -400,7 +404,7 @@ class Dispatcher:
                 if self.closing:
                     waiter.future.set_exception(Unavailable("rollout manager is shutting down; no new work is placed"))
                     continue
-                inst = self.try_acquire(waiter.tokens, waiter.avoid, waiter.prefer, waiter.allow)
+                inst = self.try_acquire(waiter.tokens, waiter.avoid, waiter.prefer, waiter.allow, waiter.predicted)
                 if inst is not None:
                     self._queue.popleft()
                     waiter.future.set_result(inst)
