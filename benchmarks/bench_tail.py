@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import random
 import statistics
 import sys
@@ -89,6 +90,7 @@ class Result:
     total: int
     fleet: dict[str, Any]
     moved: int = 0  # sequences the manager ran on more than one box
+    pieces: float = 0.0  # the manager's segments per sequence (engine calls it was made in)
     clairvoyant: float = 0.0
     bound: float = 0.0
     planned: float = 0.0
@@ -182,8 +184,10 @@ async def run_path(s: aiohttp.ClientSession, fleet: Fleet, step: Step, path: str
     makespan = time.monotonic() - t0
     exact = sum(1 for x in step.samples
                 if outs[x.index]["output_ids"] == reference(x.prompt, x.seed, step.budget, model))
-    moved = sum(1 for o in outs.values() if len(o["meta_info"].get("segments") or []) > 1)
-    return Result(path, seed, epoch, makespan, exact, len(step.samples), await fleet.stats(s), moved)
+    segments = [o["meta_info"].get("segments") or [] for o in outs.values()]
+    moved = sum(1 for segs in segments if len({sg.get("endpoint") for sg in segs}) > 1)
+    pieces = sum(len(segs) for segs in segments) / len(segments)
+    return Result(path, seed, epoch, makespan, exact, len(step.samples), await fleet.stats(s), moved, pieces)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -283,14 +287,22 @@ async def bench(args: argparse.Namespace) -> list[Result]:
 def line(r: Result) -> str:
     f = r.fleet
     return (f"| {r.seed} | {r.epoch} | {r.path} | {r.makespan:.2f} | {r.makespan / r.clairvoyant:.2f} | "
-            f"{r.makespan / r.bound:.2f} | {f['regenerated']} | {f['prefill_output']} | {r.moved} | "
+            f"{r.makespan / r.bound:.2f} | {f['regenerated']} | {f['prefill_output']} | {r.moved} | {r.pieces:.2f} | "
             f"{r.exact}/{r.total} | {f['late_s'] * 1000:.0f} |")
+
+
+def machine() -> str:
+    """The CPU model, its cores and the Python that ran the benchmark."""
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def report(results: list[Result], args: argparse.Namespace, specs: list[BoxSpec], fleet_cpu: float) -> None:
     first = [r for r in results if r.epoch == 0]
     c0 = [r for r in first if r.path == "clairvoyant"]
-    print(f"\nfleet: {len(specs)} boxes, speeds {args.speeds}, {args.max_running} running at most each, decode step "
+    print(f"\nmachine: {machine()}")
+    print(f"fleet: {len(specs)} boxes, speeds {args.speeds}, {args.max_running} running at most each, decode step "
           f"({specs[0].base_ms:g} + {specs[0].per_seq_ms:g} x running) ms / speed, prefill {specs[0].prefill_ms:g} "
           f"ms per token / speed; fleet process CPU {100 * fleet_cpu:.0f}% of one core over the run")
     print(f"step: {args.groups} groups x {args.samples} samples, lengths lognormal (groups' median {args.median:g}, "
@@ -298,8 +310,8 @@ def report(results: list[Result], args: argparse.Namespace, specs: list[BoxSpec]
           f"clairvoyant plan simulated / lower bound: "
           + ", ".join(f"{r.planned / r.bound:.2f}" for r in c0))
     print("\n| seed | epoch | path | makespan s | / clairvoyant | / lower bound | tokens regenerated | output tokens "
-          "re-prefilled | sequences moved | outputs exact | fleet's worst step lag ms |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+          "re-prefilled | sequences moved | segments per sequence | outputs exact | fleet's worst step lag ms |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for r in results:
         print(line(r))
     paths = list(dict.fromkeys(r.path for r in results))
