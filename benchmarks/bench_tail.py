@@ -108,7 +108,7 @@ def make_step(seed: int, epoch: int, args: argparse.Namespace, model: LengthMode
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, OUTPUT_BASE) for _ in range(args.prompt_tokens)] for _ in range(args.groups)]
     seeds = random.Random(f"{seed}/{epoch}")
-    samples = []
+    samples: list[Sample] = []
     for g, prompt in enumerate(prompts):
         key = prompt_key(prompt)
         for _ in range(args.samples):
@@ -156,13 +156,30 @@ class Fleet:
             return out
 
 
-async def run_path(s: aiohttp.ClientSession, fleet: Fleet, step: Step, path: str, tag: str, *,
+async def run_path(control: aiohttp.ClientSession, fleet: Fleet, step: Step, path: str, tag: str, *,
                    urls: list[str] | None = None, plan: Plan | None = None, caps: list[int] | None = None,
-                   manager: bool = False,
-                   seed: int = 0, epoch: int = 0, model: LengthModel) -> Result:
-    """One step through one path; its makespan (first send to last answer) and the fleet's counts."""
-    await fleet.reset(s)
-    outs: dict[int, dict[str, Any]] = {}
+                   manager: bool = False, seed: int = 0, epoch: int = 0, model: LengthModel) -> Result:
+    """One step through one path; its makespan (first send to last answer) and the fleet's counts. The
+    requests go on connections of their own (a pooled one idle since the last run may be closing)."""
+    await fleet.reset(control)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+        makespan, outs = await send_step(s, fleet, step, tag, urls, plan, caps, manager)
+    exact = sum(1 for x in step.samples
+                if outs[x.index]["output_ids"] == reference(x.prompt, x.seed, step.budget, model))
+    segments = [o["meta_info"].get("segments") or [] for o in outs.values()]
+    moved = sum(1 for segs in segments if len({sg.get("endpoint") for sg in segs}) > 1)
+    pieces = sum(len(segs) for segs in segments) / len(segments)
+    return Result(path, seed, epoch, makespan, exact, len(step.samples), await fleet.stats(control), moved, pieces)
+
+
+Outputs = dict[int, dict[str, Any]]
+
+
+async def send_step(s: aiohttp.ClientSession, fleet: Fleet, step: Step, tag: str, urls: list[str] | None,
+                    plan: Plan | None, caps: list[int] | None, manager: bool) -> tuple[float, Outputs]:
+    """Send the step: by ``plan`` straight to the boxes, else all at once round robin over ``urls``."""
+    outs: Outputs = {}
     t0 = time.monotonic()
     if plan is not None:
         assert caps is not None
@@ -181,13 +198,7 @@ async def run_path(s: aiohttp.ClientSession, fleet: Fleet, step: Step, path: str
         async def one(sample: Sample) -> None:
             outs[sample.index] = await post(s, urls[sample.index % len(urls)], body_of(sample, step, tag, manager))
         await asyncio.gather(*(one(x) for x in step.samples))
-    makespan = time.monotonic() - t0
-    exact = sum(1 for x in step.samples
-                if outs[x.index]["output_ids"] == reference(x.prompt, x.seed, step.budget, model))
-    segments = [o["meta_info"].get("segments") or [] for o in outs.values()]
-    moved = sum(1 for segs in segments if len({sg.get("endpoint") for sg in segs}) > 1)
-    pieces = sum(len(segs) for segs in segments) / len(segments)
-    return Result(path, seed, epoch, makespan, exact, len(step.samples), await fleet.stats(s), moved, pieces)
+    return time.monotonic() - t0, outs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -244,7 +255,7 @@ async def bench(args: argparse.Namespace) -> list[Result]:
         base_root = None if args.no_baseline else worktree(args.baseline_rev, args.cache_dir)
         cpu0, wall0 = cpu_s(pid), time.monotonic()
         timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as s:
             for url in urls:
                 await wait_ok(url + "/health")
             router_url = None
