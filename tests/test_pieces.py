@@ -77,17 +77,20 @@ def test_bodies_whose_continuation_is_not_exact_are_not_divided(extra: dict[str,
 
 def test_the_tally_says_the_counts_of_the_whole_sequence() -> None:
     tally = PieceTally()
-    piece = FinalMeta("0", other={"cached_tokens": 90, "reasoning_tokens": 8})
+    piece = FinalMeta("0", other={"cached_tokens": 90, "reasoning_tokens": 8,
+                                  "cached_tokens_details": {"device": 90, "host": 0}})
     tally.add(piece, prompt=100, made_before=0)
     tally.add(FinalMeta("0", other={"cached_tokens": 107, "reasoning_tokens": 8}), 100, 8)  # stayed: 1 recomputed
-    stayed = FinalMeta("0", other={"cached_tokens": 115, "reasoning_tokens": 4, "output_token_logprobs_length": 4})
+    stayed = FinalMeta("0", other={"cached_tokens": 115, "reasoning_tokens": 4, "output_token_logprobs_length": 4,
+                                   "cached_tokens_details": {"device": 115, "host": 0}})
     lists = {"output_token_logprobs": [[0.0, 1, None]] * 20}
     whole = replace(tally)
     whole.sums = dict(tally.sums)
     whole.add(stayed, 100, 16)
     # every piece stayed: what the cache served of the caller's prompt, as an undivided answer says it
     assert whole.merged(stayed, 20, lists).other == {"cached_tokens": 90, "reasoning_tokens": 20,
-                                                     "output_token_logprobs_length": 20}
+                                                     "output_token_logprobs_length": 20,
+                                                     "cached_tokens_details": {"device": 90, "host": 0}}
     moved = FinalMeta("0", other={"cached_tokens": 0, "reasoning_tokens": 4})
     tally.add(moved, 100, 16)  # moved: 116 prefilled again, one of them an undivided run computes too
     assert tally.merged(moved, 20, lists).other == {"cached_tokens": max(90 - 115, 0), "reasoning_tokens": 20}

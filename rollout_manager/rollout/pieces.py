@@ -21,6 +21,10 @@ from rollout_manager.sglang.finish import FinalMeta
 # Final meta_info counts that SGLang gives per request and an undivided answer gives for the whole sequence.
 SUMMED_META = ("reasoning_tokens", "num_retractions", "spec_verify_ct", "spec_num_correct_drafts",
                "spec_num_proposed_drafts")
+# Final meta_info fields about the request's start (its prompt in the prefix cache, its wait, its first token):
+# the first piece's are the whole sequence's. Those about its end are the last piece's, as they come.
+FIRST_META = ("cached_tokens_details", "queue_time", "first_token_latency", "request_received_ts",
+              "forward_entry_time", "prefill_finished_time")
 # Final meta_info lengths of per-token lists the manager gathers over the whole sequence: key -> the list's key.
 LENGTH_META = {"output_token_logprobs_length": "output_token_logprobs",
                "output_token_sampling_mask_length": "output_token_sampling_mask"}
@@ -68,12 +72,15 @@ class PieceTally:
     cached: int | None = None  # the first piece's cached_tokens (None: not reported)
     prefilled: int = 0  # tokens later pieces prefilled again
     sums: dict[str, int] = field(default_factory=dict)
+    first: dict[str, Any] = field(default_factory=dict)  # the first piece's FIRST_META fields
     pieces: int = 0  # pieces folded in
 
     def add(self, meta: FinalMeta, prompt: int, made_before: int) -> None:
         """A piece ended with ``meta``; its request's input was the ``prompt`` plus ``made_before`` tokens."""
         other = meta.other
         cached = other.get("cached_tokens")
+        if self.pieces == 0:
+            self.first = {k: other[k] for k in FIRST_META if k in other}
         if type(cached) is int:
             if self.pieces == 0:
                 self.cached = cached
@@ -92,6 +99,9 @@ class PieceTally:
         other = dict(meta.other)
         if self.cached is not None and "cached_tokens" in other:
             other["cached_tokens"] = max(self.cached - self.prefilled, 0)
+        for key, value in self.first.items():
+            if key in other:
+                other[key] = value
         for key, total in self.sums.items():
             if key in other:
                 other[key] = total
