@@ -6,6 +6,7 @@ sequence (the fake model is greedy: ``fakes.reference``), its segments, and an u
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,7 +15,11 @@ import aiohttp
 import pytest
 from fakes import FakeSGLang, reference, register_active, start_fakes
 from fakes import HealthRecorder as Health
-from support import as_json
+from support import as_json, async_wait_until
+from test_routed_experts import PROMPT as R3_PROMPT
+from test_routed_experts import _alone, rows
+from test_routed_experts import body as r3_body
+from test_routed_experts import rig as r3_rig  # noqa: F401  (the R3 tests' fixture: CPU engines in process)
 
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -267,6 +272,20 @@ async def test_each_boundary_asks_for_the_instance_it_is_on_with_what_is_still_e
     assert all(isinstance(p, float) and 0 <= p <= 40 - made for p, made in zip(predicted, (0, 16, 32)))
 
 
+ONCE = replace(SETTINGS, engine_stream_interval=16)
+
+
+@pytest.mark.parametrize("rig", [ONCE], indirect=True)
+async def test_pieces_that_fit_one_chunk_interval_are_one_answer_each(rig: Rig) -> None:
+    (a,) = register_active(rig.registry, rig.fakes[:1])
+    out = await generate_one(rig.generator, body(40))
+    assert out["output_ids"] == reference(PROMPT, 40)
+    assert spans(out["meta_info"]) == [(a.id, 0, 40, "finished")]
+    sent = rig.fakes[0].requests
+    assert [(r["stream"], r["sampling_params"]["max_new_tokens"]) for r in sent] == \
+        [(False, 8), (False, 8), (False, 16), (False, 8)]
+
+
 STALENESS = replace(SETTINGS, max_staleness=0, staleness_action="restart")
 
 
@@ -286,3 +305,34 @@ async def test_a_boundary_never_restarts_a_stale_sequence(rig: Rig) -> None:
     assert out["output_ids"] == reference(PROMPT, 40)
     assert [(i, s, e) for i, s, e, _ in spans(out["meta_info"])] == [(a.id, 0, 40)]  # stayed where it was
     assert rig.generator.stats["stale_restarts"] == 0 and "discarded_segments" not in out["meta_info"]
+
+
+# ------------------------------------------------------------------ routed experts (R3), on CPU engines in process
+
+
+async def test_a_divided_sequence_gets_the_experts_of_one_uninterrupted_engine(r3_rig: Any) -> None:  # noqa: F811
+    """Each piece asks its engine only for the rows the sequence lacks; together they are one engine's."""
+    r3_rig.generator.settings = replace(r3_rig.generator.settings, pieces=PIECES)
+    r3_rig.register(0)
+    out = await r3_rig.run(r3_body(40))
+    reference = await _alone(r3_rig, 40)
+    assert out["output_ids"] == reference["output_ids"]
+    assert (rows(out["meta_info"]) == rows(reference["meta_info"])).all()
+    sent = r3_rig.requests[0]
+    assert [r["routed_experts_start_len"] for r in sent] == [0] + [len(R3_PROMPT) + n - 1 for n in (8, 16, 32)]
+    assert r3_rig.generator.stats["pieces"] == 3
+
+
+async def test_a_sequence_moved_off_its_instance_mid_piece_goes_on_in_pieces(rig: Rig) -> None:
+    rig.fakes[0].stall_after_tokens = 4  # in the first piece: it sits there until moved
+    a, b = register_active(rig.registry, rig.fakes)
+    task = asyncio.ensure_future(generate_one(rig.generator, body(40)))
+    await async_wait_until(lambda: len(rig.fakes[0].requests) == 1)
+    assert rig.registry.transition(a, State.DRAINING, "test: drain") and rig.generator.evict(a, "test: drain") == 1
+    out = await task
+    assert out["output_ids"] == reference(PROMPT, 40)
+    meta = out["meta_info"]
+    assert spans(meta) == [(a.id, 0, 4, "migrated to another instance (test: drain)"), (b.id, 4, 40, "finished")]
+    assert [r["sampling_params"]["max_new_tokens"] for r in rig.fakes[1].requests] == [8, 12, 16]
+    stats = rig.generator.stats
+    assert (stats["evicted"], stats["pieces"], stats["failed"]) == (1, 2, 0) and regenerated(meta) == 0
