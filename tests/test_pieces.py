@@ -71,6 +71,7 @@ def test_a_piece_caps_max_and_min_new_tokens() -> None:
     {"sampling_params": {"stop": ["\n\n"]}}, {"sampling_params": {"regex": "[a-z]+"}},
     {"sampling_params": {"n": 2}}, {"sampling_params": {"max_new_tokens": None}},
     {"return_logprob": True, "logprob_start_len": 0}, {"custom_logit_processor": "x"},
+    {"return_hidden_states": True}, {"session_params": {"id": "s"}}, {"max_thinking_tokens": 100},
 ])
 def test_bodies_whose_continuation_is_not_exact_are_not_divided(extra: dict[str, Any]) -> None:
     raw = body(4096)

@@ -22,8 +22,12 @@ from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS, PER_ITEM_LIST_KE
 
 _NONE: dict[str, Any] = {}  # the shared ``rest`` of a body with no other fields (never written to)
 _SAMPLING_KEYS = frozenset({"max_new_tokens", "min_new_tokens", "sampling_seed", "stream_interval"})
-# sampling_params whose effect is one engine request's own (Sampling.divisible).
+# sampling_params and body fields whose effect (or answer) is one engine request's own, not a sequence's
+# continued over several requests (Sampling.divisible, SequenceBody.divisible).
 _PER_REQUEST_SAMPLING = ("stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_PER_REQUEST_BODY = ("custom_logit_processor", "session_id", "session_params", "input_embeds", "image_data",
+                     "video_data", "audio_data", "return_hidden_states", "return_indexer_topk", "return_entropy",
+                     "max_thinking_tokens", "watermark", "positional_embed_overrides")
 
 # ------------------------------------------------------------------ the body as a caller sends it (the schema)
 
@@ -132,11 +136,13 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     def divisible(self) -> bool:
         """Whether this sequence may be generated in pieces with no change to its tokens or its answer: its
         sampling allows it (:attr:`Sampling.divisible`), it has a budget (without one SGLang refuses a piece
-        that would pass the context, where the whole request stops there), and it asks for no prompt
-        log-probs (``logprob_start_len``: a later piece's prompt holds the earlier pieces' tokens)."""
-        start = self.rest.get("logprob_start_len")
+        that would pass the context, where the whole request stops there), it asks for no prompt log-probs
+        (``logprob_start_len``: a later piece's prompt holds the earlier pieces' tokens), and no field makes
+        it one request's (a session, multimodal or embedded input, hidden states, a thinking budget, ...)."""
+        get = self.rest.get
+        start = get("logprob_start_len")
         return (self.sampling.divisible and self.sampling.max_new_tokens is not None
-                and not self.rest.get("custom_logit_processor")
+                and not any(get(k) for k in _PER_REQUEST_BODY)
                 and not (self.return_logprob and isinstance(start, int) and start >= 0))
 
     @classmethod
