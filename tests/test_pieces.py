@@ -337,3 +337,24 @@ async def test_a_sequence_moved_off_its_instance_mid_piece_goes_on_in_pieces(rig
     assert [r["sampling_params"]["max_new_tokens"] for r in rig.fakes[1].requests] == [8, 12, 16]
     stats = rig.generator.stats
     assert (stats["evicted"], stats["pieces"], stats["failed"]) == (1, 2, 0) and regenerated(meta) == 0
+
+
+async def test_a_boundary_leaves_a_box_rolled_back_below_the_sequences_version(rig: Rig) -> None:
+    a, b = register_active(rig.registry, rig.fakes)
+    for inst, fake in zip((a, b), rig.fakes):
+        rig.registry.set_weight_version(inst, 2)
+        fake.weight_version = "2"
+
+    acquire = rig.dispatcher.acquire
+
+    async def roll_a_back_at_the_first_boundary(tokens: int, timeout_s: float, **kw: Any) -> Instance:
+        if kw["prefer"] == a.id:
+            rig.registry.set_weight_version(a, 1)
+        return await acquire(tokens, timeout_s, **kw)
+
+    rig.dispatcher.acquire = roll_a_back_at_the_first_boundary  # type: ignore[method-assign]
+    out = await generate_one(rig.generator, {**body(40), "min_weight_version": 2})
+    assert out["output_ids"] == reference(PROMPT, 40)
+    assert spans(out["meta_info"]) == [(a.id, 0, 8, f"piece ended; the next piece ran on {b.endpoint}"),
+                                       (b.id, 8, 40, "finished")]
+    assert rig.health.failures == []  # never sent back to a to be refused there

@@ -255,7 +255,7 @@ class Generator:
                     seq.piece = self.settings.pieces.size(len(seq.output_ids), seq.remaining,
                                                           None if expected is None else expected.median)
                 if here is not None:  # never a staleness restart at a boundary: it would make tokens again
-                    allow = _or_here(here, self._allowed(seq, restart=False))
+                    allow = _or_here(here, self._allowed(seq, restart=False), max(seq.versions, default=0))
                 else:
                     allow = self._allowed(seq)
                 if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
@@ -411,12 +411,14 @@ def _still_expected(mean: float, made: int, remaining: int | None) -> float:
     return left if remaining is None else min(left, float(remaining))
 
 
-def _or_here(here: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool] | None:
-    """``allow``, and the instance the sequence's last piece ran on: staying there is what an undivided run
-    does (its weights may have moved on under it, as they may under a running sequence)."""
+def _or_here(here: Instance, allow: Callable[[Instance], bool] | None,
+             newest: int) -> Callable[[Instance], bool] | None:
+    """``allow``, and the instance the sequence's last piece ran on while it serves no version older than
+    ``newest`` (the newest the sequence has tokens of): staying there is what an undivided run does, its
+    weights moved on under it or not; a box rolled back is no longer the sequence's."""
     if allow is None:
         return None
-    return lambda i: i is here or allow(i)
+    return lambda i: (i is here and i.versions.serving(i.weight_version) >= newest) or allow(i)
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
