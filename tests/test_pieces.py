@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from test_routed_experts import body as r3_body
 from test_routed_experts import rig as r3_rig  # noqa: F401  (the R3 tests' fixture: CPU engines in process)
 
 from rollout_manager.instances.registry import Instance, Registry, State
+from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.lengths import LengthModel
@@ -29,8 +31,9 @@ from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.pieces import PieceSettings, PieceTally
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.rollout.sequence import PIECE_END, SequenceState
 from rollout_manager.sglang.client import SGLangClient
-from rollout_manager.sglang.finish import FinalMeta
+from rollout_manager.sglang.finish import FinalMeta, VersionSpan
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
 
 PROMPT = [5, 17, 42]
@@ -358,3 +361,24 @@ async def test_a_boundary_leaves_a_box_rolled_back_below_the_sequences_version(r
     assert spans(out["meta_info"]) == [(a.id, 0, 8, f"piece ended; the next piece ran on {b.endpoint}"),
                                        (b.id, 8, 40, "finished")]
     assert rig.health.failures == []  # never sent back to a to be refused there
+
+
+def test_a_piece_on_the_same_box_extends_its_segment_and_a_new_version_cuts_it_as_undivided() -> None:
+    box = SimpleNamespace(id="a", endpoint="127.0.0.1:1")
+    seq = SequenceState(body=SequenceBody.of(body(40)), rid="r")
+    first = AttemptSegments(seq, box)  # type: ignore[arg-type]
+    seq.output_ids.extend(range(8))
+    first.advance("0", 8)
+    first.current.outcome = PIECE_END
+    second = AttemptSegments(seq, box)  # type: ignore[arg-type]
+    assert second.current is first.current and second.start == 8
+    seq.output_ids.extend(range(8))
+    second.advance("0", 5)
+    second.advance("1", 3)  # staged activation under the second piece, per chunk
+    second.exact([VersionSpan("0", 0, 6), VersionSpan("1", 6, 8)])  # SGLang's exact spans of the second piece
+    assert [(s.weight_version, s.start, s.end) for s in seq.segments] == [("0", 0, 14), ("1", 14, 16)]
+    assert seq.segments[0].outcome == "weight version 1 from token 14" and 1 in seq.versions
+    second.current.outcome = PIECE_END
+    third = AttemptSegments(seq, SimpleNamespace(id="b", endpoint="127.0.0.1:2"))  # type: ignore[arg-type]
+    assert [(s.instance, s.start, s.end) for s in seq.segments] == [("a", 0, 14), ("a", 14, 16), ("b", 16, 16)]
+    assert seq.segments[1].outcome == "piece ended; the next piece ran on 127.0.0.1:2" and third.start == 16
