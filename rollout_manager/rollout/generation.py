@@ -5,7 +5,9 @@ chunk interval and the caller does not stream: then one answer is asked for), an
 log-probs) seen so far are kept. When the instance fails mid-sequence, the sequence continues on another instance
 with ``input_ids`` extended by those tokens and ``max_new_tokens`` reduced by them, so no token is
 lost and none is generated twice; the result lists the segments it was made of (instance, weight
-version, token range) so a sample mixing weight versions is visible.
+version, token range) so a sample mixing weight versions is visible. A long sequence may be generated in
+pieces (:mod:`.pieces`): each attempt asks for at most one, and the next is placed again from the tokens
+made, preferring the instance the sequence is on, the same way but with nothing failed.
 """
 
 from __future__ import annotations
