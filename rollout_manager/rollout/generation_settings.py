@@ -51,6 +51,6 @@ class GenerationSettings:
                    cfg.stream_stall_timeout_s, cfg.engine_stream_interval, migration if cfg.tail_migration else None,
                    cfg.tail_migration_interval_s, None if cfg.max_staleness < 0 else cfg.max_staleness,
                    cfg.staleness_action, first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
+                   pieces=PieceSettings(cfg.piece_tokens, cfg.piece_min_budget, cfg.piece_max_tokens),
                    max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size,
-                   batch_max=cfg.engine_batch_max, length_prediction=cfg.length_prediction,
-                   pieces=PieceSettings(cfg.piece_tokens, cfg.piece_min_budget, cfg.piece_max_tokens))
+                   batch_max=cfg.engine_batch_max, length_prediction=cfg.length_prediction)
