@@ -16,8 +16,10 @@ from rollout_manager.sglang.sse import iter_frames
 
 pytestmark = pytest.mark.slow  # every test here starts real processes
 
-# Pieces of 8, 8, 16, 16, ...: a 48-token sequence is made in 4 (8 + 8 + 16 + 16).
-PIECES = {"piece_tokens": 8, "piece_min_budget": 16, "piece_max_tokens": 16, "engine_stream_interval": 1}
+# Pieces of 8, 8, 16, 16, ...: a 48-token sequence is made in 4 (8 + 8 + 16 + 16). No length prediction (it
+# would make the first piece the predicted median), whatever policy is the default.
+PIECES = {"piece_tokens": 8, "piece_min_budget": 16, "piece_max_tokens": 16, "engine_stream_interval": 1,
+          "scheduler_policy": "throughput_aware", "length_prediction": "false"}
 PROMPT = [3, 1, 4, 1, 5]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 48}
 SEEDED = {"temperature": 1.0, "top_k": 50, "sampling_seed": 1234, "max_new_tokens": 48}

@@ -17,7 +17,8 @@ from rollout_manager.sglang import wire
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
 
 # Pieces of 16, 16, 32, 64 and the rest (32) for a 160-token sequence: 4 boundaries.
-PIECES = {"piece_tokens": "16", "piece_min_budget": "32", "piece_max_tokens": "64", "engine_stream_interval": "8"}
+PIECES = {"piece_tokens": "16", "piece_min_budget": "32", "piece_max_tokens": "64", "engine_stream_interval": "8",
+          "scheduler_policy": "throughput_aware", "length_prediction": "false"}  # (no predicted first piece)
 N = 160
 # Fields of SGLang's final meta_info that say something about the whole request: each the same, divided or not.
 WHOLE = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details",
