@@ -128,6 +128,10 @@ class Config(BaseModel):
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True
     length_prediction: bool = False  # rollout.lengths: observe and predict output lengths per group
+    # Divided rollouts (rollout.pieces): the smallest piece (0: off), the smallest budget divided, the largest piece.
+    piece_tokens: int = Field(default=0, ge=0)
+    piece_min_budget: int = Field(default=1024, ge=1)
+    piece_max_tokens: int = Field(default=4096, ge=1)
     tail_migration_interval_s: float = Field(default=1.0, gt=0)
     tail_migration_min_speedup: float = Field(default=1.25, ge=1)
     tail_migration_min_gain_s: float = Field(default=1.0, ge=0)

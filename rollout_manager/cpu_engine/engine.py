@@ -110,7 +110,17 @@ class Sequence:
         seed = spec.params.sampling_seed
         if seed is None and not spec.params.greedy:
             seed = random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.seed = seed
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator of the draw at the next position, keyed on (seed, position) as SGLang's seeded sampler
+        keys it: a continuation sent the same seed draws what the uninterrupted request would have."""
+        seed = self.seed
+        if seed is None:
+            return None
+        position = len(self.spec.input_ids) + len(self.output_ids)
+        return torch.Generator().manual_seed(hash((seed, position)) & (2**63 - 1))
 
     @property
     def tokens(self) -> list[int]:

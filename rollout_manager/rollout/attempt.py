@@ -32,10 +32,12 @@ from rollout_manager.rollout.outcome import (
     outcome_of,
     settle,
 )
+from rollout_manager.rollout.pieces import PieceTally
 from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
-from rollout_manager.rollout.sequence import Refusal, SequenceState, version_check
+from rollout_manager.rollout.sequence import PIECE_END, Refusal, Segment, SequenceState, version_check
 from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineRejected, SGLangClient, open_stream
 from rollout_manager.sglang.coalesce import Coalescer
+from rollout_manager.sglang.finish import LENGTH
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
 from rollout_manager.sglang.routed_experts import MAX_ROW_TEXT
 from rollout_manager.sglang.wire import GenerateChunk
@@ -83,15 +85,16 @@ class Attempts:
         # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
         # A failure then loses no more than a stream at that interval would (<= interval tokens).
         # Not on a local instance: the local window takes those back every step, routinely.
-        once = (on_tokens is None and interval > 0 and seq.remaining is not None and seq.remaining <= interval
+        limit = seq.limit  # what is left, or one piece of it (rollout.pieces)
+        once = (on_tokens is None and interval > 0 and limit is not None and limit <= interval
                 and inst.kind == Kind.REMOTE)
         body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                             keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed,
-                            experts_from=None if seq.experts is None else seq.experts.end)
+                            experts_from=None if seq.experts is None else seq.experts.end, piece=seq.piece)
         # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
         # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
         progress = SequenceProgress(
-            seq.output_ids, seq.logprobs, limit=seq.remaining, per_token=seq.per_token,
+            seq.output_ids, seq.logprobs, limit=limit, per_token=seq.per_token,
             vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version),
             experts=seq.experts, prompt=len(seq.body.input_ids))
@@ -137,6 +140,8 @@ class Attempts:
             if not isinstance(outcome, (Preempted, CallerError)):
                 outcome = outcome_of(progress.finish, error, migrating=seq.migration.leaving)
             self._carry_out(outcome, seq, inst, segments, progress)
+            if seq.at_boundary and on_tokens is not None:
+                on_tokens(seq)  # the piece's last chunk (a final one) was not streamed yet
         finally:
             if stream is not None and not stream.done():
                 stream.cancel()
@@ -202,9 +207,16 @@ class Attempts:
         segment = segments.current
         match settle(outcome, second_opinion_used=used, others=others):
             case Finished(finish, cut):
-                seq.finish, seq.meta = finish.rebased(segments.start), progress.final
                 seq.texts.append(progress.text)
-                segment.outcome = "finished"
+                if seq.piece is not None and finish.type == LENGTH and progress.made == seq.piece:
+                    self._piece_ended(seq, segment, segments, progress)
+                else:
+                    seq.finish, seq.meta = finish.rebased(segments.start), progress.final
+                    if seq.tally is not None:  # a divided rollout: its counts over every piece
+                        seq.tally.add(seq.meta, len(seq.body.input_ids), segments.start)
+                        seq.meta = seq.tally.merged(seq.meta, len(seq.output_ids),
+                                                    {**seq.per_token, "output_token_logprobs": seq.logprobs})
+                    segment.outcome = "finished"
                 if cut is None:
                     self.on_instance_success(inst)
                 else:
@@ -240,6 +252,19 @@ class Attempts:
                 self.on_instance_failure(inst, error)
             case Cancelled():
                 pass  # nobody waits for it: the attempt's end aborts it on the instance
+
+    def _piece_ended(self, seq: SequenceState, segment: Segment, segments: AttemptSegments,
+                     progress: SequenceProgress) -> None:
+        """The attempt made its piece (rollout.pieces): not the sequence's end, nobody's fault; the generator
+        places the next piece, which continues from here."""
+        segment.outcome = PIECE_END
+        seq.live_text = ""  # the next piece's text so far
+        seq.at_boundary = True
+        seq.pieces += 1
+        if seq.tally is None:
+            seq.tally = PieceTally()
+        seq.tally.add(progress.final, len(seq.body.input_ids), segments.start)
+        self.stats["pieces"] += 1
 
     # ------------------------------------------------------------ refusals
     def _others_may_take(self, seq: SequenceState, inst: Instance) -> bool:

@@ -11,7 +11,7 @@ final chunk (:meth:`.finish.FinalMeta.spans`), which win when present, well form
 from __future__ import annotations
 
 from rollout_manager.instances.registry import Instance
-from rollout_manager.rollout.sequence import Segment, SequenceState
+from rollout_manager.rollout.sequence import PIECE_END, Segment, SequenceState
 from rollout_manager.sglang.finish import VersionSpan
 
 
@@ -20,11 +20,27 @@ def _changed(version: str, at: int) -> str:
 
 
 class AttemptSegments:
-    """This attempt's segments, the last one (``current``) running; ``start``: the token it began at."""
+    """This attempt's segments, the last one (``current``) running; ``start``: the token it began at.
+
+    The next piece of a divided rollout on the instance the last one ran on extends that piece's segment
+    (an undivided run would have one segment there); on another instance it starts a new one, and the last
+    piece's says where the sequence went.
+    """
 
     def __init__(self, seq: SequenceState, inst: Instance) -> None:
         self.seq = seq
         self.start = len(seq.output_ids)
+        last = seq.segments[-1] if seq.segments else None
+        # What an extended segment held before this attempt: from where, at which version (none: not extended).
+        self.base: tuple[int, str | None] | None = None
+        if last is not None and last.outcome == PIECE_END:
+            if last.instance == inst.id and last.end == self.start:
+                last.outcome = "running"
+                self.first = len(seq.segments) - 1
+                self.current = last
+                self.base = (last.start, last.weight_version)
+                return
+            last.outcome = f"{PIECE_END}; the next piece ran on {inst.endpoint}"
         self.first = len(seq.segments)  # where this attempt's segments begin in seq.segments
         self.current = Segment(inst.id, inst.endpoint, None, self.start, self.start)
         seq.segments.append(self.current)
@@ -70,6 +86,15 @@ class AttemptSegments:
                 _note_version(self.seq, version)
             cuts.append(Segment(seg.instance, seg.endpoint, version, self.start + a, self.start + b,
                                 trusted=vouched))
+        if self.base is not None:  # the extended segment's tokens from before this attempt stay as they were
+            start, version = self.base
+            if cuts[0].weight_version == version:
+                cuts[0].start = start
+            else:
+                cuts.insert(0, Segment(seg.instance, seg.endpoint, version, start, self.start,
+                                       _changed(str(cuts[0].weight_version), self.start), vouched))
+                if cuts[1].weight_version is not None:
+                    _note_version(self.seq, cuts[1].weight_version)
         cuts[-1].outcome = seg.outcome
         self.seq.segments[self.first:] = cuts
         self.current = cuts[-1]

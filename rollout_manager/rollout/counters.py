@@ -8,6 +8,8 @@ GENERATION_COUNTERS = {
     "sequences": ("sequences", "Sequences started (each sub-request of a batched input counts once)."),
     "tokens": ("generated_tokens", "Completion tokens of finished sequences; tokens/s is rate() of this."),
     "continuations": ("continuations", "Times a sequence continued on another instance from the tokens made so far."),
+    "pieces": ("pieces", "Piece boundaries of divided rollouts: a piece made its tokens and the next one was placed "
+               "again (not a failure, a continuation or a migration)."),
     "failed": ("failed_sequences",
                "Sequences that failed for the caller (attempts exhausted or no instance: 502/503)."),
     "preempted": ("preempted_sequences", "Sequences moved off a local instance when the local window closed."),

@@ -5,7 +5,9 @@ chunk interval and the caller does not stream: then one answer is asked for), an
 log-probs) seen so far are kept. When the instance fails mid-sequence, the sequence continues on another instance
 with ``input_ids`` extended by those tokens and ``max_new_tokens`` reduced by them, so no token is
 lost and none is generated twice; the result lists the segments it was made of (instance, weight
-version, token range) so a sample mixing weight versions is visible.
+version, token range) so a sample mixing weight versions is visible. A long sequence may be generated in
+pieces (:mod:`.pieces`): each attempt asks for at most one, and the next is placed again from the tokens
+made, preferring the instance the sequence is on, the same way but with nothing failed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from rollout_manager.rollout.attempt import Attempts
 from rollout_manager.rollout.counters import new_generation_stats
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
-from rollout_manager.rollout.lengths import LengthModel
+from rollout_manager.rollout.lengths import LengthModel, Prediction, Track
 from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.outcome import GenerationFailed as GenerationFailed  # re-exported
@@ -220,6 +222,7 @@ class Generator:
         lengths = self.lengths
         track = None if lengths is None else \
             lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
+        divided = self.settings.pieces.applies(seq.budget) and body.divisible
         try:
             if seq.experts is not None:
                 self.check_routed_experts()
@@ -246,17 +249,30 @@ class Generator:
                         f"instances tried: {', '.join(i.endpoint for i in tried)}; "
                         f"last error: {seq.failures[-1] if seq.failures else 'none'}",
                     )
-                allow = self._allowed(seq)
+                # The last attempt made its piece: the next one is placed again, preferably where it ran.
+                here = tried[-1] if seq.at_boundary and tried else None
+                expected = None if track is None else self._expected(track, seq)
+                if divided:
+                    assert seq.remaining is not None  # a divided sequence has a budget
+                    seq.piece = self.settings.pieces.size(len(seq.output_ids), seq.remaining,
+                                                          None if expected is None else expected.median)
+                if here is not None:  # never a staleness restart at a boundary: it would make tokens again
+                    allow = _or_here(here, self._allowed(seq, restart=False), max(seq.versions, default=0))
+                else:
+                    allow = self._allowed(seq)
                 if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
                     allow = _excluding(seq.refused.instance, allow)
                 inst = self.migrator.take_handoff(seq, allow)
                 if inst is None:
                     first = keys is not None and not seq.versions and not seq.discarded
-                    prefer = table.lookup(keys) if table is not None and keys is not None and first else None
+                    prefer = here.id if here is not None else \
+                        table.lookup(keys) if table is not None and keys is not None and first else None
+                    predicted = None if expected is None else \
+                        _still_expected(expected.mean, len(seq.output_ids), seq.remaining)
                     try:
                         inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
                                                              avoid={i.id for i in tried}, prefer=prefer, allow=allow,
-                                                             since=failing_since)
+                                                             since=failing_since, predicted=predicted)
                     except Unavailable as exc:
                         self.stats["failed"] += 1
                         if seq.refused is not None:  # nobody could check the refusal: it stands
@@ -266,14 +282,20 @@ class Generator:
                     if table is not None and keys is not None and first:
                         self._count_affinity(prefer, inst)
                         table.placed(keys, inst.id)
-                tried.append(inst)
+                if inst is not here:
+                    tried.append(inst)
                 seq.versions.append(inst.weight_version)
-                if seq.segments:
+                if here is not None:
+                    log.debug("piece %d of %s on %s from token %d", seq.pieces + 1, seq.rid, inst.endpoint,
+                              len(seq.output_ids))
+                elif seq.segments:
                     self.stats["continuations"] += 1
                     log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
                              len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
+                seq.at_boundary = False
                 failures = len(seq.failures)
-                await self.attempts.run(seq, inst, len(seq.segments) + len(seq.discarded), on_tokens)
+                # the attempt's index names its engine request: one more per piece, even on the same segment
+                await self.attempts.run(seq, inst, len(seq.segments) + len(seq.discarded) + seq.pieces, on_tokens)
                 if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
                     failing_since = None  # it made progress: a failure from here starts a new wait
                 if len(seq.failures) > failures and failing_since is None:
@@ -304,6 +326,11 @@ class Generator:
             answer(out)
             return None
         return out
+
+    def _expected(self, track: Track, seq: SequenceState) -> Prediction | None:
+        """The length model's figure for ``seq`` given what it made (None: the model is off)."""
+        lengths = self.lengths
+        return None if lengths is None else lengths.predict(track, len(seq.output_ids))
 
     def _current_version(self) -> str:
         """The newest weight version an active instance serves (what a request made now would get)."""
@@ -378,6 +405,22 @@ class Generator:
         seq.restart()
         self.stats["stale_restarts"] += 1
         return None
+
+
+def _still_expected(mean: float, made: int, remaining: int | None) -> float:
+    """Tokens a sequence with ``made`` is expected to make still, within what is left of its budget."""
+    left = max(mean - made, 0.0)
+    return left if remaining is None else min(left, float(remaining))
+
+
+def _or_here(here: Instance, allow: Callable[[Instance], bool] | None,
+             newest: int) -> Callable[[Instance], bool] | None:
+    """``allow``, and the instance the sequence's last piece ran on while it serves no version older than
+    ``newest`` (the newest the sequence has tokens of): staying there is what an undivided run does, its
+    weights moved on under it or not; a box rolled back is no longer the sequence's."""
+    if allow is None:
+        return None
+    return lambda i: (i is here and i.versions.serving(i.weight_version) >= newest) or allow(i)
 
 
 def _excluding(inst: Instance, allow: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:

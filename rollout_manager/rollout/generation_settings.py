@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_manager.config import Config
+from rollout_manager.rollout.pieces import PieceSettings
 from rollout_manager.rollout.scheduling import TailMigration
 
 
@@ -37,6 +38,8 @@ class GenerationSettings:
     batch_max: int = 64
     # Output lengths predicted per group (rollout.lengths), observation only; off: no work per request.
     length_prediction: bool = False
+    # Divided rollouts (rollout.pieces; tokens 0: off): long sequences generated in pieces, each placed again.
+    pieces: PieceSettings = PieceSettings()
 
     @classmethod
     def from_config(cls, cfg: Config) -> GenerationSettings:
@@ -48,5 +51,6 @@ class GenerationSettings:
                    cfg.stream_stall_timeout_s, cfg.engine_stream_interval, migration if cfg.tail_migration else None,
                    cfg.tail_migration_interval_s, None if cfg.max_staleness < 0 else cfg.max_staleness,
                    cfg.staleness_action, first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
+                   pieces=PieceSettings(cfg.piece_tokens, cfg.piece_min_budget, cfg.piece_max_tokens),
                    max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size,
                    batch_max=cfg.engine_batch_max, length_prediction=cfg.length_prediction)

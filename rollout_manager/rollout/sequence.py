@@ -12,12 +12,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.pieces import PieceTally
 from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.routed_experts import RoutedExperts
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
+
+# The outcome of a segment whose attempt ended at a piece boundary of a divided rollout (rollout.pieces): the
+# next piece extends it when it runs on the same instance, and says where it went otherwise.
+PIECE_END = "piece ended"
 
 
 @dataclass(slots=True)
@@ -100,6 +105,13 @@ class SequenceState:
     second_opinion: bool = False  # the one extra try a refusal may have was used
     # The caller's min_weight_version (0: none): the sequence runs only on instances at that version or newer.
     min_version: int = 0
+    # A divided rollout (rollout.pieces): the most tokens the running attempt may make (None: all that is
+    # left), the piece boundaries crossed, whether the last attempt ended at one (the next attempt is the next
+    # piece, not a continuation after a failure), and what the pieces' engines said for the answer to sum.
+    piece: int | None = None
+    pieces: int = 0
+    at_boundary: bool = False
+    tally: PieceTally | None = None
 
     # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
     # the body once: it never changes, and what is left is asked several times per attempt.
@@ -127,6 +139,7 @@ class SequenceState:
         self.per_token.clear()
         self.texts.clear()
         self.live_text = None
+        self.tally, self.at_boundary = None, False
         if self.experts is not None:
             self.experts.reset()
 
@@ -179,10 +192,17 @@ class SequenceState:
         return None if budget is None else max(budget - len(self.output_ids), 0)
 
     @property
+    def limit(self) -> int | None:
+        """The most tokens the running attempt may make: what is left, or less for one piece (None: no limit)."""
+        remaining, piece = self.remaining, self.piece
+        return remaining if piece is None or (remaining is not None and remaining < piece) else piece
+
+    @property
     def reserve(self) -> int:
-        """The tokens to reserve on an instance: what is left, or an estimate when there is no limit."""
-        remaining = self.remaining
-        return DEFAULT_MAX_NEW_TOKENS if remaining is None else remaining
+        """The tokens to reserve on an instance: what the attempt may make, or an estimate when there is no
+        limit."""
+        limit = self.limit
+        return DEFAULT_MAX_NEW_TOKENS if limit is None else limit
 
     def known_text(self, current: str | None = "") -> str | None:
         """The finished segments' text plus ``current``; None when any part of it is unknown."""

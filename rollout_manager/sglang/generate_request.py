@@ -22,6 +22,12 @@ from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS, PER_ITEM_LIST_KE
 
 _NONE: dict[str, Any] = {}  # the shared ``rest`` of a body with no other fields (never written to)
 _SAMPLING_KEYS = frozenset({"max_new_tokens", "min_new_tokens", "sampling_seed", "stream_interval"})
+# sampling_params and body fields whose effect (or answer) is one engine request's own, not a sequence's
+# continued over several requests (Sampling.divisible, SequenceBody.divisible).
+_PER_REQUEST_SAMPLING = ("stop", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_PER_REQUEST_BODY = ("custom_logit_processor", "session_id", "session_params", "input_embeds", "image_data",
+                     "video_data", "audio_data", "return_hidden_states", "return_indexer_topk", "return_entropy",
+                     "max_thinking_tokens", "watermark", "positional_embed_overrides")
 
 # ------------------------------------------------------------------ the body as a caller sends it (the schema)
 
@@ -78,6 +84,16 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
         return bool(get("frequency_penalty") or get("presence_penalty")) or get("repetition_penalty") not in (1, None)
 
     @property
+    def divisible(self) -> bool:
+        """Whether a sequence sampled with these may be generated in pieces, each continued exactly from the
+        tokens before it: not under an output-only penalty (:attr:`output_penalties`), nor a stop string or
+        regex (SGLang matches them on one request's output: one across a piece boundary would be missed), a
+        grammar (it would restart at each piece), a custom logit processor's parameters (its state is the
+        request's), or parallel sampling."""
+        get = self.rest.get
+        return not (self.output_penalties or self.parallel or any(get(k) for k in _PER_REQUEST_SAMPLING))
+
+    @property
     def parallel(self) -> bool:
         """Whether SGLang expands this into several samples (``n`` > 1), per batch rather than per item."""
         return bool(self.rest.get("n", 1) != 1)
@@ -115,6 +131,19 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     @property
     def wants_logprobs(self) -> bool:
         return bool(self.return_logprob)
+
+    @property
+    def divisible(self) -> bool:
+        """Whether this sequence may be generated in pieces with no change to its tokens or its answer: its
+        sampling allows it (:attr:`Sampling.divisible`), it has a budget (without one SGLang refuses a piece
+        that would pass the context, where the whole request stops there), it asks for no prompt log-probs
+        (``logprob_start_len``: a later piece's prompt holds the earlier pieces' tokens), and no field makes
+        it one request's (a session, multimodal or embedded input, hidden states, a thinking budget, ...)."""
+        get = self.rest.get
+        start = get("logprob_start_len")
+        return (self.sampling.divisible and self.sampling.max_new_tokens is not None
+                and not any(get(k) for k in _PER_REQUEST_BODY)
+                and not (self.return_logprob and isinstance(start, int) and start >= 0))
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> SequenceBody:
@@ -182,7 +211,7 @@ def _sampling(params: Any, raw: Any) -> Sampling:
 
 def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_interval: int | None = None,
                  keep_caller_interval: bool = False, stream: bool = True, seed: Any = None,
-                 experts_from: int | None = None) -> SequenceBody:
+                 experts_from: int | None = None, piece: int | None = None) -> SequenceBody:
     """The body that continues a single sequence on an engine from the tokens already made.
 
     ``input_ids`` grows by ``made`` and ``max_new_tokens`` shrinks by ``len(made)``, never past the
@@ -197,15 +226,22 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
     ``stream=False`` the engine answers once, at the end (no interval is set). ``seed`` (when given)
     becomes ``sampling_params.sampling_seed``. ``experts_from`` (when given) becomes
     ``routed_experts_start_len``: the first position whose routed experts the sequence does not hold yet.
+    ``piece`` (when given) caps ``max_new_tokens`` further: the request is one piece of a divided sequence
+    (``rollout.pieces``), and ``min_new_tokens`` is capped with it (SGLang refuses a minimum above the
+    maximum; every position of the piece is below either way, so the end-of-sequence ban is the same).
     """
     s = body.sampling
     n = len(made)
     interval = s.stream_interval
     if stream and stream_interval is not None and not (keep_caller_interval and interval is not None):
         interval = int(stream_interval)
+    most = None if s.max_new_tokens is None else max(s.max_new_tokens - n, 0)
+    least = None if s.min_new_tokens is None else max(s.min_new_tokens - n, 0)
+    if piece is not None:
+        most = piece if most is None else min(most, piece)
+        least = None if least is None else min(least, most)
     sampling = msgspec.structs.replace(
-        s, max_new_tokens=None if s.max_new_tokens is None else max(s.max_new_tokens - n, 0),
-        min_new_tokens=None if s.min_new_tokens is None else max(s.min_new_tokens - n, 0), stream_interval=interval,
+        s, max_new_tokens=most, min_new_tokens=least, stream_interval=interval,
         sampling_seed=s.sampling_seed if seed is None else seed)
     return msgspec.structs.replace(body, input_ids=[*body.input_ids, *made] if n else body.input_ids,
                                    sampling=sampling, rid=rid, stream=stream,
