@@ -104,7 +104,8 @@ class Manager:
                                   SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
                                   on_serving=self._serving_new_version)
         self.quarantine = Quarantine(self.registry, self.probes, self.mismatch, QuarantineSettings.from_config(cfg),
-                                     self.generator.evict, self.generator.migrator.mark)
+                                     self.generator.evict, self.generator.migrator.mark,
+                                     self.generator.migrator.provisional)
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
                                       self.local_budget, self.sglang.limits, self.started_at, self.mismatch,
                                       self.quarantine)

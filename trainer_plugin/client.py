@@ -311,6 +311,11 @@ class ManagerClient:
             "step_throughput": float(step_throughput),
         })
 
+    async def distrusted_samples(self, after: int = 0) -> dict[str, Any]:
+        """``GET /distrusted_samples``: answers a quarantined box made unvouched, numbered above ``after``
+        (:mod:`trainer_plugin.distrust`)."""
+        return await self._call("GET", f"/distrusted_samples?after={int(after)}")
+
     async def update_mismatch(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /update_mismatch``: a step's log-prob mismatch per box (:mod:`trainer_plugin.mismatch`)."""
         return await self._call("POST", "/update_mismatch", body)

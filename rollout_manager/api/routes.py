@@ -101,6 +101,15 @@ async def get_instances_status(request: web.Request) -> web.Response:
     return json_response(manager_of(request).status())
 
 
+async def distrusted_samples(request: web.Request) -> web.Response:
+    """Delivered answers with tokens a quarantined box made unvouched, numbered above ``?after=N``: the
+    trainer drops those samples before a step."""
+    after = request.query.get("after", "0")
+    if not after.isascii() or not after.isdigit() or len(after) > 18:
+        raise BadRequest(f"after must be a whole number >= 0, not {after[:40]!r}")
+    return json_response(manager_of(request).generator.migrator.provisional.since(int(after)))
+
+
 @accepts(ShutdownInstances)
 async def shutdown_instances(request: web.Request, body: ShutdownInstances, _: Any) -> web.Response:
     """Drain and remove instances; answers which were removed, unknown or skipped. With a box token
@@ -322,6 +331,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/register_rollout_instance", register_rollout_instance),
     ("POST", "/register_local_rollout_instances", register_local_rollout_instances),
     ("GET", "/get_instances_status", get_instances_status),
+    ("GET", "/distrusted_samples", distrusted_samples),
     ("POST", "/shutdown_instances", shutdown_instances),
     ("PUT", "/update_weight_senders", update_weight_senders),
     ("POST", "/generate", generate),
