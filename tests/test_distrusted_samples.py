@@ -12,12 +12,15 @@ from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from tensordict import NonTensorStack, TensorDict
+from test_metrics_status import needs_chromium, render_page, syncing_instance, tbody, text_of
 
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config
 from rollout_manager.manager import Manager
+from rollout_manager.ops import render_status
 from rollout_manager.rollout import provisional as provisional_mod
 from rollout_manager.rollout.provisional import Provisional
 from rollout_manager.rollout.request import decode
@@ -179,3 +182,55 @@ def test_drop_distrusted_writes_nothing_when_nothing_matches() -> None:
     data = TensorDict({"response_mask": torch.ones(1, 2), "extra_fields": NonTensorStack(
         {"request_id": "x", "segments": [_seg("a", 0, 2)]})}, batch_size=[1])
     assert drop_distrusted(data, DistrustFilter("http://unused")) == ({}, 0)
+
+
+# ------------------------------------------------------------------ shown beside the mismatch
+def _trusted(port: int, verdict: str, **extra: Any) -> dict[str, Any]:
+    trust = {"state": verdict, "version": 0, "diff": 0.0123 if verdict == "disagrees" else 0.0, "detail": "d",
+             "checked_at": 1.0, "probes": 7, "disagreements": int(verdict == "disagrees"), "last_probe_error": None}
+    return {**syncing_instance(port), "state": "active", "trust": trust, "mismatch": None, "quarantined": None,
+            **extra}
+
+
+QUARANTINE = {"enabled": True, "min_active": 1, "quarantined": 1, "lifted": 0, "held_by_floor": None,
+              "fleet_wide": None, "quarantined_now": ["i3"], "distrusted_spans": [],
+              "delivered": {"pending_segments": 2, "pending_tokens": 30, "distrusted_samples": 4,
+                            "distrusted_tokens": 52, "forgotten_tokens": 0, "distrusting": ["i3"]}}
+INSTANCES = [_trusted(1, "checked"), _trusted(2, "disagrees"),
+             _trusted(3, "disagrees", state="syncing", quarantined="its trust probe disagrees"),
+             _trusted(4, "provisional")]
+
+
+def test_the_cli_shows_each_boxs_probe_verdict_and_the_quarantine() -> None:
+    st = {"weight_version": 0, "counts": {"active": 3, "syncing": 1}, "instances": INSTANCES,
+          "quarantine": QUARANTINE}
+    text = render_status(st, "http://m")
+    header = text.splitlines()[1]
+    assert header.index("TRUST") < header.index("MISMATCH")
+    rows = {line.split()[0]: line for line in text.splitlines()[2:6]}
+    assert "checked" in rows["127.0.0.1:1"] and "disagrees (0.0123) !" in rows["127.0.0.1:2"]
+    assert "quarantined !" in rows["127.0.0.1:3"] and "provisional" in rows["127.0.0.1:4"]
+    assert ("quarantine: 1 out now (i3), 1 quarantined and 0 readmitted in all; 4 delivered answer segment(s) "
+            "distrusted (52 tokens: GET /distrusted_samples)") in text
+    quiet = render_status({**st, "quarantine": {**QUARANTINE, "quarantined": 0, "quarantined_now": [],
+                                                "delivered": {}}}, "http://m")
+    assert "quarantine:" not in quiet
+
+
+@pytest.mark.slow
+@needs_chromium
+async def test_the_status_page_shows_each_boxs_probe_verdict_and_the_quarantine(tmp_path) -> None:
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({
+            "ready_instances": 3, "pending_instances": 1, "weight_version": 0,
+            "counts": {"active": 3, "syncing": 1}, "generation": {}, "requests_waiting_for_instance": 0,
+            "instances": INSTANCES, "mismatch": {}, "quarantine": QUARANTINE,
+            "local": {"open": False, "budget_s": 1.0}, "weight_senders": {"senders": []},
+            "recent_events": [], "recent_weight_pushes": []})
+
+    dom = await render_page(tmp_path, status)
+    assert text_of(dom, "c-trust") == "1 / 4 checked"
+    assert text_of(dom, "c-trust-s") == "1 quarantined now \u00b7 4 delivered segment(s) distrusted"
+    rows = tbody(dom, "instances")
+    assert ">checked<" in rows and ">disagrees (0.0123)<" in rows and ">quarantined<" in rows
+    assert 'class="muted" title="d' in rows  # provisional, muted
