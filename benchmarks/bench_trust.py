@@ -129,7 +129,8 @@ async def clean(url: str, eps: list[str], want: int) -> tuple[int, int, int, flo
 class Caught:
     bad: str  # endpoint
     instance: str
-    corrupted: float  # monotonic
+    armed: float  # monotonic: the fault was armed (nothing it corrupts can be older)
+    corrupted: float  # monotonic: the bench saw the corruption on /debug/faults (polled, so a little late)
     seconds: float
     probes: int  # probes of the bad box from its corruption to its quarantine
 
@@ -139,6 +140,7 @@ async def corrupt(url: str, eps: list[str], s: aiohttp.ClientSession, rng: rando
     """Corrupt one box after a random number of its requests; wait for its quarantine."""
     bad = rng.choice(eps)
     after = rng.randint(5, 50)
+    armed = time.monotonic()
     await faults(s, bad, {"perturb_tensor": TENSOR, "perturb_after_requests": after})
     print(f"corrupting {bad} after {after} more of its requests ({TENSOR}, 5% noise)", flush=True)
     while not (await faults(s, bad))["perturbed"]:
@@ -148,7 +150,7 @@ async def corrupt(url: str, eps: list[str], s: aiohttp.ClientSession, rng: rando
     while time.monotonic() - corrupted < deadline_s:
         inst = by_endpoint(await status(url)).get(bad, {})
         if inst.get("quarantined"):
-            return Caught(bad, inst["id"], corrupted, time.monotonic() - corrupted,
+            return Caught(bad, inst["id"], armed, corrupted, time.monotonic() - corrupted,
                           inst["trust"]["probes"] - probes_then)
         await asyncio.sleep(0.01)
     raise RuntimeError(f"{bad} not quarantined within {deadline_s:g} s of its corruption")
@@ -156,7 +158,7 @@ async def corrupt(url: str, eps: list[str], s: aiohttp.ClientSession, rng: rando
 
 @dataclass
 class Delivered:
-    answers: int  # answers with tokens of the bad box delivered from its corruption on
+    answers: int  # answers with tokens of the bad box delivered from the fault's arming on
     bad_tokens: int  # tokens it made on corrupted weights, delivered
     unflagged: int  # of those, in answers the trainer keeps
     dropped_answers: int
@@ -164,11 +166,11 @@ class Delivered:
 
 
 def judge_delivered(answers: list[Answer], caught: Caught, distrusted: list[dict[str, Any]]) -> Delivered:
-    """What the trainer would train on: every answer received from the corruption on, dropped as the plugin
-    drops them; the bad box's tokens checked against the clean model's log-probs."""
+    """What the trainer would train on: every answer received since the fault was armed, dropped as the
+    plugin drops them; the bad box's tokens checked against the clean model's log-probs."""
     model = build_model(0)
     keys = {key_of(d["request_id"], d) for d in distrusted}
-    late = [a for a in answers if a.received >= caught.corrupted]
+    late = [a for a in answers if a.received >= caught.armed]
     drops = distrusted_rows([{"request_id": a.rid, "segments": a.segments} for a in late], keys)
     out = Delivered(0, 0, 0, sum(drops), 0)
     for a, drop in zip(late, drops):
@@ -260,7 +262,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 st = await status(url)
                 delivered = judge_delivered(answers, caught, page["samples"])
                 q = (st or {})["quarantine"]
-                print(f"delivered: {len(answers)} answers in all; from the corruption on, {delivered.answers} "
+                print(f"delivered: {len(answers)} answers in all; since the fault was armed, {delivered.answers} "
                       f"with tokens of {caught.bad}, holding {delivered.bad_tokens} tokens it made on corrupted "
                       f"weights; the manager listed {len(page['samples'])} distrusted answer segment(s) "
                       f"({q['delivered']['distrusted_tokens']} tokens); the trainer's check drops "

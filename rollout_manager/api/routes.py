@@ -37,6 +37,7 @@ from rollout_manager.api.schemas import (
     ShutdownInstances,
     UpdateMetrics,
     UpdateMismatch,
+    UpdateProbeReference,
     UpdateWeightSenders,
     UpdateWeightVersion,
 )
@@ -302,6 +303,22 @@ async def update_mismatch(request: web.Request, body: UpdateMismatch, _: Any) ->
     return json_response(result)
 
 
+async def probe_prompt(request: web.Request) -> web.Response:
+    """The trust probe's prompt for a vocabulary size (``?vocab_size=N``; the served boxes' when left out),
+    for the trainer to compute its reference log-probs of."""
+    raw = request.query.get("vocab_size")
+    if raw is not None and (not raw.isascii() or not raw.isdigit() or len(raw) > 9 or int(raw) < 2):
+        raise BadRequest(f"vocab_size must be a whole number >= 2, not {raw[:40]!r}")
+    return json_response(manager_of(request).probe_prompt(None if raw is None else int(raw)))
+
+
+@accepts(UpdateProbeReference)
+async def update_probe_reference(request: web.Request, body: UpdateProbeReference, _: Any) -> web.Response:
+    """The probe prompt's log-probs by the trainer's model at a version: the boxes there are judged by them."""
+    return json_response(manager_of(request).update_probe_reference(body.weight_version, body.input_ids,
+                                                                    body.logprobs))
+
+
 @accepts(UpdateWeightVersion, optional=True)
 async def update_weight_version(request: web.Request, body: UpdateWeightVersion, _: Any) -> web.Response:
     """New weights are staged: remote instances sync to the new version; optionally wait for them."""
@@ -339,6 +356,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/abort_local_requests", abort_local_requests),
     ("POST", "/update_metrics", update_metrics),
     ("POST", "/update_mismatch", update_mismatch),
+    ("GET", "/probe_prompt", probe_prompt),
+    ("POST", "/update_probe_reference", update_probe_reference),
     ("POST", "/update_weight_version", update_weight_version),
     ("GET", "/metrics", prometheus_metrics),
     ("GET", "/", status_page_html),

@@ -105,6 +105,8 @@ class Quarantine:
         self.wall = wall
         self.at_version: dict[str, int] = {}  # quarantined instance -> the version it served then
         self.passed: dict[str, tuple[int, float]] = {}  # instance -> (version, wall time) of its last passing probe
+        # Off the trainer's reference before any other box at its version was probed: judged again with them.
+        self._waiting_for_peers: set[str] = set()
         self.spans: deque[DistrustedSpan] = deque(maxlen=KEEP_SPANS)
         self.counts = {"quarantined": 0, "lifted": 0, "held_by_floor": 0, "fleet_wide": 0}
         self.held_by_floor: str | None = None  # the last quarantine the floor kept back, in words
@@ -118,6 +120,7 @@ class Quarantine:
         if event.new == State.DEAD:  # ids are never reused: what is kept of it goes (its spans stay listed)
             for kept in (self.at_version, self.passed, self._marks):
                 kept.pop(inst.id, None)
+            self._waiting_for_peers.discard(inst.id)
             if self.delivered is not None:
                 self.delivered.forget(inst.id)
 
@@ -130,6 +133,13 @@ class Quarantine:
     def on_probe(self, probed: Instance, version: int, judged: list[tuple[Instance, Trust]]) -> None:
         """A probe of ``probed`` at ``version`` was judged (with every box there)."""
         verdicts = {inst.id: trust for inst, trust in judged}
+        if Trust.CHECKED in verdicts.values() and self._waiting_for_peers:
+            for inst, trust in judged:  # another box agrees with the trainer now: the held ones are theirs
+                if inst.id in self._waiting_for_peers and inst is not probed:
+                    self._waiting_for_peers.discard(inst.id)
+                    if trust == Trust.DISAGREES and inst.quarantined is None:
+                        self.quarantine(inst, f"its trust probe at weight version {version} is off the trainer's "
+                                              "reference log-probs while another box's is not")
         mine = verdicts.get(probed.id)
         if mine == Trust.CHECKED:
             if probed.quarantined is not None:
@@ -142,9 +152,15 @@ class Quarantine:
             return
         if mine != Trust.DISAGREES or probed.quarantined is not None:
             return
-        if len(judged) >= 2 and Trust.CHECKED not in verdicts.values():
-            self._fleet_wide(f"no majority among the {len(judged)} boxes' trust probes at weight version {version}")
-            return
+        if Trust.CHECKED not in verdicts.values():
+            if len(judged) >= 2:
+                self._fleet_wide(f"no majority among the {len(judged)} boxes' trust probes at weight version "
+                                 f"{version}" + (" (judged by the trainer's reference log-probs)"
+                                                 if self.probes.has_reference(version) else ""))
+                return
+            if self.probes.has_reference(version):  # off the trainer's reference, no other box probed there yet:
+                self._waiting_for_peers.add(probed.id)  # it may be the trainer's fault; judged again with them
+                return
         self.quarantine(probed, f"its trust probe at weight version {version} disagrees with the other boxes")
 
     def on_mismatch(self, live: list[str]) -> list[str]:
