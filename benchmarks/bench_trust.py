@@ -8,8 +8,8 @@ greedy requests with log-probs going through the manager all along. Four parts:
    and every quarantine then is a false one (goal 0);
 2. corruption: one box, chosen at random, gets the CPU engine's ``perturb_tensor`` fault after a random
    number of its requests (noise of 5% of the tensor's mean magnitude, silently). Measured: the time from the
-   corruption (polled on the box's own ``/debug/faults``) to the manager quarantining the box, and the
-   probes of that box in between. Then traffic runs ``--after-s`` longer and stops; the bench reads
+   corruption (polled on the box's own ``/debug/faults``) to the manager quarantining the box, also in probe
+   intervals (the steps). Then traffic runs ``--after-s`` longer and stops; the bench reads
    ``GET /distrusted_samples`` and, as the trainer plugin does before an actor update
    (``trainer_plugin.distrust``), drops every answer listed there or flagged ``distrusted`` in its segments.
    The bad tokens are those the bad box made on its corrupted weights: each token of its segments whose
@@ -132,7 +132,6 @@ class Caught:
     armed: float  # monotonic: the fault was armed (nothing it corrupts can be older)
     corrupted: float  # monotonic: the bench saw the corruption on /debug/faults (polled, so a little late)
     seconds: float
-    probes: int  # probes of the bad box from its corruption to its quarantine
 
 
 async def corrupt(url: str, eps: list[str], s: aiohttp.ClientSession, rng: random.Random,
@@ -146,12 +145,10 @@ async def corrupt(url: str, eps: list[str], s: aiohttp.ClientSession, rng: rando
     while not (await faults(s, bad))["perturbed"]:
         await asyncio.sleep(0.005)
     corrupted = time.monotonic()
-    probes_then = by_endpoint(await status(url))[bad]["trust"]["probes"]
     while time.monotonic() - corrupted < deadline_s:
         inst = by_endpoint(await status(url)).get(bad, {})
         if inst.get("quarantined"):
-            return Caught(bad, inst["id"], armed, corrupted, time.monotonic() - corrupted,
-                          inst["trust"]["probes"] - probes_then)
+            return Caught(bad, inst["id"], armed, corrupted, time.monotonic() - corrupted)
         await asyncio.sleep(0.01)
     raise RuntimeError(f"{bad} not quarantined within {deadline_s:g} s of its corruption")
 
@@ -250,8 +247,8 @@ async def main_async(args: argparse.Namespace) -> None:
                           f"{args.interval_s:g} s, requests flowing), {false_disagree} false 'disagrees', "
                           f"{false_q} false quarantines", flush=True)
                     caught = await corrupt(url, eps, s, rng, args.deadline_s)
-                    print(f"corruption: {caught.bad} quarantined {caught.seconds:.3f} s after it was corrupted, "
-                          f"{caught.probes} probe(s) of it in between (probe interval {args.interval_s:g} s)",
+                    print(f"corruption: {caught.bad} quarantined {caught.seconds:.3f} s after it was corrupted "
+                          f"({caught.seconds / args.interval_s:.1f} probe intervals of {args.interval_s:g} s)",
                           flush=True)
                     await asyncio.sleep(args.after_s)
                 finally:

@@ -199,6 +199,8 @@ async def test_the_floor_holds_and_says_so() -> None:
         status = f.quarantine.status()
         assert status["held_by_floor"] and "quarantine_min_active=3" in status["held_by_floor"]
         assert status["quarantined"] == 0
+        # it keeps serving, but what it delivers unvouched is distrusted: listed for the trainer to drop
+        assert status["delivered"]["distrusting"] == [f.boxes[1].id]
 
 
 async def test_every_box_disagreeing_with_the_trainer_quarantines_nothing(fleet: Fleet) -> None:

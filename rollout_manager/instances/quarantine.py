@@ -146,6 +146,8 @@ class Quarantine:
                 self._lift(probed, version)
             else:
                 self.passed[probed.id] = (version, self.wall())
+                if self.delivered is not None:  # found wrong earlier but kept serving by the floor: right again
+                    self.delivered.trust_again(probed.id)
                 marked = self._marks.pop(probed.id, None)
                 if marked is not None and marked[0] == version:
                     marked[1]()
