@@ -234,3 +234,29 @@ async def test_the_status_page_shows_each_boxs_probe_verdict_and_the_quarantine(
     rows = tbody(dom, "instances")
     assert ">checked<" in rows and ">disagrees (0.0123)<" in rows and ">quarantined<" in rows
     assert 'class="muted" title="d' in rows  # provisional, muted
+
+
+# ------------------------------------------------------------------ a probe's mark costs what its box made
+def test_a_mark_looks_only_at_the_sequences_with_segments_of_its_box() -> None:
+    from rollout_manager.instances.registry import Kind, Registry
+    from rollout_manager.rollout.dispatch import Dispatcher
+    from rollout_manager.rollout.migration import Migrator
+    from rollout_manager.rollout.scheduling import LeastInFlight
+
+    registry = Registry()
+    a, b, c = (registry.add("127.0.0.1", port, Kind.REMOTE) for port in (1, 2, 3))
+    migrator = Migrator(Dispatcher(registry, LeastInFlight()), None, None, 1.0, lambda seq: None, {})  # type: ignore[arg-type]
+    moved = finished("moved", Segment(a.id, a.endpoint, "0", 0, 4, "migrated"), Segment(b.id, b.endpoint, "0", 4, 6))
+    moved.finish = None
+    on_c = finished("on-c", Segment(c.id, c.endpoint, "0", 0, 3))
+    on_c.finish = None
+    migrator.enter(1, moved, b, "r1")
+    migrator.enter(2, on_c, c, "r2")
+    assert set(migrator._by_instance) == {a.id, b.id, c.id} and list(migrator._by_instance[a.id]) == [1]
+    vouch = migrator.mark(a, 0)
+    assert vouch() == 1 and moved.segments[0].trusted == 4 and moved.segments[1].trusted is None
+    moved.finish = FinishReason.of("length", length=8)
+    migrator.leave(1, moved, moved.segments[-1])  # finished: b's unvouched segment waits for b's probe
+    assert set(migrator._by_instance) == {c.id}
+    assert migrator.provisional.pending(b.id) == [moved.segments[1]] and migrator.provisional.pending(a.id) == []
+    assert migrator.mark(b, 0)() == 1 and migrator.provisional.pending(b.id) == []
