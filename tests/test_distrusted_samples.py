@@ -62,7 +62,7 @@ def test_unvouched_answers_wait_for_a_probe_and_are_listed_when_their_box_is_qua
     p.trust_again("a")
     p.finished(finished("r4", Segment("a", "a:1", "1", 0, 3, "ok")))
     assert p.since(2)["samples"] == [] and len(p.pending("a")) == 1
-    assert p.status()["distrusted_tokens"] == 4 + 3 and p.status()["pending_tokens"] == 3
+    assert p.status()["distrusted_tokens"] == 4 + 3 and p.status()["pending_segments"] == 1
     p.forget("a")  # removed: nothing will judge what it made
     assert p.status()["forgotten_tokens"] == 3 and p.status()["pending_segments"] == 0
 
@@ -194,7 +194,7 @@ def _trusted(port: int, verdict: str, **extra: Any) -> dict[str, Any]:
 
 QUARANTINE = {"enabled": True, "min_active": 1, "quarantined": 1, "lifted": 0, "held_by_floor": None,
               "fleet_wide": None, "quarantined_now": ["i3"], "distrusted_spans": [],
-              "delivered": {"pending_segments": 2, "pending_tokens": 30, "distrusted_samples": 4,
+              "delivered": {"pending_segments": 2, "distrusted_samples": 4,
                             "distrusted_tokens": 52, "forgotten_tokens": 0, "distrusting": ["i3"]}}
 INSTANCES = [_trusted(1, "checked"), _trusted(2, "disagrees"),
              _trusted(3, "disagrees", state="syncing", quarantined="its trust probe disagrees"),

@@ -139,7 +139,7 @@ class Provisional:
         return {"samples": samples, "last": self.numbered, "missed": max(0, oldest - after - 1)}
 
     def status(self) -> dict[str, Any]:
+        """Counts for the status (a look per box, not per segment: it is read every second)."""
         return {"pending_segments": sum(len(v) for v in self._pending.values()),
-                "pending_tokens": sum(s.end - unvouched_from(s) for v in self._pending.values() for _, s in v),
                 "distrusted_samples": self.numbered, "distrusted_tokens": self.distrusted_tokens,
                 "forgotten_tokens": self.forgotten_tokens, "distrusting": sorted(self._distrusting)}
