@@ -57,8 +57,10 @@ def test_unvouched_answers_wait_for_a_probe_and_are_listed_when_their_box_is_qua
     assert [(s["request_id"], s["instance"], s["start"], s["end"], s["first"]) for s in page["samples"]] == \
         [("r2", "a", 0, 6, 2)]
     # while a is distrusted, what it finishes is listed at once; once trusted again, kept for the next probe
-    p.finished(finished("r3", Segment("a", "a:1", "0", 0, 3, "ok; distrusted: quarantined")))
+    r3 = finished("r3", Segment("a", "a:1", "0", 0, 3, "ok"))
+    p.finished(r3)
     assert [s["request_id"] for s in p.since(1)["samples"]] == ["r3"]
+    assert r3.segments[0].outcome == "ok; distrusted: quarantined: probe"  # its answer, built next, says so
     p.trust_again("a")
     p.finished(finished("r4", Segment("a", "a:1", "1", 0, 3, "ok")))
     assert p.since(2)["samples"] == [] and len(p.pending("a")) == 1

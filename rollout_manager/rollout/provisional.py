@@ -10,7 +10,8 @@ not vouched for in full are kept here, by the box that made them, until one of:
   listed with the answer's id (``meta_info.id``) and the segment (box, version, token range), numbered so a
   reader asks only for what is new (``GET /distrusted_samples?after=N``); the trainer plugin drops those
   samples before a training step (``trainer_plugin.distrust``). An answer that finishes while its box is
-  distrusted goes straight to that list (and its segment says ``distrusted`` in ``meta_info``);
+  distrusted goes straight to that list, and its segment says ``distrusted`` in its ``meta_info`` (the answer
+  is built after this);
 - the box is removed: nothing will judge it again (said in ``forgotten_tokens``).
 
 Bounds: ``KEEP_PENDING`` segments per box (a box alone at its version is never checked; the oldest beyond the
@@ -79,7 +80,9 @@ class Provisional:
             if unvouched_from(seg) >= seg.end:
                 continue
             why = self._distrusting.get(seg.instance)
-            if why is not None:
+            if why is not None:  # its answer is not out yet: it says so too
+                if "distrusted" not in seg.outcome:
+                    seg.outcome = f"{seg.outcome}; distrusted: {why}"
                 self._list(seq.rid, seg, why)
                 continue
             kept = self._pending.setdefault(seg.instance, deque())
