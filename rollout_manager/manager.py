@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from rollout_manager.config import Config
-from rollout_manager.errors import Forbidden
+from rollout_manager.errors import BadRequest, Forbidden
 from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
@@ -46,6 +46,7 @@ from rollout_manager.rollout.scheduling import make_policy
 from rollout_manager.sglang import relay
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.client import SGLangClient
+from rollout_manager.sglang.logprob_probe import probe_ids
 from rollout_manager.sglang.relay import Relay
 from rollout_manager.weights.agent_client import AgentClient
 from rollout_manager.weights.groups import SenderPlan
@@ -104,7 +105,8 @@ class Manager:
                                   SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
                                   on_serving=self._serving_new_version)
         self.quarantine = Quarantine(self.registry, self.probes, self.mismatch, QuarantineSettings.from_config(cfg),
-                                     self.generator.evict, self.generator.migrator.mark)
+                                     self.generator.evict, self.generator.migrator.mark,
+                                     self.generator.migrator.provisional)
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
                                       self.local_budget, self.sglang.limits, self.started_at, self.mismatch,
                                       self.quarantine)
@@ -246,6 +248,25 @@ class Manager:
         quarantined = self.quarantine.on_mismatch(live)
         return {"step": step, "recorded": len(known), "unknown_instances": unknown, "fleet": fleet,
                 "quarantined": quarantined}
+
+    def probe_prompt(self, vocab_size: int | None) -> dict[str, Any]:
+        """The trust probe's prompt for ``vocab_size`` (None: the first serving box's vocabulary)."""
+        if vocab_size is None:
+            vocab_size = next((i.engine.vocab_size for i in self.registry if i.engine.vocab_size), None)
+        return {"vocab_size": vocab_size, "input_ids": probe_ids(vocab_size)}
+
+    def update_probe_reference(self, version: int, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        """The trainer's log-probs of the probe prompt at ``version``: the boxes serving it are probed again
+        and judged by them."""
+        try:
+            self.probes.set_reference(version, ids, logprobs)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        again = [i for i in self.registry.in_state(State.ACTIVE) if i.versions.serving(i.weight_version) == version]
+        for inst in again:
+            self.probes.nudge(inst)
+        return {"weight_version": version, "tokens": len(ids), "probed_again": len(again),
+                "references": self.probes.references()}
 
     # ------------------------------------------------------------ weight versions
     async def update_weight_version(self, new_version: int | None, wait_for: int | str | None,

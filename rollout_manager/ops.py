@@ -145,13 +145,46 @@ def render_status(st: dict[str, Any], url: str) -> str:
     instances = st.get("instances") or []
     streaming = any(streaming_of(i) is not None for i in instances)
     headers = ["ENDPOINT", "ID", "KIND", "STATE", "VERSION", "IN FLIGHT", *(["STREAMING"] * streaming),
-               "MISMATCH", "WAITING FOR", "LAST ERROR"]
+               "TRUST", "MISMATCH", "WAITING FOR", "LAST ERROR"]
     rows = [[i.get("endpoint"), i.get("id"), i.get("kind"), i.get("state"), f"v{i.get('weight_version')}",
-             i.get("in_flight"), *([_dash(streaming_of(i))] * streaming), mismatch_cell(i.get("mismatch")),
-             _dash(i.get("waiting_for")), _dash(i.get("last_error"))] for i in instances]
+             i.get("in_flight"), *([_dash(streaming_of(i))] * streaming), trust_cell(i),
+             mismatch_cell(i.get("mismatch")), _dash(i.get("waiting_for")), _dash(i.get("last_error"))]
+            for i in instances]
     out = f"manager {url}  {summary_line(st)}\n"
     out += table(headers, rows) if rows else "no instances registered\n"
-    return out + mismatch_line(st.get("mismatch"))
+    return out + mismatch_line(st.get("mismatch")) + quarantine_line(st.get("quarantine"))
+
+
+def trust_cell(inst: dict[str, Any]) -> str:
+    """The trust probe's verdict at the version it serves (``!`` when it disagrees), ``quarantined`` when out."""
+    if inst.get("quarantined"):
+        return "quarantined !"
+    trust = inst.get("trust")
+    if not isinstance(trust, dict):
+        return "-"
+    state = str(trust.get("state"))
+    diff = trust.get("diff")
+    shown = f"{state} ({_num(diff, 4)})" if state == "disagrees" and isinstance(diff, (int, float)) else state
+    return shown + (" !" if state == "disagrees" else "")
+
+
+def quarantine_line(q: Any) -> str:
+    """The quarantine in one line, once it did anything: who is out, and the delivered answers it distrusted."""
+    if not isinstance(q, dict):
+        return ""
+    delivered = q.get("delivered") or {}
+    now = q.get("quarantined_now") or []
+    if not (now or q.get("quarantined") or delivered.get("distrusted_samples") or q.get("held_by_floor")
+            or q.get("fleet_wide")):
+        return ""
+    out = (f"quarantine: {len(now)} out now{' (' + ', '.join(now) + ')' if now else ''}, {q.get('quarantined', 0)} "
+           f"quarantined and {q.get('lifted', 0)} readmitted in all; {delivered.get('distrusted_samples', 0)} "
+           f"delivered answer segment(s) distrusted ({delivered.get('distrusted_tokens', 0)} tokens: "
+           "GET /distrusted_samples)\n")
+    for note in (q.get("held_by_floor"), q.get("fleet_wide")):
+        if note:
+            out += f"  ! {note}\n"
+    return out
 
 
 def mismatch_cell(m: Any) -> str:

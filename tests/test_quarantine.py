@@ -56,7 +56,8 @@ async def make_fleet(n: int, settings: QuarantineSettings) -> AsyncIterator[Flee
     generator = Generator(Dispatcher(registry, LeastInFlight()), client, SETTINGS, LocalBudget(0.0, 0.0, 1.0),
                           on_instance_failure=lambda i, e: None, on_instance_success=lambda i: None)
     ledger = MismatchLedger(MismatchSettings(alpha=1.0, outlier_multiple=3.0, floor=0.05))
-    quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.mark)
+    quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.mark,
+                            generator.migrator.provisional)
     boxes = register_active_fp32(registry, servers)
     try:
         yield Fleet(registry, probes, ledger, quarantine, generator, boxes, urls(servers))
@@ -80,8 +81,11 @@ async def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return dict(await r.json())
 
 
-def greedy(n: int) -> dict[str, Any]:
-    return {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": n}}
+def greedy(n: int, rid: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"input_ids": list(PROMPT), "sampling_params": {"temperature": 0, "max_new_tokens": n}}
+    if rid is not None:
+        body["rid"] = rid
+    return body
 
 
 async def perturb(url: str) -> None:
@@ -195,6 +199,8 @@ async def test_the_floor_holds_and_says_so() -> None:
         status = f.quarantine.status()
         assert status["held_by_floor"] and "quarantine_min_active=3" in status["held_by_floor"]
         assert status["quarantined"] == 0
+        # it keeps serving, but what it delivers unvouched is distrusted: listed for the trainer to drop
+        assert status["delivered"]["distrusting"] == [f.boxes[1].id]
 
 
 async def test_every_box_disagreeing_with_the_trainer_quarantines_nothing(fleet: Fleet) -> None:
@@ -234,6 +240,58 @@ async def test_a_quarantined_box_serves_again_after_a_reload_and_a_passing_probe
     await f.quarantine.readmit()
     assert bad.state == State.ACTIVE and bad.quarantined is None and bad.trust.state(1) == Trust.CHECKED
     assert f.quarantine.status()["lifted"] == 1 and f.quarantine.status()["quarantined_now"] == []
+
+
+async def test_answers_delivered_after_the_last_passing_probe_are_listed_when_the_box_is_quarantined(
+        fleet: Fleet) -> None:
+    f = fleet
+    bad = f.boxes[0]
+    await f.probes.check_all()
+    for other in f.boxes[1:]:  # every answer here is made on the box that goes bad
+        assert f.generator.dispatcher.claim(other, 10_000)
+
+    async def on_bad(rid: str) -> dict[str, Any]:
+        answer = as_json(await f.generator.generate(decode(greedy(6, rid))))
+        assert {s["instance"] for s in answer["meta_info"]["segments"]} == {bad.id}
+        return answer
+
+    await on_bad("vouched")
+    assert await f.probes.check(bad) == Trust.CHECKED  # sent after "vouched" was made: vouches for it
+    late = await on_bad("late")  # made after the last passing probe: provisional when delivered
+    assert f.generator.migrator.provisional.status()["pending_segments"] == 1
+    await perturb(bad.url)
+    for other in f.boxes[1:]:
+        f.generator.dispatcher.release(other, 10_000)
+    await f.probes.check_all()
+    assert bad.quarantined is not None
+    page = f.generator.migrator.provisional.since(0)
+    assert [(s["request_id"], s["instance"], s["start"], s["end"]) for s in page["samples"]] == \
+        [("late", bad.id, 0, len(late["output_ids"]))]
+
+
+async def test_a_reload_at_the_same_version_and_a_passing_probe_lift_the_quarantine(fleet: Fleet) -> None:
+    """Weight sync pushes a quarantined box again at the version it serves (no newer one exists); the
+    registry notes the push when it refuses to make the box active; the next passing probe lifts it."""
+    f = fleet
+    bad = f.boxes[1]
+    await f.probes.check_all()
+    await perturb(bad.url)
+    await f.probes.check_all()
+    assert bad.quarantined is not None and not bad.reloaded_in_quarantine
+    assert f.quarantine.reloaded() == []
+    await reload_clean(f, bad, 0)  # the same version: what weight sync's push of it does
+    assert not f.registry.transition(bad, State.ACTIVE, "weights at version 0")  # refused, noted as a reload
+    assert bad.reloaded_in_quarantine and f.quarantine.reloaded() == [bad]
+    await f.quarantine.readmit()
+    assert bad.state == State.ACTIVE and bad.quarantined is None and bad.trust.state(0) == Trust.CHECKED
+    # a reload that leaves it wrong (or none at all): the probe keeps it out
+    await f.probes.check_all()
+    await perturb(bad.url)
+    await f.probes.check_all()
+    assert bad.quarantined is not None
+    assert not f.registry.transition(bad, State.ACTIVE, "weights at version 0")  # a push that did not heal it
+    await f.quarantine.readmit()
+    assert bad.state == State.SYNCING and bad.quarantined is not None
 
 
 async def test_a_quarantined_box_that_is_removed_is_forgotten_but_its_span_stays_listed(fleet: Fleet) -> None:

@@ -111,6 +111,48 @@ async def rogue_write(box: RealBox, model_dir: Path) -> None:
                 assert r.status == 200, f"{path}: HTTP {r.status} {(await r.text())[:300]}"
 
 
+def trainer_reference(model_dir: Path, ids: list[int]) -> list[float]:
+    """The probe prompt's log-probs by the trainer's model: the checkpoint loaded with transformers, float32."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_plugin.probe_reference import hf_logits, reference_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    return reference_logprobs(hf_logits(model), ids)
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return dict(json.loads(r.read()))
+
+
+@pytest.mark.parametrize(("arch", "dtype"), FLEETS)
+def test_the_trainers_own_forward_is_within_the_tolerance_of_every_box(
+        fleets: dict[tuple[str, str], Fleet], arch: str, dtype: str) -> None:
+    """Item 1's "where the trainer can provide the probe's reference log-probs, use them too", on real SGLang:
+    the reference (transformers, float32, on this CPU) judges both boxes checked, with the box's tolerance."""
+    fleet = fleets[(arch, dtype)]
+    with urllib.request.urlopen(fleet.manager.url + "/probe_prompt", timeout=10) as r:
+        ids = json.loads(r.read())["input_ids"]
+    version = trust_of(fleet)[fleet.boxes[0].endpoint]["weight_version"]
+    reference = trainer_reference(fleet.model_dir, ids)
+    answer = post_json(fleet.manager.url + "/update_probe_reference",
+                       {"weight_version": version, "input_ids": ids, "logprobs": reference})
+    assert answer["probed_again"] == 2
+
+    def judged_by_reference() -> bool:
+        trust = trust_of(fleet)
+        return all(trust[b.endpoint]["state"] == "checked" and "reference" in (trust[b.endpoint]["detail"] or "")
+                   for b in fleet.boxes)
+
+    wait_until(judged_by_reference, CAUGHT_WITHIN_S, interval_s=0.25,
+               message=lambda: f"both {arch} {dtype} boxes checked by the reference: {trust_of(fleet)}")
+    diffs = [trust_of(fleet)[b.endpoint]["diff"] for b in fleet.boxes]
+    print(f"{arch} {dtype}: SGLang's probe against transformers' float32 forward: mean |diff| "
+          f"{', '.join(f'{d:.3g}' for d in diffs)} (tolerance {tolerance(dtype, None, 1):g})")
+
+
 @pytest.mark.parametrize(("arch", "dtype"), FLEETS)
 async def test_a_rogue_write_into_one_box_is_caught_by_the_probe_on_that_box_alone(
         fleets: dict[tuple[str, str], Fleet], arch: str, dtype: str) -> None:
@@ -127,6 +169,9 @@ async def test_a_rogue_write_into_one_box_is_caught_by_the_probe_on_that_box_alo
     wait_until(lambda: states(fleet) == ["checked", "disagrees"], CAUGHT_WITHIN_S, interval_s=0.25,
                message=lambda: f"{bad.endpoint} disagrees and {good.endpoint} checked: {trust_of(fleet)}")
     caught_s = time.monotonic() - written
+    # the good box's probe of the same round may be judged after the bad one's: wait for it too
+    wait_until(lambda: trust_of(fleet)[good.endpoint]["probes"] > before[good.endpoint]["probes"], CAUGHT_WITHIN_S,
+               interval_s=0.25, message=lambda: f"{good.endpoint} probed after the write: {trust_of(fleet)}")
 
     after = trust_of(fleet)
     flagged, fine = after[bad.endpoint], after[good.endpoint]

@@ -311,6 +311,22 @@ class ManagerClient:
             "step_throughput": float(step_throughput),
         })
 
+    async def distrusted_samples(self, after: int = 0) -> dict[str, Any]:
+        """``GET /distrusted_samples``: answers a quarantined box made unvouched, numbered above ``after``
+        (:mod:`trainer_plugin.distrust`)."""
+        return await self._call("GET", f"/distrusted_samples?after={int(after)}")
+
+    async def probe_prompt(self, vocab_size: int | None = None) -> dict[str, Any]:
+        """``GET /probe_prompt``: the trust probe's prompt (:mod:`trainer_plugin.probe_reference`)."""
+        query = "" if vocab_size is None else f"?vocab_size={int(vocab_size)}"
+        return await self._call("GET", "/probe_prompt" + query)
+
+    async def update_probe_reference(self, weight_version: int, input_ids: list[int],
+                                     logprobs: list[float]) -> dict[str, Any]:
+        """``POST /update_probe_reference``: the probe prompt's log-probs by the trainer's model."""
+        return await self._call("POST", "/update_probe_reference", {
+            "weight_version": int(weight_version), "input_ids": list(input_ids), "logprobs": list(logprobs)})
+
     async def update_mismatch(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /update_mismatch``: a step's log-prob mismatch per box (:mod:`trainer_plugin.mismatch`)."""
         return await self._call("POST", "/update_mismatch", body)

@@ -140,13 +140,13 @@ FIELDS = ("old_log_probs", "rollout_log_probs", "response_mask", "extra_fields")
 def tally_batch(data: Any) -> Tallies:
     """:func:`tally_boxes` over verl's batch as its V1 trainer reads it back from TransferQueue (a
     TensorDict: jagged nested or padded tensors, ``extra_fields`` a stack of per-sample dicts)."""
-    extras = _items(data["extra_fields"])
+    extras = per_sample(data["extra_fields"])
     segments = [e.get("segments") if isinstance(e, Mapping) else None for e in extras]
-    return tally_boxes(segments, _items(data["old_log_probs"]), _items(data["rollout_log_probs"]),
-                       _items(data["response_mask"]))
+    return tally_boxes(segments, per_sample(data["old_log_probs"]), per_sample(data["rollout_log_probs"]),
+                       per_sample(data["response_mask"]))
 
 
-def _items(values: Any) -> list[Any]:
+def per_sample(values: Any) -> list[Any]:
     """One entry per sample, from a nested (jagged) tensor, a padded one, a non-tensor stack or a list."""
     if getattr(values, "is_nested", False):
         return list(values.unbind())

@@ -27,6 +27,7 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
+from .distrust import MASK_FIELDS, DistrustFilter, drop_distrusted
 from .metrics import StepTimer, as_log_metrics, post_mismatch_sync, post_step_metrics_sync
 from .mismatch import FIELDS, StepMismatch, tally_batch
 from .settings import PluginSettings, from_rollout_config
@@ -42,6 +43,7 @@ class ManagerMetricsMixin:
     global_steps: int
     _rm_timer: StepTimer | None = None
     _rm_mismatch: StepMismatch | None = None
+    _rm_distrust: DistrustFilter | None = None
 
     @property
     def _rm_settings(self) -> PluginSettings:
@@ -88,6 +90,31 @@ class ManagerMetricsMixin:
         except Exception as exc:  # attribution is a report: it never costs the step
             log.warning("per-box log-prob mismatch not computed: %s", exc)
         return batch
+
+    def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        try:  # as late as can be: a box quarantined while this step ran is caught too
+            metrics.update(self._rm_drop_distrusted(batch))
+        except Exception as exc:  # unprotected, but the step goes on: said in the log and the metrics
+            log.warning("distrusted samples not checked: %s", exc)
+            metrics["rollout_manager/distrust_check_failed"] = 1.0
+        return super()._update_actor(batch, metrics)  # type: ignore[misc]
+
+    def _rm_drop_distrusted(self, batch: Any) -> dict[str, float]:
+        """Zero the masks of the samples a quarantined box made unvouched (:mod:`trainer_plugin.distrust`)."""
+        if self._rm_distrust is None:
+            self._rm_distrust = DistrustFilter(self._rm_settings.manager_url)
+        self._rm_distrust.refresh()
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["extra_fields", *MASK_FIELDS])
+        masks, dropped = drop_distrusted(data, self._rm_distrust)
+        if dropped:
+            log.warning("%d sample(s) made by a quarantined box before it was caught: dropped from this step "
+                        "(their masks zeroed)", dropped)
+            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=masks)
+        return {"rollout_manager/distrusted_samples_dropped": float(dropped),
+                "rollout_manager/distrusted_samples_missed": float(self._rm_distrust.missed)}
 
     def _rm_tally_mismatch(self, batch: Any) -> None:
         """The trainer's log-probs of the micro-batch against the rollout's, split by box (see

@@ -37,6 +37,7 @@ from rollout_manager.api.schemas import (
     ShutdownInstances,
     UpdateMetrics,
     UpdateMismatch,
+    UpdateProbeReference,
     UpdateWeightSenders,
     UpdateWeightVersion,
 )
@@ -99,6 +100,15 @@ async def register_local_rollout_instances(request: web.Request, body: RegisterL
 async def get_instances_status(request: web.Request) -> web.Response:
     """Every instance with its state, kind, weight version, group and load, plus recent events."""
     return json_response(manager_of(request).status())
+
+
+async def distrusted_samples(request: web.Request) -> web.Response:
+    """Delivered answers with tokens a quarantined box made unvouched, numbered above ``?after=N``: the
+    trainer drops those samples before a step."""
+    after = request.query.get("after", "0")
+    if not after.isascii() or not after.isdigit() or len(after) > 18:
+        raise BadRequest(f"after must be a whole number >= 0, not {after[:40]!r}")
+    return json_response(manager_of(request).generator.migrator.provisional.since(int(after)))
 
 
 @accepts(ShutdownInstances)
@@ -293,6 +303,22 @@ async def update_mismatch(request: web.Request, body: UpdateMismatch, _: Any) ->
     return json_response(result)
 
 
+async def probe_prompt(request: web.Request) -> web.Response:
+    """The trust probe's prompt for a vocabulary size (``?vocab_size=N``; the served boxes' when left out),
+    for the trainer to compute its reference log-probs of."""
+    raw = request.query.get("vocab_size")
+    if raw is not None and (not raw.isascii() or not raw.isdigit() or len(raw) > 9 or int(raw) < 2):
+        raise BadRequest(f"vocab_size must be a whole number >= 2, not {raw[:40]!r}")
+    return json_response(manager_of(request).probe_prompt(None if raw is None else int(raw)))
+
+
+@accepts(UpdateProbeReference)
+async def update_probe_reference(request: web.Request, body: UpdateProbeReference, _: Any) -> web.Response:
+    """The probe prompt's log-probs by the trainer's model at a version: the boxes there are judged by them."""
+    return json_response(manager_of(request).update_probe_reference(body.weight_version, body.input_ids,
+                                                                    body.logprobs))
+
+
 @accepts(UpdateWeightVersion, optional=True)
 async def update_weight_version(request: web.Request, body: UpdateWeightVersion, _: Any) -> web.Response:
     """New weights are staged: remote instances sync to the new version; optionally wait for them."""
@@ -322,6 +348,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/register_rollout_instance", register_rollout_instance),
     ("POST", "/register_local_rollout_instances", register_local_rollout_instances),
     ("GET", "/get_instances_status", get_instances_status),
+    ("GET", "/distrusted_samples", distrusted_samples),
     ("POST", "/shutdown_instances", shutdown_instances),
     ("PUT", "/update_weight_senders", update_weight_senders),
     ("POST", "/generate", generate),
@@ -329,6 +356,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/abort_local_requests", abort_local_requests),
     ("POST", "/update_metrics", update_metrics),
     ("POST", "/update_mismatch", update_mismatch),
+    ("GET", "/probe_prompt", probe_prompt),
+    ("POST", "/update_probe_reference", update_probe_reference),
     ("POST", "/update_weight_version", update_weight_version),
     ("GET", "/metrics", prometheus_metrics),
     ("GET", "/", status_page_html),

@@ -176,6 +176,16 @@ class BoxMismatch(StrictModel):
                                    "KL(rollout || trainer))")
 
 
+class UpdateProbeReference(StrictModel):
+    """The trust probe prompt's log-probs computed with the trainer's own model at a weight version."""
+
+    weight_version: Annotated[int, Field(ge=0)]
+    input_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=4096,
+                                                                  description="the probe prompt (GET /probe_prompt)")]
+    logprobs: Annotated[list[Annotated[float, Field(le=0, allow_inf_nan=False)]],
+                        Field(max_length=4096, description="the log-prob of each prompt token after the first")]
+
+
 class UpdateMismatch(StrictModel):
     """The trainer's log-prob mismatch of one step, split by the instance that made each token."""
 

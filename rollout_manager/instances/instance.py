@@ -108,6 +108,9 @@ class Instance:
     # Why it was taken out of service as untrusted (None: it is not): it stays out of ``active`` until a
     # reload and a passing probe lift it (``instances/quarantine.py``).
     quarantined: str | None = None
+    # A weight push completed on it since it was quarantined (its move to ``active`` was refused): a full
+    # reload, at whatever version, after which a passing probe lets it serve again.
+    reloaded_in_quarantine: bool = False
     sender: int | None = None
     group: int | None = None
     # the other owners' parts

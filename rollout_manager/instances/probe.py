@@ -10,6 +10,9 @@ makes at that version is provisional (``Instance.trust``, shown in the instance 
 box that disagrees is reported (its status, a warning, a metric); each verdict is told to ``verdict_listeners``,
 where the quarantine (``quarantine.py``) acts on it. A quarantined box, held in ``syncing`` after its reload, is
 probed too (on :meth:`ProbeMonitor.check` with ``quarantined=True``): its passing probe lets it serve again.
+Where the trainer posted the probe prompt's log-probs computed with its own model at a version
+(:meth:`ProbeMonitor.set_reference`, ``POST /update_probe_reference``), the boxes at that version are judged by
+them (``trust.judge``).
 
 Of each instance this module alone writes ``Instance.trust`` (replaced whole).
 """
@@ -63,6 +66,8 @@ class ProbeMonitor:
         self.wall = wall
         # version -> (vocabulary limit of the prompt) -> instance id -> its probe there
         self._results: dict[tuple[int, int], dict[str, Probed]] = {}
+        # (version, the prompt's ids) -> the trainer's log-probs of it (each token after the first)
+        self._references: dict[tuple[int, tuple[int, ...]], tuple[float, ...]] = {}
         self._due: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -107,6 +112,25 @@ class ProbeMonitor:
             if boxes:
                 await self.check_all(boxes)
 
+    # ------------------------------------------------------------ the trainer's reference
+    def set_reference(self, version: int, ids: list[int], logprobs: list[float]) -> None:
+        """The trainer's log-probs of the probe prompt ``ids`` (one per token after the first) at ``version``:
+        later probes at that version are judged by them. Raises ValueError when they cannot be (a length
+        that does not match)."""
+        if len(logprobs) != len(ids) - 1:
+            raise ValueError(f"{len(logprobs)} log-probs for a prompt of {len(ids)} tokens (one per token after "
+                             "the first)")
+        self._references[version, tuple(ids)] = tuple(float(v) for v in logprobs)
+        for old in sorted(self._references)[:-KEEP_VERSIONS]:
+            del self._references[old]
+
+    def has_reference(self, version: int) -> bool:
+        return any(v == version for v, _ in self._references)
+
+    def references(self) -> list[dict[str, int]]:
+        """The references held: version and prompt length each."""
+        return [{"weight_version": v, "tokens": len(ids)} for v, ids in sorted(self._references)]
+
     # ------------------------------------------------------------ probing
     async def check_all(self, boxes: list[Instance] | None = None) -> None:
         """Probe ``boxes`` (None: every registered one) at once; those not serving now are skipped."""
@@ -144,16 +168,17 @@ class ProbeMonitor:
         group[inst.id] = Probed(tuple(values), tol, before.baseline if before is not None else None)
         inst.trust = dataclasses.replace(inst.trust, probes=inst.trust.probes + 1, last_probe_error=None,
                                          checked_at=self.wall())
-        judged = self._judge(version, group)
+        judged = self._judge(version, group, self._references.get((version, tuple(ids))))
         for old in sorted(self._results)[:-KEEP_VERSIONS]:
             del self._results[old]
         for listener in list(self.verdict_listeners):
             listener(inst, version, judged)
         return inst.trust.state(version)
 
-    def _judge(self, version: int, group: dict[str, Probed]) -> list[tuple[Instance, Trust]]:
+    def _judge(self, version: int, group: dict[str, Probed],
+               reference: tuple[float, ...] | None) -> list[tuple[Instance, Trust]]:
         judged: list[tuple[Instance, Trust]] = []
-        for box, verdict in judge(group).items():
+        for box, verdict in judge(group, reference).items():
             inst = self.registry.get(box)
             if inst is None:
                 continue

@@ -9,12 +9,16 @@ there agrees (a majority exists), or when the ledger calls its mismatch an outli
   tail migration and every placement pass it by, and its next weight push reloads it;
 - the sequences running on it are evicted with a cut-back: each goes back to its last token made before the
   box's last passing probe (``SequenceState.cut_point``) and continues from there on another box, exactly;
-- the span it was distrusted over (box, version, from its last passing probe to now) is remembered and listed
-  in the status: answers already delivered from it in that span carry its segments, so the trainer can drop them;
+- the answers already delivered with tokens it made unvouched (since its last passing probe, or at a version
+  none passed) are listed as distrusted samples (``rollout.provisional``, ``GET /distrusted_samples``), by
+  answer id and segment, and so is every answer it finishes until it serves again: the trainer plugin drops
+  them before a step. The span (box, version, from its last passing probe to now) is listed in the status too;
 - a loud log line and the ``quarantined`` counters.
 
-It serves again only when it holds a newer version than the one it was quarantined at (a full reload by the
-drain path) and a probe of it there passes (:meth:`Quarantine.readmit`). Nothing is quarantined when every box
+It serves again only after a full reload (weight sync pushes a quarantined box again, at the current version if
+no newer one is there; the registry notes the push, ``Instance.reloaded_in_quarantine``) and a passing probe
+(:meth:`Quarantine.readmit`). A box whose disagreement the floor holds back keeps serving, but its unvouched
+answers are distrusted all the same. Nothing is quarantined when every box
 disagrees together (no probe majority, or the ledger's fleet-wide verdict): the fault is not theirs; nor when
 it would leave fewer than ``quarantine_min_active`` active boxes; both are said loudly (log and status).
 """
@@ -27,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rollout_manager.instances.mismatch import MismatchLedger
 from rollout_manager.instances.probe import ProbeMonitor
@@ -42,6 +46,18 @@ KEEP_SPANS = 100  # distrusted spans kept for the status
 Evict = Callable[[Instance, str, bool], int]
 # (instance, version), as a probe is sent -> what vouches for what it made so far there, once the probe passed
 Mark = Callable[[Instance, int], Callable[[], int]]
+
+
+class Delivered(Protocol):
+    """The answers delivered unvouched, by box (``rollout.provisional.Provisional``)."""
+
+    def distrust(self, instance: str, why: str) -> int: ...
+
+    def trust_again(self, instance: str) -> None: ...
+
+    def forget(self, instance: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -76,17 +92,21 @@ class Quarantine:
     """Acts on the probe's and the ledger's verdicts (see the module's docstring)."""
 
     def __init__(self, registry: Registry, probes: ProbeMonitor, ledger: MismatchLedger, settings: QuarantineSettings,
-                 evict: Evict, mark: Mark, *, wall: Callable[[], float] = time.time) -> None:
+                 evict: Evict, mark: Mark, delivered: Delivered | None = None, *,
+                 wall: Callable[[], float] = time.time) -> None:
         self.registry = registry
         self.probes = probes
         self.ledger = ledger
         self.settings = settings
         self.evict = evict
         self.mark = mark
+        self.delivered = delivered
         self._marks: dict[str, tuple[int, Callable[[], int]]] = {}  # instance -> its probe in flight's mark
         self.wall = wall
         self.at_version: dict[str, int] = {}  # quarantined instance -> the version it served then
         self.passed: dict[str, tuple[int, float]] = {}  # instance -> (version, wall time) of its last passing probe
+        # Off the trainer's reference before any other box at its version was probed: judged again with them.
+        self._waiting_for_peers: set[str] = set()
         self.spans: deque[DistrustedSpan] = deque(maxlen=KEEP_SPANS)
         self.counts = {"quarantined": 0, "lifted": 0, "held_by_floor": 0, "fleet_wide": 0}
         self.held_by_floor: str | None = None  # the last quarantine the floor kept back, in words
@@ -100,6 +120,9 @@ class Quarantine:
         if event.new == State.DEAD:  # ids are never reused: what is kept of it goes (its spans stay listed)
             for kept in (self.at_version, self.passed, self._marks):
                 kept.pop(inst.id, None)
+            self._waiting_for_peers.discard(inst.id)
+            if self.delivered is not None:
+                self.delivered.forget(inst.id)
 
     # ------------------------------------------------------------ verdicts
     def on_probe_sent(self, inst: Instance, version: int) -> None:
@@ -110,21 +133,36 @@ class Quarantine:
     def on_probe(self, probed: Instance, version: int, judged: list[tuple[Instance, Trust]]) -> None:
         """A probe of ``probed`` at ``version`` was judged (with every box there)."""
         verdicts = {inst.id: trust for inst, trust in judged}
+        if Trust.CHECKED in verdicts.values() and self._waiting_for_peers:
+            for inst, trust in judged:  # another box agrees with the trainer now: the held ones are theirs
+                if inst.id in self._waiting_for_peers and inst is not probed:
+                    self._waiting_for_peers.discard(inst.id)
+                    if trust == Trust.DISAGREES and inst.quarantined is None:
+                        self.quarantine(inst, f"its trust probe at weight version {version} is off the trainer's "
+                                              "reference log-probs while another box's is not")
         mine = verdicts.get(probed.id)
         if mine == Trust.CHECKED:
             if probed.quarantined is not None:
                 self._lift(probed, version)
             else:
                 self.passed[probed.id] = (version, self.wall())
+                if self.delivered is not None:  # found wrong earlier but kept serving by the floor: right again
+                    self.delivered.trust_again(probed.id)
                 marked = self._marks.pop(probed.id, None)
                 if marked is not None and marked[0] == version:
                     marked[1]()
             return
         if mine != Trust.DISAGREES or probed.quarantined is not None:
             return
-        if len(judged) >= 2 and Trust.CHECKED not in verdicts.values():
-            self._fleet_wide(f"no majority among the {len(judged)} boxes' trust probes at weight version {version}")
-            return
+        if Trust.CHECKED not in verdicts.values():
+            if len(judged) >= 2:
+                self._fleet_wide(f"no majority among the {len(judged)} boxes' trust probes at weight version "
+                                 f"{version}" + (" (judged by the trainer's reference log-probs)"
+                                                 if self.probes.has_reference(version) else ""))
+                return
+            if self.probes.has_reference(version):  # off the trainer's reference, no other box probed there yet:
+                self._waiting_for_peers.add(probed.id)  # it may be the trainer's fault; judged again with them
+                return
         self.quarantine(probed, f"its trust probe at weight version {version} disagrees with the other boxes")
 
     def on_mismatch(self, live: list[str]) -> list[str]:
@@ -162,6 +200,8 @@ class Quarantine:
                                   f"are not trusted")
             self.counts["held_by_floor"] += 1
             log.error("QUARANTINE HELD BACK BY THE FLOOR: %s", self.held_by_floor)
+            if self.delivered is not None:  # it keeps serving; what it delivers unvouched is not trusted
+                self.delivered.distrust(inst.id, f"held back by the floor: {why}")
             return False
         version = inst.versions.serving(inst.weight_version)
         passed = self.passed.get(inst.id)
@@ -173,18 +213,21 @@ class Quarantine:
         self.spans.append(DistrustedSpan(inst.id, inst.endpoint, version, since, now, why))
         self.counts["quarantined"] += 1
         moved = self.evict(inst, f"quarantined: {why}", True)
+        listed = 0 if self.delivered is None else self.delivered.distrust(inst.id, f"quarantined: {why}")
         log.error("QUARANTINED instance %s %s at weight version %d: %s; %d running sequence(s) cut back to their "
-                  "last trusted token and moved; it serves again after a reload and a passing trust probe",
-                  inst.id, inst.endpoint, version, why, moved)
+                  "last trusted token and moved, %d delivered answer segment(s) listed as distrusted; it serves "
+                  "again after a reload and a passing trust probe", inst.id, inst.endpoint, version, why, moved,
+                  listed)
         return True
 
     def _lift(self, inst: Instance, version: int) -> None:
-        before = self.at_version.get(inst.id)
-        if before is not None and version <= before:
+        if not _reloaded(inst, self.at_version.get(inst.id)):
             return  # the same weights it was quarantined with: no reload yet
         self.passed[inst.id] = (version, self.wall())
         if self.registry.lift_quarantine(inst, f"reloaded to weight version {version} and its trust probe passed"):
             self.at_version.pop(inst.id, None)
+            if self.delivered is not None:
+                self.delivered.trust_again(inst.id)
             self.counts["lifted"] += 1
             log.warning("instance %s %s serves again: reloaded to weight version %d and its trust probe passed",
                         inst.id, inst.endpoint, version)
@@ -196,9 +239,9 @@ class Quarantine:
 
     # ------------------------------------------------------------ coming back
     def reloaded(self) -> list[Instance]:
-        """Quarantined boxes held out of service at a newer version than they were quarantined at."""
+        """Quarantined boxes held out of service after a full reload (at any version)."""
         return [i for i in self.registry.in_state(State.SYNCING) if i.quarantined is not None
-                and i.versions.activating is None and i.weight_version > self.at_version.get(i.id, -1)]
+                and i.versions.activating is None and _reloaded(i, self.at_version.get(i.id))]
 
     async def readmit(self) -> None:
         """Probe every reloaded quarantined box; a passing one serves again (:meth:`on_probe`)."""
@@ -224,4 +267,11 @@ class Quarantine:
     def status(self) -> dict[str, Any]:
         return {"enabled": self.settings.enabled, "min_active": self.settings.min_active, **self.counts,
                 "quarantined_now": sorted(self.at_version), "held_by_floor": self.held_by_floor,
-                "fleet_wide": self.fleet_wide, "distrusted_spans": [s.to_dict() for s in self.spans]}
+                "fleet_wide": self.fleet_wide, "distrusted_spans": [s.to_dict() for s in self.spans],
+                "delivered": None if self.delivered is None else self.delivered.status()}
+
+
+def _reloaded(inst: Instance, quarantined_at: int | None) -> bool:
+    """A weight push completed on ``inst`` since its quarantine: at a newer version, or any push the registry
+    noted (the reload at the same version)."""
+    return inst.reloaded_in_quarantine or (quarantined_at is not None and inst.weight_version > quarantined_at)

@@ -145,6 +145,7 @@ class Registry:
         if inst.id not in self._instances or new not in ALLOWED[inst.state]:
             return False
         if new == State.ACTIVE and inst.quarantined is not None:
+            inst.reloaded_in_quarantine = True  # a push ended here: it is reloaded, the probe decides
             self.wait_for(inst, f"a passing trust probe after its reload (quarantined: {inst.quarantined})")
             return False  # only lift_quarantine serves it again
         old = inst.state
@@ -174,7 +175,7 @@ class Registry:
         next push reloads it), held there until :meth:`lift_quarantine`. False if it was not active."""
         if inst.state != State.ACTIVE or inst.quarantined is not None:
             return False
-        inst.quarantined = why
+        inst.quarantined, inst.reloaded_in_quarantine = why, False
         return self.transition(inst, State.SYNCING, f"quarantined: {why}")
 
     def lift_quarantine(self, inst: Instance, why: str) -> bool:

@@ -23,7 +23,12 @@ replaces all of this with one number. A verdict (:func:`judge`):
   disagrees, whatever the others say (this also tells which of two boxes went wrong);
 - else a box is checked when the boxes within the tolerance of it, itself included, are a strict majority
   of the unchanged boxes that probed this version; else it disagrees (of two boxes that differ, both);
-- a box alone at its version, never checked there, stays provisional: nothing to compare it with.
+- a box alone at its version, never checked there, stays provisional: nothing to compare it with;
+- where the trainer posted the probe's reference log-probs for the version (its own model's forward), an
+  unchanged box is judged by them instead of by its peers, with its own tolerance: within it, it is checked
+  (a box alone at its version too); beyond it, it disagrees. Every box beyond it together is a fleet-wide
+  disagreement (the trainer's and the fleet's arithmetic differ, or the trainer's weights are not the
+  fleet's): the quarantine acts on none of them.
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ class Verdict:
     detail: str
 
 
-def judge(boxes: Mapping[str, Probed]) -> dict[str, Verdict]:
-    """The verdict on every box that probed one version (see the module's docstring)."""
+def judge(boxes: Mapping[str, Probed], reference: Sequence[float] | None = None) -> dict[str, Verdict]:
+    """The verdict on every box that probed one version, against each other and the trainer's ``reference``
+    log-probs where given (see the module's docstring)."""
     verdicts: dict[str, Verdict] = {}
     steady: dict[str, Probed] = {}
     for box, p in boxes.items():
@@ -96,6 +102,14 @@ def judge(boxes: Mapping[str, Probed]) -> dict[str, Verdict]:
         else:
             steady[box] = p
     for box, p in steady.items():
+        if reference is not None:
+            off = mean_abs_diff(p.values, reference)
+            if off > p.tolerance:
+                verdicts[box] = Verdict(Trust.DISAGREES, off, f"its probe is {off:.3g} from the trainer's reference "
+                                                              f"log-probs (tolerance {p.tolerance:g})")
+                continue
+            verdicts[box] = Verdict(Trust.CHECKED, off, f"within {off:.3g} of the trainer's reference log-probs")
+            continue
         diffs = {other: mean_abs_diff(p.values, q.values) for other, q in steady.items() if other != box}
         if not diffs:
             trust = Trust.CHECKED if p.baseline is not None else Trust.PROVISIONAL

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.rollout.provisional import Provisional
 from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
 from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.client import SGLangClient
@@ -43,6 +44,12 @@ class Migrator:
         self.bound = bound
         # The segments streaming now (sequence, instance, engine rid), by segment key.
         self._live: dict[int, tuple[SequenceState, Instance, str]] = {}
+        # The live segments' keys by every instance their sequence has segments of (so a probe's mark costs
+        # what that box made, not every live sequence), and the instances each key is listed under.
+        self._by_instance: dict[str, dict[int, SequenceState]] = {}
+        self._listed: dict[int, tuple[str, ...]] = {}
+        # Finished sequences' segments no probe vouched for yet, and what a quarantine distrusted of them.
+        self.provisional = Provisional()
         self._timer: asyncio.Task[None] | None = None  # runs the policy while anything streams
         self._aborts: set[asyncio.Task[None]] = set()
         if policy is not None:
@@ -57,15 +64,27 @@ class Migrator:
         """A segment of ``seq`` starts streaming from ``inst`` as engine request ``rid``."""
         seq.migration.leaving, seq.migration.reason, seq.migration.cut = False, "", None
         self._live[key] = (seq, inst, rid)  # tracked even with migration off: evict() needs it
+        boxes = tuple({inst.id, *(s.instance for s in seq.segments)})
+        self._listed[key] = boxes
+        for box in boxes:
+            self._by_instance.setdefault(box, {})[key] = seq
         if self.policy is not None and (self._timer is None or self._timer.done()):
             self._timer = asyncio.ensure_future(self._plan_periodically())
 
     def leave(self, key: int, seq: SequenceState, segment: Segment) -> None:
         """The segment ended (finished, failed, moved or cancelled)."""
         self._live.pop(key, None)
+        for box in self._listed.pop(key, ()):
+            keys = self._by_instance.get(box)
+            if keys is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self._by_instance[box]
         if seq.migration.cut is not None and seq.finish is not None:  # finished before its abort landed
             distrust(seq, seq.migration.cut, seq.migration.reason)
             seq.migration.cut = None
+        if seq.finish is not None:  # its answer goes out: what no probe vouched for yet is kept by box
+            self.provisional.finished(seq)
         if not segment.outcome.startswith("migrated") or seq.remaining == 0:
             self._drop_handoff(seq)  # it ended where it ran: the instance reserved for it is free again
         seq.migration.leaving = False
@@ -109,14 +128,19 @@ class Migrator:
 
     def mark(self, inst: Instance, version: int) -> Callable[[], int]:
         """A probe of ``inst`` at ``version`` is being sent: what it may vouch for is what ``inst`` made so far at
-        that version in every running sequence (on it now or moved on). Returns what vouches for exactly that,
-        to call once the probe passed (how many segments it vouched for)."""
-        marks = [(seg, seg.end) for seq, _, _ in self._live.values() for seg in seq.segments
-                 if seg.instance == inst.id and seg.weight_version in (None, str(version))]
+        that version in every running sequence (on it now or moved on) and in every answer delivered unvouched
+        (``provisional``). Costs what ``inst`` made, not every live sequence. Returns what vouches for exactly
+        that, to call once the probe passed (how many segments it vouched for)."""
+        named = str(version)
+        live = self._by_instance.get(inst.id, {})
+        segments = [seg for seq in live.values() for seg in seq.segments if seg.instance == inst.id]
+        segments += self.provisional.pending(inst.id)
+        marks = [(seg, seg.end) for seg in segments if seg.weight_version in (None, named)]
 
         def vouch() -> int:
             for seg, end in marks:
                 seg.trusted = end if seg.trusted is None else max(seg.trusted, end)
+            self.provisional.settle(inst.id)
             return len(marks)
 
         return vouch

@@ -176,7 +176,8 @@ class WeightSync:
     async def _sync(self, inst: Instance) -> None:
         cfg = self.settings
         tries = Tries()
-        while self.registry.get(inst.id) is inst and inst.weight_version < self.version.current:
+        while self.registry.get(inst.id) is inst and (inst.weight_version < self.version.current or (
+                inst.quarantined is not None and not inst.reloaded_in_quarantine)):  # quarantined: reload in full
             version = self.version.current
             if inst.load.in_flight:
                 self.registry.wait_for(inst, f"in-flight requests to drain ({inst.load.in_flight} left)")

@@ -1,0 +1,148 @@
+"""Delivered tokens that no passing trust probe vouched for yet, and those a quarantine distrusted.
+
+A box's tokens are provisional from when it made them until a probe of that box, sent after they were made,
+passes (``Segment.trusted``, set through ``Migrator.mark``). Running sequences are cut back when their box is
+quarantined; an answer that was already delivered cannot be. So every finished sequence's segments that are
+not vouched for in full are kept here, by the box that made them, until one of:
+
+- a passing probe of that box vouches for them (the probe was sent after they were made): they are let go;
+- the box is quarantined (or its disagreement is held back by the floor): they become *distrusted samples*,
+  listed with the answer's id (``meta_info.id``) and the segment (box, version, token range), numbered so a
+  reader asks only for what is new (``GET /distrusted_samples?after=N``); the trainer plugin drops those
+  samples before a training step (``trainer_plugin.distrust``). An answer that finishes while its box is
+  distrusted goes straight to that list, and its segment says ``distrusted`` in its ``meta_info`` (the answer
+  is built after this);
+- the box is removed: nothing will judge it again (said in ``forgotten_tokens``).
+
+Bounds: ``KEEP_PENDING`` segments per box (a box alone at its version is never checked; the oldest beyond the
+bound are let go and counted in ``forgotten_tokens``, as a user then has no protection for them) and
+``KEEP_DISTRUSTED`` distrusted samples (a reader that falls further behind is told ``missed``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_manager.rollout.sequence import Segment, SequenceState
+
+KEEP_PENDING = 50_000  # unvouched delivered segments kept per box
+KEEP_DISTRUSTED = 100_000  # distrusted samples kept for readers
+
+
+@dataclass(frozen=True, slots=True)
+class DistrustedSample:
+    """One delivered segment with tokens a quarantined box made unvouched: ``[first, end)`` of the answer's
+    output tokens (``first``: its first token no passing probe vouched for), the segment being
+    ``[start, end)``. ``number`` orders them for readers."""
+
+    number: int
+    request_id: str
+    instance: str
+    endpoint: str
+    weight_version: str | None
+    start: int
+    end: int
+    first: int
+    reason: str
+    at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"number": self.number, "request_id": self.request_id, "instance": self.instance,
+                "endpoint": self.endpoint, "weight_version": self.weight_version, "start": self.start,
+                "end": self.end, "first": self.first, "reason": self.reason, "at": self.at}
+
+
+def unvouched_from(seg: Segment) -> int:
+    """The first of ``seg``'s tokens no passing probe vouched for (its end: all vouched)."""
+    return seg.start if seg.trusted is None else min(max(seg.trusted, seg.start), seg.end)
+
+
+class Provisional:
+    """The finished sequences' unvouched segments by box, and the distrusted samples (see the module)."""
+
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall
+        self._pending: dict[str, deque[tuple[str, Segment]]] = {}  # instance -> (request id, segment)
+        self._distrusting: dict[str, str] = {}  # instance -> why its tokens are distrusted now
+        self.distrusted: deque[DistrustedSample] = deque(maxlen=KEEP_DISTRUSTED)
+        self.numbered = 0  # distrusted samples ever listed
+        self.distrusted_tokens = 0
+        self.forgotten_tokens = 0  # unvouched tokens let go unjudged (bound reached, or their box removed)
+
+    # ------------------------------------------------------------ sequences finishing
+    def finished(self, seq: SequenceState) -> None:
+        """``seq`` finished (its answer goes out now): keep what is not vouched for, by box."""
+        for seg in seq.segments:
+            if unvouched_from(seg) >= seg.end:
+                continue
+            why = self._distrusting.get(seg.instance)
+            if why is not None:  # its answer is not out yet: it says so too
+                if "distrusted" not in seg.outcome:
+                    seg.outcome = f"{seg.outcome}; distrusted: {why}"
+                self._list(seq.rid, seg, why)
+                continue
+            kept = self._pending.setdefault(seg.instance, deque())
+            if len(kept) >= KEEP_PENDING:
+                _, old = kept.popleft()
+                self.forgotten_tokens += old.end - unvouched_from(old)
+            kept.append((seq.rid, seg))
+
+    def pending(self, instance: str) -> list[Segment]:
+        """The delivered segments of ``instance`` not vouched for in full: a probe sent now may vouch for them."""
+        return [seg for _, seg in self._pending.get(instance, ())]
+
+    def settle(self, instance: str) -> None:
+        """A probe of ``instance`` passed and vouched for some: let those go."""
+        kept = self._pending.get(instance)
+        if kept:
+            left = deque((rid, seg) for rid, seg in kept if unvouched_from(seg) < seg.end)
+            if left:
+                self._pending[instance] = left
+            else:
+                del self._pending[instance]
+
+    # ------------------------------------------------------------ verdicts
+    def distrust(self, instance: str, why: str) -> int:
+        """``instance`` is quarantined (or found wrong and kept serving): its unvouched delivered segments
+        become distrusted samples, and so does every one it finishes until :meth:`trust_again`. Returns the
+        samples listed now."""
+        self._distrusting[instance] = why
+        kept = self._pending.pop(instance, deque())
+        for rid, seg in kept:
+            self._list(rid, seg, why)
+        return len(kept)
+
+    def trust_again(self, instance: str) -> None:
+        """``instance`` serves again (reloaded, its probe passed)."""
+        self._distrusting.pop(instance, None)
+
+    def forget(self, instance: str) -> None:
+        """``instance`` was removed: what it made unvouched will never be judged."""
+        self._distrusting.pop(instance, None)
+        for _, seg in self._pending.pop(instance, ()):
+            self.forgotten_tokens += seg.end - unvouched_from(seg)
+
+    def _list(self, rid: str, seg: Segment, why: str) -> None:
+        first = unvouched_from(seg)
+        self.numbered += 1
+        self.distrusted_tokens += seg.end - first
+        self.distrusted.append(DistrustedSample(self.numbered, rid, seg.instance, seg.endpoint, seg.weight_version,
+                                                seg.start, seg.end, first, why, self.wall()))
+
+    # ------------------------------------------------------------ readers
+    def since(self, after: int) -> dict[str, Any]:
+        """The distrusted samples numbered above ``after``; ``last``: the highest number listed (the next
+        ``after``); ``missed``: samples numbered above ``after`` no longer kept (the reader fell behind)."""
+        oldest = self.distrusted[0].number if self.distrusted else self.numbered + 1
+        samples = [s.to_dict() for s in self.distrusted if s.number > after]
+        return {"samples": samples, "last": self.numbered, "missed": max(0, oldest - after - 1)}
+
+    def status(self) -> dict[str, Any]:
+        """Counts for the status (a look per box, not per segment: it is read every second)."""
+        return {"pending_segments": sum(len(v) for v in self._pending.values()),
+                "distrusted_samples": self.numbered, "distrusted_tokens": self.distrusted_tokens,
+                "forgotten_tokens": self.forgotten_tokens, "distrusting": sorted(self._distrusting)}
