@@ -39,10 +39,12 @@ pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
 FLEETS = (("qwen2", "float32"), ("llama", "float32"), ("qwen2", "bfloat16"))  # (model, SGLang --dtype)
 PROBE_INTERVAL_S = 1.0
 CAUGHT_WITHIN_S = 60.0  # a few probe rounds; generous for a 2-core machine shared with other suites
-# Replaced by another tensor of its size and magnitude (a wrong tensor, not the trainer's). The tiny random
-# models' logits are near zero, so small noise barely moves their log-probs: 5% noise on this tensor moves the
-# probe's mean by ~0.02, a replacement by ~0.15 (benchmarks/measure_probe_spread.py), while two clean boxes
-# agree exactly; the fp32 tolerance is 1e-3.
+# Replaced by another tensor of its size, 8 times the magnitude (a wrong tensor, not the trainer's). The tiny
+# random models' logits are near zero, so small noise barely moves their log-probs: 5% noise on this tensor moves
+# the probe's mean by ~0.02, a replacement of its own magnitude by ~0.16 and one of 8 times by ~0.8-1.0
+# (transformers, bf16), while two clean boxes agree exactly; the tolerances are 1e-3 (fp32) and 0.3 (bf16, set by
+# the spread measured on a GPU).
+ROGUE_SCALE = 8.0
 ROGUE_TENSOR = "lm_head.weight"
 
 
@@ -100,7 +102,8 @@ async def rogue_write(box: RealBox, model_dir: Path) -> None:
     """A changed tensor written into ``box`` through SGLang's own weight-update session, bypassing the receiver
     agent: no version is given, so SGLang goes on reporting the one it had."""
     original = load_file(str(model_dir / "model.safetensors"))[ROGUE_TENSOR]
-    changed = original.abs().mean() * torch.randn(original.shape, generator=torch.Generator().manual_seed(7))
+    noise = torch.randn(original.shape, generator=torch.Generator().manual_seed(7))
+    changed = ROGUE_SCALE * original.abs().mean() * noise
     payload = [tensor_payload.serialize_named_tensors([(ROGUE_TENSOR, changed.contiguous())])]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         for path, body in (("/begin_weight_update", {}),

@@ -5,6 +5,7 @@ fault that silently perturbs a tensor, which the probe must find, while a clean 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -55,6 +56,28 @@ def test_two_boxes_that_differ_both_disagree_unless_one_moved_since_it_was_check
     assert {v.trust for v in judge({"a": Probed(one, 1e-3), "b": Probed(two, 1e-3)}).values()} == {Trust.DISAGREES}
     moved = judge({"a": Probed(one, 1e-3, baseline=one), "b": Probed(two, 1e-3, baseline=one)})
     assert moved["a"].trust == Trust.CHECKED and moved["b"].trust == Trust.DISAGREES
+
+
+def test_the_tolerance_widens_to_the_fleets_own_spread_and_still_finds_the_wrong_box() -> None:
+    # A model whose logits are large spreads more between batch compositions than the bf16 floor (measured
+    # on an H100: 0.39 at logits of deviation 8). Five honest boxes 0.4 apart at most, and one far off.
+    noise = random.Random(0)
+    honest = [tuple(-5.0 - 0.1 * j + noise.gauss(0.0, 0.35) for j in range(32)) for _ in range(5)]
+    boxes = {f"h{k}": Probed(v, BF16_TOLERANCE) for k, v in enumerate(honest)}
+    assert all(v.trust == Trust.CHECKED for v in judge(boxes).values())
+    assert any(v.trust == Trust.DISAGREES for v in judge(boxes, calibrate=False).values())  # the floor alone
+    wrong = tuple(x - 3.0 for x in honest[0])
+    verdicts = judge({**boxes, "bad": Probed(wrong, BF16_TOLERANCE)})
+    assert {k for k, v in verdicts.items() if v.trust == Trust.DISAGREES} == {"bad"}
+    # and a box that moved since its check by more than the widened tolerance is caught as changed
+    moved = judge({**boxes, "h0": Probed(wrong, BF16_TOLERANCE, baseline=honest[0])})
+    assert moved["h0"].trust == Trust.DISAGREES and "moved" in moved["h0"].detail
+
+
+def test_two_boxes_give_no_spread_to_widen_by() -> None:
+    one, two = (-1.0, -2.0), (-1.0, -2.0 + 2 * BF16_TOLERANCE)
+    assert {v.trust for v in judge({"a": Probed(one, BF16_TOLERANCE), "b": Probed(two, BF16_TOLERANCE)}).values()} \
+        == {Trust.DISAGREES}
 
 
 def test_a_box_alone_at_its_version_stays_provisional() -> None:

@@ -178,7 +178,7 @@ class ProbeMonitor:
     def _judge(self, version: int, group: dict[str, Probed],
                reference: tuple[float, ...] | None) -> list[tuple[Instance, Trust]]:
         judged: list[tuple[Instance, Trust]] = []
-        for box, verdict in judge(group, reference).items():
+        for box, verdict in judge(group, reference, calibrate=not self.settings.tolerance).items():
             inst = self.registry.get(box)
             if inst is None:
                 continue
