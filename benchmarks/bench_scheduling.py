@@ -62,10 +62,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from schedule_bounds import fluid_bound, longest_alone_bound, opt_lower_bound
+
+from rollout_manager.rollout.box_speed import BoxSpeeds
+from rollout_manager.rollout.lengths import LengthModel, Track
+from rollout_manager.rollout.makespan import BoxWork, Makespan
 from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
@@ -93,6 +97,11 @@ class Req:
     moves: int = 0
     last_moved_at: float | None = None
     visited: set[str] = field(default_factory=set)
+    group: int = 0  # its GRPO group: samples of one prompt, lengths correlated (see make_lengths)
+    track: Track | None = None  # the length model's (makespan rows)
+    predicted: float | None = None  # tokens the length model predicts it still makes, at its last placement
+    prefer: str | None = None  # at a piece boundary: the instance it was on (its prefix is cached there)
+    piece_end: float | None = None  # divided rollouts: the token count its current piece ends at
 
     @property
     def remaining(self) -> float:
@@ -117,6 +126,8 @@ class Inst:
     queue: deque[Req] = field(default_factory=deque)
     alive: bool = True
     carry: float = 0.0  # fractional tokens not yet reported to the meter
+    speeds: BoxSpeeds | None = None  # the fleet's step models (what the dispatcher learns), shared
+    work: BoxWork = field(default_factory=BoxWork)  # its predicted work, as the dispatcher counts it
 
     def throughput(self, n: int) -> float:
         n = min(n, self.max_running)
@@ -136,10 +147,12 @@ class Inst:
     def load(self, now: float) -> InstanceLoad:
         toks = sum(r.budget_left for r in self.running) + sum(r.budget_left for r in self.queue)
         return InstanceLoad(self.iid, "remote", self.in_flight(), toks, self.meter.rate(now),
-                            self.lone_meter.rate(now))
+                            self.lone_meter.rate(now), self.speeds.model(self.iid) if self.speeds else None,
+                            self.work.tokens, self.work.longest)
 
     def start(self, req: Req, now: float, overhead: float = 0.0) -> None:
-        req.ready_at = now + overhead + (req.prompt + req.done) / self.prefill_rate
+        cached = req.prefer == self.iid  # a piece continued where it ran: its prefix is in the cache
+        req.ready_at = now if cached else now + overhead + (req.prompt + req.done) / self.prefill_rate
         req.visited.add(self.iid)
         self.running.append(req)
 
@@ -155,6 +168,8 @@ class Inst:
             self.start(self.queue.popleft(), now)
 
     def busy_changed(self, now: float) -> None:
+        if self.speeds is not None and self.in_flight() and not self.meter.busy:
+            self.speeds.busy(self.iid)
         self.meter.set_in_flight(self.in_flight(), now)
         self.lone_meter.set_in_flight(self.in_flight(), now)
 
@@ -179,12 +194,21 @@ def percentile(sorted_xs: list[float], q: float) -> float:
     return sorted_xs[k]
 
 
-def make_lengths(args: argparse.Namespace) -> list[int]:
+def make_lengths(args: argparse.Namespace, epoch: int = 0) -> list[int]:
+    """Seeded lengths; with ``--group-size G`` > 1, request ``i`` is in group ``i // G`` and (lognormal)
+    ``--group-share`` of the log variance is between groups: the samples of one prompt are alike, and
+    alike from one ``epoch`` to the next (the same group means, new draws within each group)."""
     rng = random.Random(args.seed)
-    out = []
-    for _ in range(args.requests):
+    out: list[int] = []
+    group_mu = 0.0
+    share = args.group_share if args.group_size > 1 else 0.0
+    within = random.Random(f"{args.seed}/{epoch}") if share else rng
+    for i in range(args.requests):
+        if share and i % args.group_size == 0:
+            group_mu = rng.gauss(math.log(args.median_tokens), args.sigma * math.sqrt(share))
         if args.dist == "lognormal":
-            x = rng.lognormvariate(math.log(args.median_tokens), args.sigma)
+            x = within.lognormvariate(group_mu if share else math.log(args.median_tokens),
+                                      args.sigma * math.sqrt(1.0 - share))
         else:  # pareto with the given median: x_m * 2**(1/alpha) = median
             xm = args.median_tokens / 2 ** (1 / args.pareto_alpha)
             x = xm * rng.paretovariate(args.pareto_alpha)
@@ -215,111 +239,6 @@ def preempt_index(args: argparse.Namespace) -> int | None:
     if args.preempt == "slowest":
         return min(range(len(args.speeds)), key=lambda k: args.speeds[k])
     return int(args.preempt)
-
-
-def fluid_bound(total_tokens: float, peak_all: float, peak_after: float, t_p: float | None) -> float:
-    """Time to make all tokens at peak pool throughput, losing one instance's share at t_p."""
-    if t_p is None or total_tokens <= peak_all * t_p:
-        return total_tokens / peak_all
-    return t_p + (total_tokens - peak_all * t_p) / peak_after
-
-
-def longest_alone_bound(longest: int, args: argparse.Namespace, victim: int | None,
-                        t_p: float | None) -> float:
-    """The longest sequence alone on the fastest instance (after its prompt's prefill there); if
-    that instance is preempted first, the rest on the next fastest (re-prefill not counted)."""
-    speeds: list[float] = [args.base_rate * s for s in args.speeds]
-    order = sorted(range(len(speeds)), key=lambda k: -speeds[k])
-    fast = order[0]
-    t: float = args.prompt_tokens / (speeds[fast] * args.prefill_factor)
-    if victim != fast or t_p is None or t + longest / speeds[fast] <= t_p or len(order) < 2:
-        return t + longest / speeds[fast]
-    made = max(0.0, (t_p - t) * speeds[fast])
-    return max(t, t_p) + (longest - made) / speeds[order[1]]
-
-
-def opt_lower_bound(lengths: Sequence[int], args: argparse.Namespace, victim: int | None,
-                    t_p: float | None) -> float | None:
-    """A makespan no schedule of this batch on this pool can beat, even one that knows the lengths;
-    None without scipy (``pip install -e .[bench]``).
-
-    Linear relaxation of the simulator: instance ``i`` spends time ``x[i,n]`` running a batch of
-    ``n <= max_running`` sequences, each decoding at ``rate[i,n] = speed_i / (1 + (n-1)/batch_half)``;
-    sequence ``j`` spends ``y[j,i,n]`` of its time in such a batch. Every schedule with makespan ``T``
-    satisfies:
-
-    - ``sum_n x[i,n] <= T`` (``<= t_p`` for the preempted instance);
-    - ``sum_j y[j,i,n] <= n x[i,n]`` (n slots) and ``y[j,i,n] <= x[i,n]`` (one slot per sequence:
-      a long sequence in a small batch holds the whole instance at that batch for its time);
-    - ``sum y[j,..] <= T - pre`` (none decodes before one prompt prefill at the fastest rate);
-    - ``sum rate * y[j,..] >= L_j``.
-
-    Moves, re-prefills, whole tokens and the order of events only add to a real schedule, so the
-    least such ``T`` (solved by HiGHS) bounds the optimum from below; it combines both terms of the
-    tight bound (a long sequence needs a small batch, a small batch costs throughput). To keep the LP
-    small, sequences whose lengths lie within a factor ``1.1`` are pooled (their constraints summed:
-    a relaxation, so still a bound; pooling within 1.03 gave the same value on the
-    workload checked, seed 0 without preemption).
-    """
-    try:
-        import scipy.sparse as sparse  # type: ignore[import-untyped]
-        from scipy.optimize import linprog  # type: ignore[import-untyped]
-    except ImportError:
-        return None
-    speeds = [args.base_rate * s for s in args.speeds]
-    k, nmax = len(speeds), args.max_running
-    rate = np.array([s / (1 + (n - 1) / args.batch_half) for s in speeds for n in range(1, nmax + 1)])
-    batch = np.tile(np.arange(1, nmax + 1, dtype=float), k)
-    modes = k * nmax
-    pools: list[list[int]] = []
-    for length in sorted(lengths):
-        if pools and length <= 1.1 * pools[-1][0]:
-            pools[-1].append(length)
-        else:
-            pools.append([length])
-    g = len(pools)
-    count = np.array([len(q) for q in pools], dtype=float)
-    tokens = np.array([sum(q) for q in pools], dtype=float)
-    pre = args.prompt_tokens / (args.prefill_factor * max(speeds))
-    # Variables: x[m] (m = i * nmax + n - 1), y[q, m] for pool q (at nmax*k + q*modes + m), then T.
-    col_t = modes + g * modes
-    ym = modes + np.arange(g * modes).reshape(g, modes)
-    rows: list[np.ndarray] = []
-    cols: list[np.ndarray] = []
-    vals: list[np.ndarray] = []
-    rhs: list[np.ndarray] = []
-    r0 = 0
-
-    def add(r: np.ndarray, c: np.ndarray, v: np.ndarray, b: np.ndarray) -> None:
-        nonlocal r0
-        rows.append(r + r0)
-        cols.append(c)
-        vals.append(v)
-        rhs.append(b)
-        r0 += len(b)
-
-    inst = np.repeat(np.arange(k), nmax)
-    add(np.concatenate([inst, np.arange(k)]), np.concatenate([np.arange(modes), np.full(k, col_t)]),
-        np.concatenate([np.ones(modes), -np.ones(k)]), np.zeros(k))  # instance time <= T
-    if victim is not None and t_p is not None:
-        add(np.zeros(nmax, dtype=int), victim * nmax + np.arange(nmax), np.ones(nmax), np.array([t_p]))
-    add(np.concatenate([np.tile(np.arange(modes), g), np.arange(modes)]),
-        np.concatenate([ym.ravel(), np.arange(modes)]),
-        np.concatenate([np.ones(g * modes), -batch]), np.zeros(modes))  # n slots
-    add(np.concatenate([np.arange(g * modes)] * 2), np.concatenate([ym.ravel(), np.tile(np.arange(modes), g)]),
-        np.concatenate([np.ones(g * modes), -np.repeat(count, modes)]), np.zeros(g * modes))  # one slot each
-    add(np.concatenate([np.repeat(np.arange(g), modes), np.arange(g)]),
-        np.concatenate([ym.ravel(), np.full(g, col_t)]),
-        np.concatenate([np.ones(g * modes), -count]), -pre * count)  # decode time <= T - pre
-    add(np.repeat(np.arange(g), modes), ym.ravel(), -np.tile(rate, g), -tokens)  # tokens made
-    a_ub = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                             shape=(r0, col_t + 1))
-    cost = np.zeros(col_t + 1)
-    cost[col_t] = 1.0
-    res = linprog(cost, A_ub=a_ub, b_ub=np.concatenate(rhs), bounds=(0, None), method="highs-ipm")
-    if res.status != 0:
-        raise RuntimeError(f"the bound's LP failed: {res.message}")
-    return float(res.fun)
 
 
 class Clairvoyant:
@@ -387,25 +306,68 @@ class ExpressPromotion(TailMigration):
 
 def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argparse.Namespace,
              t_preempt: float | None, victim: int | None,
-             migration: TailMigration | None = None) -> Result:
+             migration: TailMigration | None = None, model: LengthModel | None = None,
+             epoch: int = 0, speeds: BoxSpeeds | None = None) -> Result:
+    """One batch. ``model`` and ``speeds``: the length model the makespan policy predicts with and the
+    boxes' step models (new ones if None; ones kept from earlier epochs, as the manager keeps them from
+    one step to the next, know the prompts' lengths and the boxes); group ``k`` of ``epoch`` is
+    ``e{epoch}g{k}``, its prompt the same every epoch."""
     insts = make_instances(args)
-    reqs = [Req(i, n, args.max_new_tokens, args.prompt_tokens) for i, n in enumerate(lengths)]
+    reqs = [Req(i, n, args.max_new_tokens, args.prompt_tokens, group=i // max(args.group_size, 1))
+            for i, n in enumerate(lengths)]
     held: deque[Req] = deque(reqs)
     by_id = {i.iid: i for i in insts}
     now, next_tick, next_migrate = 0.0, args.tick, args.migrate_interval
     moved_tokens, moved_requests, finished = 0.0, 0, 0
     migrations, reprefill, plan_s = 0, 0.0, 0.0
+    # The makespan policy runs as the dispatcher runs it: boxes' step models learned from their streams,
+    # the length model's predictions, each box's predicted work, the queue longest predicted first, and
+    # (pieces > 0) divided rollouts that are placed again at every piece boundary.
+    ms = policy if isinstance(policy, Makespan) else None
+    pieces = pieces_of(policy)
+    model = (model or LengthModel()) if ms is not None else None
+    if ms is not None:
+        speeds = speeds or BoxSpeeds()
+        for inst in insts:
+            inst.speeds = speeds
+    if model is not None:
+        for r in reqs:
+            r.track = model.start(f"e{epoch}g{r.group}", [r.group], str(r.rid), lambda r=r: int(r.done),  # type: ignore[misc]
+                                  r.budget)
+
+    def hold(r: Req) -> None:
+        """Back to the manager's queue at a piece boundary, predicted again, longest predicted first."""
+        assert model is not None and r.track is not None
+        r.predicted = max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
+        at = len(held)
+        while at > 0 and (held[at - 1].predicted or 0.0) < r.predicted:
+            at -= 1
+        held.insert(at, r)
 
     def offer() -> None:
         while held:
             alive = [i for i in insts if i.alive]
-            choice = policy.pick([i.load(now) for i in alive], held[0].budget_left, now)
+            r = held[0]
+            if ms is not None:
+                if r.predicted is None and model is not None and r.track is not None:
+                    r.predicted = max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
+                choice = ms.place([i.load(now) for i in alive], r.budget_left, now, r.predicted, r.prefer,
+                                  r.prompt + int(r.done))
+            else:
+                choice = policy.pick([i.load(now) for i in alive], r.budget_left, now)
             if choice is None:
                 return
             inst = by_id.get(choice)
             if inst is None or not inst.alive:
                 raise AssertionError(f"{label} picked {choice!r}, not a candidate")
+            if r.prefer is not None and choice != r.prefer:
+                nonlocal reprefill
+                reprefill += r.prompt + int(r.done)
             inst.admit(held.popleft(), now)
+            r.prefer = None
+            if ms is not None:
+                inst.work.placed(ms.expected(r.budget_left, r.predicted))
+            r.piece_end = r.done + pieces if pieces else None
 
     def migrate() -> None:
         nonlocal migrations, reprefill, plan_s
@@ -426,6 +388,9 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             src, dst = where[r.rid], by_id[mv.target]
             if mv.target in r.visited or not dst.alive or r.finish is not None:
                 raise AssertionError(f"bad move {mv}")
+            if ms is not None:
+                src.work.ended(src.in_flight())
+                dst.work.placed(ms.expected(r.budget_left, r.predicted))
             if r in src.running:
                 src.running.remove(r)
                 src.promote(now)
@@ -439,6 +404,13 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             r.last_moved_at = now
             dst.admit(r, now, args.move_overhead)
 
+    if model is not None:  # the batch arrives at once, each with its prediction: placed longest predicted first
+        for r in reqs:
+            assert r.track is not None
+            r.predicted = model.predict(r.track, 0).median
+        queued = sorted(held, key=lambda r: -(r.predicted or 0.0))
+        held.clear()
+        held.extend(queued)
     offer()
     while finished < len(reqs):
         if held and not any(i.alive and i.in_flight() for i in insts):
@@ -457,7 +429,8 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
                     if r.ready_at > now + EPS:
                         t_next = min(t_next, r.ready_at)
                     else:
-                        t_next = min(t_next, now + r.remaining / rate)
+                        end = r.remaining if r.piece_end is None else min(r.remaining, r.piece_end - r.done)
+                        t_next = min(t_next, now + max(end, 0.0) / rate)
         dt = t_next - now
         # Advance: every decoding sequence gains its share; meters see the tokens as a stream would.
         for inst in insts:
@@ -475,18 +448,31 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             inst.carry -= whole
             inst.meter.observe(whole, t_next)
             inst.lone_meter.observe(whole * lone_rate_weight(inst.in_flight(), args.batch_half), t_next)
+            if inst.speeds is not None and whole:
+                inst.speeds.observe(inst.iid, whole, inst.in_flight(), t_next)
+                inst.work.made(whole, len(inst.running))
         now = t_next
-        # Completions; the instance promotes from its own queue.
+        # Completions and piece ends; the instance promotes from its own queue.
         for inst in insts:
             if not inst.alive:
                 continue
             done = [r for r in inst.running if r.remaining <= EPS * max(1, r.length)]
-            if not done:
+            cut = [r for r in inst.running if r.piece_end is not None and r.piece_end - r.done <= EPS
+                   and r not in done]
+            if not done and not cut:
                 continue
             for r in done:
+                inst.work.ended(inst.in_flight())
                 r.done, r.finish = float(r.length), now
                 inst.running.remove(r)
                 finished += 1
+                if model is not None and r.track is not None:
+                    model.finish(r.track, r.length)
+            for r in cut:  # a piece ended: the sequence goes back to the manager to be placed again
+                inst.work.ended(inst.in_flight())
+                inst.running.remove(r)
+                r.done, r.piece_end, r.prefer = float(round(r.done)), None, inst.iid
+                hold(r)
             inst.promote(now)
             inst.busy_changed(now)
         if now >= next_tick - EPS:
@@ -498,7 +484,7 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             moved_tokens += sum(r.remaining for r in lost)
             moved_requests += len(lost)
             for r in lost:
-                r.done = float(int(r.done))
+                r.done, r.piece_end, r.prefer = float(int(r.done)), None, None
             dead.running, dead.queue = [], deque()
             held.extendleft(reversed(lost))
             t_preempt = None
@@ -512,6 +498,20 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
     lat = sorted(r.finish for r in reqs if r.finish is not None)
     return Result(label, now, round(moved_tokens), moved_requests, migrations, round(reprefill),
                   sum(lengths), percentile(lat, 50), percentile(lat, 99), plan_s)
+
+
+class PiecedMakespan(Makespan):
+    """The makespan policy with divided rollouts: each sequence runs ``pieces`` tokens at a time and is
+    placed again at every piece boundary (a simulator row; in the manager, divided rollouts are the
+    generator's, and the policy the same)."""
+
+    def __init__(self, pieces: int, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.pieces = pieces
+
+
+def pieces_of(policy: PlacementPolicy) -> int:
+    return policy.pieces if isinstance(policy, PiecedMakespan) else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -536,6 +536,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma")
     p.add_argument("--pareto-alpha", type=float, default=1.5)
     p.add_argument("--max-new-tokens", type=int, default=4096, help="every request's budget")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="makespan rows: run this many epochs of the same prompts and report the last (the "
+                   "length model keeps what earlier epochs showed; --group-size > 1 for lengths alike by prompt)")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="samples per GRPO group (one prompt); lengths correlate within a group (1: none)")
+    p.add_argument("--group-share", type=float, default=0.7,
+                   help="with --group-size > 1: the share of the log-length variance that is between groups")
+    p.add_argument("--pieces", type=lambda s: [int(x) for x in s.split(",") if x], default=[512],
+                   help="makespan rows with divided rollouts of N tokens per piece, comma separated "
+                   "(empty: none); a row without pieces is always run")
     p.add_argument("--preempt", default="fastest", help="fastest | slowest | none | instance index")
     p.add_argument("--scenarios", action="store_true",
                    help="run preempt fastest, slowest and none; one summary table")
@@ -596,6 +606,11 @@ def policy_runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, obje
     if args.lif_cap:
         base.append((f"least_in_flight(max_in_flight={args.lif_cap})", "least_in_flight",
                      {"max_in_flight": args.lif_cap}))
+    if "makespan" in args.policies.split(","):
+        base = [(label, name, {"max_in_flight": args.max_running} if name == "makespan" else kw)
+                for label, name, kw in base]  # the dispatcher's bound: an instance's max_running_requests
+        base += [(f"makespan, pieces of {n} tokens", "makespan_pieces",
+                  {"max_in_flight": args.max_running, "pieces": n}) for n in args.pieces]
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.migration]
     return [(label + (" + tail migration" if m else ""), name, kw, m) for label, name, kw in base for m in modes]
 
@@ -627,7 +642,7 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
     # One workload per seed, shared by every policy; the preemption time scales with its size.
     workloads = []
     for seed in seeds:
-        lengths = make_lengths(argparse.Namespace(**{**vars(args), "seed": seed}))
+        lengths = make_lengths(argparse.Namespace(**{**vars(args), "seed": seed}), args.epochs - 1)
         total = float(sum(lengths))
         t_p = args.preempt_frac * total / peak_all if victim is not None else None
         fluid = fluid_bound(total, peak_all, peak_after, t_p)
@@ -654,7 +669,7 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
     clair: list[float] | None = None
     for label, name, kw, migrate in runs:
         res = []
-        for lengths, t_p, fluid, tight in workloads:
+        for seed, (lengths, t_p, fluid, tight) in zip(seeds, workloads):
             mig = TailMigration(**migration_kwargs(args)) if migrate else None  # type: ignore[arg-type]
             if args.order == "longest-first" or name is None:
                 lengths = sorted(lengths, reverse=True)
@@ -664,9 +679,20 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
                 pol = ExpressLane(args.speeds, args.max_running)
                 mig = ExpressPromotion(fastest, args.max_running // 2 + args.max_running // 8, args.express_tokens,
                                        **migration_kwargs(args))
+            elif name == "makespan_pieces":
+                pol = PiecedMakespan(**kw)  # type: ignore[arg-type]
             else:
                 pol = make_policy(name, **kw)
-            r = simulate(label, pol, lengths, args, t_p, victim, mig)
+            model, speeds = None, None
+            if isinstance(pol, Makespan) and args.epochs > 1:  # earlier epochs of the same prompts, then this one
+                model, speeds = LengthModel(), BoxSpeeds()
+                sargs = argparse.Namespace(**{**vars(args), "seed": seed})
+                for e in range(args.epochs - 1):
+                    simulate(label, pol, make_lengths(sargs, e), args, t_p, victim,
+                             TailMigration(**migration_kwargs(args)) if migrate else None,  # type: ignore[arg-type]
+                             model, e, speeds)
+            r = simulate(label, pol, lengths, args, t_p, victim, mig, model, args.epochs - 1,
+                         speeds if model is not None else None)
             res.append((r, fluid, tight))
         k = len(res)
         if name is None:

@@ -154,3 +154,17 @@ async def test_the_dispatcher_learns_box_speed_from_progress_and_counts_predicte
     assert d.load_of(a, clock.now).step == model
     d.release(a, 0)
     assert d.work[a.id].tokens == 0
+
+
+async def test_a_burst_is_placed_longest_predicted_first_even_with_room() -> None:
+    """A step's requests arrive in one event-loop turn: with room for two of four, the two predicted
+    longest get it, whatever the order they came in."""
+    clock = FakeClock()
+    d, (inst,) = pool(1, clock, bound=2)
+    tasks = [asyncio.create_task(d.acquire(4096, 60.0, predicted=p)) for p in (100.0, 3000.0, 50.0, 700.0)]
+    await run_pending()
+    placed = [p for p, t in zip((100.0, 3000.0, 50.0, 700.0), tasks) if t.done()]
+    assert sorted(placed) == [700.0, 3000.0] and inst.load.in_flight == 2
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

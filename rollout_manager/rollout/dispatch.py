@@ -104,6 +104,7 @@ class Dispatcher:
         self.meters: dict[str, TokenRateMeter] = {}
         self.streamed_tokens = 0  # every token relayed so far: a live tokens/s needs no finished sequence
         self._placing = False
+        self._soon = False  # a placing pass is scheduled for the end of this event-loop turn (see acquire)
         self._rates: dict[str, float | None] = {}  # see _rate
         self._loads: dict[str, InstanceLoad] = {}  # see load_of
         self._rates_at = 0.0
@@ -347,7 +348,10 @@ class Dispatcher:
         since = now if since is None else min(since, now)
         if self._left(since, timeout_s, now) <= 0 and not self._fresh(avoid, allow):
             raise self._unavailable(timeout_s)  # its wait is over, and only instances that failed it are left
-        if not self._queue:  # nobody is waiting ahead of it
+        # Under the makespan policy a predicted request always queues and the queue is placed at the end of
+        # this event-loop turn: a step's requests arrive together, and so are placed longest predicted first.
+        burst = self.makespan is not None and predicted is not None
+        if not self._queue and not burst:  # nobody is waiting ahead of it
             inst = self.try_acquire(tokens, avoid, prefer, allow, predicted, context)
             if inst is not None:
                 return inst
@@ -357,7 +361,12 @@ class Dispatcher:
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
         try:
-            self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
+            if burst:
+                if not self._soon:
+                    self._soon = True
+                    loop.call_soon(self._place_soon)
+            else:
+                self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
             return await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
@@ -372,6 +381,10 @@ class Dispatcher:
             if waiter in self._queue and self._queue[0] is not waiter:
                 self._queue.remove(waiter)  # rare: timed out or cancelled behind others
             self._trim()
+
+    def _place_soon(self) -> None:
+        self._soon = False
+        self._place_waiting()
 
     def _enqueue(self, waiter: _Waiter) -> None:
         """Queue ``waiter``: last, or under the makespan policy ahead of every waiter predicted shorter

@@ -66,7 +66,9 @@ class BoxWork:
 class Makespan:
     """Each sequence where the step ends soonest, by the boxes' fitted speed curves and predicted work.
 
-    ``unknown_tokens``: what a sequence with no prediction counts (at most its budget).
+    ``unknown_tokens``: what a sequence with no prediction counts (at most its budget). ``min_left``: what
+    each sequence running on a box counts for at least (one that outran its prediction is still running,
+    and :class:`BoxWork` would count it as done).
     ``prefill_factor``: prefill runs this many times faster than a lone sequence decodes, which prices a
     move of ``context`` tokens (prompt and tokens made) at ``context * step_s(1) / prefill_factor``
     seconds, plus ``move_overhead_s``. ``max_in_flight``: an optional cap per box. Before any box is
@@ -77,7 +79,7 @@ class Makespan:
     orders_queue = True  # the dispatcher offers its waiting sequences longest predicted first
 
     def __init__(self, unknown_tokens: int = 512, prefill_factor: float = 200.0, move_overhead_s: float = 0.3,
-                 max_in_flight: int | None = None) -> None:
+                 max_in_flight: int | None = None, min_left: float = 128.0) -> None:
         if unknown_tokens < 1 or prefill_factor <= 0 or move_overhead_s < 0:
             raise ValueError("unknown_tokens must be >= 1, prefill_factor > 0, move_overhead_s >= 0")
         if max_in_flight is not None and max_in_flight < 1:
@@ -86,6 +88,7 @@ class Makespan:
         self.prefill_factor = prefill_factor
         self.move_overhead_s = move_overhead_s
         self.max_in_flight = max_in_flight
+        self.min_left = min_left
 
     def expected(self, request_tokens: int, predicted: float | None) -> float:
         """The tokens a sequence counts for: its prediction, else ``unknown_tokens``, never past its budget."""
@@ -106,9 +109,13 @@ class Makespan:
     def place(self, candidates: Sequence[InstanceLoad], request_tokens: int, now: float,
               predicted: float | None = None, prefer: str | None = None,
               context_tokens: int | None = None) -> str | None:
-        """The box whose drain time with this sequence added is least (a move priced, see the class)."""
+        """The box whose drain time with this sequence added is least (a move priced, see the class).
+
+        It never holds a sequence back while a box has room: in the simulator, holding it for a full box
+        that drains sooner, or keeping the fastest box at half a batch for the tail, both made the step
+        longer (the held work waits on one box while the others empty)."""
         tokens = self.expected(request_tokens, predicted)
-        cap = self.max_in_flight
+        cap, min_left = self.max_in_flight, self.min_left
         measured = all(c.step is not None for c in candidates)  # the fleet's figure stands in for a box not
         best: tuple[float, int, str] | None = None             # measured, so it is all or none
         for c in candidates:
@@ -119,8 +126,8 @@ class Makespan:
             if step is None or not measured:  # nothing measured yet: least predicted work
                 key = (c.predicted_tokens + tokens, n, c.instance_id)
             else:
-                longest = c.longest_tokens if c.longest_tokens > tokens else tokens
-                drain = step.a * longest + step.b * (c.predicted_tokens + tokens)
+                longest = max(c.longest_tokens, tokens, min_left if n else 0.0)
+                drain = step.a * longest + step.b * (max(c.predicted_tokens, n * min_left) + tokens)
                 if prefer is not None and c.instance_id != prefer:
                     drain += self.move_price_s(c, context_tokens)
                 key = (drain, n, c.instance_id)
