@@ -168,3 +168,9 @@ async def test_a_burst_is_placed_longest_predicted_first_even_with_room() -> Non
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_before_any_box_is_measured_a_sequence_stays_where_its_prefix_is() -> None:
+    loads = [load("a", None, n=9, work=9000), load("b", None)]
+    assert Makespan().place(loads, 4096, 0.0, 100, prefer="a") == "a"
+    assert Makespan(max_in_flight=9).place(loads, 4096, 0.0, 100, prefer="a") == "b"

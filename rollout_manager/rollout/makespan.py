@@ -72,7 +72,8 @@ class Makespan:
     ``prefill_factor``: prefill runs this many times faster than a lone sequence decodes, which prices a
     move of ``context`` tokens (prompt and tokens made) at ``context * step_s(1) / prefill_factor``
     seconds, plus ``move_overhead_s``. ``max_in_flight``: an optional cap per box. Before any box is
-    measured (no step model anywhere) it places by least predicted work, then fewest in flight.
+    measured (no step model anywhere) it keeps a sequence where its prefix is (``prefer``), else places
+    by least predicted work, then fewest in flight.
     """
 
     name = "makespan"
@@ -123,8 +124,8 @@ class Makespan:
             if cap is not None and n >= cap:
                 continue
             step = c.step
-            if step is None or not measured:  # nothing measured yet: least predicted work
-                key = (c.predicted_tokens + tokens, n, c.instance_id)
+            if step is None or not measured:  # nothing measured yet: where the prefix is, else least predicted work
+                key = (-1.0 if c.instance_id == prefer else c.predicted_tokens + tokens, n, c.instance_id)
             else:
                 longest = max(c.longest_tokens, tokens, min_left if n else 0.0)
                 drain = step.a * longest + step.b * (max(c.predicted_tokens, n * min_left) + tokens)
