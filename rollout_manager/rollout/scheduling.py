@@ -326,7 +326,7 @@ _POLICIES: dict[str, Callable[..., PlacementPolicy]] = {
     Makespan.name: Makespan,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
-DEFAULT_POLICY = ThroughputAware.name
+DEFAULT_POLICY = Makespan.name
 
 
 def make_policy(name: str, **kw: object) -> PlacementPolicy:
