@@ -212,7 +212,8 @@ class Dispatcher:
         if not 0 <= now - self._rates_at <= _RATE_REUSE_S:
             self._rates.clear()
             self._rates_at = now
-        rates, loads, out, model, work = self._rates, self._loads, [], self.speeds.model, self.work
+        rates, loads, out, work = self._rates, self._loads, [], self.work
+        models, fleet = self.speeds.models()
         for inst in insts:
             iid = inst.id
             load = loads.get(iid)
@@ -226,9 +227,10 @@ class Dispatcher:
                 rate = rates[iid] = self.meter(inst).rate(now)
             load.token_rate = rate  # type: ignore[assignment]
             load.lone_rate = None
-            load.step = model(iid)
-            box = work.get(iid)
-            load.predicted_tokens, load.longest_tokens = (box.tokens, box.longest) if box is not None else (0.0, 0.0)
+            load.step = models.get(iid, fleet)
+            if work:  # the makespan policy's predicted work (empty under the others)
+                box = work.get(iid)
+                load.predicted_tokens, load.longest_tokens = (box.tokens, box.longest) if box else (0.0, 0.0)
             out.append(load)
         return out
 

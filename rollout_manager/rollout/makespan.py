@@ -116,22 +116,46 @@ class Makespan:
         that drains sooner, or keeping the fastest box at half a batch for the tail, both made the step
         longer (the held work waits on one box while the others empty)."""
         tokens = self.expected(request_tokens, predicted)
-        cap, min_left = self.max_in_flight, self.min_left
-        measured = all(c.step is not None for c in candidates)  # the fleet's figure stands in for a box not
-        best: tuple[float, int, str] | None = None             # measured, so it is all or none
+        cap, min_left, overhead = self.max_in_flight, self.min_left, self.move_overhead_s
+        # One pass (a thousand candidates per placement): the least drain among boxes with a step model and,
+        # in case some box has none (nothing is measured yet: the fleet's figure stands in for a box not
+        # measured, so it is all or none), the least predicted work, the prefix's box first.
+        best: tuple[float, int, str] | None = None
+        unmeasured: tuple[float, int, str] | None = None
         for c in candidates:
             n = c.in_flight_requests
             if cap is not None and n >= cap:
                 continue
+            iid = c.instance_id
             step = c.step
-            if step is None or not measured:  # nothing measured yet: where the prefix is, else least predicted work
-                key = (-1.0 if c.instance_id == prefer else c.predicted_tokens + tokens, n, c.instance_id)
-            else:
-                longest = max(c.longest_tokens, tokens, min_left if n else 0.0)
-                drain = step.a * longest + step.b * (max(c.predicted_tokens, n * min_left) + tokens)
-                if prefer is not None and c.instance_id != prefer:
-                    drain += self.move_price_s(c, context_tokens)
-                key = (drain, n, c.instance_id)
-            if best is None or key < best:
-                best = key
+            if step is None:
+                key = (-1.0 if iid == prefer else c.predicted_tokens + tokens, n, iid)
+                if unmeasured is None or key < unmeasured:
+                    unmeasured = key
+                continue
+            longest = c.longest_tokens
+            if longest < tokens:
+                longest = tokens
+            if n and longest < min_left:
+                longest = min_left
+            work = c.predicted_tokens
+            if work < n * min_left:
+                work = n * min_left
+            drain = step.a * longest + step.b * (work + tokens)
+            if prefer is not None and iid != prefer:
+                drain += self.move_price_s(c, context_tokens) if context_tokens else overhead
+            if best is None or drain < best[0] or (drain == best[0] and (n, iid) < best[1:]):
+                best = (drain, n, iid)
+        if unmeasured is not None:
+            if best is not None:  # some measured, some not (not from the dispatcher): by work, all of them
+                return self._by_work(candidates, tokens, prefer)
+            return unmeasured[2]
         return best[2] if best is not None else None
+
+    def _by_work(self, candidates: Sequence[InstanceLoad], tokens: float, prefer: str | None) -> str | None:
+        cap = self.max_in_flight
+        open_ = [c for c in candidates if cap is None or c.in_flight_requests < cap]
+        if not open_:
+            return None
+        return min(open_, key=lambda c: (-1.0 if c.instance_id == prefer else c.predicted_tokens + tokens,
+                                         c.in_flight_requests, c.instance_id)).instance_id
