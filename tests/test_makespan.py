@@ -174,3 +174,26 @@ def test_before_any_box_is_measured_a_sequence_stays_where_its_prefix_is() -> No
     loads = [load("a", None, n=9, work=9000), load("b", None)]
     assert Makespan().place(loads, 4096, 0.0, 100, prefer="a") == "a"
     assert Makespan(max_in_flight=9).place(loads, 4096, 0.0, 100, prefer="a") == "b"
+
+
+async def test_at_a_piece_boundary_the_dispatcher_keeps_it_where_its_prefix_is_unless_a_move_pays() -> None:
+    """What a divided rollout meets at each piece boundary: ``acquire(prefer=<its box>, predicted=...,
+    context=...)``. A little more work beside it does not pay a long prefill; a lot more does."""
+    clock = FakeClock()
+    d, (a, b) = pool(2, clock)
+    for inst in (a, b):  # both measured: 20 ms a step with one running
+        d.speeds.add(inst.id, 1, 0.02, 2.0)
+
+    def load_a(sequences: int, predicted: float) -> None:  # what a holds besides the sequence at its boundary
+        a.load.in_flight += sequences
+        d.in_flight += sequences
+        for _ in range(sequences):
+            d.work.setdefault(a.id, BoxWork()).placed(predicted)
+
+    load_a(3, 300)
+    placed = await d.acquire(4096, 60.0, prefer=a.id, predicted=500, context=20000)
+    assert placed is a  # b would end ~0.3 s sooner; a 20,000-token prefill costs 2 s
+    d.release(placed, 0)
+    load_a(40, 2000)
+    placed = await d.acquire(4096, 60.0, prefer=a.id, predicted=500, context=20000)
+    assert placed is b  # now a would end far later: the move pays
