@@ -44,6 +44,17 @@ batch, and a full pool is what the fluid bound needs). So each scenario also get
   N tokens; and ``--order longest-first`` hands every policy the batch in the clairvoyant's order,
   which shows what knowing the order is worth.
 
+The makespan policy (``rollout_manager.rollout.makespan``) runs as the dispatcher runs it: every
+policy reads the boxes' step models (``box_speed.BoxSpeeds``, fed from the stream ticks); the makespan
+rows also use the real length model (``lengths.LengthModel``: each request's group, its siblings'
+ends, and with ``--epochs N`` the same prompts' lengths of earlier epochs, the manager's state kept from
+one epoch to the next), place the batch longest predicted first, and with ``--pieces`` run divided
+rollouts: every ``N`` tokens a sequence goes back to the manager and is placed again (staying is free,
+its prefix being cached; a move pays a prefill). ``--group-size 8`` draws GRPO-like lengths, alike
+within a group (``--group-share`` of the log variance between groups) and from one epoch to the next.
+
+    .venv/bin/python benchmarks/bench_scheduling.py --scenarios --repeat 5 --group-size 8 --lif-cap 0 \
+        --no-opt-bound --pieces 1024 [--epochs 3]                            # the makespan policy
     .venv/bin/python benchmarks/bench_scheduling.py --seed 0 --repeat 10 [--preempt slowest]
     .venv/bin/python benchmarks/bench_scheduling.py --scenarios --repeat 10   # fastest, slowest, none
     .venv/bin/python benchmarks/bench_scheduling.py --plan-cost               # plan() CPU time, 1k instances
@@ -57,15 +68,19 @@ import math
 import random
 import sys
 import time
-from collections import deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from schedule_bounds import fluid_bound, longest_alone_bound, opt_lower_bound
+from sim_pool import PiecedMakespan, make_instances, make_lengths, preempt_index, simulate
+
+from rollout_manager.rollout.box_speed import BoxSpeeds
+from rollout_manager.rollout.lengths import LengthModel
+from rollout_manager.rollout.makespan import Makespan
 from rollout_manager.rollout.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
@@ -73,253 +88,8 @@ from rollout_manager.rollout.scheduling import (
     PlacementPolicy,
     RunningSequence,
     TailMigration,
-    TokenRateMeter,
-    lone_rate_weight,
     make_policy,
 )
-
-EPS = 1e-9
-
-
-@dataclass
-class Req:
-    rid: int
-    length: int  # true output length, hidden from the manager
-    budget: int  # max_new_tokens
-    prompt: int  # prompt tokens
-    done: float = 0.0  # tokens generated so far (kept across a continuation)
-    finish: float | None = None
-    ready_at: float = 0.0  # prefill ends (decoding starts) at this time on its current instance
-    moves: int = 0
-    last_moved_at: float | None = None
-    visited: set[str] = field(default_factory=set)
-
-    @property
-    def remaining(self) -> float:
-        return self.length - self.done
-
-    @property
-    def budget_left(self) -> int:
-        """What the manager knows: budget minus tokens it has seen streamed."""
-        return self.budget - int(self.done)
-
-
-@dataclass
-class Inst:
-    iid: str
-    speed: float  # tokens/s for a lone sequence
-    batch_half: float
-    max_running: int
-    prefill_rate: float
-    meter: TokenRateMeter  # aggregate tokens/s (what dispatch policies read)
-    lone_meter: TokenRateMeter  # lone-sequence tokens/s (what TailMigration reads)
-    running: list[Req] = field(default_factory=list)
-    queue: deque[Req] = field(default_factory=deque)
-    alive: bool = True
-    carry: float = 0.0  # fractional tokens not yet reported to the meter
-
-    def throughput(self, n: int) -> float:
-        n = min(n, self.max_running)
-        return self.speed * n / (1 + (n - 1) / self.batch_half) if n > 0 else 0.0
-
-    @property
-    def peak(self) -> float:
-        return self.throughput(self.max_running)
-
-    def per_seq_rate(self) -> float:
-        n = len(self.running)
-        return self.throughput(n) / n if n else 0.0
-
-    def in_flight(self) -> int:
-        return len(self.running) + len(self.queue)
-
-    def load(self, now: float) -> InstanceLoad:
-        toks = sum(r.budget_left for r in self.running) + sum(r.budget_left for r in self.queue)
-        return InstanceLoad(self.iid, "remote", self.in_flight(), toks, self.meter.rate(now),
-                            self.lone_meter.rate(now))
-
-    def start(self, req: Req, now: float, overhead: float = 0.0) -> None:
-        req.ready_at = now + overhead + (req.prompt + req.done) / self.prefill_rate
-        req.visited.add(self.iid)
-        self.running.append(req)
-
-    def admit(self, req: Req, now: float, overhead: float = 0.0) -> None:
-        if len(self.running) < self.max_running:
-            self.start(req, now, overhead)
-        else:
-            self.queue.append(req)
-        self.busy_changed(now)
-
-    def promote(self, now: float) -> None:
-        while self.queue and len(self.running) < self.max_running:
-            self.start(self.queue.popleft(), now)
-
-    def busy_changed(self, now: float) -> None:
-        self.meter.set_in_flight(self.in_flight(), now)
-        self.lone_meter.set_in_flight(self.in_flight(), now)
-
-
-@dataclass
-class Result:
-    label: str
-    makespan: float
-    moved_tokens: int  # remaining tokens of everything on the preempted instance
-    moved_requests: int
-    migrations: int
-    reprefill_tokens: int  # prompt + made tokens prefilled again because of migrations
-    generated: int
-    p50: float
-    p99: float
-    plan_s: float  # CPU seconds spent in TailMigration.plan
-
-
-def percentile(sorted_xs: list[float], q: float) -> float:
-    """Nearest-rank percentile of an ascending list."""
-    k = max(0, min(len(sorted_xs) - 1, math.ceil(q / 100 * len(sorted_xs)) - 1))
-    return sorted_xs[k]
-
-
-def make_lengths(args: argparse.Namespace) -> list[int]:
-    rng = random.Random(args.seed)
-    out = []
-    for _ in range(args.requests):
-        if args.dist == "lognormal":
-            x = rng.lognormvariate(math.log(args.median_tokens), args.sigma)
-        else:  # pareto with the given median: x_m * 2**(1/alpha) = median
-            xm = args.median_tokens / 2 ** (1 / args.pareto_alpha)
-            x = xm * rng.paretovariate(args.pareto_alpha)
-        out.append(max(1, min(args.max_new_tokens, round(x))))
-    return out
-
-
-def make_instances(args: argparse.Namespace) -> list[Inst]:
-    return [
-        Inst(
-            iid=f"i{k}",
-            speed=args.base_rate * s,
-            batch_half=args.batch_half,
-            max_running=args.max_running,
-            prefill_rate=args.base_rate * s * args.prefill_factor,
-            meter=TokenRateMeter(tau_s=args.meter_tau, min_busy_s=args.meter_min_busy),
-            lone_meter=TokenRateMeter(tau_s=args.meter_tau, min_busy_s=args.meter_min_busy),
-        )
-        for k, s in enumerate(args.speeds)
-    ]
-
-
-def preempt_index(args: argparse.Namespace) -> int | None:
-    if args.preempt == "none":
-        return None
-    if args.preempt == "fastest":
-        return max(range(len(args.speeds)), key=lambda k: args.speeds[k])
-    if args.preempt == "slowest":
-        return min(range(len(args.speeds)), key=lambda k: args.speeds[k])
-    return int(args.preempt)
-
-
-def fluid_bound(total_tokens: float, peak_all: float, peak_after: float, t_p: float | None) -> float:
-    """Time to make all tokens at peak pool throughput, losing one instance's share at t_p."""
-    if t_p is None or total_tokens <= peak_all * t_p:
-        return total_tokens / peak_all
-    return t_p + (total_tokens - peak_all * t_p) / peak_after
-
-
-def longest_alone_bound(longest: int, args: argparse.Namespace, victim: int | None,
-                        t_p: float | None) -> float:
-    """The longest sequence alone on the fastest instance (after its prompt's prefill there); if
-    that instance is preempted first, the rest on the next fastest (re-prefill not counted)."""
-    speeds: list[float] = [args.base_rate * s for s in args.speeds]
-    order = sorted(range(len(speeds)), key=lambda k: -speeds[k])
-    fast = order[0]
-    t: float = args.prompt_tokens / (speeds[fast] * args.prefill_factor)
-    if victim != fast or t_p is None or t + longest / speeds[fast] <= t_p or len(order) < 2:
-        return t + longest / speeds[fast]
-    made = max(0.0, (t_p - t) * speeds[fast])
-    return max(t, t_p) + (longest - made) / speeds[order[1]]
-
-
-def opt_lower_bound(lengths: Sequence[int], args: argparse.Namespace, victim: int | None,
-                    t_p: float | None) -> float | None:
-    """A makespan no schedule of this batch on this pool can beat, even one that knows the lengths;
-    None without scipy (``pip install -e .[bench]``).
-
-    Linear relaxation of the simulator: instance ``i`` spends time ``x[i,n]`` running a batch of
-    ``n <= max_running`` sequences, each decoding at ``rate[i,n] = speed_i / (1 + (n-1)/batch_half)``;
-    sequence ``j`` spends ``y[j,i,n]`` of its time in such a batch. Every schedule with makespan ``T``
-    satisfies:
-
-    - ``sum_n x[i,n] <= T`` (``<= t_p`` for the preempted instance);
-    - ``sum_j y[j,i,n] <= n x[i,n]`` (n slots) and ``y[j,i,n] <= x[i,n]`` (one slot per sequence:
-      a long sequence in a small batch holds the whole instance at that batch for its time);
-    - ``sum y[j,..] <= T - pre`` (none decodes before one prompt prefill at the fastest rate);
-    - ``sum rate * y[j,..] >= L_j``.
-
-    Moves, re-prefills, whole tokens and the order of events only add to a real schedule, so the
-    least such ``T`` (solved by HiGHS) bounds the optimum from below; it combines both terms of the
-    tight bound (a long sequence needs a small batch, a small batch costs throughput). To keep the LP
-    small, sequences whose lengths lie within a factor ``1.1`` are pooled (their constraints summed:
-    a relaxation, so still a bound; pooling within 1.03 gave the same value on the
-    workload checked, seed 0 without preemption).
-    """
-    try:
-        import scipy.sparse as sparse  # type: ignore[import-untyped]
-        from scipy.optimize import linprog  # type: ignore[import-untyped]
-    except ImportError:
-        return None
-    speeds = [args.base_rate * s for s in args.speeds]
-    k, nmax = len(speeds), args.max_running
-    rate = np.array([s / (1 + (n - 1) / args.batch_half) for s in speeds for n in range(1, nmax + 1)])
-    batch = np.tile(np.arange(1, nmax + 1, dtype=float), k)
-    modes = k * nmax
-    pools: list[list[int]] = []
-    for length in sorted(lengths):
-        if pools and length <= 1.1 * pools[-1][0]:
-            pools[-1].append(length)
-        else:
-            pools.append([length])
-    g = len(pools)
-    count = np.array([len(q) for q in pools], dtype=float)
-    tokens = np.array([sum(q) for q in pools], dtype=float)
-    pre = args.prompt_tokens / (args.prefill_factor * max(speeds))
-    # Variables: x[m] (m = i * nmax + n - 1), y[q, m] for pool q (at nmax*k + q*modes + m), then T.
-    col_t = modes + g * modes
-    ym = modes + np.arange(g * modes).reshape(g, modes)
-    rows: list[np.ndarray] = []
-    cols: list[np.ndarray] = []
-    vals: list[np.ndarray] = []
-    rhs: list[np.ndarray] = []
-    r0 = 0
-
-    def add(r: np.ndarray, c: np.ndarray, v: np.ndarray, b: np.ndarray) -> None:
-        nonlocal r0
-        rows.append(r + r0)
-        cols.append(c)
-        vals.append(v)
-        rhs.append(b)
-        r0 += len(b)
-
-    inst = np.repeat(np.arange(k), nmax)
-    add(np.concatenate([inst, np.arange(k)]), np.concatenate([np.arange(modes), np.full(k, col_t)]),
-        np.concatenate([np.ones(modes), -np.ones(k)]), np.zeros(k))  # instance time <= T
-    if victim is not None and t_p is not None:
-        add(np.zeros(nmax, dtype=int), victim * nmax + np.arange(nmax), np.ones(nmax), np.array([t_p]))
-    add(np.concatenate([np.tile(np.arange(modes), g), np.arange(modes)]),
-        np.concatenate([ym.ravel(), np.arange(modes)]),
-        np.concatenate([np.ones(g * modes), -batch]), np.zeros(modes))  # n slots
-    add(np.concatenate([np.arange(g * modes)] * 2), np.concatenate([ym.ravel(), np.tile(np.arange(modes), g)]),
-        np.concatenate([np.ones(g * modes), -np.repeat(count, modes)]), np.zeros(g * modes))  # one slot each
-    add(np.concatenate([np.repeat(np.arange(g), modes), np.arange(g)]),
-        np.concatenate([ym.ravel(), np.full(g, col_t)]),
-        np.concatenate([np.ones(g * modes), -count]), -pre * count)  # decode time <= T - pre
-    add(np.repeat(np.arange(g), modes), ym.ravel(), -np.tile(rate, g), -tokens)  # tokens made
-    a_ub = sparse.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                             shape=(r0, col_t + 1))
-    cost = np.zeros(col_t + 1)
-    cost[col_t] = 1.0
-    res = linprog(cost, A_ub=a_ub, b_ub=np.concatenate(rhs), bounds=(0, None), method="highs-ipm")
-    if res.status != 0:
-        raise RuntimeError(f"the bound's LP failed: {res.message}")
-    return float(res.fun)
 
 
 class Clairvoyant:
@@ -385,135 +155,6 @@ class ExpressPromotion(TailMigration):
         return moves
 
 
-def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argparse.Namespace,
-             t_preempt: float | None, victim: int | None,
-             migration: TailMigration | None = None) -> Result:
-    insts = make_instances(args)
-    reqs = [Req(i, n, args.max_new_tokens, args.prompt_tokens) for i, n in enumerate(lengths)]
-    held: deque[Req] = deque(reqs)
-    by_id = {i.iid: i for i in insts}
-    now, next_tick, next_migrate = 0.0, args.tick, args.migrate_interval
-    moved_tokens, moved_requests, finished = 0.0, 0, 0
-    migrations, reprefill, plan_s = 0, 0.0, 0.0
-
-    def offer() -> None:
-        while held:
-            alive = [i for i in insts if i.alive]
-            choice = policy.pick([i.load(now) for i in alive], held[0].budget_left, now)
-            if choice is None:
-                return
-            inst = by_id.get(choice)
-            if inst is None or not inst.alive:
-                raise AssertionError(f"{label} picked {choice!r}, not a candidate")
-            inst.admit(held.popleft(), now)
-
-    def migrate() -> None:
-        nonlocal migrations, reprefill, plan_s
-        assert migration is not None
-        alive = [i for i in insts if i.alive]
-        where: dict[int, Inst] = {}
-        running = []
-        for inst in alive:
-            for r in list(inst.running) + list(inst.queue):
-                where[r.rid] = inst
-                running.append(RunningSequence(str(r.rid), inst.iid, int(r.done), r.prompt, r.budget_left,
-                                               r.moves, r.last_moved_at, frozenset(r.visited)))
-        t0 = time.perf_counter()
-        moves = migration.plan([i.load(now) for i in alive], running, len(held), now)
-        plan_s += time.perf_counter() - t0
-        for mv in moves:
-            r = reqs[int(mv.seq_id)]
-            src, dst = where[r.rid], by_id[mv.target]
-            if mv.target in r.visited or not dst.alive or r.finish is not None:
-                raise AssertionError(f"bad move {mv}")
-            if r in src.running:
-                src.running.remove(r)
-                src.promote(now)
-            else:
-                src.queue.remove(r)
-            src.busy_changed(now)
-            migrations += 1
-            reprefill += r.prompt + int(r.done)
-            r.done = float(int(r.done))  # the manager continues from the tokens it has seen
-            r.moves += 1
-            r.last_moved_at = now
-            dst.admit(r, now, args.move_overhead)
-
-    offer()
-    while finished < len(reqs):
-        if held and not any(i.alive and i.in_flight() for i in insts):
-            raise RuntimeError(f"{label} holds work while every instance is idle")
-        # Next event: a sequence finishes or ends its prefill, a stream tick, a migration tick,
-        # or the preemption.
-        t_next = next_tick
-        if migration is not None:
-            t_next = min(t_next, next_migrate)
-        if t_preempt is not None and now < t_preempt:
-            t_next = min(t_next, t_preempt)
-        for inst in insts:
-            if inst.alive and inst.running:
-                rate = inst.per_seq_rate()
-                for r in inst.running:
-                    if r.ready_at > now + EPS:
-                        t_next = min(t_next, r.ready_at)
-                    else:
-                        t_next = min(t_next, now + r.remaining / rate)
-        dt = t_next - now
-        # Advance: every decoding sequence gains its share; meters see the tokens as a stream would.
-        for inst in insts:
-            if not (inst.alive and inst.running):
-                continue
-            rate = inst.per_seq_rate()
-            made = 0.0
-            for r in inst.running:
-                if r.ready_at <= now + EPS:
-                    step = min(r.remaining, rate * dt)
-                    r.done += step
-                    made += step
-            inst.carry += made
-            whole = int(inst.carry)
-            inst.carry -= whole
-            inst.meter.observe(whole, t_next)
-            inst.lone_meter.observe(whole * lone_rate_weight(inst.in_flight(), args.batch_half), t_next)
-        now = t_next
-        # Completions; the instance promotes from its own queue.
-        for inst in insts:
-            if not inst.alive:
-                continue
-            done = [r for r in inst.running if r.remaining <= EPS * max(1, r.length)]
-            if not done:
-                continue
-            for r in done:
-                r.done, r.finish = float(r.length), now
-                inst.running.remove(r)
-                finished += 1
-            inst.promote(now)
-            inst.busy_changed(now)
-        if now >= next_tick - EPS:
-            next_tick += args.tick
-        if t_preempt is not None and victim is not None and abs(now - t_preempt) <= EPS:
-            dead = insts[victim]
-            dead.alive = False
-            lost = dead.running + list(dead.queue)
-            moved_tokens += sum(r.remaining for r in lost)
-            moved_requests += len(lost)
-            for r in lost:
-                r.done = float(int(r.done))
-            dead.running, dead.queue = [], deque()
-            held.extendleft(reversed(lost))
-            t_preempt = None
-            if not any(i.alive for i in insts):
-                raise SystemExit("every instance is gone")
-        offer()
-        if migration is not None and now >= next_migrate - EPS:
-            next_migrate += args.migrate_interval
-            migrate()
-
-    lat = sorted(r.finish for r in reqs if r.finish is not None)
-    return Result(label, now, round(moved_tokens), moved_requests, migrations, round(reprefill),
-                  sum(lengths), percentile(lat, 50), percentile(lat, 99), plan_s)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -536,6 +177,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma")
     p.add_argument("--pareto-alpha", type=float, default=1.5)
     p.add_argument("--max-new-tokens", type=int, default=4096, help="every request's budget")
+    p.add_argument("--epochs", type=int, default=1,
+                   help="makespan rows: run this many epochs of the same prompts and report the last (the "
+                   "length model keeps what earlier epochs showed; --group-size > 1 for lengths alike by prompt)")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="samples per GRPO group (one prompt); lengths correlate within a group (1: none)")
+    p.add_argument("--group-share", type=float, default=0.7,
+                   help="with --group-size > 1: the share of the log-length variance that is between groups")
+    p.add_argument("--pieces", type=lambda s: [int(x) for x in s.split(",") if x], default=[512],
+                   help="makespan rows with divided rollouts of N tokens per piece, comma separated "
+                   "(empty: none); a row without pieces is always run")
     p.add_argument("--preempt", default="fastest", help="fastest | slowest | none | instance index")
     p.add_argument("--scenarios", action="store_true",
                    help="run preempt fastest, slowest and none; one summary table")
@@ -596,6 +247,11 @@ def policy_runs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, obje
     if args.lif_cap:
         base.append((f"least_in_flight(max_in_flight={args.lif_cap})", "least_in_flight",
                      {"max_in_flight": args.lif_cap}))
+    if "makespan" in args.policies.split(","):
+        base = [(label, name, {"max_in_flight": args.max_running} if name == "makespan" else kw)
+                for label, name, kw in base]  # the dispatcher's bound: an instance's max_running_requests
+        base += [(f"makespan, pieces of {n} tokens", "makespan_pieces",
+                  {"max_in_flight": args.max_running, "pieces": n}) for n in args.pieces]
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.migration]
     return [(label + (" + tail migration" if m else ""), name, kw, m) for label, name, kw in base for m in modes]
 
@@ -627,7 +283,7 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
     # One workload per seed, shared by every policy; the preemption time scales with its size.
     workloads = []
     for seed in seeds:
-        lengths = make_lengths(argparse.Namespace(**{**vars(args), "seed": seed}))
+        lengths = make_lengths(argparse.Namespace(**{**vars(args), "seed": seed}), args.epochs - 1)
         total = float(sum(lengths))
         t_p = args.preempt_frac * total / peak_all if victim is not None else None
         fluid = fluid_bound(total, peak_all, peak_after, t_p)
@@ -654,7 +310,7 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
     clair: list[float] | None = None
     for label, name, kw, migrate in runs:
         res = []
-        for lengths, t_p, fluid, tight in workloads:
+        for seed, (lengths, t_p, fluid, tight) in zip(seeds, workloads):
             mig = TailMigration(**migration_kwargs(args)) if migrate else None  # type: ignore[arg-type]
             if args.order == "longest-first" or name is None:
                 lengths = sorted(lengths, reverse=True)
@@ -664,9 +320,20 @@ def run_scenario(args: argparse.Namespace) -> tuple[list[Row], dict[str, float]]
                 pol = ExpressLane(args.speeds, args.max_running)
                 mig = ExpressPromotion(fastest, args.max_running // 2 + args.max_running // 8, args.express_tokens,
                                        **migration_kwargs(args))
+            elif name == "makespan_pieces":
+                pol = PiecedMakespan(**kw)  # type: ignore[arg-type]
             else:
                 pol = make_policy(name, **kw)
-            r = simulate(label, pol, lengths, args, t_p, victim, mig)
+            model, speeds = None, None
+            if isinstance(pol, Makespan) and args.epochs > 1:  # earlier epochs of the same prompts, then this one
+                model, speeds = LengthModel(), BoxSpeeds()
+                sargs = argparse.Namespace(**{**vars(args), "seed": seed})
+                for e in range(args.epochs - 1):
+                    simulate(label, pol, make_lengths(sargs, e), args, t_p, victim,
+                             TailMigration(**migration_kwargs(args)) if migrate else None,  # type: ignore[arg-type]
+                             model, e, speeds)
+            r = simulate(label, pol, lengths, args, t_p, victim, mig, model, args.epochs - 1,
+                         speeds if model is not None else None)
             res.append((r, fluid, tight))
         k = len(res)
         if name is None:

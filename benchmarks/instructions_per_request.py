@@ -67,7 +67,7 @@ async def client(port: int, request: bytes, n: int) -> None:
     writer.close()
 
 
-async def start_manager(port: int, lane: bool) -> None:
+async def start_manager(port: int, lane: bool, lengths: bool = False) -> None:
     """The daemon's app, two instances marked active, engine calls answered in process."""
     from rollout_manager.api import server
     from rollout_manager.config import Config
@@ -93,7 +93,8 @@ async def start_manager(port: int, lane: bool) -> None:
 
     Manager.__init__ = keep  # type: ignore[method-assign]
     config = Config(bind=f"127.0.0.1:{port}", scheduler_policy="least_in_flight", log_level="warning",
-                    health_check_interval_s=3600, pending_poll_interval_s=3600, http_fast_generate=lane)
+                    health_check_interval_s=3600, pending_poll_interval_s=3600, http_fast_generate=lane,
+                    length_prediction=lengths)
     ready = asyncio.Event()
     asyncio.ensure_future(server.serve(config, ready=ready))
     await ready.wait()
@@ -125,12 +126,12 @@ def callgrind(on: bool) -> None:
                        capture_output=True)
 
 
-async def child(bare: bool, prompt_tokens: int, requests: int, lane: bool) -> None:
+async def child(bare: bool, prompt_tokens: int, requests: int, lane: bool, lengths: bool = False) -> None:
     from rollout_manager.osutil import free_port, tune_gc
 
     tune_gc(10_000)  # as the daemon's CLI does
     port = free_port()
-    await (start_bare(port) if bare else start_manager(port, lane))
+    await (start_bare(port) if bare else start_manager(port, lane, lengths))
     b = body(prompt_tokens)
     request = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b)
@@ -145,9 +146,11 @@ async def child(bare: bool, prompt_tokens: int, requests: int, lane: bool) -> No
     os._exit(0)  # the daemon's tasks are not shut down: the figure is taken
 
 
-def measure(root: Path, bare: bool, prompt_tokens: int, requests: int, lane: bool = True) -> dict[str, float]:
+def measure(root: Path, bare: bool, prompt_tokens: int, requests: int, lane: bool = True,
+            lengths: bool = False) -> dict[str, float]:
     args = [sys.executable, str(HERE), "--child", "--root", str(root), "--prompt-tokens", str(prompt_tokens),
-            "--requests", str(requests)] + (["--bare"] if bare else []) + ([] if lane else ["--lane-off"])
+            "--requests", str(requests)] + (["--bare"] if bare else []) + ([] if lane else ["--lane-off"]) \
+        + (["--length-prediction"] if lengths else [])
     env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         if shutil.which("valgrind") and shutil.which("callgrind_control"):
@@ -172,6 +175,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1280, help="measured requests (after 640 of warm-up)")
     parser.add_argument("--bare", action="store_true", help="only the bare aiohttp handler")
     parser.add_argument("--no-lane-off", action="store_true", help="skip the manager with the fast lane off")
+    parser.add_argument("--length-prediction", action="store_true",
+                        help="the manager with length_prediction on (every request joins one prompt's group)")
     parser.add_argument("--lane-off", action="store_true", help=argparse.SUPPRESS)  # a child's setting
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -179,7 +184,8 @@ def main() -> None:
         sys.path.insert(0, str(args.root))
         import uvloop
 
-        uvloop.run(child(args.bare, args.prompt_tokens, args.requests, lane=not args.lane_off))
+        uvloop.run(child(args.bare, args.prompt_tokens, args.requests, lane=not args.lane_off,
+                         lengths=args.length_prediction))
         return
     rows = [("bare aiohttp handler (decode, answer)", True, True)]
     if not args.bare:
@@ -192,7 +198,8 @@ def main() -> None:
     print("| --- | ---: | ---: |")
     figures = {}
     for name, bare, lane in rows:
-        r = figures[name] = measure(args.root, bare, args.prompt_tokens, args.requests, lane)
+        r = figures[name] = measure(args.root, bare, args.prompt_tokens, args.requests, lane,
+                                    args.length_prediction and not bare)
         if "instructions" in r:
             print(f"| {name} | {r['instructions'] / 1000:,.0f}k | - |", flush=True)
         else:

@@ -113,7 +113,7 @@ class Config(BaseModel):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
 
     # Generation.
-    scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin"] = "throughput_aware"
+    scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin", "makespan"] = "makespan"
     max_attempts_per_request: int = Field(default=8, gt=0)
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
     max_in_flight_per_instance: int = Field(default=0, ge=0)  # 0: each instance's max_running_requests (else 1024)

@@ -32,7 +32,7 @@ def test_make_policy_names_and_protocol(name):
 
 
 def test_policy_names_and_default():
-    assert POLICY_NAMES == ("round_robin", "least_in_flight", "throughput_aware")
+    assert POLICY_NAMES == ("round_robin", "least_in_flight", "throughput_aware", "makespan")
     assert DEFAULT_POLICY in POLICY_NAMES
 
 

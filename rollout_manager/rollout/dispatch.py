@@ -32,7 +32,9 @@ from rollout_manager.instances.registry import Event, Instance, Kind, Registry, 
 from rollout_manager.notify import Signal
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
+from rollout_manager.rollout.box_speed import BoxSpeeds
 from rollout_manager.rollout.local_budget import LocalWindow
+from rollout_manager.rollout.makespan import BoxWork, Makespan
 from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
 
 _MAX_SKIPPED = 32  # constrained requests one placing pass may step over
@@ -72,6 +74,7 @@ class _Waiter:
     future: asyncio.Future[Instance]
     since: float  # when its wait for an instance began (see accepted_at)
     predicted: float | None = None  # tokens it is predicted to make on this placement (None: no prediction)
+    context: int | None = None  # tokens a move would prefill (prompt and tokens made; None: unknown)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
@@ -101,6 +104,7 @@ class Dispatcher:
         self.meters: dict[str, TokenRateMeter] = {}
         self.streamed_tokens = 0  # every token relayed so far: a live tokens/s needs no finished sequence
         self._placing = False
+        self._soon = False  # a placing pass is scheduled for the end of this event-loop turn (see acquire)
         self._rates: dict[str, float | None] = {}  # see _rate
         self._loads: dict[str, InstanceLoad] = {}  # see load_of
         self._rates_at = 0.0
@@ -113,6 +117,11 @@ class Dispatcher:
         self.lone_meters: dict[str, TokenRateMeter] = {}
         # Affinity (None: off): which instance holds which trajectory's or prompt's prefix.
         self.affinity: AffinityTable | None = None
+        # Each instance's decode step time by running count, learned from its streams (box_speed), and,
+        # under the makespan policy, what its sequences are predicted still to make (makespan.BoxWork).
+        self.speeds = BoxSpeeds()
+        self.work: dict[str, BoxWork] = {}
+        self.makespan = policy if isinstance(policy, Makespan) else None
         registry.listeners.append(self._on_event)
 
     def enable_affinity(self, settings: AffinitySettings | None = None) -> AffinityTable:
@@ -129,6 +138,8 @@ class Dispatcher:
             self.meters.pop(inst.id, None)
             self._loads.pop(inst.id, None)
             self.lone_meters.pop(inst.id, None)
+            self.speeds.forget(inst.id)
+            self.work.pop(inst.id, None)
             self._idle_since.pop(inst.id, None)
             self._idle_s.pop(inst.id, None)
             if self.affinity is not None:
@@ -201,7 +212,8 @@ class Dispatcher:
         if not 0 <= now - self._rates_at <= _RATE_REUSE_S:
             self._rates.clear()
             self._rates_at = now
-        rates, loads, out = self._rates, self._loads, []
+        rates, loads, out, work = self._rates, self._loads, [], self.work
+        models, fleet = self.speeds.models()
         for inst in insts:
             iid = inst.id
             load = loads.get(iid)
@@ -215,12 +227,16 @@ class Dispatcher:
                 rate = rates[iid] = self.meter(inst).rate(now)
             load.token_rate = rate  # type: ignore[assignment]
             load.lone_rate = None
+            load.step = models.get(iid, fleet)
+            if work:  # the makespan policy's predicted work (empty under the others)
+                box = work.get(iid)
+                load.predicted_tokens, load.longest_tokens = (box.tokens, box.longest) if box else (0.0, 0.0)
             out.append(load)
         return out
 
     def try_acquire(self, tokens: int, avoid: Collection[str] = (), prefer: str | None = None,
                     allow: Callable[[Instance], bool] | None = None,
-                    predicted: float | None = None) -> Instance | None:
+                    predicted: float | None = None, context: int | None = None) -> Instance | None:
         """Pick an instance now, or None. Local (trainer-side) instances are offered the work first.
 
         An instance this sequence already failed on is used again only once it has recovered (a
@@ -228,7 +244,9 @@ class Dispatcher:
         only when no clean instance is there. ``prefer`` (affinity: it holds the request's prefix)
         wins while it is clean and not overloaded; ``allow`` restricts the candidates (the staleness
         bound); ``predicted`` is how many tokens the sequence is expected to make on this placement
-        (the length model's figure; None where there is none).
+        (the length model's figure; None where there is none); ``context`` how many a move would prefill
+        (prompt and tokens made). Under the makespan policy the policy itself weighs ``prefer`` (staying
+        where the prefix is cached) against moving, priced at one prefill of ``context``.
         """
         if self.in_flight >= self.max_in_flight_total:
             return None
@@ -253,8 +271,11 @@ class Dispatcher:
         groups = ((local_clean, local_failing), (remote_clean, remote_failing))
         for clean, failing in groups if local_clean or local_failing else groups[1:]:
             loads = self._loads_of(clean or failing, now)  # once per group, for both decisions
-            inst = self._preferred(clean, loads, prefer, tokens, now) if prefer is not None and clean else None
-            inst = inst or self._pick(loads, tokens, now)
+            if self.makespan is not None:
+                inst = self._place(loads, tokens, now, predicted, prefer if clean else None, context)
+            else:
+                inst = self._preferred(clean, loads, prefer, tokens, now) if prefer is not None and clean else None
+                inst = inst or self._pick(loads, tokens, now)
             if inst is not None:
                 return inst
         return None
@@ -281,6 +302,21 @@ class Dispatcher:
         self._reserve(inst, tokens, now)
         return inst
 
+    def _place(self, loads: list[InstanceLoad], tokens: int, now: float, predicted: float | None,
+               prefer: str | None, context: int | None) -> Instance | None:
+        policy = self.makespan
+        assert policy is not None
+        chosen = policy.place(loads, tokens, now, predicted, prefer, context) if loads else None
+        inst = self.registry.get(chosen) if chosen else None
+        if inst is None:
+            return None
+        box = self.work.get(inst.id)
+        if box is None:
+            box = self.work[inst.id] = BoxWork()
+        box.placed(policy.expected(tokens, predicted))
+        self._reserve(inst, tokens, now)
+        return inst
+
     def _reserve(self, inst: Instance, tokens: int, now: float) -> None:
         load = inst.load
         load.in_flight += 1
@@ -290,7 +326,7 @@ class Dispatcher:
 
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
                       allow: Callable[[Instance], bool] | None = None, since: float | None = None,
-                      predicted: float | None = None) -> Instance:
+                      predicted: float | None = None, context: int | None = None) -> Instance:
         """Wait until the policy places this sequence, within the bounds; raises Unavailable when no
         instance could serve it for ``timeout_s``.
 
@@ -300,7 +336,8 @@ class Dispatcher:
         :meth:`_expire`). Instances in ``avoid`` (it failed there) may take it again once they recovered,
         but never count as ones that could: past the wait it fails rather than try them again.
 
-        Requests that cannot be placed at once queue here and are placed in arrival order whenever
+        Requests that cannot be placed at once queue here and are placed in arrival order (under the
+        makespan policy: longest predicted first, see :meth:`_enqueue`) whenever
         something changes (:meth:`_place_waiting`), by one pass over the queue rather than by every
         waiter waking to try again: with thousands waiting and a thousand instances, that herd
         (each wake-up a full pick over the pool) blocked the event loop for seconds.
@@ -313,17 +350,25 @@ class Dispatcher:
         since = now if since is None else min(since, now)
         if self._left(since, timeout_s, now) <= 0 and not self._fresh(avoid, allow):
             raise self._unavailable(timeout_s)  # its wait is over, and only instances that failed it are left
-        if not self._queue:  # nobody is waiting ahead of it
-            inst = self.try_acquire(tokens, avoid, prefer, allow, predicted)
+        # Under the makespan policy a predicted request always queues and the queue is placed at the end of
+        # this event-loop turn: a step's requests arrive together, and so are placed longest predicted first.
+        burst = self.makespan is not None and predicted is not None
+        if not self._queue and not burst:  # nobody is waiting ahead of it
+            inst = self.try_acquire(tokens, avoid, prefer, allow, predicted, context)
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted)
-        self._queue.append(waiter)
+        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted, context)
+        self._enqueue(waiter)
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
         try:
-            self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
+            if burst:
+                if not self._soon:
+                    self._soon = True
+                    loop.call_soon(self._place_soon)
+            else:
+                self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
             return await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
@@ -338,6 +383,27 @@ class Dispatcher:
             if waiter in self._queue and self._queue[0] is not waiter:
                 self._queue.remove(waiter)  # rare: timed out or cancelled behind others
             self._trim()
+
+    def _place_soon(self) -> None:
+        self._soon = False
+        self._place_waiting()
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        """Queue ``waiter``: last, or under the makespan policy ahead of every waiter predicted shorter
+        (one without a prediction counts as shortest), so the longest predicted work is placed first and
+        the policy's greedy placement is longest-processing-time-first."""
+        queue = self._queue
+        predicted = waiter.predicted
+        if self.makespan is None or predicted is None:
+            queue.append(waiter)
+            return
+        at = len(queue)
+        while at > 0:  # from the back: arrivals of one step come with similar predictions, so this is short
+            ahead = queue[at - 1].predicted
+            if ahead is not None and ahead >= predicted:
+                break
+            at -= 1
+        queue.insert(at, waiter)
 
     def _arm(self, waiter: _Waiter, delay_s: float, timeout_s: float) -> None:
         waiter.timer = asyncio.get_running_loop().call_later(max(delay_s, 0.0), self._expire, waiter, timeout_s)
@@ -404,7 +470,8 @@ class Dispatcher:
                 if self.closing:
                     waiter.future.set_exception(Unavailable("rollout manager is shutting down; no new work is placed"))
                     continue
-                inst = self.try_acquire(waiter.tokens, waiter.avoid, waiter.prefer, waiter.allow, waiter.predicted)
+                inst = self.try_acquire(waiter.tokens, waiter.avoid, waiter.prefer, waiter.allow, waiter.predicted,
+                                        waiter.context)
                 if inst is not None:
                     self._queue.popleft()
                     waiter.future.set_result(inst)
@@ -432,6 +499,10 @@ class Dispatcher:
         self.streamed_tokens += tokens
         load.in_flight_tokens = max(load.in_flight_tokens - tokens, 0)
         now = self.clock()
+        self.speeds.observe(iid, tokens, load.in_flight, now)
+        box = self.work.get(iid)
+        if box is not None and box.tokens:
+            box.made(tokens, load.in_flight)
         self._rates.pop(iid, None)
         (self.meters.get(iid) or self.meter(inst)).observe(tokens, now)
         (self.lone_meters.get(iid) or self.lone_meter(inst)).observe(
@@ -445,6 +516,9 @@ class Dispatcher:
     def release(self, inst: Instance, tokens_left: int) -> None:
         """A sequence left ``inst`` (finished or failed) with ``tokens_left`` of its budget unused."""
         load = inst.load
+        box = self.work.get(inst.id)
+        if box is not None:
+            box.ended(load.in_flight)
         if load.in_flight > 0:
             self.in_flight = max(self.in_flight - 1, 0)
         load.in_flight = max(load.in_flight - 1, 0)
@@ -486,6 +560,8 @@ class Dispatcher:
             return
         self._rates.pop(iid, None)
         meter = self.meters.get(iid) or self.meter(inst)
+        if n > 0 and not meter.busy:  # idle to busy: its first chunk will carry a prefill, not decode steps
+            self.speeds.busy(iid)
         meter.set_in_flight(n, now)
         (self.lone_meters.get(iid) or self.lone_meter(inst)).set_in_flight(n, now)
         idle_since = self._idle_since

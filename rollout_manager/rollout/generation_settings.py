@@ -53,4 +53,5 @@ class GenerationSettings:
                    cfg.staleness_action, first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
                    pieces=PieceSettings(cfg.piece_tokens, cfg.piece_min_budget, cfg.piece_max_tokens),
                    max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size,
-                   batch_max=cfg.engine_batch_max, length_prediction=cfg.length_prediction)
+                   batch_max=cfg.engine_batch_max,
+                   length_prediction=cfg.length_prediction or cfg.scheduler_policy == "makespan")

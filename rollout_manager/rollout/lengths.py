@@ -14,11 +14,13 @@ comes back every epoch with similar ones. :class:`LengthModel` keeps, per group 
   lengths), else the fleet's running figure over every finished sequence.
 
 :meth:`LengthModel.predict` gives the conditional median (the scored prediction), mean and a quantile of
-a running sequence's final length given what it has made. Nothing here is per token: the manager calls
-:meth:`~LengthModel.start` and :meth:`~LengthModel.finish` once per sequence, and a track's ``progress``
-(its running length) is read only at a sibling's finish or when the status is asked for. Every prediction
-is remembered per "how much of the group had finished" bucket and scored when its sequence ends
-(:class:`ErrorStats`). Pure: no I/O, no clock, no asyncio.
+a running sequence's final length given what it has made. Nothing here is per token, and little is per
+sequence: the manager calls :meth:`~LengthModel.start` and :meth:`~LengthModel.finish` once per sequence;
+a group is fitted again only when one of its samples finishes (its running siblings' lengths are read then,
+and when the status is asked for), from running sums of its finished lengths, so a start costs a hash of
+the prompt and one ``exp`` and :meth:`~LengthModel.predict` (a piece boundary) reads the group's last fit.
+Every prediction is remembered per "how much of the group had finished" bucket and scored when its
+sequence ends (:class:`ErrorStats`). Pure: no I/O, no clock, no asyncio.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ def bucket(fraction: float) -> str:
     return BUCKETS[min(4, math.ceil(fraction * 4.0))]
 
 
+_Z: dict[float, float] = {}
+
+
+def _z(q: float) -> float:
+    """The standard normal's ``q``-quantile, computed once per ``q``."""
+    z = _Z.get(q)
+    if z is None:
+        z = _Z[q] = _STD.inv_cdf(q)
+    return z
+
+
 def _log(length: int) -> float:
     return math.log(max(length, 1))
 
@@ -82,13 +95,16 @@ class Prior:
 
 
 def censored_fit(exact: Sequence[float], censored: Sequence[float], prior: Prior,
-                 start: tuple[float, float] | None = None) -> tuple[float, float]:
+                 start: tuple[float, float] | None = None,
+                 sums: tuple[int, float, float] | None = None) -> tuple[float, float]:
     """(mu, sigma) of a normal fitted to ``exact`` values and to values known only to exceed each of
     ``censored``, with ``prior`` as pseudo-observations (EM on the right-censored normal; ``start``: the
-    last fit, from which a few iterations suffice)."""
-    w = prior.weight + len(exact) + len(censored)
-    s1 = prior.weight * prior.mu + sum(exact)
-    s2 = prior.weight * (prior.var + prior.mu * prior.mu) + sum(x * x for x in exact)
+    last fit, from which a few iterations suffice). ``sums``: (count, sum, sum of squares) of ``exact``,
+    kept by the caller, so the exact values are not summed again."""
+    n, e1, e2 = sums if sums is not None else (len(exact), sum(exact), sum(x * x for x in exact))
+    w = prior.weight + n + len(censored)
+    s1 = prior.weight * prior.mu + e1
+    s2 = prior.weight * (prior.var + prior.mu * prior.mu) + e2
     # a start that treats the censored values as exact (they are lower bounds, so it is low)
     mu = (s1 + sum(censored)) / w
     sigma = math.sqrt(max((s2 + sum(c * c for c in censored)) / w - mu * mu, MIN_SIGMA ** 2))
@@ -130,6 +146,10 @@ class Prediction(msgspec.Struct, frozen=True, gc=False):
 def conditional(mu: float, sigma: float, made: int, q: float, budget: int | None) -> tuple[float, float, float]:
     """(median, mean, q-quantile) of a lognormal(mu, sigma) length known to be at least ``made``, capped at
     ``budget`` tokens (``max_new_tokens``; None: no cap)."""
+    if made <= 1:  # nothing known beyond the fit (a length is at least 1): the lognormal's own figures
+        cap = math.inf if budget is None else float(budget)
+        return (min(math.exp(mu), cap), min(math.exp(mu + 0.5 * sigma * sigma), cap),
+                min(math.exp(mu + sigma * _z(q)), cap))
     if made > 0:
         a = (_log(made) - mu) / sigma
         below, above = 1.0 - _tail(a), _tail(a)
@@ -160,12 +180,15 @@ class Track:
     open: bool = True
     predicted: dict[str, float] = field(default_factory=dict)  # bucket -> first median predicted there
 
-    def refresh(self) -> None:
+    def refresh(self) -> bool:
+        """Read the running length; True if it moved (the group's fit is then out of date: the caller
+        refits once, whatever the number of siblings read)."""
         if self.progress is not None:
             made = self.progress()
             if made != self.made:
                 self.made = made
-                self.group.fit = None
+                return True
+        return False
 
 
 @dataclass(eq=False, slots=True)
@@ -178,11 +201,26 @@ class Group:
     started: int = 0
     fit: tuple[float, float] | None = None
     last: tuple[float, float] | None = None  # the fit before the last change: where the next EM starts
+    s1: float = 0.0  # sum of ``finished``
+    s2: float = 0.0  # sum of its squares
+
+    def add_finished(self, x: float) -> None:
+        finished = self.finished
+        if len(finished) == finished.maxlen:
+            old = finished[0]
+            self.s1 -= old
+            self.s2 -= old * old
+        finished.append(x)
+        self.s1 += x
+        self.s2 += x * x
+        self.fit = None
 
     def fitted(self) -> tuple[float, float]:
+        """The last fit; fitted again only after a sibling finished (or the status read the running)."""
         if self.fit is None:
             censored = [_log(t.made) for t in islice(self.running, MAX_SIBLINGS) if t.made > 0]
-            self.fit = self.last = censored_fit(self.finished, censored, self.prior, self.last)
+            self.fit = self.last = censored_fit(self.finished, censored, self.prior, self.last,
+                                                (len(self.finished), self.s1, self.s2))
         return self.fit
 
     @property
@@ -276,7 +314,9 @@ class LengthModel:
         track = Track(group, pkey, name, progress, budget)
         group.running.add(track)
         self.running.add(track)
-        self._remember(track)
+        # Its first prediction (scored at its end): nothing made yet, so the fit's median, one exp.
+        median = math.exp(group.fitted()[0])
+        track.predicted[bucket(group.finished_fraction)] = median if budget is None else min(median, budget)
         return track
 
     def finish(self, track: Track, length: int) -> None:
@@ -288,8 +328,7 @@ class LengthModel:
         for where, predicted in track.predicted.items():
             self.errors[where].add(predicted, length)
         group = track.group
-        group.finished.append(_log(length))
-        group.fit = None
+        group.add_finished(_log(length))
         hist = self.history.get(track.prompt)
         if hist is None:
             hist = self.history[track.prompt] = deque(maxlen=self.history_depth)
@@ -297,7 +336,7 @@ class LengthModel:
         self._learn(_log(length))
         where = bucket(group.finished_fraction)  # each sibling is predicted once per bucket (what is scored)
         due = [t for t in islice(group.running, MAX_SIBLINGS) if where not in t.predicted]
-        if due:
+        if due:  # what the running have made, read once per bucket: the next fit censors at it
             for sibling in islice(group.running, MAX_SIBLINGS):
                 sibling.refresh()
             for sibling in due:
@@ -322,7 +361,8 @@ class LengthModel:
         """The model's state; every running sequence reads its running length (and is predicted: the
         prediction is scored when it ends)."""
         for track in self.running:
-            track.refresh()
+            if track.refresh():
+                track.group.fit = None
         predicted = [(self._remember(t), t) for t in self.running]
         ranked = nlargest(top, predicted, key=lambda pt: pt[0].median)
         longest = [RunningPrediction(t.name, t.made, p) for p, t in ranked]

@@ -19,6 +19,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from rollout_manager.rollout.instance_load import InstanceLoad
+from rollout_manager.rollout.makespan import Makespan
+
 __all__ = [
     "InstanceLoad",
     "TokenRateMeter",
@@ -26,6 +29,7 @@ __all__ = [
     "RoundRobin",
     "LeastInFlight",
     "ThroughputAware",
+    "Makespan",
     "POLICY_NAMES",
     "DEFAULT_POLICY",
     "make_policy",
@@ -35,23 +39,6 @@ __all__ = [
     "Move",
     "TailMigration",
 ]
-
-
-@dataclass
-class InstanceLoad:
-    """The manager's own view of one schedulable instance at the moment of a decision.
-
-    ``in_flight_tokens`` is the remaining token budget (``max_new_tokens`` minus tokens already
-    streamed) summed over the requests dispatched to it and not finished: an upper bound on its
-    outstanding decode work. ``token_rate`` is aggregate tokens/s while busy; None until measured.
-    """
-
-    instance_id: str
-    kind: str  # "remote" | "local"
-    in_flight_requests: int
-    in_flight_tokens: int
-    token_rate: float | None = None
-    lone_rate: float | None = None  # tokens/s one sequence alone would get (see lone_rate_weight)
 
 
 class TokenRateMeter:
@@ -237,7 +224,10 @@ class ThroughputAware:
 
     Among instances that are not full the request goes where it is expected to finish first, by
     the same formula (the new request has the largest budget, so under continuous batching it is
-    the last of that instance's work to finish); faster instances receive work in proportion.
+    the last of that instance's work to finish); faster instances receive work in proportion. The rate
+    is the box's step model's at the count it would run with the request (``InstanceLoad.step``) where
+    there is one: ranking by the aggregate rate measured at whatever count a box ran sent four
+    1,900-token sequences to one of two idle boxes, the one that had been given more before.
 
     Tokens are budgets (``max_new_tokens`` left), so the drain time is a worst case: every
     sequence running to its limit. ``target_drain_s`` is therefore in those units; it also means an
@@ -273,8 +263,14 @@ class ThroughputAware:
         self.probe_in_flight = min_concurrency if probe_in_flight is None else probe_in_flight
         self.max_in_flight = max_in_flight
 
+    @staticmethod
+    def _rate(c: InstanceLoad) -> float | None:
+        """Tokens/s ``c`` makes in all once it takes one more: from its step model where there is one."""
+        step = c.step
+        return step.rate(c.in_flight_requests + 1) if step is not None else c.token_rate
+
     def _expected_finish_s(self, c: InstanceLoad, request_tokens: int) -> float:
-        rate = c.token_rate or 0.0
+        rate = self._rate(c) or 0.0
         work = c.in_flight_tokens + request_tokens
         return work / rate if rate > 0 else math.inf
 
@@ -282,7 +278,7 @@ class ThroughputAware:
         """True if ``c`` should not take a request of ``request_tokens`` right now."""
         if self.max_in_flight is not None and c.in_flight_requests >= self.max_in_flight:
             return True
-        if c.token_rate is None:
+        if self._rate(c) is None:
             return c.in_flight_requests >= self.probe_in_flight
         if c.in_flight_requests < self.min_concurrency:
             return False
@@ -303,7 +299,8 @@ class ThroughputAware:
             n = c.in_flight_requests
             if cap is not None and n >= cap:
                 continue
-            rate = c.token_rate
+            step = c.step
+            rate = step.rate(n + 1) if step is not None else c.token_rate
             if rate is None:
                 if n < probe_cap:
                     key = (n, c.in_flight_tokens, c.instance_id)
@@ -326,9 +323,10 @@ _POLICIES: dict[str, Callable[..., PlacementPolicy]] = {
     RoundRobin.name: RoundRobin,
     LeastInFlight.name: LeastInFlight,
     ThroughputAware.name: ThroughputAware,
+    Makespan.name: Makespan,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
-DEFAULT_POLICY = ThroughputAware.name
+DEFAULT_POLICY = Makespan.name
 
 
 def make_policy(name: str, **kw: object) -> PlacementPolicy:

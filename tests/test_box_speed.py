@@ -1,0 +1,146 @@
+"""The box speed model (rollout.box_speed): decode step time by running count, learned from stream timing.
+
+Pure: synthetic streams of a box whose step costs ``a + b * n``, no processes, time an argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_manager.rollout.box_speed import BoxSpeeds, StepFit, StepModel
+from rollout_manager.rollout.makespan import Makespan
+from rollout_manager.rollout.scheduling import InstanceLoad, ThroughputAware, TokenRateMeter
+
+A, B = 0.02, 0.001  # seconds per step, and per running sequence per step (a 7B-class GPU box, roughly)
+
+
+def stream(iid: str, n: int, seconds: float, t0: float, speeds: BoxSpeeds, meter: TokenRateMeter | None = None,
+           a: float = A, b: float = B, every: int = 4) -> float:
+    """``n`` sequences decode on ``iid`` for ``seconds`` from ``t0``; each streams a chunk every ``every``
+    steps, as SGLang's stream interval does. Returns the end time."""
+    step = a + b * n
+    t, k = t0, 0
+    speeds.busy(iid)
+    if meter is not None:
+        meter.set_in_flight(n, t)
+    while t < t0 + seconds:
+        t += step
+        k += 1
+        if k % every == 0:
+            for _ in range(n):
+                speeds.observe(iid, every, n, t)
+                if meter is not None:
+                    meter.observe(every, t)
+    if meter is not None:
+        meter.set_in_flight(0, t)
+    return t
+
+
+def test_step_model_drain_time_is_the_sum_of_its_steps() -> None:
+    """``a * longest + b * total``: what stepping the batch one token at a time gives."""
+    model, left = StepModel(0.02, 0.001), [300, 120, 120, 40, 7]
+    t, rem = 0.0, list(left)
+    while any(rem):
+        running = [r for r in rem if r]
+        t += model.step_s(len(running))
+        rem = [max(r - 1, 0) for r in rem]
+    assert model.drain_s(max(left), sum(left)) == pytest.approx(t)
+
+
+def test_the_fit_recovers_a_and_b_from_a_box_seen_at_several_counts() -> None:
+    speeds = BoxSpeeds()
+    t = 0.0
+    for n in (1, 4, 16, 48):
+        t = stream("x", n, 5.0, t, speeds) + 1.0
+    m = speeds.model("x")
+    assert m is not None
+    assert m.a == pytest.approx(A, rel=0.05) and m.b == pytest.approx(B, rel=0.05)
+
+
+def test_the_first_chunk_after_idle_does_not_count() -> None:
+    """It arrives after a prefill and a queue wait, not after decode steps: counting it would make a box
+    that is given work in short bursts look slow."""
+    fit = StepFit(window_s=0.5, tau_s=60.0)
+    fit.restart()
+    assert not fit.observe(1, 1, 100.0)  # the first token after 100 s of prefill and waiting: opens the window
+    t = 100.0
+    for _ in range(100):
+        t += 0.021
+        fit.observe(1, 1, t)
+    m = fit.fit(StepModel(1.0, 1 / 64))
+    assert m is not None and m.step_s(1) == pytest.approx(0.021, rel=0.01)
+
+
+def test_a_box_never_measured_is_the_fleets_median_box_and_none_before_any() -> None:
+    speeds = BoxSpeeds()
+    assert speeds.model("new") is None
+    stream("a", 8, 3.0, 0.0, speeds, a=0.02)
+    stream("b", 8, 3.0, 0.0, speeds, a=0.04)
+    stream("c", 8, 3.0, 0.0, speeds, a=0.03)
+    fleet = speeds.model("new")
+    assert fleet is not None and not speeds.measured("new")
+    assert fleet.step_s(8) == pytest.approx(speeds.model("c").step_s(8), rel=0.01)  # type: ignore[union-attr]
+    speeds.forget("b")
+    assert speeds.model("b") is not None and not speeds.measured("b")
+
+
+def test_a_box_seen_at_one_count_takes_the_fleets_slope_at_its_own_level() -> None:
+    """Its level is measured; its slope is not, so it is the fleet's, scaled: a lightly loaded box is
+    judged at higher counts as the boxes that ran them show, not as a constant-rate box."""
+    speeds = BoxSpeeds()
+    t = 0.0
+    for n in (2, 16, 48):
+        t = stream("busy", n, 4.0, t, speeds) + 1.0
+    stream("light", 1, 4.0, 0.0, speeds, a=2 * A, b=2 * B)  # twice as slow, seen with one sequence only
+    busy, light = speeds.model("busy"), speeds.model("light")
+    assert busy is not None and light is not None
+    assert light.step_s(1) == pytest.approx(2 * (A + B), rel=0.02)
+    assert light.step_s(32) == pytest.approx(2 * busy.step_s(32), rel=0.1)
+
+
+def pick_four(policy: ThroughputAware | Makespan, loads: list[InstanceLoad], tokens: int = 1900) -> list[str]:
+    """Place four sequences of ``tokens`` one after the other, counting each placement as the dispatcher
+    does."""
+    chosen = []
+    for _ in range(4):
+        iid = policy.pick(loads, tokens, 10.0)
+        assert iid is not None
+        c = next(c for c in loads if c.instance_id == iid)
+        c.in_flight_requests += 1
+        c.in_flight_tokens += tokens
+        c.predicted_tokens += tokens
+        c.longest_tokens = max(c.longest_tokens, tokens)
+        chosen.append(iid)
+    return chosen
+
+
+def test_a_box_given_little_no_longer_looks_slow() -> None:
+    """The reported failure: two idle, identical boxes; one had served one sequence at a time, the other
+    a batch of sixteen that finished a few at a time. Ranked by the aggregate rate each measured, the first looks
+    several times slower than it is, and four 1,900-token sequences all go to the other. Ranked by the
+    step model at the count a placement would leave, they are the same box, and the four are split two
+    and two."""
+    speeds = BoxSpeeds()
+    meters = {"a": TokenRateMeter(), "b": TokenRateMeter()}
+    stream("a", 1, 6.0, 0.0, speeds, meters["a"])
+    t = 0.0
+    for n in (16, 16, 16, 12, 8, 4):
+        t = stream("b", n, 1.2, t, speeds, meters["b"])
+    now = 10.0
+
+    def loads(with_model: bool) -> list[InstanceLoad]:
+        return [InstanceLoad(i, "remote", 0, 0, meters[i].rate(now), step=speeds.model(i) if with_model else None)
+                for i in ("a", "b")]
+
+    old = loads(with_model=False)
+    assert old[1].token_rate > 4 * old[0].token_rate  # type: ignore[operator]
+    assert pick_four(ThroughputAware(), old) == ["b"] * 4  # the failure, reproduced
+    assert sorted(pick_four(ThroughputAware(), loads(with_model=True))) == ["a", "a", "b", "b"]
+    assert sorted(pick_four(Makespan(), loads(with_model=True))) == ["a", "a", "b", "b"]
+
+
+def test_a_box_not_yet_measured_gets_work_beside_measured_ones() -> None:
+    speeds = BoxSpeeds()
+    stream("a", 8, 5.0, 0.0, speeds)
+    loads = [InstanceLoad(i, "remote", 0, 0, step=speeds.model(i)) for i in ("a", "new")]
+    assert sorted(pick_four(Makespan(), loads)) == ["a", "a", "new", "new"]
