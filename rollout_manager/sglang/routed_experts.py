@@ -12,12 +12,14 @@ first engine keep the experts chosen when they were made, and the next engine ad
 there (its prefill computes the routing of a token the first engine made but never fed back). An engine
 that died before its final output leaves no rows; the next engine's prefill then computes them.
 
-The rows are held as the base64 text SGLang sent, checked (:func:`checked`) but not decoded, and a
-sequence's answer carries that same text when one engine made all its rows: decoding and encoding again
-cost about 2 KB of base64 work per token at Qwen3-30B-A3B's 48 layers x top-8, many times what relaying
-the token itself costs (docs/benchmarks.md, "Routed-expert replay"). Rows of several engines are joined
-as text where base64 allows it (every part but the last a multiple of 3 bytes), else decoded and encoded
-once. No Python object per token either way.
+The rows are held as the base64 text SGLang sent, checked (:func:`checked`) but never decoded, as the JSON
+string it came in (:class:`Base64Rows`: its bytes, quotes included), and a sequence's answer splices those
+bytes in as they are (an ``orjson.Fragment``): decoding and encoding again, or even making a ``str`` of the text
+and encoding that, cost many times what relaying the token itself costs at Qwen3-30B-A3B's 48 layers x top-8
+(2 KB of base64 a token; docs/benchmarks.md, "Routed-expert replay"). A long final chunk's value is cut out of
+its bytes before they are parsed (:func:`locate`, :meth:`Base64Rows.cut`; ``sse.ChunkDecoder``), so the JSON
+parser never sees it. Rows of several engines are joined as bytes where base64 allows it (every part but the
+last a multiple of 3 bytes), else decoded and encoded once. No Python object per token either way.
 """
 
 from __future__ import annotations
@@ -26,53 +28,123 @@ import base64
 import binascii
 from dataclasses import dataclass, field
 
+import orjson
+
 ROW_ITEM = 4  # bytes of one expert id (int32)
 # The most base64 text one position's row may take in an engine's frame: 96 layers x top-16 ids (8 KiB), past
 # every MoE model served today (Qwen3: 48 x 8, DeepSeek-V3 and Kimi K2: 58-61 x 8). A request for routed experts
 # gets this much room per position on top of engine_max_frame_mb, which bounds the tokens' part.
 MAX_ROW_TEXT = 96 * 16 * ROW_ITEM * 4 // 3
 _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+# The field as SGLang (orjson) writes it: no space, and the quote that opens a string value. It cannot occur
+# inside a JSON string (a quote there is escaped), nor inside a number list.
+KEY = b'"routed_experts":"'
+_NOT_QUANTA = "routed_experts is not base64: not ASCII, or not a multiple of 4 characters"
+_NOT_ALPHABET = "routed_experts is not base64: a character outside its alphabet"
+_PADDED = (b'""', b'"="', b'"=="')  # what is left of a quoted base64 value once its alphabet is taken out
 
 
-def checked(value: object) -> str:
-    """``meta_info.routed_experts`` as sent, once it is SGLang's base64 (standard alphabet, padded, no
-    newlines); raises ValueError otherwise. Costs one pass over the text, not a decode."""
+class Base64Rows:
+    """Routed-expert rows as SGLang's base64, checked, kept as the JSON string they came in: ``quoted`` is its
+    bytes, quotes included (no escapes: base64 has none), so an answer splices them in as they are
+    (:meth:`to_json`). Not a dataclass: orjson would encode one as an object of its fields."""
+
+    __slots__ = ("quoted",)
+
+    def __init__(self, quoted: bytes) -> None:
+        self.quoted = quoted
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Base64Rows) and other.quoted == self.quoted
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Base64Rows({self.quoted[:40]!r}{'...' if len(self.quoted) > 40 else ''})"
+
+    @classmethod
+    def of_json(cls, quoted: bytes) -> Base64Rows:
+        """The rows of a JSON string's bytes (quotes included), once the text is SGLang's base64 (standard
+        alphabet, padded, no newlines, no escapes); raises ValueError otherwise. One pass, no decode."""
+        if len(quoted) < 2 or quoted[:1] != b'"' or (len(quoted) - 2) % 4:
+            raise ValueError(_NOT_QUANTA)
+        rest = quoted.translate(None, _ALPHABET)  # a C loop; what is left is the quotes and the padding
+        if rest not in _PADDED or not quoted.endswith(rest[1:]):
+            raise ValueError(_NOT_ALPHABET)
+        return cls(quoted)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the rows (counted, not decoded)."""
+        q = self.quoted
+        return (len(q) - 2) // 4 * 3 - q[-3:-1].count(b"=")
+
+    @property
+    def text(self) -> memoryview:
+        """The base64 text, without its quotes (a view: no copy)."""
+        return memoryview(self.quoted)[1:-1]
+
+    def to_json(self) -> orjson.Fragment:
+        """The JSON string itself, for ``jsonutil.dumps`` to copy into an answer as it is (no scan, no str)."""
+        return orjson.Fragment(self.quoted)
+
+
+EMPTY = Base64Rows(b'""')
+
+
+def checked(value: object) -> Base64Rows:
+    """``meta_info.routed_experts`` as parsed JSON, once it is SGLang's base64 (:meth:`Base64Rows.of_json`);
+    raises ValueError otherwise. For a value the decoder did not cut out of its chunk's bytes (:func:`locate`)."""
     if type(value) is not str:
         raise ValueError(f"routed_experts is {type(value).__name__}, not a base64 string")
     if not value.isascii() or len(value) % 4:  # isascii reads a flag: no pass
-        raise ValueError("routed_experts is not base64: not ASCII, or not a multiple of 4 characters")
-    text = value.encode("ascii")
-    body = text.rstrip(b"=")
-    if len(text) - len(body) > 2 or body.translate(None, _ALPHABET):
-        raise ValueError("routed_experts is not base64: a character outside its alphabet")
-    return value
+        raise ValueError(_NOT_QUANTA)
+    return Base64Rows.of_json(b'"' + value.encode("ascii") + b'"')
 
 
-def encode(rows: bytes | bytearray) -> str:
-    """Rows as ``meta_info.routed_experts`` (base64, no newlines)."""
-    return binascii.b2a_base64(rows, newline=False).decode("ascii")
+def locate(payload: bytes, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """Where the ``routed_experts`` string value is in ``payload``: (its opening quote, one past its closing
+    quote), searching only ``spans`` (the byte ranges the decoder parses; a range it cut out holds numbers
+    only). None when the field is not there as SGLang writes it, or is there more than once: the chunk is
+    then parsed whole. The value is not checked here (:meth:`Base64Rows.of_json`)."""
+    found = None
+    for a, b in spans:
+        at = payload.find(KEY, a, b)
+        while at >= 0:
+            if found is not None:
+                return None
+            start = at + len(KEY) - 1
+            end = payload.find(b'"', start + 1, b)  # base64 holds no quote, nor any escape
+            if end < 0:
+                return None
+            found = (start, end + 1)
+            at = payload.find(KEY, end + 1, b)
+    return found
 
 
-def size(rows: bytes | str) -> int:
-    """Bytes of ``rows``: raw rows, or base64 text that :func:`checked` passed (counted, not decoded)."""
-    if isinstance(rows, str):
-        return len(rows) // 4 * 3 - rows[-2:].count("=")
-    return len(rows)
+def encode(rows: bytes | bytearray) -> Base64Rows:
+    """Raw rows as ``meta_info.routed_experts`` (base64, no newlines)."""
+    return Base64Rows(b'"' + binascii.b2a_base64(rows, newline=False) + b'"')
+
+
+def size(rows: bytes | Base64Rows) -> int:
+    """Bytes of ``rows``: raw rows, or base64 that was checked (counted, not decoded)."""
+    return rows.size if isinstance(rows, Base64Rows) else len(rows)
 
 
 @dataclass(slots=True)
 class RoutedExperts:
     """One sequence's routed experts so far: the rows of positions ``[start, end)``, one part per engine
-    that sent some, each the base64 text it sent (raw rows handed in are encoded once).
+    that sent some, each the base64 it sent (raw rows handed in are encoded once).
 
     ``start`` is the caller's ``routed_experts_start_len``; ``row_bytes`` (``layers x top_k x 4``) is learned
     from the first engine that sends rows, and every later engine must agree with it. Rows are handed in
-    as raw bytes or as base64 text that :func:`checked` passed (what the wire gives).
+    as raw bytes or as checked base64 (:class:`Base64Rows`: what the wire gives).
     """
 
     start: int
     end: int = -1  # first position without a row (set to start)
-    parts: list[str] = field(default_factory=list)
+    parts: list[Base64Rows] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)  # each part's bytes (decoded)
     row_bytes: int = 0  # 0: not known yet
 
@@ -83,9 +155,9 @@ class RoutedExperts:
     @property
     def rows(self) -> bytes:
         """The rows held, decoded (for inspection: answers carry :meth:`to_json`)."""
-        return b"".join(base64.b64decode(p) for p in self.parts)
+        return b"".join(base64.b64decode(p.text) for p in self.parts)
 
-    def check(self, blob: bytes | str, seqlen: int) -> str | None:
+    def check(self, blob: bytes | Base64Rows, seqlen: int) -> str | None:
         """Why ``blob`` (an engine's rows for a request that started at :attr:`end` and ended with ``seqlen``
         positions) is not what that engine owes, or None."""
         want = max(seqlen - 1 - self.end, 0)
@@ -99,13 +171,13 @@ class RoutedExperts:
                     f"{self.row_bytes}")
         return None
 
-    def add(self, blob: bytes | str, seqlen: int) -> None:
+    def add(self, blob: bytes | Base64Rows, seqlen: int) -> None:
         """Keep ``blob`` (checked by :meth:`check`) as the rows up to position ``seqlen - 1``."""
         want = max(seqlen - 1 - self.end, 0)
         if want:
             got = size(blob)
             self.row_bytes = got // want
-            self.parts.append(blob if isinstance(blob, str) else encode(blob))
+            self.parts.append(blob if isinstance(blob, Base64Rows) else encode(blob))
             self.sizes.append(got)
             self.end = seqlen - 1
 
@@ -115,12 +187,15 @@ class RoutedExperts:
         self.sizes = []
         self.end = self.start
 
-    def to_json(self) -> str:
-        """The rows as ``meta_info.routed_experts``: one engine's text as it sent it; several engines' joined
-        as text when each part but the last is a whole number of base64 quanta (3 bytes), else re-encoded."""
+    def to_json(self) -> Base64Rows:
+        """The rows as ``meta_info.routed_experts``: one engine's base64 as it sent it; several engines' joined
+        as bytes, once, when each part but the last is a whole number of base64 quanta (3 bytes), else
+        re-encoded."""
         parts = self.parts
         if len(parts) == 1:
             return parts[0]
+        if not parts:
+            return EMPTY
         if all(n % 3 == 0 for n in self.sizes[:-1]):
-            return "".join(parts)
+            return Base64Rows(b"".join([b'"', *(p.text for p in parts), b'"']))
         return encode(self.rows)
