@@ -42,6 +42,7 @@ KEY = b'"routed_experts":"'
 _NOT_QUANTA = "routed_experts is not base64: not ASCII, or not a multiple of 4 characters"
 _NOT_ALPHABET = "routed_experts is not base64: a character outside its alphabet"
 _PADDED = (b'""', b'"="', b'"=="')  # what is left of a quoted base64 value once its alphabet is taken out
+_CHECK_WINDOW = 64 * 1024  # bytes checked at a time: under glibc's smallest mmap threshold, no system call
 
 
 class Base64Rows:
@@ -66,9 +67,16 @@ class Base64Rows:
     def of_json(cls, quoted: bytes) -> Base64Rows:
         """The rows of a JSON string's bytes (quotes included), once the text is SGLang's base64 (standard
         alphabet, padded, no newlines, no escapes); raises ValueError otherwise. One pass, no decode."""
-        if len(quoted) < 2 or quoted[:1] != b'"' or (len(quoted) - 2) % 4:
+        n = len(quoted)
+        if n < 2 or quoted[:1] != b'"' or (n - 2) % 4:
             raise ValueError(_NOT_QUANTA)
-        rest = quoted.translate(None, _ALPHABET)  # a C loop; what is left is the quotes and the padding
+        # A C loop; what is left is the quotes and the padding. By windows: translate allocates its input's length
+        # for its answer, and megabytes at a time would grow and trim the heap on every final chunk.
+        if n <= _CHECK_WINDOW:
+            rest = quoted.translate(None, _ALPHABET)
+        else:
+            rest = b"".join([quoted[at:at + _CHECK_WINDOW].translate(None, _ALPHABET)
+                             for at in range(0, n, _CHECK_WINDOW)])
         if rest not in _PADDED or not quoted.endswith(rest[1:]):
             raise ValueError(_NOT_ALPHABET)
         return cls(quoted)
