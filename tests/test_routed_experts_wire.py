@@ -85,11 +85,17 @@ def test_the_experts_are_cut_out_wherever_they_stand_in_meta_info(where: str, pa
         (full(frame).ids, TRICKY, full(frame).finish, full(frame).meta.final)
 
 
-def test_a_frame_split_over_many_reads_is_joined_once_and_gives_the_same_chunk() -> None:
+def test_a_frame_split_over_many_reads_is_joined_once_and_gives_the_same_chunk(parsed: list[int]) -> None:
     frame = final(EXPERTS, before={"note": TRICKY})
     whole = decode(frame)
     for step in (1, 5, 6, 7, 4096, len(frame) - 1, len(frame) - 2):  # the prefix and the boundary split too
         assert decode(frame, step) == whole
+    key = frame.index(b'"routed_experts"')
+    for cut in (key + 1, key + 17, key + 18, key + 19, frame.index(b'"', key + 19) + 1):  # in and around the key
+        dec = ChunkDecoder()
+        del parsed[:]
+        assert dec.feed(frame[:cut]) + dec.feed(frame[cut:]) == [whole]
+        assert max(parsed) < 1000  # cut out of the reads, or out of the joined bytes when the key was split
 
 
 def test_a_truncated_frame_gives_nothing_until_its_end() -> None:
@@ -172,3 +178,19 @@ def test_parts_of_several_engines_are_joined_as_bytes_or_encoded_once() -> None:
     assert ragged.to_json() == routed.checked(b64(whole))
     assert RoutedExperts(start=4).to_json() == routed.EMPTY
     assert jsonutil.loads(jsonutil.dumps({"e": aligned.to_json().to_json()})) == {"e": b64(whole)}
+
+
+def test_the_value_is_found_across_reads_or_given_up_on_when_its_key_is_split() -> None:
+    frame = b'{"a":[1,2],"meta_info":{"routed_experts":"QUJDRA==","x":"y"}}'
+    start = frame.index(b'"QUJD')
+    for cuts in ([], [start + 3], [start + 1, start + 6], [2, start + 2, start + 10]):  # reads around the value
+        bounds = [0, *cuts, len(frame)]
+        spans = [(frame[a:b], 0, b - a) for a, b in zip(bounds, bounds[1:])]
+        before, value, after = routed.locate_in_reads(spans) or ([], [], [])
+        assert b"".join(buf[a:b] for buf, a, b in value) == b'"QUJDRA=="'
+        assert b"".join(buf[a:b] for buf, a, b in before + after) == frame.replace(b"QUJDRA==", b"")
+    key = frame.index(b'"routed_experts"')
+    split = [(frame[:key + 5], 0, key + 5), (frame[key + 5:], 0, len(frame) - key - 5)]
+    assert routed.locate_in_reads(split) is None  # the key split over two reads: joined and looked at again
+    twice = [(frame, 0, len(frame)), (frame, 0, len(frame))]
+    assert routed.locate_in_reads(twice) is None

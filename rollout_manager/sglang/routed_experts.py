@@ -130,6 +130,60 @@ def locate(payload: bytes, spans: list[tuple[int, int]]) -> tuple[int, int] | No
     return found
 
 
+Span = tuple[bytes, int, int]  # bytes[start:stop] of one read
+Place = tuple[int, int]  # (read, position in it)
+
+
+class _Split(Exception):
+    """The key may be split over two reads."""
+
+
+def locate_in_reads(spans: list[Span]) -> tuple[list[Span], list[Span], list[Span]] | None:
+    """:func:`locate` over a chunk's bytes as its reads hold them (``spans``, in order), so the value is joined
+    from the reads once and nothing else of them is: the bytes split in three, up to and with the value's
+    opening quote, the value with its quotes, and from its closing quote on. None when the field is not there
+    as SGLang writes it, is there more than once, or has its key split over two reads (rare: the caller joins
+    the reads and looks again). The value is not checked here (:meth:`Base64Rows.of_json`)."""
+    try:
+        found = _find(spans, (0, spans[0][1]), KEY)
+        if found is None:
+            return None
+        opening = (found[0], found[1] + len(KEY) - 1)
+        closing = _find(spans, (opening[0], opening[1] + 1), b'"')  # base64 holds no quote, nor any escape
+        if closing is None or _find(spans, (closing[0], closing[1] + 1), KEY) is not None:
+            return None
+    except _Split:
+        return None
+    after = (closing[0], closing[1] + 1)
+    return (_between(spans, (0, spans[0][1]), (opening[0], opening[1] + 1)), _between(spans, opening, after),
+            _between(spans, closing, (len(spans) - 1, spans[-1][2])))
+
+
+def _find(spans: list[Span], place: Place, sub: bytes) -> Place | None:
+    """The first ``sub`` in ``spans`` from ``place`` on; raises :class:`_Split` where ``sub`` may be split over
+    two reads before it."""
+    i, pos = place
+    while i < len(spans):
+        buf, start, stop = spans[i]
+        at = buf.find(sub, max(pos, start), stop)
+        if at >= 0:
+            return i, at
+        if len(sub) > 1 and i + 1 < len(spans):
+            nxt, nstart, _ = spans[i + 1]
+            if sub in buf[max(start, pos, stop - len(sub) + 1):stop] + nxt[nstart:nstart + len(sub) - 1]:
+                raise _Split()
+        i, pos = i + 1, 0
+    return None
+
+
+def _between(spans: list[Span], begin: Place, end: Place) -> list[Span]:
+    """The spans' bytes from ``begin`` up to ``end`` (not included)."""
+    (i, a), (j, b) = begin, end
+    if i == j:
+        return [(spans[i][0], a, b)] if a < b else []
+    return [(spans[i][0], a, spans[i][2]), *spans[i + 1:j], (spans[j][0], spans[j][1], b)]
+
+
 def encode(rows: bytes | bytearray) -> Base64Rows:
     """Raw rows as ``meta_info.routed_experts`` (base64, no newlines)."""
     return Base64Rows(b'"' + binascii.b2a_base64(rows, newline=False) + b'"')

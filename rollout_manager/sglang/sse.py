@@ -48,6 +48,12 @@ def _frame_end(buf: bytes | bytearray, start: int) -> int:
     return at
 
 
+def _joined(spans: list[routed.Span]) -> bytes:
+    """The bytes of ``spans`` ((read, start, stop) each), joined: one copy."""
+    return b"".join([buf if start == 0 and stop == len(buf) else memoryview(buf)[start:stop]
+                     for buf, start, stop in spans])
+
+
 class _SeenPrefix:
     """The raw bytes of one JSON array's content as the last cumulative chunk had it.
 
@@ -180,22 +186,25 @@ class _Frames(Generic[T]):
     def _held_frame(self, parts: list[bytes], data: bytes, end: int, out: list[T]) -> None:
         """Decode the frame made of the reads held (``parts``) and ``data[:end]`` (``end`` -1: the last read
         held ends with the first newline of the boundary), joining the reads once."""
-        pieces: list[bytes | memoryview] = list(parts)
+        spans = [(p, 0, len(p)) for p in parts]  # (read, start, stop): the frame's bytes, read by read
         if end < 0:
-            pieces[-1] = memoryview(parts[-1])[:-1]
+            spans[-1] = (parts[-1], 0, len(parts[-1]) - 1)
         elif end:
-            pieces.append(memoryview(data)[:end])
-        if len(parts[0]) >= len(_DATA_PREFIX) and parts[0].startswith(_DATA_PREFIX):
-            first = pieces[0]  # a view of the first read (or of all of it but its last newline)
-            pieces[0] = (first if isinstance(first, memoryview) else memoryview(first))[len(_DATA_PREFIX):]
-            payload = b"".join(pieces)
-            if payload.find(b"\n") < 0:  # one data line: the payload as is (a memchr pass, no copy)
-                self._emit(payload, out)
-                return
-            frame = _DATA_PREFIX + payload
+            spans.append((data, 0, end))
+        first, _, stop = spans[0]
+        if stop >= len(_DATA_PREFIX) and first.startswith(_DATA_PREFIX):
+            spans[0] = (first, len(_DATA_PREFIX), stop)
+            self._held_payload(spans, out)
         else:
-            frame = b"".join(pieces)
-        self._lines(frame, out)
+            self._lines(_joined(spans), out)
+
+    def _held_payload(self, spans: list[routed.Span], out: list[T]) -> None:
+        """Decode a held frame's bytes after ``data: `` (``spans``, read by read): one data line, or several."""
+        payload = _joined(spans)
+        if payload.find(b"\n") < 0:  # one data line: the payload as is (a memchr pass, no copy)
+            self._emit(payload, out)
+        else:
+            self._lines(_DATA_PREFIX + payload, out)
 
     def _lines(self, frame: bytes, out: list[T]) -> None:
         """Decode a frame of several lines (or of a field other than ``data:``): each ``data:`` line."""
@@ -259,27 +268,49 @@ class ChunkDecoder(_Frames[GenerateChunk]):
     chunk is parsed with it (whose ``fault`` then says why, as for a short chunk).
     """
 
-    __slots__ = ("_ids", "_lps")
+    __slots__ = ("_ids", "_lps", "_rows")
 
     def __init__(self, *, max_frame: int | None = None) -> None:
         super().__init__(max_frame=max_frame)
         self._ids = _SeenPrefix(_IDS_KEY, b"]")
         self._lps = _SeenPrefix(_LPS_KEY, b"]]")
+        self._rows: routed.Base64Rows | None = None  # cut out of the held frame being decoded
+
+    def _held_payload(self, spans: list[routed.Span], out: list[GenerateChunk]) -> None:
+        """A frame held over several reads: its routed experts are joined from the reads on their own (the
+        rest once, without them), so their megabytes are copied once; else as any frame."""
+        parts = routed.locate_in_reads(spans)
+        if parts is not None:
+            before, value, after = parts
+            try:
+                rows = routed.Base64Rows.of_json(_joined(value))
+            except ValueError:  # parsed with the chunk: its fault says why
+                pass
+            else:
+                payload = _joined(before + after)  # the value's quotes kept: the parser reads an empty string
+                if payload.find(b"\n") < 0:
+                    self._rows = rows
+                    try:
+                        self._emit(payload, out)
+                    finally:
+                        self._rows = None
+                    return
+        super()._held_payload(spans, out)
 
     def _payload(self, payload: bytes) -> GenerateChunk | None:
         if self._is_done(payload):
             return None
-        ids, lps = self._ids, self._lps
+        ids, lps, rows = self._ids, self._lps, self._rows
         if not ids.enabled:  # incremental streams end up here at once
-            return _chunk(payload, ())
+            return _chunk(payload, (), rows)
         cuts = sorted(((c, seen) for seen in (ids, lps) if (c := seen.cut(payload)) is not None),
                       key=lambda cut: cut[0])
-        chunk = _chunk(payload, cuts)
+        chunk = _chunk(payload, cuts, rows)
         if chunk.fault is not None or not chunk.cumulative:
             # Not the cumulative chunk it looked like (or not a chunk): parse it whole, skip no more.
             ids.stop()
             lps.stop()
-            return _chunk(payload, ()) if cuts else chunk
+            return _chunk(payload, (), rows) if cuts else chunk
         ids.remember(payload, chunk.meta.total)
         lp_list = chunk.meta.logprobs
         if lp_list is not None:
@@ -287,7 +318,7 @@ class ChunkDecoder(_Frames[GenerateChunk]):
         elif chunk.skipped_logprobs:  # cannot happen with a well-formed chunk; never guess
             ids.stop()
             lps.stop()
-            return _chunk(payload, ())
+            return _chunk(payload, (), rows)
         return chunk
 
 
@@ -296,9 +327,11 @@ class ChunkDecoder(_Frames[GenerateChunk]):
 EXPERTS_CUT_FROM = 4096
 
 
-def _chunk(payload: bytes, cuts: Iterable[tuple[tuple[int, int], _SeenPrefix]]) -> GenerateChunk:
+def _chunk(payload: bytes, cuts: Iterable[tuple[tuple[int, int], _SeenPrefix]],
+           rows: routed.Base64Rows | None = None) -> GenerateChunk:
     """The chunk of ``payload`` less the byte ranges ``cuts`` (sorted; seen prefixes whose counts the chunk
-    says it skipped) and less its routed experts' text when it is long (:class:`ChunkDecoder`)."""
+    says it skipped) and less its routed experts' text when it is long (:class:`ChunkDecoder`); ``rows``: the
+    experts already cut out of the payload (an empty string stands in their place)."""
     spans, pos = [], 0
     skipped: dict[bytes, int] = {}
     for (a, b), seen in cuts:
@@ -306,8 +339,7 @@ def _chunk(payload: bytes, cuts: Iterable[tuple[tuple[int, int], _SeenPrefix]]) 
         pos = b
         skipped[seen.key] = seen.count
     spans.append((pos, len(payload)))
-    rows = None
-    if len(payload) >= EXPERTS_CUT_FROM and (where := routed.locate(payload, spans)) is not None:
+    if rows is None and len(payload) >= EXPERTS_CUT_FROM and (where := routed.locate(payload, spans)) is not None:
         start, end = where
         try:
             rows = routed.Base64Rows.of_json(payload[start:end])
