@@ -17,7 +17,7 @@ string it came in (:class:`Base64Rows`: its bytes, quotes included), and a seque
 bytes in as they are (an ``orjson.Fragment``): decoding and encoding again, or even making a ``str`` of the text
 and encoding that, cost many times what relaying the token itself costs at Qwen3-30B-A3B's 48 layers x top-8
 (2 KB of base64 a token; docs/benchmarks.md, "Routed-expert replay"). A long final chunk's value is cut out of
-its bytes before they are parsed (:func:`locate`, :meth:`Base64Rows.cut`; ``sse.ChunkDecoder``), so the JSON
+its bytes before they are parsed (:func:`locate_in_reads`; ``sse.ChunkDecoder``), so the JSON
 parser never sees it. Rows of several engines are joined as bytes where base64 allows it (every part but the
 last a multiple of 3 bytes), else decoded and encoded once. No Python object per token either way.
 """
@@ -102,32 +102,13 @@ EMPTY = Base64Rows(b'""')
 
 def checked(value: object) -> Base64Rows:
     """``meta_info.routed_experts`` as parsed JSON, once it is SGLang's base64 (:meth:`Base64Rows.of_json`);
-    raises ValueError otherwise. For a value the decoder did not cut out of its chunk's bytes (:func:`locate`)."""
+    raises ValueError otherwise. For a value the decoder did not cut out of its chunk's bytes
+    (:func:`locate_in_reads`)."""
     if type(value) is not str:
         raise ValueError(f"routed_experts is {type(value).__name__}, not a base64 string")
     if not value.isascii() or len(value) % 4:  # isascii reads a flag: no pass
         raise ValueError(_NOT_QUANTA)
     return Base64Rows.of_json(b'"' + value.encode("ascii") + b'"')
-
-
-def locate(payload: bytes, spans: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """Where the ``routed_experts`` string value is in ``payload``: (its opening quote, one past its closing
-    quote), searching only ``spans`` (the byte ranges the decoder parses; a range it cut out holds numbers
-    only). None when the field is not there as SGLang writes it, or is there more than once: the chunk is
-    then parsed whole. The value is not checked here (:meth:`Base64Rows.of_json`)."""
-    found = None
-    for a, b in spans:
-        at = payload.find(KEY, a, b)
-        while at >= 0:
-            if found is not None:
-                return None
-            start = at + len(KEY) - 1
-            end = payload.find(b'"', start + 1, b)  # base64 holds no quote, nor any escape
-            if end < 0:
-                return None
-            found = (start, end + 1)
-            at = payload.find(KEY, end + 1, b)
-    return found
 
 
 Span = tuple[bytes, int, int]  # bytes[start:stop] of one read
@@ -139,11 +120,13 @@ class _Split(Exception):
 
 
 def locate_in_reads(spans: list[Span]) -> tuple[list[Span], list[Span], list[Span]] | None:
-    """:func:`locate` over a chunk's bytes as its reads hold them (``spans``, in order), so the value is joined
-    from the reads once and nothing else of them is: the bytes split in three, up to and with the value's
-    opening quote, the value with its quotes, and from its closing quote on. None when the field is not there
-    as SGLang writes it, is there more than once, or has its key split over two reads (rare: the caller joins
-    the reads and looks again). The value is not checked here (:meth:`Base64Rows.of_json`)."""
+    """Where the ``routed_experts`` string value is in a chunk's bytes as its reads hold them (``spans``, in
+    order; or the ranges of one payload the decoder parses, a range it cut out holding numbers only), so the
+    value is joined on its own and nothing else is copied with it: the bytes split in three, up to and with the
+    value's opening quote, the value with its quotes, and from its closing quote on. None when the field is not
+    there as SGLang writes it, is there more than once, or may have its key split over two spans (rare: the
+    caller joins the reads and looks again, or parses the chunk whole). The value is not checked here
+    (:meth:`Base64Rows.of_json`)."""
     try:
         found = _find(spans, (0, spans[0][1]), KEY)
         if found is None:

@@ -263,7 +263,7 @@ class ChunkDecoder(_Frames[GenerateChunk]):
     surprise) is parsed whole, and skipping stops for that stream.
 
     A long chunk's routed experts (R3: megabytes of base64 on the final chunk) are cut out of its bytes
-    before it is parsed and checked in place (:func:`.routed_experts.locate`); the chunk carries them as
+    before it is parsed and checked in place (:func:`.routed_experts.locate_in_reads`); the chunk carries them as
     :class:`.routed_experts.Base64Rows`. A value that is not base64 as SGLang writes it is left in, and the
     chunk is parsed with it (whose ``fault`` then says why, as for a short chunk).
     """
@@ -332,27 +332,23 @@ def _chunk(payload: bytes, cuts: Iterable[tuple[tuple[int, int], _SeenPrefix]],
     """The chunk of ``payload`` less the byte ranges ``cuts`` (sorted; seen prefixes whose counts the chunk
     says it skipped) and less its routed experts' text when it is long (:class:`ChunkDecoder`); ``rows``: the
     experts already cut out of the payload (an empty string stands in their place)."""
-    spans, pos = [], 0
+    spans: list[routed.Span] = []
+    pos = 0
     skipped: dict[bytes, int] = {}
     for (a, b), seen in cuts:
-        spans.append((pos, a))
+        spans.append((payload, pos, a))
         pos = b
         skipped[seen.key] = seen.count
-    spans.append((pos, len(payload)))
-    if rows is None and len(payload) >= EXPERTS_CUT_FROM and (where := routed.locate(payload, spans)) is not None:
-        start, end = where
+    spans.append((payload, pos, len(payload)))
+    if rows is None and len(payload) >= EXPERTS_CUT_FROM and (found := routed.locate_in_reads(spans)) is not None:
+        before, value, after = found
         try:
-            rows = routed.Base64Rows.of_json(payload[start:end])
-        except ValueError:
+            rows = routed.Base64Rows.of_json(_joined(value))
+        except ValueError:  # parsed with the chunk: its fault says why
             pass
-        else:  # keep its quotes: the parser reads an empty string there
-            spans = [part for a, b in spans
-                     for part in (((a, start + 1), (end - 1, b)) if a <= start < b else ((a, b),))]
-    if len(spans) == 1:
-        obj = jsonutil.loads(payload)
-    else:
-        view = memoryview(payload)
-        obj = jsonutil.loads(b"".join([view[a:b] for a, b in spans]))
+        else:
+            spans = before + after
+    obj = jsonutil.loads(payload if len(spans) == 1 and spans[0][1:] == (0, len(payload)) else _joined(spans))
     _raise_on_error(obj)
     chunk = GenerateChunk.of(obj, skipped.get(_IDS_KEY, 0), skipped.get(_LPS_KEY, 0))
     experts = chunk.meta.experts
