@@ -22,7 +22,10 @@ With ``--r3 48x8 [2x4 ...]`` every mode also runs with routed-expert replay (R3)
 (rows on the final chunk only), every request asks for them, every answer's experts are checked equal to
 what the engine sent, and the table gains the cost against R3 off, and the manager's peak RSS above its
 RSS before the loads, per token (VmHWM: all sequences finishing at once; the experts' own bytes are
-``layers x top_k x 4`` a token, 4/3 of that as base64).
+``layers x top_k x 4`` a token, 4/3 of that as base64). It then says what R3 costs per MB of base64 (on minus
+off) against the floor of relaying those bytes at all on this machine (benchmarks/copy_floor.py: a bare uvloop
+process that receives each final chunk's bytes, joins them once and sends them on; its CPU per MB, the kernel's
+copies included), and the best ratio to R3 off that floor allows.
 
     .venv/bin/python benchmarks/bench_relay.py                 # 64 x 1024 and 64 x 4096, every mode
     .venv/bin/python benchmarks/bench_relay.py --interval 32 --lengths 4096 --modes incremental/req
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -191,10 +195,28 @@ async def r3_table(args: argparse.Namespace, off: dict[str, dict[int, Figures]],
         cells = "".join(f"{r3_cell(row[n], off[mode][n]):>34}" for n in args.lengths)
         print(f"{mode:<22}{f'{shape[0]}x{shape[1]}':>7}{shape[0] * shape[1] * 4:>16,}{cells}")
     n, mode, shape = args.lengths[-1], args.modes[0], args.r3[0]
+    print("\nR3's CPU per MB of experts' base64 (on - off), and the floor: a bare uvloop relay that receives the "
+          "bytes, joins each final chunk's reads once and sends them on (benchmarks/copy_floor.py, same run)")
+    for shape_ in args.r3:
+        text = shape_[0] * shape_[1] * 4 * 4 // 3  # base64 bytes a token
+        floor = copy_floor(text * n, args.sequences)
+        for mode_ in args.modes:
+            on_, off_ = on[mode_, shape_][n], off[mode_][n]
+            best = (off_.us_per_token + floor * text / 1e3) / off_.us_per_token
+            per_mb = (on_.us_per_token - off_.us_per_token) / text * 1e3
+            print(f"{mode_:<22}{f'{shape_[0]}x{shape_[1]}':>7}  {per_mb:.2f} ms/MB against a floor of {floor:.2f} "
+                  f"ms/MB: at best {best:.2f}x off at {n} tokens")
     print(f"the last line: {mode}, {shape[0]}x{shape[1]}, {args.sequences} x {n} tokens; bytes per token at the peak")
     print(f"r3: cpu per token {on[mode, shape][n].us_per_token / off[mode][n].us_per_token:.2f}x, bytes per token "
           f"{on[mode, shape][n].peak_bytes_per_token - off[mode][n].peak_bytes_per_token:+,.0f} "
           f"(experts {shape[0] * shape[1] * 4:,})")
+
+
+def copy_floor(message_bytes: int, messages: int) -> float:
+    """ms of CPU per MB for a bare relay of ``messages`` messages of ``message_bytes`` (benchmarks/copy_floor.py)."""
+    out = subprocess.run([PY, str(ROOT / "benchmarks/copy_floor.py"), "--mb", str(message_bytes / 2**20),
+                          "--messages", str(messages)], capture_output=True, text=True, check=True, timeout=600)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["ms_per_mb"])
 
 
 if __name__ == "__main__":

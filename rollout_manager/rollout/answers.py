@@ -16,6 +16,7 @@ from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.answer import AnswerMeta, GenerateAnswer
 from rollout_manager.sglang.finish import FinalMeta, FinishReason, VersionSpan
 from rollout_manager.sglang.generate_request import SequenceBody
+from rollout_manager.sglang.routed_experts import Base64Rows
 
 
 def partial_answer(seq: SequenceState, index: int | None) -> GenerateAnswer:
@@ -81,7 +82,7 @@ def final_output(
     per_token: dict[str, list[Any]] | None = None,
     seed: Any = None,
     discarded: Sequence[Segment] = (),
-    experts: str | None = None,
+    experts: Base64Rows | None = None,
 ) -> GenerateAnswer:
     """The manager's final ``/generate`` answer for one sequence that may span several engines.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
-from rollout_manager.sglang.routed_experts import RoutedExperts
+from rollout_manager.sglang.routed_experts import Base64Rows, RoutedExperts
 from rollout_manager.sglang.wire import GenerateChunk
 
 # Token ids at or above this are no model's (every vocabulary fits 32 bits): the bound when an instance's
@@ -183,7 +183,7 @@ class SequenceProgress:
         self.chunks += 1
         return len(new)
 
-    def _routed_rows(self, chunk: GenerateChunk, new: int) -> str | None:
+    def _routed_rows(self, chunk: GenerateChunk, new: int) -> Base64Rows | None:
         """The final chunk's routed-expert rows to keep (None: none), checked; raises :class:`BadChunk`.
 
         A finished request owes them; an abort may carry them (SGLang sends an abort's too) or not (the next

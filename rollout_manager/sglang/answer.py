@@ -16,6 +16,7 @@ from msgspec import UNSET, UnsetType
 
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.finish import FinishReason, VersionSpan
+from rollout_manager.sglang.routed_experts import Base64Rows
 
 
 class SegmentLike(Protocol):
@@ -46,7 +47,8 @@ class AnswerMeta(msgspec.Struct):
     sampling_seed: Any = UNSET
     per_token: dict[str, list[Any]] | UnsetType = UNSET
     engine: dict[str, Any] | UnsetType = UNSET
-    routed_experts: str | UnsetType = UNSET  # R3: the whole sequence's rows, base64 (only when asked for)
+    # R3: the whole sequence's rows, base64 (only when asked for), spliced into the JSON as the engines sent them
+    routed_experts: Base64Rows | UnsetType = UNSET
     # True when the sequence was continued on another engine under a penalty SGLang counts over output tokens
     # only (the manager's addition; docs/sglang-contract.md): its samples are not one engine's.
     inexact_continuation: bool | UnsetType = UNSET
@@ -88,7 +90,7 @@ class AnswerMeta(msgspec.Struct):
         if self.per_token is not UNSET:
             meta.update(self.per_token)
         if self.routed_experts is not UNSET:
-            meta["routed_experts"] = self.routed_experts
+            meta["routed_experts"] = self.routed_experts.to_json()  # the engines' bytes, copied in as they are
         if self.inexact_continuation is not UNSET:
             meta["inexact_continuation"] = self.inexact_continuation
         return meta

@@ -174,7 +174,7 @@ class ChunkMeta(msgspec.Struct, gc=False):
     logprobs: list[Any] | None  # output_token_logprobs entries the chunk carries (None: not sent)
     per_token: dict[str, list[Any]] | None  # PER_TOKEN_META_KEYS' lists the chunk carries (None: none)
     final: _finish.FinalMeta  # the shared NO_META until the chunk that finished the request
-    experts: str | None = None  # the final chunk's routed experts (R3), base64 as sent, checked (None: not sent)
+    experts: _routed.Base64Rows | None = None  # the final chunk's routed experts (R3), checked (None: not sent)
 
 
 class GenerateChunk(msgspec.Struct):
