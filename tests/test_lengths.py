@@ -238,6 +238,12 @@ def test_the_plugin_sends_verls_uid_as_the_group_key() -> None:
     assert [decode(b).sequences[0].group_key for _, b in stream.requests()] == ["ua", "ua", "ub", "ub"]
 
 
-def test_off_by_default_it_costs_nothing() -> None:
-    """Until placement uses the predictions, the model is off unless configured: no work per request."""
-    assert GenerationSettings.from_config(Config()).length_prediction is False
+def test_on_where_placement_uses_it_and_off_elsewhere() -> None:
+    """The makespan policy (the default) places by the predictions, so it turns the model on; under another
+    policy nothing reads them, so the model costs nothing unless configured."""
+    assert Config().scheduler_policy == "makespan"
+    assert GenerationSettings.from_config(Config()).length_prediction is True
+    other = Config(scheduler_policy="throughput_aware")
+    assert GenerationSettings.from_config(other).length_prediction is False
+    assert GenerationSettings.from_config(Config(scheduler_policy="throughput_aware",
+                                                 length_prediction=True)).length_prediction is True

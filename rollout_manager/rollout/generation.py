@@ -268,11 +268,12 @@ class Generator:
                     prefer = here.id if here is not None else \
                         table.lookup(keys) if table is not None and keys is not None and first else None
                     predicted = None if expected is None else \
-                        _still_expected(expected.mean, len(seq.output_ids), seq.remaining)
+                        _still_expected(expected.median, len(seq.output_ids), seq.remaining)
                     try:
                         inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
                                                              avoid={i.id for i in tried}, prefer=prefer, allow=allow,
-                                                             since=failing_since, predicted=predicted)
+                                                             since=failing_since, predicted=predicted,
+                                                             context=len(seq.body.input_ids) + len(seq.output_ids))
                     except Unavailable as exc:
                         self.stats["failed"] += 1
                         if seq.refused is not None:  # nobody could check the refusal: it stands
@@ -407,9 +408,10 @@ class Generator:
         return None
 
 
-def _still_expected(mean: float, made: int, remaining: int | None) -> float:
-    """Tokens a sequence with ``made`` is expected to make still, within what is left of its budget."""
-    left = max(mean - made, 0.0)
+def _still_expected(median: float, made: int, remaining: int | None) -> float:
+    """Tokens a sequence with ``made`` is expected to make still (the conditional median's rest, at least one, as
+    the simulator in benchmarks/sim_pool.py predicts), within what is left of its budget."""
+    left = max(median - made, 1.0)
     return left if remaining is None else min(left, float(remaining))
 
 
