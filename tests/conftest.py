@@ -1,13 +1,19 @@
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from real_sglang import real_sglang, real_sglang_model  # noqa: F401  (fixtures for the real_sglang tests)
 from support import PY, OnLoopback, Proc, async_wait_until, free_port, wait_http_ok, wait_http_ok_sync
+
+from rollout_manager.api.routes import create_app
+from rollout_manager.config import Config
+from rollout_manager.manager import Manager
 
 # Fast health settings for tests; production defaults are minutes.
 FAST = {
@@ -193,3 +199,16 @@ async def start_engines(tmp_path):
     yield start
     for handle in started:
         handle.proc.stop()
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[tuple[Manager, TestClient]]:
+    """A manager of the default config behind its real HTTP app on a free 127.0.0.1 port, closed afterwards."""
+    manager = Manager(Config())
+    client = TestClient(TestServer(create_app(manager), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        yield manager, client
+    finally:
+        await client.close()
+        await manager.close()

@@ -7,18 +7,15 @@ manager with verl's V1 trainer hooks (TransferQueue stubbed with the shape it re
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from tensordict import NonTensorStack, TensorDict
 from test_metrics_status import needs_chromium, render_page, syncing_instance, tbody, text_of
 
-from rollout_manager.api.routes import create_app
-from rollout_manager.config import Config
 from rollout_manager.manager import Manager
 from rollout_manager.ops import render_status
 from rollout_manager.rollout import provisional as provisional_mod
@@ -106,18 +103,6 @@ def test_the_masks_of_dropped_samples_are_zeroed_in_jagged_and_padded_rows() -> 
 
 
 # ------------------------------------------------------------------ the manager's endpoint and verl's hook
-@pytest.fixture
-async def api() -> AsyncIterator[tuple[Manager, TestClient]]:
-    manager = Manager(Config())
-    client = TestClient(TestServer(create_app(manager), host="127.0.0.1"))
-    await client.start_server()
-    try:
-        yield manager, client
-    finally:
-        await client.close()
-        await manager.close()
-
-
 async def test_the_endpoint_pages_by_number_and_refuses_garbage(api: tuple[Manager, TestClient]) -> None:
     manager, client = api
     ledger = manager.generator.migrator.provisional

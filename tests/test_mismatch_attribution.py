@@ -12,19 +12,16 @@ import asyncio
 import importlib.util
 import math
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from tensordict import NonTensorStack, TensorDict
 from test_metrics_status import needs_chromium, render_page, syncing_instance, tbody, text_of
 
-from rollout_manager.api.routes import create_app
-from rollout_manager.config import Config
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
 from rollout_manager.instances.registry import Kind
 from rollout_manager.manager import Manager
@@ -127,18 +124,6 @@ def test_one_box_far_above_the_median_is_called_out_and_all_together_is_not_thei
 
 
 # ------------------------------------------------------------------ the manager: endpoint, status, metrics
-@pytest.fixture
-async def api() -> AsyncIterator[tuple[Manager, TestClient]]:
-    manager = Manager(Config())
-    client = TestClient(TestServer(create_app(manager), host="127.0.0.1"))
-    await client.start_server()
-    try:
-        yield manager, client
-    finally:
-        await client.close()
-        await manager.close()
-
-
 async def _metrics(client: TestClient) -> dict[tuple[str, str], float]:
     r = await client.get("/metrics")
     text = await r.text()

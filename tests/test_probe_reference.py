@@ -10,12 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from test_quarantine import Fleet, make_fleet, perturb
 from test_trust_probe import FP32_TOLERANCE
 
-from rollout_manager.api.routes import create_app
-from rollout_manager.config import Config
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.instances.quarantine import QuarantineSettings
 from rollout_manager.instances.registry import State
@@ -86,18 +84,6 @@ async def test_every_box_off_the_trainers_reference_is_fleet_wide_and_quarantine
 
 
 # ------------------------------------------------------------------ the endpoints, through the plugin
-@pytest.fixture
-async def api() -> AsyncIterator[tuple[Manager, TestClient]]:
-    manager = Manager(Config())
-    client = TestClient(TestServer(create_app(manager), host="127.0.0.1"))
-    await client.start_server()
-    try:
-        yield manager, client
-    finally:
-        await client.close()
-        await manager.close()
-
-
 async def test_the_plugin_fetches_the_prompt_and_posts_its_reference(api: tuple[Manager, TestClient]) -> None:
     manager, client = api
     url = f"http://127.0.0.1:{client.server.port}"
