@@ -42,8 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch_sglang.sh"
 SENDER_IPS = ["127.0.0.1", "127.0.0.2"]  # two loopback "interfaces": two transfer groups
 RUN_MARKER = "RM_DEMO_RUN_ID"
+# The demo's sequences are a few dozen tokens: a chunk every 4 (not the default 64, sized for thousands)
+# so a box preempted mid-generation has streamed tokens its sequences continue from.
 FAST_HEALTH = ["pending_poll_interval_s=0.2", "health_check_interval_s=0.5", "health_failure_threshold=2",
-               "weight_push_retry_s=0.5", "no_instance_wait_timeout_s=60"]
+               "weight_push_retry_s=0.5", "no_instance_wait_timeout_s=60", "engine_stream_interval=4"]
 
 
 @dataclass
@@ -197,11 +199,32 @@ class Demo:
         self.boxes.append(box)
         return box
 
-    async def busiest_box(self, s: aiohttp.ClientSession) -> Box | None:
-        """The live box with the most sequences in flight (None if none has any)."""
-        load = {i["endpoint"]: i["in_flight"] for i in (await self.get(s, "/get_instances_status"))["instances"]}
-        live = [b for b in self.boxes if b.child.alive() and load.get(b.endpoint, 0) > 0]
-        return max(live, key=lambda b: load[b.endpoint], default=None)
+    async def box_mid_generation(self, s: aiohttp.ClientSession) -> Box | None:
+        """The live box holding the most tokens already made by sequences still in flight on it (None if no
+        box holds any yet). Tokens made there are the remaining budget's shortfall: each placed sequence
+        reserves ``max_new_tokens`` and every streamed token gives one back."""
+        made: dict[str, int] = {}
+        for i in (await self.get(s, "/get_instances_status"))["instances"]:
+            reserved = i["in_flight"] * self.args.max_new_tokens
+            if i["in_flight"] and 0 < reserved - i["in_flight_tokens"] and i["in_flight_tokens"] > 0:
+                made[i["endpoint"]] = reserved - i["in_flight_tokens"]
+        live = [b for b in self.boxes if b.child.alive() and b.endpoint in made]
+        return max(live, key=lambda b: made[b.endpoint], default=None)
+
+    async def preempt_mid_generation(self, s: aiohttp.ClientSession, step: int) -> None:
+        """Kill a box as soon as one has sequences part-way through (a preempted spot box: everything on it
+        gone without a word) and start a fresh one. Polled, so the kill lands mid-sequence however fast or
+        slow the boxes are, rather than at some fixed point of the batch."""
+        while self.killed is None:
+            victim = await self.box_mid_generation(s)
+            if victim is None:
+                await asyncio.sleep(0.005)
+                continue
+            victim.child.kill_tree()
+            self.killed = victim.child.name
+            fresh = self.start_box()
+            self.started_box = fresh.endpoint
+            self.say(f"step {step}: killed box {victim.endpoint} mid-generation; started {fresh.endpoint}")
 
     async def instances_line(self, s: aiohttp.ClientSession) -> str:
         st = await self.get(s, "/get_instances_status")
@@ -298,6 +321,20 @@ class Demo:
         items = [[f"{p}/{k}", {"input_ids": prompt, **body}] for p, prompt in enumerate(prompts) for k in range(a.n)]
         results: dict[str, dict[str, Any]] = {}
         t0 = time.monotonic()
+        preempt = (asyncio.create_task(self.preempt_mid_generation(s, step))
+                   if step == a.kill_step and self.killed is None else None)
+        try:
+            await self._stream_batch(s, step, items, results, t0)
+        finally:
+            if preempt is not None:
+                preempt.cancel()
+                await asyncio.gather(preempt, return_exceptions=True)
+        gen_s = time.monotonic() - t0
+        ordered = [results[f"{p}/{k}"] for p in range(len(prompts)) for k in range(a.n)]
+        return ordered, gen_s
+
+    async def _stream_batch(self, s: aiohttp.ClientSession, step: int, items: list[list[Any]],
+                            results: dict[str, dict[str, Any]], t0: float) -> None:
         async with s.post(self.url + "/batch_generate_requests", json=items) as r:
             async for raw in r.content:
                 line = json.loads(raw)
@@ -305,21 +342,11 @@ class Demo:
                     raise RuntimeError(f"request {line['id']} failed: {line['error']}")
                 results[line["id"]] = line["data"]
                 done = len(results)
-                victim = await self.busiest_box(s) if step == a.kill_step and self.killed is None else None
-                if victim is not None:
-                    victim.child.kill_tree()  # a preempted spot box: everything on it gone without a word
-                    self.killed = victim.child.name
-                    fresh = self.start_box()
-                    self.started_box = fresh.endpoint
-                    self.say(f"step {step}: killed box {victim.endpoint} mid-generation; started {fresh.endpoint}")
                 elapsed = time.monotonic() - t0
                 tokens = sum(len(x["output_ids"]) for x in results.values())
                 bar = "#" * (24 * done // len(items))
                 rate = tokens / max(elapsed, 1e-9)
                 self.live(f"step {step:>2} [{bar:<24}] {done}/{len(items)} rollouts  {rate:6.0f} tok/s")
-        gen_s = time.monotonic() - t0
-        ordered = [results[f"{p}/{k}"] for p in range(len(prompts)) for k in range(a.n)]
-        return ordered, gen_s
 
     def learn(self, policy: Policy, optimizer: torch.optim.Optimizer, prompts: list[list[int]],
               results: list[dict[str, Any]], vocab: int) -> list[float]:
