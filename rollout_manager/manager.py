@@ -197,7 +197,7 @@ class Manager:
             "weight_version": self.version.current,
             "counts": self.registry.counts(),
             "instances": [{**i.to_dict(now), "weight_versions": i.versions.to_dict(i.weight_version),
-                           "mismatch": self.mismatch.of(i.id, fleet)}
+                           "mismatch": self.mismatch.of(i.id, fleet), "decode_step": self._step_of(i)}
                           for i in self.registry],
             "mismatch": self.mismatch.summary(live),
             "quarantine": self.quarantine.status(),
@@ -213,6 +213,11 @@ class Manager:
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),
                         **self.sglang.limits.to_dict()},
         }
+
+    def _step_of(self, inst: Instance) -> dict[str, Any] | None:
+        """``inst``'s learned decode step curve (box_speed), None while no box is measured."""
+        step = self.dispatcher.speeds.describe(inst.id, self.dispatcher.bound_of(inst))
+        return None if step is None else msgspec.to_builtins(step)
 
     # ------------------------------------------------------------ local + remote balance
     def abort_local_requests(self) -> dict[str, Any]:

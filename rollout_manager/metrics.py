@@ -198,8 +198,17 @@ class StateCollector(Collector):
         failures = GaugeMetricFamily(PREFIX + "instance_consecutive_failures",
                                      "Consecutive failed health checks or requests of the instance.",
                                      labels=["endpoint"])
+        step = GaugeMetricFamily(PREFIX + "instance_decode_step_seconds",
+                                 "The instance's decode step time learned from its streams: base (part=base) plus "
+                                 "per_sequence times the sequences running (absent until it is measured).",
+                                 labels=["endpoint", "part"])
+        models, _ = m.dispatcher.speeds.models()
         for inst in instances:
             ep = [inst.endpoint]
+            own = models.get(inst.id)
+            if own is not None:
+                step.add_metric([inst.endpoint, "base"], own.a)
+                step.add_metric([inst.endpoint, "per_sequence"], own.b)
             info.add_metric([inst.endpoint, inst.id, inst.kind.value, inst.state.value, _label(inst.sender),
                              _label(inst.group)], 1)
             in_flight.add_metric(ep, inst.load.in_flight)
@@ -222,7 +231,7 @@ class StateCollector(Collector):
             if measured is not None:
                 rate.add_metric(ep, measured)
         yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound, staged, activating, paused,
-                    trust, disagreements)
+                    trust, disagreements, step)
 
         yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
                                 value=m.version.current)

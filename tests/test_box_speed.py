@@ -1,12 +1,16 @@
 """The box speed model (rollout.box_speed): decode step time by running count, learned from stream timing.
 
-Pure: synthetic streams of a box whose step costs ``a + b * n``, no processes, time an argument.
+Synthetic streams of a box whose step costs ``a + b * n``, no processes, time an argument; and what the
+manager's status and metrics show of the learned curves (its real app, in process).
 """
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import free_port
 
+from rollout_manager.instances.registry import Kind, State
 from rollout_manager.rollout.box_speed import BoxSpeeds, StepFit, StepModel
 from rollout_manager.rollout.makespan import Makespan
 from rollout_manager.rollout.scheduling import InstanceLoad, ThroughputAware, TokenRateMeter
@@ -144,3 +148,37 @@ def test_a_box_not_yet_measured_gets_work_beside_measured_ones() -> None:
     stream("a", 8, 5.0, 0.0, speeds)
     loads = [InstanceLoad(i, "remote", 0, 0, step=speeds.model(i)) for i in ("a", "new")]
     assert sorted(pick_four(Makespan(), loads)) == ["a", "a", "new", "new"]
+
+
+async def test_each_boxs_learned_speed_curve_shows_in_status_and_metrics(api) -> None:
+    """An operator sees what the scheduler places by: each box's step curve, its own once measured, the
+    fleet's median box until then (status), and the measured ones' base and per-sequence parts (metrics)."""
+    manager, client = api  # nothing calls these boxes: the curves are fed to the manager's own model
+    fast, slow = (manager.registry.add("127.0.0.1", free_port(), Kind.REMOTE) for _ in range(2))
+    for inst in (fast, slow):
+        assert manager.registry.transition(inst, State.ACTIVE, "test: healthy")
+
+    async def boxes() -> dict[str, object]:
+        r = await client.get("/get_instances_status")
+        assert r.status == 200
+        return {i["endpoint"]: i["decode_step"] for i in (await r.json())["instances"]}
+
+    assert await boxes() == {fast.endpoint: None, slow.endpoint: None}  # nothing measured: nothing to show
+    speeds = manager.dispatcher.speeds
+    for n in (4, 16, 32):  # the fast box seen at several counts: 6 ms + 0.08 ms a sequence
+        speeds.add(fast.id, n, 0.006 + 0.00008 * n, 1.0)
+    shown = await boxes()
+    mine, fleets = shown[fast.endpoint], shown[slow.endpoint]
+    assert mine["measured"] and mine["base_ms"] == pytest.approx(6.0, rel=0.01)
+    assert mine["per_sequence_ms"] == pytest.approx(0.08, rel=0.05)
+    assert mine["lone_tokens_per_s"] == pytest.approx(1 / 0.00608, rel=0.01) and mine["seen_s"] == 3.0
+    assert mine["full_running"] == manager.dispatcher.bound_of(fast)
+    assert not fleets["measured"] and fleets["base_ms"] == mine["base_ms"]  # the fleet's median box stands in
+
+    r = await client.get("/metrics")
+    samples = {(s.name, s.labels.get("endpoint"), s.labels.get("part")): s.value
+               for f in text_string_to_metric_families(await r.text()) for s in f.samples}
+    name = "rollout_manager_instance_decode_step_seconds"
+    assert samples[(name, fast.endpoint, "base")] == pytest.approx(0.006, rel=0.01)
+    assert samples[(name, fast.endpoint, "per_sequence")] == pytest.approx(0.00008, rel=0.05)
+    assert (name, slow.endpoint, "base") not in samples  # absent until measured

@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass
 from statistics import median
 
-__all__ = ["StepModel", "StepFit", "BoxSpeeds", "DEFAULT_BATCH_HALF"]
+import msgspec
+
+__all__ = ["StepModel", "StepFit", "StepStatus", "BoxSpeeds", "DEFAULT_BATCH_HALF"]
 
 # The shape before any box showed its slope: a sequence runs at half its lone speed beside this many
 # others (the batch model scheduling.per_sequence_rate assumes: a GPU's memory-bound decode).
@@ -49,6 +51,19 @@ class StepModel:
         them, is empty: ``longest`` steps, and each sequence is in ``its own`` of them (exact for this
         model while nothing joins)."""
         return self.a * longest + self.b * tokens
+
+
+class StepStatus(msgspec.Struct, frozen=True):
+    """One box's learned speed curve as the status shows it: a decode step costs ``base_ms`` plus
+    ``per_sequence_ms`` for each running sequence; ``measured`` False: the fleet's median box stands in."""
+
+    base_ms: float
+    per_sequence_ms: float
+    measured: bool
+    lone_tokens_per_s: float
+    full_tokens_per_s: float  # in all, at ``full_running`` sequences (its running bound)
+    full_running: int
+    seen_s: float  # busy seconds it was observed for
 
 
 class StepFit:
@@ -205,6 +220,20 @@ class BoxSpeeds:
         if self._dirty:
             self._refit()
         return self._models.get(iid, self._fleet)
+
+    def describe(self, iid: str, running_bound: int) -> StepStatus | None:
+        """What the status shows of ``iid``'s speed curve (None while no box is measured): the model it is
+        placed by, whether that is its own or the fleet's median box, and the tokens/s it gives alone and at
+        ``running_bound`` sequences."""
+        models, fleet = self.models()
+        own = models.get(iid)
+        m = own if own is not None else fleet
+        if m is None:
+            return None
+        fit = self.fits.get(iid)
+        return StepStatus(round(m.a * 1e3, 4), round(m.b * 1e3, 5), own is not None,
+                          round(m.rate(1), 1), round(m.rate(running_bound), 1), running_bound,
+                          round(fit.seen_s, 1) if fit is not None else 0.0)
 
     def measured(self, iid: str) -> bool:
         if self._dirty:
