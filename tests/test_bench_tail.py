@@ -57,3 +57,17 @@ def test_a_tiny_step_through_the_manager_is_exact_and_reported(tmp_path: Path) -
     rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| 0 | 0 | manager |")]
     assert rows and rows[0].split("|")[11].strip() == "12/12"
     assert re.fullmatch(r"tail: manager \d+\.\d\dx of clairvoyant, router \d+\.\d\dx", out.stdout.splitlines()[-1])
+
+
+def test_the_simulated_tail_knows_its_yardsticks(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/sim_tail.py: the manager's policies in the simulator against the clairvoyant plan. Told every
+    length and the boxes' speeds, placement alone comes within a few percent of it; its report line is there."""
+    import sim_tail
+    sim_tail.main(["--seeds", "2", "--epochs", "1", "--groups", "16", "--warm", "--oracle", "exact",
+                   "--no-migration"])
+    out = capsys.readouterr().out
+    told = float(re.search(r"sim tail: makespan ([\d.]+)x of clairvoyant in a first epoch", out).group(1))
+    assert 0.95 <= told <= 1.15, out
+    sim_tail.main(["--seeds", "2", "--epochs", "2", "--groups", "16"])
+    out = capsys.readouterr().out
+    assert re.search(r"^- epoch 1: makespan / clairvoyant median [\d.]+", out, re.M), out
