@@ -274,3 +274,24 @@ async def test_the_streaming_mode_is_read_once_and_a_cumulative_one_is_warned_ab
         assert all("--incremental-streaming-output" in w and inst.endpoint in w for w in warnings)
     finally:
         await health.close()
+
+
+@pytest.mark.parametrize("said, shown", [("EAGLE", "EAGLE"), (None, None), ("", None), (3, None)])
+async def test_a_box_that_drafts_says_so_in_the_status(said: object, shown: str | None) -> None:
+    """``--speculative-algorithm`` from /server_info is shown per instance (placement needs no special case:
+    the box's learned step curve says what drafting buys); anything but a name reads as not said."""
+    clock = FakeClock()
+    registry = Registry(clock=clock)
+
+    async def server_info(url: str, timeout_s: float) -> wire.ServerInfo:
+        return wire.ServerInfo.from_json({"version": "0.5.23", "speculative_algorithm": said})
+
+    health = HealthMonitor(registry, WeightVersion(), FakeProbe(), SETTINGS, sleep=clock.sleep,
+                           server_info=server_info)
+    try:
+        inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
+        await clock.parked()
+        assert state(inst) == State.ACTIVE
+        assert inst.to_dict(clock())["speculative_algorithm"] == shown
+    finally:
+        await health.close()

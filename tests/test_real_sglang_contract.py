@@ -614,8 +614,10 @@ async def test_health_and_the_server_info_the_manager_reads(pair: Pair, http: ai
         info = wire.ServerInfo.from_json(raw).with_model_info(model)
         fields = (info.version, info.tp_size, info.dp_size, info.base_gpu_id, info.gpu_id_step,
                   info.incremental_streaming_output, info.stream_interval, info.weight_version is not None)
-        return health, raw.get("context_length", "missing"), fields
+        # --speculative-algorithm is a top-level key, null when the server drafts nothing
+        return health, raw.get("context_length", "missing"), fields, raw.get("speculative_algorithm", "missing")
 
-    health, context, fields = await both(pair, scenario)
+    health, context, fields, speculative = await both(pair, scenario)
     assert health == (200, 200) and context == CONTEXT  # the --context-length flag (None when not given)
     assert fields == ("0.5.23", 1, 1, 0, 1, True, 1, True)
+    assert speculative is None

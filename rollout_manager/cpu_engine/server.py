@@ -237,6 +237,7 @@ def server_info_dict(engine: Engine) -> dict[str, Any]:
         "max_running_requests": engine.config.max_running_requests,
         "random_seed": engine.config.seed,
         "enable_return_routed_experts": engine.config.enable_return_routed_experts,
+        "speculative_algorithm": None,  # it drafts nothing
         "model_config": cfg.to_dict(),
         "internal_states": [{"last_gen_throughput": float(engine.last_gen_throughput)}],
         # Engine-specific (SGLang 0.5.23 has no such counts in server_info): for debugging only.

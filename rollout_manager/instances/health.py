@@ -201,4 +201,5 @@ def engine_facts(info: wire.ServerInfo, declared_vocab_size: int | None) -> Engi
         dtype=info.dtype,
         quantization=info.quantization,
         tp_size=info.tp_size,
+        speculative_algorithm=info.speculative_algorithm,
     )

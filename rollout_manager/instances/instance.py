@@ -82,6 +82,10 @@ class EngineFacts:
     dtype: str | None = None
     quantization: str | None = None
     tp_size: int | None = None
+    # ``--speculative-algorithm`` (None: none, or not said). Placement needs no special case for it: the box's
+    # learned step curve (rollout.box_speed) shows what drafting buys at each batch size, and the tail goes
+    # where that curve says it ends soonest.
+    speculative_algorithm: str | None = None
 
 
 @dataclass
@@ -155,6 +159,7 @@ class Instance:
             "max_running_requests": engine.max_running_requests,
             "vocab_size": engine.vocab_size,
             "routed_experts": engine.routed_experts,
+            "speculative_algorithm": engine.speculative_algorithm,
             "max_in_flight": load.max_in_flight,
             "trust": self.trust.to_dict(self.versions.serving(self.weight_version)),
         }

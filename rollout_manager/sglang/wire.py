@@ -427,6 +427,9 @@ class ServerInfo:
     # far two boxes' log-probs may differ for the same weights (instances/trust.py).
     dtype: str | None = None
     quantization: str | None = None
+    # ``--speculative-algorithm`` ("EAGLE", "NGRAM", ...; None: none, or not said): a box that drafts and verifies
+    # makes several tokens a step at small batches, which is where a step's tail runs.
+    speculative_algorithm: str | None = None
 
     def with_model_info(self, model: Any) -> ServerInfo:
         """This, plus what ``GET /model_info`` adds (``weight_version``; ``vocab_size`` where present)."""
@@ -453,6 +456,7 @@ class ServerInfo:
         running = state.get("effective_max_running_requests_per_dp")
         experts = info.get("enable_return_routed_experts")
         dtype, quantization = info.get("dtype"), info.get("quantization")
+        speculative = info.get("speculative_algorithm")
         if not (isinstance(running, int) and not isinstance(running, bool) and running > 0):
             running = number("max_running_requests", 0)
         return cls(version=str(version) if version is not None else None, tp_size=max(number("tp_size", 1), 1),
@@ -463,7 +467,8 @@ class ServerInfo:
                    max_running_requests=running if running > 0 else None,
                    routed_experts=experts if isinstance(experts, bool) else None,
                    dtype=dtype if isinstance(dtype, str) else None,
-                   quantization=quantization if isinstance(quantization, str) and quantization else None)
+                   quantization=quantization if isinstance(quantization, str) and quantization else None,
+                   speculative_algorithm=speculative if isinstance(speculative, str) and speculative else None)
 
     def gpu_of_rank(self, tp_rank: int) -> int:
         """The GPU (in SGLang's own numbering) that TP rank ``tp_rank`` runs on."""
