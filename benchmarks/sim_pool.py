@@ -185,11 +185,12 @@ def preempt_index(args: argparse.Namespace) -> int | None:
 def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argparse.Namespace,
              t_preempt: float | None, victim: int | None,
              migration: TailMigration | None = None, model: LengthModel | None = None,
-             epoch: int = 0, speeds: BoxSpeeds | None = None) -> Result:
+             epoch: int = 0, speeds: BoxSpeeds | None = None, affinity: dict[int, str] | None = None) -> Result:
     """One batch. ``model`` and ``speeds``: the length model the makespan policy predicts with and the
     boxes' step models (new ones if None; ones kept from earlier epochs, as the manager keeps them from
     one step to the next, know the prompts' lengths and the boxes); group ``k`` of ``epoch`` is
-    ``e{epoch}g{k}``, its prompt the same every epoch."""
+    ``e{epoch}g{k}``, its prompt the same every epoch. ``affinity``: group -> the box its prompt was first
+    placed on, kept across epochs (the manager's affinity table); its samples prefer that box (None: off)."""
     insts = make_instances(args)
     reqs = [Req(i, n, args.max_new_tokens, args.prompt_tokens, group=i // max(args.group_size, 1))
             for i, n in enumerate(lengths)]
@@ -229,7 +230,10 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             if ms is not None:
                 if r.predicted is None and model is not None and r.track is not None:
                     r.predicted = max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
-                choice = ms.place([i.load(now) for i in alive], r.budget_left, now, r.predicted, r.prefer,
+                prefer = r.prefer
+                if prefer is None and affinity is not None and not r.done:  # the manager's affinity table: a
+                    prefer = affinity.get(r.group)  # prompt's samples where the first one went (any epoch)
+                choice = ms.place([i.load(now) for i in alive], r.budget_left, now, r.predicted, prefer,
                                   r.prompt + int(r.done))
             else:
                 choice = policy.pick([i.load(now) for i in alive], r.budget_left, now)
@@ -243,6 +247,8 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
                 reprefill += r.prompt + int(r.done)
             inst.admit(held.popleft(), now)
             r.prefer = None
+            if affinity is not None and not r.done:
+                affinity[r.group] = choice
             if ms is not None:
                 inst.work.placed(ms.expected(r.budget_left, r.predicted))
             r.piece_end = r.done + pieces if pieces else None

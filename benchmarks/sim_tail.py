@@ -68,6 +68,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p.add_argument("--warm", action="store_true",
                    help="the boxes' speeds learned in one earlier step of other prompts (a manager's second step "
                    "on new data) before the first epoch; the length model starts empty all the same")
+    p.add_argument("--affinity", action="store_true",
+                   help="a prompt's samples prefer the box its first went to, in every epoch (the manager's "
+                   "affinity table, on by default there)")
     p.add_argument("--oracle", choices=("exact", "group"), default=None,
                    help="predictions told the truth (each length, or its group's median): the policy's own gap")
     own = p.parse_args(argv)
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(own.seeds):
         args = argparse.Namespace(**{**vars(sim), "seed": seed})
         model, speeds = LengthModel(), BoxSpeeds()  # kept from one epoch to the next, as the manager keeps them
+        table: dict[int, str] | None = {} if own.affinity else None
         if own.warm:
             other = argparse.Namespace(**{**vars(args), "seed": 10_000 + seed})
             simulate("warm-up", Makespan(max_in_flight=own.cap), make_lengths(other, 0), other, None, None,
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             policy: Makespan = PiecedMakespan(max_in_flight=own.cap, pieces=own.pieces) if own.pieces \
                 else Makespan(max_in_flight=own.cap)
             mover = None if own.no_migration else TailMigration(**bench_scheduling.migration_kwargs(args))  # type: ignore[arg-type]
-            r = simulate("manager", policy, lengths, args, None, None, mover, model, epoch, speeds)
+            r = simulate("manager", policy, lengths, args, None, None, mover, model, epoch, speeds, table)
             ratios[epoch].append(r.makespan / best)
             bounds[epoch].append(r.makespan / lower_bound(specs, jobs))
             moves.append(r.migrations)
