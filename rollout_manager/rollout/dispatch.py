@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
@@ -36,8 +34,8 @@ from rollout_manager.rollout.box_speed import BoxSpeeds
 from rollout_manager.rollout.local_budget import LocalWindow
 from rollout_manager.rollout.makespan import BoxWork, Makespan
 from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
+from rollout_manager.rollout.waiting import Waiter, WaitQueue
 
-_MAX_SKIPPED = 32  # constrained requests one placing pass may step over
 _RATE_REUSE_S = 0.01  # how long a computed rate is reused while its meter does not change
 _UNKNOWN = object()  # not in the rate cache (None there is a rate not yet measured)
 # In flight on an instance that reports no max_running_requests (an SGLang older than the field, a
@@ -63,26 +61,6 @@ def default_max_in_flight_total(soft_open_files: int | None = None) -> int:
     return max(min(soft // 2 - min(soft // 8, 1024), MAX_IN_FLIGHT_TOTAL_CEILING), 16)
 
 
-@dataclass(eq=False)
-class _Waiter:
-    """A request waiting in the manager for an instance."""
-
-    tokens: int
-    avoid: Collection[str]
-    prefer: str | None
-    allow: Callable[[Instance], bool] | None
-    future: asyncio.Future[Instance]
-    since: float  # when its wait for an instance began (see accepted_at)
-    predicted: float | None = None  # tokens it is predicted to make on this placement (None: no prediction)
-    context: int | None = None  # tokens a move would prefill (prompt and tokens made; None: unknown)
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-
-    @property
-    def constrained(self) -> bool:
-        """It may be unplaceable where others are not (instances it must avoid, a version bound)."""
-        return bool(self.avoid) or self.allow is not None
-
-
 class Dispatcher:
     def __init__(self, registry: Registry, policy: PlacementPolicy, *, clock: Callable[[], float] = time.monotonic,
                  max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0):
@@ -103,13 +81,13 @@ class Dispatcher:
         self.closing = False
         self.meters: dict[str, TokenRateMeter] = {}
         self.streamed_tokens = 0  # every token relayed so far: a live tokens/s needs no finished sequence
-        self._placing = False
         self._soon = False  # a placing pass is scheduled for the end of this event-loop turn (see acquire)
         self._rates: dict[str, float | None] = {}  # see _rate
         self._loads: dict[str, InstanceLoad] = {}  # see load_of
         self._rates_at = 0.0
         self.waiting = 0  # requests parked in acquire() because no instance can take them now
-        self._queue: deque[_Waiter] = deque()  # those requests, first come first served
+        # Those requests (rollout.waiting), first come first served; under the makespan policy longest predicted first.
+        self._queue = WaitQueue(longest_first=isinstance(policy, Makespan))
         self._idle_since: dict[str, float] = {}
         self._idle_s: dict[str, float] = {}
         # Tail migration: each instance's lone-sequence rate under the batch model of scheduling.py.
@@ -336,11 +314,9 @@ class Dispatcher:
         :meth:`_expire`). Instances in ``avoid`` (it failed there) may take it again once they recovered,
         but never count as ones that could: past the wait it fails rather than try them again.
 
-        Requests that cannot be placed at once queue here and are placed in arrival order (under the
-        makespan policy: longest predicted first, see :meth:`_enqueue`) whenever
-        something changes (:meth:`_place_waiting`), by one pass over the queue rather than by every
-        waiter waking to try again: with thousands waiting and a thousand instances, that herd
-        (each wake-up a full pick over the pool) blocked the event loop for seconds.
+        Requests that cannot be placed at once wait in ``rollout.waiting.WaitQueue`` (arrival order; under
+        the makespan policy longest predicted first), placed in one pass whenever something changes
+        (:meth:`_place_waiting`).
         """
         if self.closing:
             raise Unavailable("rollout manager is shutting down; no new work is placed")
@@ -358,8 +334,8 @@ class Dispatcher:
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted, context)
-        self._enqueue(waiter)
+        waiter = Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted, context)
+        self._queue.add(waiter)
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
         try:
@@ -380,35 +356,16 @@ class Dispatcher:
             self.waiting -= 1
             if not waiter.future.done():
                 waiter.future.cancel()
-            if waiter in self._queue and self._queue[0] is not waiter:
-                self._queue.remove(waiter)  # rare: timed out or cancelled behind others
-            self._trim()
+            self._queue.leave(waiter)
 
     def _place_soon(self) -> None:
         self._soon = False
         self._place_waiting()
 
-    def _enqueue(self, waiter: _Waiter) -> None:
-        """Queue ``waiter``: last, or under the makespan policy ahead of every waiter predicted shorter
-        (one without a prediction counts as shortest), so the longest predicted work is placed first and
-        the policy's greedy placement is longest-processing-time-first."""
-        queue = self._queue
-        predicted = waiter.predicted
-        if self.makespan is None or predicted is None:
-            queue.append(waiter)
-            return
-        at = len(queue)
-        while at > 0:  # from the back: arrivals of one step come with similar predictions, so this is short
-            ahead = queue[at - 1].predicted
-            if ahead is not None and ahead >= predicted:
-                break
-            at -= 1
-        queue.insert(at, waiter)
-
-    def _arm(self, waiter: _Waiter, delay_s: float, timeout_s: float) -> None:
+    def _arm(self, waiter: Waiter, delay_s: float, timeout_s: float) -> None:
         waiter.timer = asyncio.get_running_loop().call_later(max(delay_s, 0.0), self._expire, waiter, timeout_s)
 
-    def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
+    def _expire(self, waiter: Waiter, timeout_s: float) -> None:
         """The waiter's deadline: it fails only if no instance could serve it for ``timeout_s``.
 
         Some instance it did not fail on could take it but all are full (their bounds, the overall
@@ -445,43 +402,15 @@ class Dispatcher:
         active = len(self.registry.in_state(State.ACTIVE))
         return Unavailable(f"no rollout instance could take the request within {timeout_s:g}s ({active} active)")
 
-    def _trim(self) -> None:
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()
-
     def _place_waiting(self) -> None:
-        """Place queued requests in order until one cannot be placed.
+        """Place queued requests in order until one cannot be placed (``WaitQueue.place``)."""
+        self._queue.place(self._try_waiter, self._closed)
 
-        A request that cannot be placed blocks those behind it (first come, first served; under
-        the policy's limits the ones behind would not fit either), unless it carries its own
-        constraints (instances to avoid, a staleness bound): up to ``_MAX_SKIPPED`` such requests
-        are stepped over, so one of them cannot hold up the rest.
-        """
-        if self._placing or not self._queue:
-            return
-        self._placing = True
-        skipped: list[_Waiter] = []
-        try:
-            while self._queue:
-                waiter = self._queue[0]
-                if waiter.future.done():
-                    self._queue.popleft()
-                    continue
-                if self.closing:
-                    waiter.future.set_exception(Unavailable("rollout manager is shutting down; no new work is placed"))
-                    continue
-                inst = self.try_acquire(waiter.tokens, waiter.avoid, waiter.prefer, waiter.allow, waiter.predicted,
-                                        waiter.context)
-                if inst is not None:
-                    self._queue.popleft()
-                    waiter.future.set_result(inst)
-                    continue
-                if not waiter.constrained or len(skipped) >= _MAX_SKIPPED:
-                    break
-                skipped.append(self._queue.popleft())
-        finally:
-            self._queue.extendleft(reversed(skipped))
-            self._placing = False
+    def _try_waiter(self, w: Waiter) -> Instance | None:
+        return self.try_acquire(w.tokens, w.avoid, w.prefer, w.allow, w.predicted, w.context)
+
+    def _closed(self) -> Exception | None:
+        return Unavailable("rollout manager is shutting down; no new work is placed") if self.closing else None
 
     def close(self) -> None:
         """The manager is shutting down: place no more work; waiting requests fail now."""
