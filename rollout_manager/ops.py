@@ -144,15 +144,24 @@ def summary_line(st: dict[str, Any]) -> str:
 def render_status(st: dict[str, Any], url: str) -> str:
     instances = st.get("instances") or []
     streaming = any(streaming_of(i) is not None for i in instances)
-    headers = ["ENDPOINT", "ID", "KIND", "STATE", "VERSION", "IN FLIGHT", *(["STREAMING"] * streaming),
+    headers = ["ENDPOINT", "ID", "KIND", "STATE", "VERSION", "IN FLIGHT", "SPEED", *(["STREAMING"] * streaming),
                "TRUST", "MISMATCH", "WAITING FOR", "LAST ERROR"]
     rows = [[i.get("endpoint"), i.get("id"), i.get("kind"), i.get("state"), f"v{i.get('weight_version')}",
-             i.get("in_flight"), *([_dash(streaming_of(i))] * streaming), trust_cell(i),
-             mismatch_cell(i.get("mismatch")), _dash(i.get("waiting_for")), _dash(i.get("last_error"))]
+             i.get("in_flight"), speed_cell(i.get("decode_step")), *([_dash(streaming_of(i))] * streaming),
+             trust_cell(i), mismatch_cell(i.get("mismatch")), _dash(i.get("waiting_for")), _dash(i.get("last_error"))]
             for i in instances]
     out = f"manager {url}  {summary_line(st)}\n"
     out += table(headers, rows) if rows else "no instances registered\n"
     return out + mismatch_line(st.get("mismatch")) + quarantine_line(st.get("quarantine"))
+
+
+def speed_cell(step: Any) -> str:
+    """The box's learned decode step as ``base+per-sequence ms`` (``~`` before: the fleet's median box stands in
+    until it is measured), ``-`` while no box is."""
+    if not isinstance(step, dict) or not isinstance(step.get("base_ms"), (int, float)):
+        return "-"
+    mark = "" if step.get("measured") else "~"
+    return f"{mark}{step['base_ms']:.3g}+{step.get('per_sequence_ms') or 0:.2g}ms"
 
 
 def trust_cell(inst: dict[str, Any]) -> str:

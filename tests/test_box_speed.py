@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import free_port
 
 from rollout_manager.instances.registry import Kind, State
+from rollout_manager.ops import render_status
 from rollout_manager.rollout.box_speed import BoxSpeeds, StepFit, StepModel
 from rollout_manager.rollout.makespan import Makespan
 from rollout_manager.rollout.scheduling import InstanceLoad, ThroughputAware, TokenRateMeter
@@ -174,6 +175,9 @@ async def test_each_boxs_learned_speed_curve_shows_in_status_and_metrics(api) ->
     assert mine["lone_tokens_per_s"] == pytest.approx(1 / 0.00608, rel=0.01) and mine["seen_s"] == 3.0
     assert mine["full_running"] == manager.dispatcher.bound_of(fast)
     assert not fleets["measured"] and fleets["base_ms"] == mine["base_ms"]  # the fleet's median box stands in
+    st = await (await client.get("/get_instances_status")).json()
+    lines = {line.split()[0]: line for line in render_status(st, "http://m").splitlines()[2:]}
+    assert " 6+0.08ms " in lines[fast.endpoint] and " ~6+0.08ms " in lines[slow.endpoint]  # `rollout-manager status`
 
     r = await client.get("/metrics")
     samples = {(s.name, s.labels.get("endpoint"), s.labels.get("part")): s.value
