@@ -210,6 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tm-prefill-factor", type=float, default=None)
     p.add_argument("--tm-max-moves", type=int, default=None)
     p.add_argument("--tm-cooldown", type=float, default=None)
+    p.add_argument("--tm-tail-share", type=float, default=1.0,
+                   help="where lengths are predicted, a sequence predicted to end before this share of the "
+                   "step's predicted end stays (the manager's tail_migration_tail_share; 0: by age alone)")
     p.add_argument("--no-clairvoyant", dest="clairvoyant", action="store_false",
                    help="skip the clairvoyant reference row (knows lengths; see Clairvoyant)")
     p.add_argument("--no-opt-bound", dest="opt_bound", action="store_false",
@@ -227,7 +230,7 @@ def migration_kwargs(args: argparse.Namespace) -> dict[str, object]:
     kw: dict[str, object] = {"batch_half": args.tm_batch_half or args.batch_half}
     for key, name in (("tm_min_speedup", "min_speedup"), ("tm_min_gain", "min_gain_s"),
                       ("tm_prefill_factor", "prefill_factor"), ("tm_max_moves", "max_moves"),
-                      ("tm_cooldown", "cooldown_s")):
+                      ("tm_cooldown", "cooldown_s"), ("tm_tail_share", "tail_share")):
         if getattr(args, key) is not None:
             kw[name] = getattr(args, key)
     return kw

@@ -253,6 +253,13 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
                 inst.work.placed(ms.expected(r.budget_left, r.predicted))
             r.piece_end = r.done + pieces if pieces else None
 
+    def predict_left(s: RunningSequence) -> float | None:
+        """What the manager's migrator asks of a running sequence: the length model's rest (generation)."""
+        r = reqs[int(s.seq_id)]
+        if model is None or r.track is None:
+            return None
+        return max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
+
     def migrate() -> None:
         nonlocal migrations, reprefill, plan_s
         assert migration is not None
@@ -265,7 +272,8 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
                 running.append(RunningSequence(str(r.rid), inst.iid, int(r.done), r.prompt, r.budget_left,
                                                r.moves, r.last_moved_at, frozenset(r.visited)))
         t0 = time.perf_counter()
-        moves = migration.plan([i.load(now) for i in alive], running, len(held), now)
+        moves = migration.plan([i.load(now) for i in alive], running, len(held), now, (),
+                               None if model is None else predict_left)
         plan_s += time.perf_counter() - t0
         for mv in moves:
             r = reqs[int(mv.seq_id)]

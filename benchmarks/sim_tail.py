@@ -65,6 +65,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p.add_argument("--no-migration", action="store_true")
     p.add_argument("--migrate-interval", type=float, default=1.0)
     p.add_argument("--tick", type=float, default=0.25)
+    p.add_argument("--tail-share", type=float, default=1.0,
+                   help="tail_migration_tail_share (0: tail migration by age alone, as before 2026-11-28)")
     p.add_argument("--warm", action="store_true",
                    help="the boxes' speeds learned in one earlier step of other prompts (a manager's second step "
                    "on new data) before the first epoch; the length model starts empty all the same")
@@ -80,7 +82,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
         "--speeds", SPEEDS, "--base-rate", "164", "--batch-half", "76", "--max-running", "64",
         "--prompt-tokens", str(PROMPT), "--median-tokens", "400", "--sigma", "0.966", "--group-size", str(GROUP),
         "--group-share", "0.869", "--requests", str(own.groups * GROUP), "--preempt", "none",
-        "--prefill-factor", "300", "--migrate-interval", str(own.migrate_interval), "--tick", str(own.tick)])
+        "--prefill-factor", "300", "--migrate-interval", str(own.migrate_interval), "--tick", str(own.tick),
+        "--tm-tail-share", str(own.tail_share)])
     return own, sim
 
 

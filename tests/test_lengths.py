@@ -247,3 +247,6 @@ def test_on_where_placement_uses_it_and_off_elsewhere() -> None:
     assert GenerationSettings.from_config(other).length_prediction is False
     assert GenerationSettings.from_config(Config(scheduler_policy="throughput_aware",
                                                  length_prediction=True)).length_prediction is True
+    # tail migration reads them too: only the predicted tail moves (tail_migration_tail_share)
+    settings = GenerationSettings.from_config(Config())
+    assert settings.migration is not None and settings.migration.tail_share == 1.0

@@ -411,3 +411,20 @@ async def test_a_sequence_under_an_output_penalty_is_not_migrated(rig: Rig) -> N
     slow.release.set()
     out = as_json(await task)
     assert isinstance(out, dict) and [s["instance"] for s in out["meta_info"]["segments"]] == [rig.a.id]
+
+
+def test_a_sequence_predicted_to_end_before_the_step_does_stays_where_it_is() -> None:
+    """Where lengths are predicted, only the step's tail moves: a sequence that ends where it runs before the
+    step's predicted end (the latest box drain) would only load the boxes that run the tail."""
+    from rollout_manager.rollout.box_speed import StepModel
+    fast, slow = StepModel(0.006, 0.00008), StepModel(0.017, 0.00023)
+    loads = [InstanceLoad("slow", "remote", 2, 0, None, 10.0, slow, 1000.0, 900.0),
+             InstanceLoad("fast", "remote", 1, 0, None, 40.0, fast, 3000.0, 3000.0)]  # the tail runs on fast
+    running = [seq("short", "slow", made=1000), seq("long", "slow", made=1000)]
+    rest = {"short": 100.0, "long": 2500.0}  # 1.7 s and 42 s where they are; the step ends in 18.2 s
+    tm = TailMigration(batch_half=64, tail_share=1.0)
+    moved = tm.plan(loads, running, 0, 100.0, predict=lambda s: rest[s.seq_id])
+    assert [m.seq_id for m in moved] == ["long"]
+    # by age alone (no prediction, or tail_share 0) both move
+    assert len(TailMigration(batch_half=64, tail_share=1.0).plan(loads, running, 0, 100.0)) == 2
+    assert len(TailMigration(batch_half=64).plan(loads, running, 0, 100.0, predict=lambda s: rest[s.seq_id])) == 2

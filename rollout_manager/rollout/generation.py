@@ -72,8 +72,11 @@ class Generator:
         self.stats = new_generation_stats()  # the keys are metrics' (rollout.counters)
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.vocab = VocabBound(dispatcher.registry, settings.vocab_size)  # input ids are checked against it
+        # Each sequence's group, told at its start and end only (never per token): lengths predicted early.
+        self.lengths = LengthModel() if settings.length_prediction else None
         self.migrator = Migrator(dispatcher, client, settings.migration, settings.migration_interval_s,
-                                 bound=lambda seq: self._allowed(seq, restart=False), stats=self.stats)
+                                 bound=lambda seq: self._allowed(seq, restart=False), stats=self.stats,
+                                 predict=None if self.lengths is None else _predict_left(self.lengths))
         self.attempts = Attempts(dispatcher, client, settings, self.coalescer, self.migrator, self.stats,
                                  lambda seq: self._allowed(seq, restart=False), on_instance_failure,
                                  on_instance_success)
@@ -81,8 +84,6 @@ class Generator:
         self._requests: set[asyncio.Task[Any]] = set()
         # Told once per sequence that ended for its caller: (latency_s, completion tokens, ok). Metrics.
         self.finished_listeners: list[Callable[[float, int, bool], None]] = []
-        # Each sequence's group, told at its start and end only (never per token): lengths predicted early.
-        self.lengths = LengthModel() if settings.length_prediction else None
 
     # ------------------------------------------------------------ public
     def begin_rollout(self) -> None:
@@ -222,6 +223,7 @@ class Generator:
         lengths = self.lengths
         track = None if lengths is None else \
             lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
+        seq.track = track
         divided = self.settings.pieces.applies(seq.budget) and body.divisible
         try:
             if seq.experts is not None:
@@ -413,6 +415,14 @@ def _still_expected(median: float, made: int, remaining: int | None) -> float:
     the simulator in benchmarks/sim_pool.py predicts), within what is left of its budget."""
     left = max(median - made, 1.0)
     return left if remaining is None else min(left, float(remaining))
+
+
+def _predict_left(lengths: LengthModel) -> Callable[[SequenceState], float | None]:
+    """What tail migration asks of a running sequence: the tokens the length model expects it still makes."""
+    def left(seq: SequenceState) -> float | None:
+        track = seq.track
+        return None if track is None or not track.open else lengths.left(track, len(seq.output_ids))
+    return left
 
 
 def _or_here(here: Instance, allow: Callable[[Instance], bool] | None,

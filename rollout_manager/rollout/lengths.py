@@ -357,6 +357,13 @@ class LengthModel:
         return Prediction(round(median, 1), round(mean, 1), round(quant, 1), self.q,
                           round(group.finished_fraction, 4))
 
+    def left(self, track: Track, made: int) -> float:
+        """Tokens ``track`` is expected to make still, given ``made``: the conditional median's rest, at least
+        one, within its budget. Reads the group's last fit."""
+        mu, sigma = track.group.fitted()
+        left = max(conditional(mu, sigma, made, self.q, track.budget)[0] - made, 1.0)
+        return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
+
     def status(self, top: int = 10) -> LengthsStatus:
         """The model's state; every running sequence reads its running length (and is predicted: the
         prediction is scored when it ends)."""

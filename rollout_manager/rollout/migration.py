@@ -35,8 +35,12 @@ class Migrator:
     """
 
     def __init__(self, dispatcher: Dispatcher, client: SGLangClient, policy: TailMigration | None,
-                 interval_s: float, bound: Callable[[SequenceState], Bound | None], stats: dict[str, int]):
+                 interval_s: float, bound: Callable[[SequenceState], Bound | None], stats: dict[str, int],
+                 predict: Callable[[SequenceState], float | None] | None = None):
+        """``predict(seq)``: the tokens the length model expects ``seq`` still makes (None: no figure), which
+        keeps a sequence that is not the step's tail where it is (``TailMigration.tail_share``)."""
         self.dispatcher = dispatcher
+        self.predict = predict
         self.stats = stats  # generation's counters (rollout.counters): moves that took effect
         self.client = client
         self.policy = policy
@@ -214,7 +218,10 @@ class Migrator:
             running.append(RunningSequence(
                 str(key), inst.id, len(seq.output_ids), len(seq.body.input_ids), seq.remaining,
                 part.moves, part.moved_at, frozenset(s.instance for s in seq.segments)))
-        moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining)
+        predict = self.predict
+        live = self._live
+        ask = None if predict is None else (lambda rs: predict(live[by_key[rs.seq_id]][0]))
+        moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining, ask)
         started = 0
         for planned in moves:
             seq, src, rid = self._live[by_key[planned.seq_id]]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.rollout.lengths import Track
 from rollout_manager.rollout.pieces import PieceTally
 from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang.errors import EngineError
@@ -112,6 +113,7 @@ class SequenceState:
     pieces: int = 0
     at_boundary: bool = False
     tally: PieceTally | None = None
+    track: Track | None = None  # its place in the length model (None: prediction is off)
 
     # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
     # the body once: it never changes, and what is left is asked several times per attempt.
