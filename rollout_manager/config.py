@@ -114,6 +114,7 @@ class Config(BaseModel):
 
     # Generation.
     scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin", "makespan"] = "makespan"
+    placement_gather_s: float = Field(default=0.0, ge=0, le=5)
     max_attempts_per_request: int = Field(default=8, gt=0)
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
     max_in_flight_per_instance: int = Field(default=0, ge=0)  # 0: each instance's max_running_requests (else 1024)

@@ -85,7 +85,8 @@ class Manager:
         # rollout
         self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
                                      max_in_flight_per_instance=cfg.max_in_flight_per_instance,
-                                     max_in_flight_total=cfg.max_in_flight_total)
+                                     max_in_flight_total=cfg.max_in_flight_total,
+                                     gather_s=cfg.placement_gather_s)
         self.health.recovery_listeners.append(self.dispatcher.recovered)
         if cfg.affinity:
             self.dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,

@@ -7,6 +7,7 @@ never contacted.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fakes import FakeClock, run_pending
@@ -168,6 +169,24 @@ async def test_a_burst_is_placed_longest_predicted_first_even_with_room() -> Non
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_burst_over_several_turns_is_gathered_when_asked() -> None:
+    """A step's requests reach the manager over many event-loop turns (one HTTP request each): with
+    ``gather_s`` the burst is placed once, longest predicted first; without, the first comer takes the room."""
+    for gather_s, first in ((0.0, 100.0), (0.05, 3000.0)):
+        registry = Registry(clock=time.monotonic)
+        d = Dispatcher(registry, Makespan(), max_in_flight_per_instance=1, gather_s=gather_s)
+        inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
+        assert registry.transition(inst, State.ACTIVE, "test: healthy")
+        early = asyncio.create_task(d.acquire(4096, 60.0, predicted=100.0))
+        await run_pending()  # the next request comes a turn later
+        late = asyncio.create_task(d.acquire(4096, 60.0, predicted=3000.0))
+        done, _ = await asyncio.wait([early, late], timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+        assert [100.0 if t is early else 3000.0 for t in done] == [first], gather_s
+        for t in (early, late):
+            t.cancel()
+        await asyncio.gather(early, late, return_exceptions=True)
 
 
 def test_before_any_box_is_measured_a_sequence_stays_where_its_prefix_is() -> None:

@@ -63,10 +63,13 @@ def default_max_in_flight_total(soft_open_files: int | None = None) -> int:
 
 class Dispatcher:
     def __init__(self, registry: Registry, policy: PlacementPolicy, *, clock: Callable[[], float] = time.monotonic,
-                 max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0):
+                 max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0, gather_s: float = 0.0):
         """``max_in_flight_per_instance``: 0 takes each instance's own ``max_running_requests`` (or
         :data:`DEFAULT_INSTANCE_MAX_IN_FLIGHT` where it reports none); N caps every instance at N too.
-        ``max_in_flight_total``: 0 takes :func:`default_max_in_flight_total`."""
+        ``max_in_flight_total``: 0 takes :func:`default_max_in_flight_total`. ``gather_s``: under the makespan
+        policy, a burst of predicted requests is placed this long after its first arrives (0: at the end of
+        that event-loop turn), so a step's requests, which come over many turns, go longest predicted first."""
+        self.gather_s = gather_s
         self.registry = registry
         self.policy = policy
         self.clock = clock
@@ -342,7 +345,10 @@ class Dispatcher:
             if burst:
                 if not self._soon:
                     self._soon = True
-                    loop.call_soon(self._place_soon)
+                    if self.gather_s > 0:
+                        loop.call_later(self.gather_s, self._place_soon)
+                    else:
+                        loop.call_soon(self._place_soon)
             else:
                 self._place_waiting()  # it may fit now (a queue stuck on constrained requests)
             return await waiter.future
