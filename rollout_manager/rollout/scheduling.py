@@ -405,9 +405,8 @@ class TailMigration:
     ``tail_share`` of the step's predicted end (the latest drain over the boxes, ``makespan``) stays: it
     is not the tail, and moving it would only load the boxes that run the tail (in the simulator,
     told every length, placement alone is 1.04x of clairvoyant and moves by age made it 1.09x).
-    Hysteresis: never to an
-    instance the sequence already ran on, at most ``max_moves`` per sequence, ``cooldown_s``
-    between two moves of one sequence; so no sequence ever moves back and forth.
+    Hysteresis: never to an instance the sequence already ran on, at most ``max_moves`` per sequence,
+    ``cooldown_s`` between two moves of one sequence; so no sequence ever moves back and forth.
 
     Cost: O(S log T) for S sequences and T instances (a heap of targets): ~0.14 s for 20k sequences
     on 1k instances when half the pool is idle and 9k moves come out, the worst case
