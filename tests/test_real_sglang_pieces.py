@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from real_sglang import Daemon, RealBox, start_box, start_manager
+from support import async_wait_until
 
 from rollout_manager.sglang import wire
 
@@ -55,9 +56,14 @@ async def post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
 
 async def cached_prompt(s: aiohttp.ClientSession, box: RealBox) -> None:
     """A prefix cache that holds the prompt and nothing after it, so the divided and the undivided run start
-    alike, each with the prompt cached (its cached_tokens then says whether later pieces found theirs)."""
-    async with s.post(box.url + wire.FLUSH_CACHE) as r:
-        assert r.status == 200, await r.text()
+    alike, each with the prompt cached (its cached_tokens then says whether later pieces found theirs). SGLang
+    refuses a flush while a request runs, and the manager's trust probe may be running one: polled."""
+    async def flushed() -> bool:
+        async with s.post(box.url + wire.FLUSH_CACHE) as r:
+            assert r.status in (200, 400), await r.text()
+            return r.status == 200
+
+    await async_wait_until(flushed, 60.0, interval_s=0.2, message="SGLang to flush its cache")
     await post(s, box.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
 
 
