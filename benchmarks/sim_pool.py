@@ -217,7 +217,7 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
     def hold(r: Req) -> None:
         """Back to the manager's queue at a piece boundary, predicted again, longest predicted first."""
         assert model is not None and r.track is not None
-        r.predicted = max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
+        r.predicted = model.left(r.track, int(r.done))
         at = len(held)
         while at > 0 and (held[at - 1].predicted or 0.0) < r.predicted:
             at -= 1
@@ -229,7 +229,7 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             r = held[0]
             if ms is not None:
                 if r.predicted is None and model is not None and r.track is not None:
-                    r.predicted = max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
+                    r.predicted = model.left(r.track, int(r.done))
                 prefer = r.prefer
                 if prefer is None and affinity is not None and not r.done:  # the manager's affinity table: a
                     prefer = affinity.get(r.group)  # prompt's samples where the first one went (any epoch)
@@ -258,7 +258,7 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
         r = reqs[int(s.seq_id)]
         if model is None or r.track is None:
             return None
-        return max(model.predict(r.track, int(r.done)).median - int(r.done), 1.0)
+        return model.left(r.track, int(r.done))
 
     def migrate() -> None:
         nonlocal migrations, reprefill, plan_s

@@ -54,6 +54,9 @@ class Oracle(LengthModel):
         n = float(max(self.truth[int(track.name)], track.made if made is None else made))
         return Prediction(n, n, n, self.q, 0.0)
 
+    def left(self, track: Track, made: int) -> float:
+        return max(self.predict(track, made).median - made, 1.0)
+
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
