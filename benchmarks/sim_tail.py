@@ -58,6 +58,15 @@ class Oracle(LengthModel):
         return max(self.predict(track, made).median - made, 1.0)
 
 
+def bench_lengths(seed: int, epoch: int, groups: int) -> list[int]:
+    """The lengths of bench_tail's step for ``seed`` and ``epoch`` (its defaults, ``groups`` groups)."""
+    import bench_tail
+    import tail_fleet
+
+    args = bench_tail.parse_args(["--groups", str(groups), "--samples", str(GROUP), "--prompt-tokens", str(PROMPT)])
+    return [s.length for s in bench_tail.make_step(seed, epoch, args, tail_fleet.LengthModel()).samples]
+
+
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=8)
@@ -76,6 +85,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p.add_argument("--affinity", action="store_true",
                    help="a prompt's samples prefer the box its first went to, in every epoch (the manager's "
                    "affinity table, on by default there)")
+    p.add_argument("--bench-lengths", action="store_true",
+                   help="bench_tail's own lengths (its seeds, its epochs' draws) instead of the simulator's: the "
+                   "simulator on the very steps bench_tail ran, seed by seed")
     p.add_argument("--oracle", choices=("exact", "group"), default=None,
                    help="predictions told the truth (each length, or its group's median): the policy's own gap")
     own = p.parse_args(argv)
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                      None if own.no_migration else TailMigration(**bench_scheduling.migration_kwargs(args)),  # type: ignore[arg-type]
                      LengthModel(), 0, speeds)
         for epoch in range(own.epochs):
-            lengths = make_lengths(args, epoch)
+            lengths = bench_lengths(seed, epoch, own.groups) if own.bench_lengths else make_lengths(args, epoch)
             if own.oracle:
                 model = Oracle(lengths, own.oracle)
             jobs = [Job(i, i // GROUP, PROMPT, n) for i, n in enumerate(lengths)]
