@@ -227,14 +227,17 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
         while held:
             alive = [i for i in insts if i.alive]
             r = held[0]
+            high = None
             if ms is not None:
                 if r.predicted is None and model is not None and r.track is not None:
                     r.predicted = model.left(r.track, int(r.done))
+                if model is not None and r.track is not None:
+                    high = model.high(r.track, int(r.done))
                 prefer = r.prefer
                 if prefer is None and affinity is not None and not r.done:  # the manager's affinity table: a
                     prefer = affinity.get(r.group)  # prompt's samples where the first one went (any epoch)
                 choice = ms.place([i.load(now) for i in alive], r.budget_left, now, r.predicted, prefer,
-                                  r.prompt + int(r.done))
+                                  r.prompt + int(r.done), high)
             else:
                 choice = policy.pick([i.load(now) for i in alive], r.budget_left, now)
             if choice is None:
@@ -250,7 +253,8 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             if affinity is not None and not r.done:
                 affinity[r.group] = choice
             if ms is not None:
-                inst.work.placed(ms.expected(r.budget_left, r.predicted))
+                inst.work.placed(ms.expected(r.budget_left, r.predicted),
+                                 None if high is None else min(high, float(r.budget_left)))
             r.piece_end = r.done + pieces if pieces else None
 
     def predict_left(s: RunningSequence) -> float | None:

@@ -106,6 +106,23 @@ def test_history_across_epochs_improves_the_first_prediction() -> None:
     assert model.errors["0"].n > 0 and len(model.history) == 41
 
 
+def test_the_upper_quantile_is_given_only_where_evidence_informs_it() -> None:
+    """``high`` is for placement's longest term: None while a group rests on the fleet's figure alone (every
+    sequence alike), an upper quantile above the median once the prompt has history or a sibling finished."""
+    model = LengthModel()
+    first = [Running(model, "e0", [9, 9]) for _ in range(4)]
+    assert model.high(first[0].track, 0) is None  # nothing known of this prompt, nothing finished
+    first[0].finish(2000)
+    high = model.high(first[1].track, 0)
+    assert high is not None and high > model.left(first[1].track, 0)
+    for s in first[1:]:
+        s.finish(2000)
+    again = Running(model, "e1", [9, 9], budget=4096)  # next epoch: the prompt's history informs it at once
+    high = model.high(again.track, 0)
+    assert high is not None and model.left(again.track, 0) < high <= 4096
+    assert model.high(again.track, 4000) == pytest.approx(96)  # never past the budget
+
+
 def test_samples_of_one_prompt_form_a_group_when_no_key_is_given() -> None:
     model = LengthModel()
     a = [Running(model, None, [1, 2, 3]) for _ in range(3)]

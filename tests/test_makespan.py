@@ -53,6 +53,24 @@ def test_short_work_goes_to_the_tail_box_only_once_elsewhere_is_as_late() -> Non
     assert place(policy, loads, 200) == "tail"
 
 
+def test_an_upper_quantile_keeps_short_work_off_a_box_given_a_group_predicted_long() -> None:
+    """The longest of a group's samples is nearer their upper quantile than their median: counted so, the
+    box that took one of a long group looks as late as it may be, and short work goes elsewhere."""
+    slow = load("slow", StepModel(0.017, 0.00023), n=10, work=5000, longest=500)
+    median_only = [load("fast", StepModel(0.006, 0.00008)), slow]
+    assert place(Makespan(), median_only, 1000) == "fast"
+    assert place(Makespan(), median_only, 300) == "fast"  # 6.1 s there against 9.7 s on the slow box
+    policy = Makespan()
+    loads = [load("fast", StepModel(0.006, 0.00008)), load("slow", StepModel(0.017, 0.00023), n=10, work=5000,
+                                                              longest=500)]
+    assert policy.place(loads, 4096, 0.0, 1000, high=2500) == "fast"
+    loads[0].in_flight_requests, loads[0].predicted_tokens, loads[0].longest_tokens = 1, 1000, 2500
+    assert place(policy, loads, 300) == "slow"  # the fast box may run 15 s: the slow box's 9.7 s is sooner
+    box = BoxWork()
+    box.placed(1000, 2500)
+    assert (box.tokens, box.longest) == (1000, 2500)
+
+
 def test_an_equal_batch_is_spread_by_speed() -> None:
     policy, loads = Makespan(), [load("fast", FAST), load("slow", SLOW)]
     chosen = [place(policy, loads, 500) for _ in range(90)]

@@ -217,7 +217,8 @@ class Dispatcher:
 
     def try_acquire(self, tokens: int, avoid: Collection[str] = (), prefer: str | None = None,
                     allow: Callable[[Instance], bool] | None = None,
-                    predicted: float | None = None, context: int | None = None) -> Instance | None:
+                    predicted: float | None = None, context: int | None = None,
+                    high: float | None = None) -> Instance | None:
         """Pick an instance now, or None. Local (trainer-side) instances are offered the work first.
 
         An instance this sequence already failed on is used again only once it has recovered (a
@@ -226,8 +227,9 @@ class Dispatcher:
         wins while it is clean and not overloaded; ``allow`` restricts the candidates (the staleness
         bound); ``predicted`` is how many tokens the sequence is expected to make on this placement
         (the length model's figure; None where there is none); ``context`` how many a move would prefill
-        (prompt and tokens made). Under the makespan policy the policy itself weighs ``prefer`` (staying
-        where the prefix is cached) against moving, priced at one prefill of ``context``.
+        (prompt and tokens made); ``high`` an upper quantile of ``predicted`` where the length model has one
+        (``Makespan.place``). Under the makespan policy the policy itself weighs ``prefer`` (staying where
+        the prefix is cached) against moving, priced at one prefill of ``context``.
         """
         if self.in_flight >= self.max_in_flight_total:
             return None
@@ -253,7 +255,7 @@ class Dispatcher:
         for clean, failing in groups if local_clean or local_failing else groups[1:]:
             loads = self._loads_of(clean or failing, now)  # once per group, for both decisions
             if self.makespan is not None:
-                inst = self._place(loads, tokens, now, predicted, prefer if clean else None, context)
+                inst = self._place(loads, tokens, now, predicted, prefer if clean else None, context, high)
             else:
                 inst = self._preferred(clean, loads, prefer, tokens, now) if prefer is not None and clean else None
                 inst = inst or self._pick(loads, tokens, now)
@@ -284,17 +286,17 @@ class Dispatcher:
         return inst
 
     def _place(self, loads: list[InstanceLoad], tokens: int, now: float, predicted: float | None,
-               prefer: str | None, context: int | None) -> Instance | None:
+               prefer: str | None, context: int | None, high: float | None = None) -> Instance | None:
         policy = self.makespan
         assert policy is not None
-        chosen = policy.place(loads, tokens, now, predicted, prefer, context) if loads else None
+        chosen = policy.place(loads, tokens, now, predicted, prefer, context, high) if loads else None
         inst = self.registry.get(chosen) if chosen else None
         if inst is None:
             return None
         box = self.work.get(inst.id)
         if box is None:
             box = self.work[inst.id] = BoxWork()
-        box.placed(policy.expected(tokens, predicted))
+        box.placed(policy.expected(tokens, predicted), None if high is None else min(high, float(tokens)))
         self._reserve(inst, tokens, now)
         return inst
 
@@ -307,7 +309,8 @@ class Dispatcher:
 
     async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
                       allow: Callable[[Instance], bool] | None = None, since: float | None = None,
-                      predicted: float | None = None, context: int | None = None) -> Instance:
+                      predicted: float | None = None, context: int | None = None,
+                      high: float | None = None) -> Instance:
         """Wait until the policy places this sequence, within the bounds; raises Unavailable when no
         instance could serve it for ``timeout_s``.
 
@@ -333,11 +336,11 @@ class Dispatcher:
         # this event-loop turn: a step's requests arrive together, and so are placed longest predicted first.
         burst = self.makespan is not None and predicted is not None
         if not self._queue and not burst:  # nobody is waiting ahead of it
-            inst = self.try_acquire(tokens, avoid, prefer, allow, predicted, context)
+            inst = self.try_acquire(tokens, avoid, prefer, allow, predicted, context, high)
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        waiter = Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted, context)
+        waiter = Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted, context, high=high)
         self._queue.add(waiter)
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
@@ -413,7 +416,7 @@ class Dispatcher:
         self._queue.place(self._try_waiter, self._closed)
 
     def _try_waiter(self, w: Waiter) -> Instance | None:
-        return self.try_acquire(w.tokens, w.avoid, w.prefer, w.allow, w.predicted, w.context)
+        return self.try_acquire(w.tokens, w.avoid, w.prefer, w.allow, w.predicted, w.context, w.high)
 
     def _closed(self) -> Exception | None:
         return Unavailable("rollout manager is shutting down; no new work is placed") if self.closing else None

@@ -269,13 +269,19 @@ class Generator:
                     first = keys is not None and not seq.versions and not seq.discarded
                     prefer = here.id if here is not None else \
                         table.lookup(keys) if table is not None and keys is not None and first else None
-                    predicted = None if expected is None else \
-                        _still_expected(expected.median, len(seq.output_ids), seq.remaining)
+                    predicted = high = None
+                    if expected is not None and track is not None and self.lengths is not None:
+                        made = len(seq.output_ids)
+                        predicted = _still_expected(expected.median, made, seq.remaining)
+                        high = self.lengths.high(track, made)
+                        if high is not None and seq.remaining is not None:
+                            high = min(high, float(seq.remaining))
                     try:
                         inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
                                                              avoid={i.id for i in tried}, prefer=prefer, allow=allow,
                                                              since=failing_since, predicted=predicted,
-                                                             context=len(seq.body.input_ids) + len(seq.output_ids))
+                                                             context=len(seq.body.input_ids) + len(seq.output_ids),
+                                                             high=high)
                     except Unavailable as exc:
                         self.stats["failed"] += 1
                         if seq.refused is not None:  # nobody could check the refusal: it stands

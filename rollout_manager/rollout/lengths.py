@@ -196,6 +196,7 @@ class Group:
     """The samples of one group: finished log lengths, running tracks, the prior, and the cached fit."""
 
     prior: Prior
+    from_history: bool = False  # the prior is the prompt's earlier lengths, not the fleet's figure
     finished: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_FINISHED))
     running: set[Track] = field(default_factory=set)
     started: int = 0
@@ -309,7 +310,7 @@ class LengthModel:
         group = self.groups.get(key)
         if group is None or (group_key is None and not group.running and group.finished):
             # a prompt's samples that all ended are last epoch's: its next samples are a new group
-            group = self.groups[key] = Group(self._prior(pkey))
+            group = self.groups[key] = Group(self._prior(pkey), pkey in self.history)
         group.started += 1
         track = Track(group, pkey, name, progress, budget)
         group.running.add(track)
@@ -362,6 +363,17 @@ class LengthModel:
         one, within its budget. Reads the group's last fit."""
         mu, sigma = track.group.fitted()
         left = max(conditional(mu, sigma, made, self.q, track.budget)[0] - made, 1.0)
+        return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
+
+    def high(self, track: Track, made: int) -> float | None:
+        """Tokens ``track`` still makes at the model's upper ``quantile``, given ``made``, where its group's fit
+        rests on evidence (the prompt's earlier lengths, or a sibling that finished); None where it rests on
+        the fleet's figure alone, which says every sequence alike and only how wide lengths spread."""
+        group = track.group
+        if not (group.from_history or group.finished):
+            return None
+        mu, sigma = group.fitted()
+        left = max(conditional(mu, sigma, made, self.q, track.budget)[2] - made, 1.0)
         return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
 
     def status(self, top: int = 10) -> LengthsStatus:

@@ -33,6 +33,7 @@ class Waiter:
     since: float  # when its wait for an instance began (see dispatch.accepted_at)
     predicted: float | None = None  # tokens it is predicted to make on this placement (None: no prediction)
     context: int | None = None  # tokens a move would prefill (prompt and tokens made; None: unknown)
+    high: float | None = None  # an upper quantile of what it makes, where one is informed (makespan.Makespan.place)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
