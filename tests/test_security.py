@@ -199,6 +199,7 @@ def test_box_deregister_sends_the_box_token_and_falls_back_to_the_shared_one_on_
     when the manager does not know it."""
     from rollout_manager import manager_client
     from rollout_manager.launch import box
+    from rollout_manager.launch.box_registration import save_state
 
     calls: list[str | None] = []
     answers = iter([manager_client.HTTPAnswer(401, {"error": "unknown"}),
@@ -213,7 +214,7 @@ def test_box_deregister_sends_the_box_token_and_falls_back_to_the_shared_one_on_
     monkeypatch.setattr(manager_client, "http_call", fake_call)
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"body": {}, "endpoint": "h:1", "run_id": "r", "box_token": "old-token-xxxxxxxx"}))
-    box.save_state(str(state), {"body": {}, "endpoint": "h:1", "run_id": "r2", "box_token": "new"})
+    save_state(str(state), {"body": {}, "endpoint": "h:1", "run_id": "r2", "box_token": "new"})
     assert json.loads(state.read_text())["box_token"] == "new"  # shorter, padded: still one JSON document
     assert box.main(["deregister", "--manager", "http://h:5", "--endpoint", "h:1", "--state-file", str(state)]) == 0
     assert calls == ["new", ""]  # the box token, then (401) the shared one from the environment (unset here)

@@ -25,6 +25,7 @@ from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.launch import box
+from rollout_manager.launch.box_common import PREFIX
 from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage, unpack
 from rollout_manager.weights.mooncake_engine import MooncakeEngine, TransferError
@@ -260,7 +261,7 @@ async def test_the_box_helper_refuses_to_register_a_data_parallel_server(start_e
         await fake.close()
     assert exited.value.code == 1 and registrations == []
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(box.PREFIX), err
+    assert len(err) == 1 and err[0].startswith(PREFIX), err
     assert "dp_size=2" in err[0] and "run one SGLang server per replica" in err[0]
 
 
