@@ -57,6 +57,9 @@ class Oracle(LengthModel):
     def left(self, track: Track, made: int) -> float:
         return max(self.predict(track, made).median - made, 1.0)
 
+    def high(self, track: Track, made: int) -> float | None:
+        return self.left(track, made)  # told the truth, there is no spread to allow for
+
 
 def bench_lengths(seed: int, epoch: int, groups: int) -> list[int]:
     """The lengths of bench_tail's step for ``seed`` and ``epoch`` (its defaults, ``groups`` groups)."""
