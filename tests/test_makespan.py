@@ -175,6 +175,22 @@ async def test_the_dispatcher_learns_box_speed_from_progress_and_counts_predicte
     assert d.work[a.id].tokens == 0
 
 
+async def test_the_dispatcher_counts_the_upper_quantile_as_a_boxs_longest() -> None:
+    """``high`` reaches the box's work: the box given a long group's sample counts its upper quantile as its
+    longest (what the next placements read), its median in the total."""
+    clock = FakeClock()
+    d, (a, b) = pool(2, clock)
+    for inst in (a, b):  # both measured alike: 10 ms a token
+        d.try_acquire(4096, predicted=10)
+        for _ in range(50):
+            clock.now += 0.01
+            d.progress(inst, 1, clock.now)
+        d.release(inst, 0)
+    first = d.try_acquire(4096, predicted=1000, high=2500)
+    assert first is not None and (d.work[first.id].tokens, d.work[first.id].longest) == (1000, 2500)
+    assert d.load_of(first, clock.now).longest_tokens == 2500
+
+
 async def test_a_burst_is_placed_longest_predicted_first_even_with_room() -> None:
     """A step's requests arrive in one event-loop turn: with room for two of four, the two predicted
     longest get it, whatever the order they came in."""
