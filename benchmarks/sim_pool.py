@@ -17,6 +17,7 @@ from rollout_manager.rollout.makespan import BoxWork, Makespan
 from rollout_manager.rollout.scheduling import (
     InstanceLoad,
     PlacementPolicy,
+    Rest,
     RunningSequence,
     TailMigration,
     TokenRateMeter,
@@ -257,12 +258,12 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
                                  None if high is None else min(high, float(r.budget_left)))
             r.piece_end = r.done + pieces if pieces else None
 
-    def predict_left(s: RunningSequence) -> float | None:
+    def predict_left(s: RunningSequence) -> Rest | None:
         """What the manager's migrator asks of a running sequence: the length model's rest (generation)."""
         r = reqs[int(s.seq_id)]
         if model is None or r.track is None:
             return None
-        return model.left(r.track, int(r.done))
+        return Rest(model.left(r.track, int(r.done)), model.informed(r.track))
 
     def migrate() -> None:
         nonlocal migrations, reprefill, plan_s

@@ -60,6 +60,10 @@ class Oracle(LengthModel):
     def high(self, track: Track, made: int) -> float | None:
         return self.left(track, made)  # told the truth, there is no spread to allow for
 
+    @staticmethod
+    def informed(track: Track) -> bool:
+        return True
+
 
 def bench_lengths(seed: int, epoch: int, groups: int) -> list[int]:
     """The lengths of bench_tail's step for ``seed`` and ``epoch`` (its defaults, ``groups`` groups)."""
@@ -80,6 +84,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p.add_argument("--no-migration", action="store_true")
     p.add_argument("--migrate-interval", type=float, default=1.0)
     p.add_argument("--tick", type=float, default=0.25)
+    p.add_argument("--tail-slowdown", type=float, default=1.3,
+                   help="tail_migration_tail_slowdown (0: the predicted tail may join any batch)")
     p.add_argument("--tail-share", type=float, default=1.0,
                    help="tail_migration_tail_share (0: tail migration by age alone, as before 2026-11-28)")
     p.add_argument("--warm", action="store_true",
@@ -101,7 +107,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
         "--prompt-tokens", str(PROMPT), "--median-tokens", "400", "--sigma", "0.966", "--group-size", str(GROUP),
         "--group-share", "0.869", "--requests", str(own.groups * GROUP), "--preempt", "none",
         "--prefill-factor", "300", "--migrate-interval", str(own.migrate_interval), "--tick", str(own.tick),
-        "--tm-tail-share", str(own.tail_share)])
+        "--tm-tail-share", str(own.tail_share), "--tm-tail-slowdown", str(own.tail_slowdown)])
     return own, sim
 
 

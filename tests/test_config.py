@@ -69,6 +69,7 @@ def test_unrelated_env_vars_with_our_prefix_for_rollout_boxes_are_ignored():
         ("weight_sender_base_port = 0", "'weight_sender_base_port' = 0"),
         ('mooncake_transfer_protocol = "udp"', "'mooncake_transfer_protocol' = 'udp'"),
         ("health_check_interval_s = 0", "'health_check_interval_s' = 0"),
+        ("tail_migration_tail_slowdown = 0.5", "'tail_migration_tail_slowdown' = 0.5"),
         ("[section]\nx = 1", "table [section] is not supported"),
         ("num_mooncake_engines_per_group = ", "not valid TOML"),
     ],

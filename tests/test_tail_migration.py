@@ -25,6 +25,7 @@ from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import (
     InstanceLoad,
     LeastInFlight,
+    Rest,
     RunningSequence,
     TailMigration,
     TokenRateMeter,
@@ -423,8 +424,30 @@ def test_a_sequence_predicted_to_end_before_the_step_does_stays_where_it_is() ->
     running = [seq("short", "slow", made=1000), seq("long", "slow", made=1000)]
     rest = {"short": 100.0, "long": 2500.0}  # 1.7 s and 42 s where they are; the step ends in 18.2 s
     tm = TailMigration(batch_half=64, tail_share=1.0)
-    moved = tm.plan(loads, running, 0, 100.0, predict=lambda s: rest[s.seq_id])
+    moved = tm.plan(loads, running, 0, 100.0, predict=lambda s: Rest(rest[s.seq_id]))
     assert [m.seq_id for m in moved] == ["long"]
     # by age alone (no prediction, or tail_share 0) both move
     assert len(TailMigration(batch_half=64, tail_share=1.0).plan(loads, running, 0, 100.0)) == 2
-    assert len(TailMigration(batch_half=64).plan(loads, running, 0, 100.0, predict=lambda s: rest[s.seq_id])) == 2
+    assert len(TailMigration(batch_half=64).plan(loads, running, 0, 100.0,
+                                                 predict=lambda s: Rest(rest[s.seq_id]))) == 2
+
+
+def test_the_predicted_tail_moves_only_where_few_run_beside_it() -> None:
+    """A sequence whose prediction evidence informs is the predicted tail: it moves to a faster box only while
+    its step there, with it added, stays within ``tail_slowdown`` of a lone sequence's (6 + 0.08 n ms: 1.3x
+    allows 23 beside it); a sequence predicted from the fleet's figure alone moves as before."""
+    from rollout_manager.rollout.box_speed import StepModel
+    fast, slow = StepModel(0.006, 0.00008), StepModel(0.017, 0.00023)
+
+    def plan(fast_running: int, informed: bool) -> list[str]:
+        loads = [InstanceLoad("slow", "remote", 2, 0, None, 10.0, slow, 4000.0, 2000.0),
+                 InstanceLoad("fast", "remote", fast_running, 0, None, 160.0, fast, 1000.0, 100.0)]
+        tm = TailMigration(batch_half=64, tail_share=1.0, tail_slowdown=1.3)
+        return [m.seq_id for m in tm.plan(loads, [seq("long", "slow", made=1000)], 0, 100.0,
+                                          predict=lambda s: Rest(3000.0, informed))]
+
+    assert plan(10, informed=True) == ["long"]
+    assert plan(30, informed=True) == []  # 8.4 ms a step there with it: past 1.3 x 6.08 ms
+    assert plan(30, informed=False) == ["long"]
+    with pytest.raises(ValueError):
+        TailMigration(tail_slowdown=0.5)

@@ -33,6 +33,7 @@ from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.outcome import GenerationFailed as GenerationFailed  # re-exported
 from rollout_manager.rollout.request import Request, SequenceRequest
+from rollout_manager.rollout.scheduling import Rest
 from rollout_manager.rollout.sequence import (
     SequenceState,
     version_floor,
@@ -423,11 +424,15 @@ def _still_expected(median: float, made: int, remaining: int | None) -> float:
     return left if remaining is None else min(left, float(remaining))
 
 
-def _predict_left(lengths: LengthModel) -> Callable[[SequenceState], float | None]:
-    """What tail migration asks of a running sequence: the tokens the length model expects it still makes."""
-    def left(seq: SequenceState) -> float | None:
+def _predict_left(lengths: LengthModel) -> Callable[[SequenceState], Rest | None]:
+    """What tail migration asks of a running sequence: the tokens the length model expects it still makes, and
+    whether evidence informs that."""
+    def left(seq: SequenceState) -> Rest | None:
         track = seq.track
-        return None if track is None or not track.open else lengths.left(track, len(seq.output_ids))
+        if track is None or not track.open:
+            return None
+        made = len(seq.output_ids)
+        return Rest(lengths.left(track, made), lengths.informed(track))
     return left
 
 

@@ -365,14 +365,20 @@ class LengthModel:
         left = max(conditional(mu, sigma, made, self.q, track.budget)[0] - made, 1.0)
         return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
 
+    @staticmethod
+    def informed(track: Track) -> bool:
+        """Whether ``track``'s group's fit rests on evidence (the prompt's earlier lengths, or a sibling that
+        finished), not on the fleet's figure alone, which says every sequence alike."""
+        group = track.group
+        return group.from_history or bool(group.finished)
+
     def high(self, track: Track, made: int) -> float | None:
         """Tokens ``track`` still makes at the model's upper ``quantile``, given ``made``, where its group's fit
-        rests on evidence (the prompt's earlier lengths, or a sibling that finished); None where it rests on
-        the fleet's figure alone, which says every sequence alike and only how wide lengths spread."""
-        group = track.group
-        if not (group.from_history or group.finished):
+        is :meth:`informed`; None where it rests on the fleet's figure alone, which only says how wide
+        lengths spread."""
+        if not self.informed(track):
             return None
-        mu, sigma = group.fitted()
+        mu, sigma = track.group.fitted()
         left = max(conditional(mu, sigma, made, self.q, track.budget)[2] - made, 1.0)
         return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
 

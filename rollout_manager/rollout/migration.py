@@ -16,7 +16,7 @@ from collections.abc import Callable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.provisional import Provisional
-from rollout_manager.rollout.scheduling import RunningSequence, TailMigration
+from rollout_manager.rollout.scheduling import Rest, RunningSequence, TailMigration
 from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.client import SGLangClient
 
@@ -36,9 +36,10 @@ class Migrator:
 
     def __init__(self, dispatcher: Dispatcher, client: SGLangClient, policy: TailMigration | None,
                  interval_s: float, bound: Callable[[SequenceState], Bound | None], stats: dict[str, int],
-                 predict: Callable[[SequenceState], float | None] | None = None):
-        """``predict(seq)``: the tokens the length model expects ``seq`` still makes (None: no figure), which
-        keeps a sequence that is not the step's tail where it is (``TailMigration.tail_share``)."""
+                 predict: Callable[[SequenceState], Rest | None] | None = None):
+        """``predict(seq)``: what the length model expects ``seq`` still makes (None: no figure), which keeps a
+        sequence that is not the step's tail where it is (``TailMigration.tail_share``) and the predicted tail
+        off full batches (``TailMigration.tail_slowdown``)."""
         self.dispatcher = dispatcher
         self.predict = predict
         self.stats = stats  # generation's counters (rollout.counters): moves that took effect
