@@ -415,10 +415,11 @@ class TailMigration:
     ``tail_share`` of the step's predicted end (the latest drain over the boxes, ``makespan``) stays: it
     is not the tail, and moving it would only load the boxes that run the tail (in the simulator,
     told every length, placement alone is 1.04x of clairvoyant and moves by age made it 1.09x).
-    A sequence whose prediction evidence informed (``Rest.informed``) is the predicted tail: it moves only to
-    a box where its step, with it added, is at most ``tail_slowdown`` times a lone sequence's there, so the
-    tail runs with few beside it rather than joining a full batch (in the simulator, later epochs 1.06x and
-    1.07x of clairvoyant -> 1.05x and 1.05x, the first 1.19x -> 1.17x; 16 seeds).
+    With ``tail_slowdown`` set, a sequence whose prediction evidence informed (``Rest.informed``) is the
+    predicted tail: it moves only to a box where its step, with it added, is at most that many times a lone
+    sequence's there, so the tail runs with few beside it rather than joining a full batch (in the
+    simulator at 1.3, 16 seeds: 1.19x / 1.06x / 1.07x of clairvoyant by epoch -> 1.16x / 1.04x / 1.05x). It
+    trusts each box's ``StepModel`` split between fixed and per-sequence cost; see docs/benchmarks.md.
     Hysteresis: never to an instance the sequence already ran on, at most ``max_moves`` per sequence,
     ``cooldown_s`` between two moves of one sequence; so no sequence ever moves back and forth.
 
