@@ -6,6 +6,8 @@ manager's status and metrics show of the learned curves (its real app, in proces
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port
@@ -74,6 +76,46 @@ def test_the_first_chunk_after_idle_does_not_count() -> None:
         fit.observe(1, 1, t)
     m = fit.fit(StepModel(1.0, 1 / 64))
     assert m is not None and m.step_s(1) == pytest.approx(0.021, rel=0.01)
+
+
+def bursty_stream(speeds: BoxSpeeds, a: float, b: float, interval: int, gaps: bool) -> StepModel:
+    """64 sequences start together on one box (``a + b n`` a step), lognormal lengths, a chunk each for its
+    first token and then every ``interval``: their chunks come in bursts, as from SGLang under a GRPO step.
+    ``gaps``: each sequence's chunks timed from its previous one (what the dispatcher reports), else the
+    box's chunks windowed."""
+    rng = random.Random(1)
+    lengths = [max(8, min(4096, int(rng.lognormvariate(6.0, 1.0)))) for _ in range(64)]
+    made, sent, last = [0] * 64, [0] * 64, [None] * 64
+    running, t = set(range(64)), 0.33  # a prefill first
+    speeds.busy("x")
+    while running:
+        n = len(running)
+        t += a + b * n
+        for i in list(running):
+            made[i] += 1
+            if made[i] == 1 or made[i] % interval == 0 or made[i] == lengths[i]:
+                tokens, sent[i] = made[i] - sent[i], made[i]
+                if not gaps:
+                    speeds.observe("x", tokens, n, t)
+                elif last[i] is not None:
+                    speeds.observe_gap("x", tokens, n, t - last[i], t)
+                last[i] = t
+            if made[i] == lengths[i]:
+                running.discard(i)
+    model = speeds.model("x")
+    assert model is not None
+    return model
+
+
+def test_a_boxs_curve_is_right_from_bursty_chunks_timed_per_sequence() -> None:
+    """Chunks every 64 tokens from sequences that started together come in bursts: windows over the box's
+    chunks close inside a burst and count a fraction of the tokens made, and put the whole step on the
+    per-sequence part; each sequence's gaps between chunks give the curve exactly."""
+    for a, b in ((0.006, 0.00008), (0.0171, 0.000229)):
+        model = bursty_stream(BoxSpeeds(), a, b, 64, gaps=True)
+        assert model.a == pytest.approx(a, rel=0.03) and model.b == pytest.approx(b, rel=0.1)
+    windowed = bursty_stream(BoxSpeeds(), 0.006, 0.00008, 64, gaps=False)
+    assert windowed.a < 0.003  # what the windows made of it: the fixed part lost
 
 
 def test_a_box_never_measured_is_the_fleets_median_box_and_none_before_any() -> None:

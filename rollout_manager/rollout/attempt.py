@@ -178,8 +178,23 @@ class Attempts:
         """Fold in the chunks of one read, in order; ``chunks`` is emptied, so the sequence keeps only its
         tokens while the next read waits."""
         chunks.reverse()
-        while chunks:
-            self._take(seq, inst, progress, segments, on_tokens, chunks.pop())
+        made = progress.made
+        try:
+            while chunks:
+                self._take(seq, inst, progress, segments, on_tokens, chunks.pop())
+        finally:
+            self._timed(inst, progress, progress.made - made)
+
+    def _timed(self, inst: Instance, progress: SequenceProgress, tokens: int) -> None:
+        """This sequence's tokens of one read, timed from its previous read that brought tokens: a box's step
+        time (``Dispatcher.step_gap``). The first read of an attempt only starts the clock (it waited for a
+        prefill)."""
+        if tokens <= 0:
+            return
+        now = self._loop.time()
+        if progress.tokens_at is not None:
+            self.dispatcher.step_gap(inst, tokens, now - progress.tokens_at)
+        progress.tokens_at = now
 
     def _take(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,
               on_tokens: Callable[[SequenceState], None] | None, chunk: GenerateChunk) -> None:
@@ -188,7 +203,7 @@ class Attempts:
             new = progress.apply(chunk)
         except BadChunk as exc:  # nothing of it was kept: the sequence goes on from before it
             raise EngineFailed(f"bad chunk after {progress.made} good token(s), dropped: {exc}") from None
-        self.dispatcher.progress(inst, new, self._loop.time())
+        self.dispatcher.progress(inst, new, self._loop.time(), timed=True)
         if new and seq.refused is not None:
             self._refusal_overruled(seq, inst)
         segments.advance(progress.weight_version, new)

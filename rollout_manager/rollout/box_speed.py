@@ -7,10 +7,14 @@ ran forty show very different token rates though they are the same box. Ranking 
 aggregate rate therefore feeds on itself (a box given little looks slow and is given little); ranking by
 the fitted ``step_s(n)`` at the count a placement would leave compares like with like.
 
-The fit is online, from the chunks the manager relays anyway: over a window of ``window_s`` the box made
-``tokens`` tokens with on average ``n`` sequences in flight, so it ran about ``tokens / n`` steps, each
-``window * n / tokens`` seconds: one observation ``(n, step_s)``, weighted by its duration and decayed
-with ``tau_s``. A box seen at one count only fixes the level, not the slope: its slope comes from the
+The fit is online, from the chunks the manager relays anyway. The manager times each sequence's chunks:
+``k`` tokens ``gap`` seconds after that sequence's previous chunk are ``k`` decode steps of ``gap / k``
+seconds at the box's count in flight (:meth:`BoxSpeeds.observe_gap`), one observation ``(n, step_s)``
+weighted by its duration and decayed with ``tau_s`` of the clock. Where only the box's chunks in all are
+known (:meth:`BoxSpeeds.observe`, the simulator's exact counts): over a window of ``window_s`` the box made
+``tokens`` tokens with on average ``n`` in flight, ``window * n / tokens`` seconds a step; that misreads
+chunks that come in bursts (a step's sequences started together), so the manager does not use it.
+A box seen at one count only fixes the level, not the slope: its slope comes from the
 fleet's shape (boxes that were seen at several counts; before any, ``DEFAULT_BATCH_HALF``), scaled to its
 level. A box never measured is the fleet's median box, never a slow one. Pure: time is an argument.
 """
@@ -70,7 +74,7 @@ class StepFit:
     """One box's observations ``(mean in flight, seconds per step)``, decayed, and the fit they give."""
 
     __slots__ = ("window_s", "tau_s", "w", "sx", "sy", "sxx", "sxy", "seen_s", "start", "tokens", "n_sum",
-                 "chunks")
+                 "chunks", "decayed_at")
 
     def __init__(self, window_s: float, tau_s: float) -> None:
         self.window_s, self.tau_s = window_s, tau_s
@@ -80,6 +84,7 @@ class StepFit:
         self.tokens = 0
         self.n_sum = 0
         self.chunks = 0
+        self.decayed_at: float | None = None
 
     def restart(self) -> None:
         """The box went from idle to busy: the next chunk opens a window (what it carries is a prefill's
@@ -102,6 +107,19 @@ class StepFit:
         self.start = now
         self.tokens = self.n_sum = self.chunks = 0
         return True
+
+    def add_gap(self, x: float, y: float, dt: float, now: float) -> None:
+        """One sequence's gap between two chunks: ``y`` seconds per step at ``x`` in flight over ``dt``
+        seconds. Many sequences' gaps cover the same time, so the decay follows the clock, not ``dt``."""
+        last = self.decayed_at
+        keep = 1.0 if last is None or now <= last else math.exp(-(now - last) / self.tau_s)
+        self.decayed_at = now
+        self.w = self.w * keep + dt
+        self.sx = self.sx * keep + dt * x
+        self.sy = self.sy * keep + dt * y
+        self.sxx = self.sxx * keep + dt * x * x
+        self.sxy = self.sxy * keep + dt * x * y
+        self.seen_s += dt / max(x, 1.0)  # busy seconds: the box's, not each of its sequences'
 
     def add(self, x: float, y: float, dt: float) -> None:
         """One observation: ``y`` seconds per step at ``x`` in flight, over ``dt`` seconds."""
@@ -169,6 +187,20 @@ class BoxSpeeds:
         """A chunk of ``tokens`` from ``iid`` with ``n`` sequences in flight there."""
         fit = self.fits.get(iid) or self.fit_of(iid)
         if fit.observe(tokens, n, now) and fit.seen_s >= self.min_seen_s:
+            self._dirty.add(iid)
+
+    def observe_gap(self, iid: str, tokens: int, n: int, gap_s: float, now: float) -> None:
+        """A chunk of ``tokens`` from one sequence on ``iid``, ``gap_s`` after that sequence's previous chunk,
+        with ``n`` in flight: ``tokens`` decode steps in ``gap_s``. Exact whenever chunks come, unlike
+        :meth:`observe`'s windows over the box's chunks in all: when a box's sequences start together their
+        chunks come in bursts an interval apart, and a window that closes inside a burst counts a fraction
+        of the tokens made in it (with chunks every 64 tokens, a full box's step looked ten times as long
+        and the fitted curve all per-sequence cost)."""
+        if tokens <= 0 or gap_s <= 0:
+            return
+        fit = self.fits.get(iid) or self.fit_of(iid)
+        fit.add_gap(float(n), gap_s / tokens, gap_s, now)
+        if fit.seen_s >= self.min_seen_s:
             self._dirty.add(iid)
 
     def add(self, iid: str, n: float, step_s: float, dt: float) -> None:

@@ -426,9 +426,11 @@ class Dispatcher:
         self.closing = True
         self._changed()
 
-    def progress(self, inst: Instance, tokens: int, chunk_at: float) -> None:
+    def progress(self, inst: Instance, tokens: int, chunk_at: float, timed: bool = False) -> None:
         """A chunk with ``tokens`` new tokens (0 or more) came from ``inst`` at event-loop time ``chunk_at``.
-        One call per chunk: the chunk's time and its tokens' load in one place."""
+        One call per chunk: the chunk's time and its tokens' load in one place. ``timed``: the caller times
+        its sequence's chunks itself (:meth:`step_gap`); else the box's chunks are windowed
+        (``BoxSpeeds.observe``)."""
         load = inst.load
         load.last_chunk_at = chunk_at
         if not tokens:
@@ -437,7 +439,8 @@ class Dispatcher:
         self.streamed_tokens += tokens
         load.in_flight_tokens = max(load.in_flight_tokens - tokens, 0)
         now = self.clock()
-        self.speeds.observe(iid, tokens, load.in_flight, now)
+        if not timed:
+            self.speeds.observe(iid, tokens, load.in_flight, now)
         box = self.work.get(iid)
         if box is not None and box.tokens:
             box.made(tokens, load.in_flight)
@@ -445,6 +448,11 @@ class Dispatcher:
         (self.meters.get(iid) or self.meter(inst)).observe(tokens, now)
         (self.lone_meters.get(iid) or self.lone_meter(inst)).observe(
             tokens * lone_rate_weight(load.in_flight, self.batch_half), now)
+
+    def step_gap(self, inst: Instance, tokens: int, gap_s: float) -> None:
+        """One sequence on ``inst`` made ``tokens`` in the ``gap_s`` seconds since its previous chunk: that many
+        decode steps at the box's count in flight (``BoxSpeeds.observe_gap``)."""
+        self.speeds.observe_gap(inst.id, tokens, inst.load.in_flight, gap_s, self.clock())
 
     def unreserve(self, inst: Instance, tokens: int) -> None:
         """``tokens`` of what a sequence reserved on ``inst`` will not be made there after all."""

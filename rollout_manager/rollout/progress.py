@@ -97,6 +97,7 @@ class SequenceProgress:
     version_ok: Callable[[Any], str | None] | None = None  # why a reported version is wrong, or None
     per_token: dict[str, list[Any]] = field(default_factory=dict)  # the chunks' other per-token lists, gathered
     chunks: int = 0  # chunks folded in
+    tokens_at: float | None = None  # event-loop time of its last read that brought tokens (a box's step time)
     # The sequence's routed experts when it asked for them (R3; None: it did not), and its prompt's length:
     # the final chunk's rows are checked against what this engine owes and kept there.
     experts: RoutedExperts | None = None
