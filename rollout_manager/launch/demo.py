@@ -200,14 +200,17 @@ class Demo:
         return box
 
     async def box_mid_generation(self, s: aiohttp.ClientSession) -> Box | None:
-        """The live box holding the most tokens already made by sequences still in flight on it (None if no
-        box holds any yet). Tokens made there are the remaining budget's shortfall: each placed sequence
-        reserves ``max_new_tokens`` and every streamed token gives one back."""
+        """The live box holding the most tokens already made by sequences still in flight on it, while they
+        have made at most half their budget on average (None if no box is there yet). Tokens made there are
+        the remaining budget's shortfall: each placed sequence reserves ``max_new_tokens`` and every streamed
+        token gives one back. At half, a kill lands before they finish even on a loaded machine (the
+        sequences are short), so there is something to continue."""
         made: dict[str, int] = {}
         for i in (await self.get(s, "/get_instances_status"))["instances"]:
             reserved = i["in_flight"] * self.args.max_new_tokens
-            if i["in_flight"] and 0 < reserved - i["in_flight_tokens"] and i["in_flight_tokens"] > 0:
-                made[i["endpoint"]] = reserved - i["in_flight_tokens"]
+            done = reserved - i["in_flight_tokens"]
+            if i["in_flight"] and 0 < done <= reserved // 2 and i["in_flight_tokens"] > 0:
+                made[i["endpoint"]] = done
         live = [b for b in self.boxes if b.child.alive() and b.endpoint in made]
         return max(live, key=lambda b: made[b.endpoint], default=None)
 
