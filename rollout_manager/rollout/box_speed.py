@@ -112,24 +112,22 @@ class StepFit:
         """One sequence's gap between two chunks: ``y`` seconds per step at ``x`` in flight over ``dt``
         seconds. Many sequences' gaps cover the same time, so the decay follows the clock, not ``dt``."""
         last = self.decayed_at
-        keep = 1.0 if last is None or now <= last else math.exp(-(now - last) / self.tau_s)
         self.decayed_at = now
-        self.w = self.w * keep + dt
-        self.sx = self.sx * keep + dt * x
-        self.sy = self.sy * keep + dt * y
-        self.sxx = self.sxx * keep + dt * x * x
-        self.sxy = self.sxy * keep + dt * x * y
+        self._fold(x, y, dt, 1.0 if last is None or now <= last else math.exp(-(now - last) / self.tau_s))
         self.seen_s += dt / max(x, 1.0)  # busy seconds: the box's, not each of its sequences'
 
     def add(self, x: float, y: float, dt: float) -> None:
         """One observation: ``y`` seconds per step at ``x`` in flight, over ``dt`` seconds."""
-        keep = math.exp(-dt / self.tau_s)
+        self._fold(x, y, dt, math.exp(-dt / self.tau_s))
+        self.seen_s += dt
+
+    def _fold(self, x: float, y: float, dt: float, keep: float) -> None:
+        """The sums decayed by ``keep``, then one observation weighted by ``dt`` added."""
         self.w = self.w * keep + dt
         self.sx = self.sx * keep + dt * x
         self.sy = self.sy * keep + dt * y
         self.sxx = self.sxx * keep + dt * x * x
         self.sxy = self.sxy * keep + dt * x * y
-        self.seen_s += dt
 
     @property
     def spread(self) -> float:
