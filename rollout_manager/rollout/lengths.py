@@ -361,8 +361,13 @@ class LengthModel:
     def left(self, track: Track, made: int) -> float:
         """Tokens ``track`` is expected to make still, given ``made``: the conditional median's rest, at least
         one, within its budget. Reads the group's last fit."""
+        return self._rest(track, made, 0)
+
+    def _rest(self, track: Track, made: int, which: int) -> float:
+        """What is left of ``conditional``'s figure ``which`` (0: median, 2: quantile) given ``made``: at least
+        one token, within the budget. Reads the group's last fit."""
         mu, sigma = track.group.fitted()
-        left = max(conditional(mu, sigma, made, self.q, track.budget)[0] - made, 1.0)
+        left = max(conditional(mu, sigma, made, self.q, track.budget)[which] - made, 1.0)
         return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
 
     @staticmethod
@@ -376,11 +381,7 @@ class LengthModel:
         """Tokens ``track`` still makes at the model's upper ``quantile``, given ``made``, where its group's fit
         is :meth:`informed`; None where it rests on the fleet's figure alone, which only says how wide
         lengths spread."""
-        if not self.informed(track):
-            return None
-        mu, sigma = track.group.fitted()
-        left = max(conditional(mu, sigma, made, self.q, track.budget)[2] - made, 1.0)
-        return left if track.budget is None else min(left, float(max(track.budget - made, 1)))
+        return self._rest(track, made, 2) if self.informed(track) else None
 
     def status(self, top: int = 10) -> LengthsStatus:
         """The model's state; every running sequence reads its running length (and is predicted: the
