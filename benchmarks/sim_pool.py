@@ -254,8 +254,7 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
             if affinity is not None and not r.done:
                 affinity[r.group] = choice
             if ms is not None:
-                inst.work.placed(ms.expected(r.budget_left, r.predicted),
-                                 None if high is None else min(high, float(r.budget_left)))
+                inst.work.placed(*ms.counted(r.budget_left, r.predicted, high))
             r.piece_end = r.done + pieces if pieces else None
 
     def predict_left(s: RunningSequence) -> Rest | None:

@@ -296,7 +296,7 @@ class Dispatcher:
         box = self.work.get(inst.id)
         if box is None:
             box = self.work[inst.id] = BoxWork()
-        box.placed(policy.expected(tokens, predicted), None if high is None else min(high, float(tokens)))
+        box.placed(*policy.counted(tokens, predicted, high))
         self._reserve(inst, tokens, now)
         return inst
 

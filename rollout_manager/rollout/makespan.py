@@ -44,11 +44,11 @@ class BoxWork:
     tokens: float = 0.0
     longest: float = 0.0
 
-    def placed(self, predicted: float, high: float | None = None) -> None:
-        """A sequence predicted to make ``predicted`` tokens was placed here; ``high`` (at least that) is
-        what it counts for as the box's longest (see :meth:`Makespan.place`)."""
+    def placed(self, predicted: float, longest: float | None = None) -> None:
+        """A sequence predicted to make ``predicted`` tokens was placed here; ``longest`` (default
+        ``predicted``) is what it counts for as the box's longest (:meth:`Makespan.counted`)."""
         self.tokens += predicted
-        top = predicted if high is None or high < predicted else high
+        top = predicted if longest is None else longest
         if top > self.longest:
             self.longest = top
 
@@ -99,6 +99,13 @@ class Makespan:
         guess = float(self.unknown_tokens) if predicted is None else predicted
         return max(min(guess, float(request_tokens)), 1.0)
 
+    def counted(self, request_tokens: int, predicted: float | None,
+                high: float | None = None) -> tuple[float, float]:
+        """What a sequence counts for in a box's total (:meth:`expected`) and in its longest term: ``high``
+        where given (see :meth:`place`), never under the total's figure nor past the budget."""
+        tokens = self.expected(request_tokens, predicted)
+        return tokens, tokens if high is None else max(tokens, min(high, float(request_tokens)))
+
     def move_price_s(self, c: InstanceLoad, context_tokens: int | None) -> float:
         """Seconds a sequence of ``context_tokens`` (None: unknown, the overhead only) pays to start on ``c``
         rather than where its prefix is cached."""
@@ -120,13 +127,12 @@ class Makespan:
         term, the median in its total: a box's end is its longest sequence's, and the longest of a few
         samples alike in their median is nearer their upper quantile. So a box given a group predicted
         long takes less short work beside it (in ``benchmarks/sim_tail.py``, 16 seeds: epochs with
-        history 1.10x and 1.09x of clairvoyant with the median alone, 1.06x and 1.06x with it).
+        history 1.10x and 1.09x of clairvoyant with the median alone, 1.06x and 1.07x with it).
 
         It never holds a sequence back while a box has room: in the simulator, holding it for a full box
         that drains sooner, or keeping the fastest box at half a batch for the tail, both made the step
         longer (the held work waits on one box while the others empty)."""
-        tokens = self.expected(request_tokens, predicted)
-        top = tokens if high is None else max(tokens, min(high, float(request_tokens)))
+        tokens, top = self.counted(request_tokens, predicted, high)
         cap, min_left, overhead = self.max_in_flight, self.min_left, self.move_overhead_s
         # One pass (a thousand candidates per placement): the least drain among boxes with a step model and,
         # in case some box has none (nothing is measured yet: the fleet's figure stands in for a box not
