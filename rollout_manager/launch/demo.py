@@ -209,7 +209,7 @@ class Demo:
         for i in (await self.get(s, "/get_instances_status"))["instances"]:
             reserved = i["in_flight"] * self.args.max_new_tokens
             done = reserved - i["in_flight_tokens"]
-            if i["in_flight"] and 0 < done <= reserved // 2 and i["in_flight_tokens"] > 0:
+            if i["in_flight"] and 0 < done <= reserved // 2:  # some made, at least half the budget left
                 made[i["endpoint"]] = done
         live = [b for b in self.boxes if b.child.alive() and b.endpoint in made]
         return max(live, key=lambda b: made[b.endpoint], default=None)
