@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from real_sglang import real_sglang, real_sglang_model  # noqa: F401  (fixtures for the real_sglang tests)
-from support import PY, OnLoopback, Proc, async_wait_until, free_port, wait_http_ok, wait_http_ok_sync
+from support import PY, STARTED, OnLoopback, Proc, async_wait_until, free_port, wait_http_ok, wait_http_ok_sync
 
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config
@@ -22,6 +22,27 @@ FAST = {
     "health_check_timeout_s": "2",
     "health_failure_threshold": "2",
 }
+
+LOG_TAIL_CHARS = 4000
+LOGGED_PROCS = 6  # the last ones started: a thousand-engine test would drown the report
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    STARTED.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test's report ends with the logs of the daemons it started: a flake on CI is then
+    diagnosable from CI's output alone."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and report.when in ("setup", "call"):
+        for proc in STARTED[-LOGGED_PROCS:]:
+            name = " ".join(a for a in proc.args[1:4] if a != "-m")
+            report.sections.append((f"log of {name} ({proc.log_path.name}), last {LOG_TAIL_CHARS} chars",
+                                    proc.tail(LOG_TAIL_CHARS)))
 
 
 @dataclass

@@ -22,6 +22,8 @@ from rollout_manager.osutil import free_port, port_is_bindable
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 T = TypeVar("T")
+# The child processes started since the current test began: their logs go in its failure report.
+STARTED: list[Proc] = []
 
 
 class Proc:
@@ -35,6 +37,7 @@ class Proc:
             args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, **(env or {})}, start_new_session=True,
         )
+        STARTED.append(self)
 
     @property
     def pid(self) -> int:
@@ -43,6 +46,13 @@ class Proc:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def tail(self, chars: int) -> str:
+        """The end of its log, read from the file (safe after stop(); the child wrote it, not us)."""
+        try:
+            return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
 
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:

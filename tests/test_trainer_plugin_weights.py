@@ -123,7 +123,8 @@ async def test_verl_adapter_pushes_through_the_default_hook(pool):
     policy = build_model(3)  # different weights from the engines' seed-0 model
     try:
         result = await adapter.update_weights(iter(policy.state_dict().items()), global_steps=1)
-        assert result["pushed"] and result["new_weight_version"] == 1 and result["instances_at_version"] == 2
+        assert result["pushed"] and result["new_weight_version"] == 1 and result["instances_at_version"] == 2, \
+            (result, [(i["endpoint"], i["state"], i.get("last_error")) for i in (await m.status())["instances"]])
 
         async def serving() -> bool:  # the hook returns once both boxes have it staged; they then activate it
             # weight_versions' "active": what a box serves (its weight_version names the new one from the pause)
