@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tm-tail-share", type=float, default=1.0,
                    help="where lengths are predicted, a sequence predicted to end before this share of the "
                    "step's predicted end stays (the manager's tail_migration_tail_share; 0: by age alone)")
-    p.add_argument("--tm-tail-slowdown", type=float, default=0.0,
+    p.add_argument("--tm-tail-slowdown", type=float, default=1.3,
                    help="a sequence predicted from evidence moves only where it runs within this factor of a lone "
                    "sequence's speed (the manager's tail_migration_tail_slowdown; 0: no such bound)")
     p.add_argument("--no-clairvoyant", dest="clairvoyant", action="store_false",

@@ -84,8 +84,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p.add_argument("--no-migration", action="store_true")
     p.add_argument("--migrate-interval", type=float, default=1.0)
     p.add_argument("--tick", type=float, default=0.25)
-    p.add_argument("--tail-slowdown", type=float, default=0.0,
-                   help="tail_migration_tail_slowdown (0: the predicted tail may join any batch)")
+    p.add_argument("--tail-slowdown", type=float, default=1.3,
+                   help="tail_migration_tail_slowdown, as the manager (0: the predicted tail may join any batch)")
     p.add_argument("--tail-share", type=float, default=1.0,
                    help="tail_migration_tail_share (0: tail migration by age alone, as before 2026-11-28)")
     p.add_argument("--warm", action="store_true",
