@@ -369,7 +369,7 @@ def lone_rate_weight(n: int, batch_half: float) -> float:
 class Rest(NamedTuple):
     """What the length model says of a running sequence: the ``tokens`` it still makes (its conditional
     median's rest), and whether evidence ``informed`` that (the prompt's earlier lengths or a sibling that
-    finished, ``LengthModel.high``) rather than the fleet's figure alone."""
+    finished, ``LengthModel.informed``) rather than the fleet's figure alone."""
 
     tokens: float
     informed: bool = False
