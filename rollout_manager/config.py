@@ -129,6 +129,9 @@ class Config(BaseModel):
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True
     length_prediction: bool = False  # rollout.lengths: observe and predict output lengths per group
+    # The prompts' lengths kept across restarts (rollout.length_store): the file ("" : not kept), written this often.
+    length_history_file: str = ""
+    length_history_save_s: float = Field(default=60.0, gt=0)
     # Divided rollouts (rollout.pieces): the smallest piece (0: off), the smallest budget divided, the largest piece.
     piece_tokens: int = Field(default=0, ge=0)
     piece_min_budget: int = Field(default=1024, ge=1)
@@ -194,6 +197,18 @@ class Config(BaseModel):
         if isinstance(value, str):
             parse_networks(value)
         return value
+
+    @field_validator("length_history_file")
+    @classmethod
+    def _history_file(cls, v: str) -> str:
+        if v:
+            p = Path(v).expanduser()
+            if p.is_dir():
+                raise ValueError(f"{v!r} is a directory; name a file in it")
+            if not p.parent.is_dir():
+                raise ValueError(f"the directory of {v!r} does not exist")
+            return str(p)
+        return v
 
     @field_validator("tail_migration_tail_slowdown")
     @classmethod

@@ -20,12 +20,15 @@ a group is fitted again only when one of its samples finishes (its running sibli
 and when the status is asked for), from running sums of its finished lengths, so a start costs a hash of
 the prompt and one ``exp`` and :meth:`~LengthModel.predict` (a piece boundary) reads the group's last fit.
 Every prediction is remembered per "how much of the group had finished" bucket and scored when its
-sequence ends (:class:`ErrorStats`). Pure: no I/O, no clock, no asyncio.
+sequence ends (:class:`ErrorStats`). What outlives the daemon (the prompts' lengths and the fleet's figure)
+goes out and comes back as a :class:`LengthHistory` (:meth:`~LengthModel.export`,
+:meth:`~LengthModel.restore`); ``length_store`` keeps it in a file. Pure: no I/O, no clock, no asyncio.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +48,9 @@ MAX_FINISHED = 64  # finished log lengths kept per group (a GRPO group is n samp
 # Running siblings a finish reads and predicts again, and a fit takes as censored: a group's work per event
 # is bounded by this, not by how many callers sent one prompt at once (the fallback group of a hot prompt).
 MAX_SIBLINGS = 16
+# How prompt keys are made: Python's hash of the token tuple. Integers are never salted, so the key of a prompt
+# is the same in every process of one Python version and word size, which is what a saved history needs.
+KEY_SCHEME = f"tuple-hash/py{sys.version_info[0]}.{sys.version_info[1]}/{sys.hash_info.width}"
 # Buckets of "the fraction of the group that had finished when the prediction was made".
 BUCKETS = ("0", "0-25", "25-50", "50-75", "75-100")
 
@@ -278,6 +284,19 @@ class LengthsStatus(msgspec.Struct, frozen=True):
     longest: list[RunningPrediction]
 
 
+class LengthHistory(msgspec.Struct, frozen=True):
+    """What the model keeps across restarts: each prompt's last lengths (by prompt key, oldest first) and the
+    fleet's figure (log-length mean and variance, and how many finished sequences it has seen). ``keys``
+    names how the prompt keys were made (:data:`KEY_SCHEME`); a history made under other keys means nothing
+    here and is refused."""
+
+    keys: str
+    fleet_mu: float
+    fleet_var: float
+    finished: int
+    prompts: list[tuple[int, list[int]]]
+
+
 class LengthModel:
     """Per-group online length estimates, the per-prompt history across epochs, and their scored error."""
 
@@ -398,6 +417,33 @@ class LengthModel:
             fleet_median_tokens=round(math.exp(self.fleet.mu), 1), fleet_sigma_log=round(math.sqrt(self.fleet.var), 4),
             errors={b: e.summary() for b, e in self.errors.items() if e.n},
             longest=longest)
+
+    # ------------------------------------------------------------ across restarts
+    def export(self) -> LengthHistory:
+        """The prompts' lengths and the fleet's figure, to be restored by a later daemon (O(prompts kept))."""
+        return LengthHistory(KEY_SCHEME, self.fleet.mu, self.fleet.var, self.finished,
+                             [(key, list(lengths)) for key, lengths in self.history.items()])
+
+    def restore(self, saved: LengthHistory) -> int:
+        """Take ``saved``'s prompts and fleet figure (the prompts this model already knows keep theirs); the
+        number of prompts taken. Raises ValueError, changing nothing, for a history made under other keys or
+        with values no model makes."""
+        if saved.keys != KEY_SCHEME:
+            raise ValueError(f"prompt keys {saved.keys!r} are not this process's {KEY_SCHEME!r} "
+                             "(another Python version or word size)")
+        if not (math.isfinite(saved.fleet_mu) and math.isfinite(saved.fleet_var) and saved.fleet_var >= 0
+                and saved.finished >= 0):
+            raise ValueError("the fleet's figure is not a finite mean and variance")
+        if any(not lengths or min(lengths) < 1 for _, lengths in saved.prompts):
+            raise ValueError("a prompt's lengths are empty or below one token")
+        taken = 0
+        for key, lengths in saved.prompts[-int(self.history.maxsize):]:
+            if key not in self.history:
+                self.history[key] = deque(lengths[-self.history_depth:], maxlen=self.history_depth)
+                taken += 1
+        self.fleet = Prior(saved.fleet_mu, max(saved.fleet_var, MIN_SIGMA ** 2), self.fleet.weight)
+        self.finished = max(self.finished, saved.finished)
+        return taken
 
     # ------------------------------------------------------------ inside
     def _close(self, track: Track) -> None:
