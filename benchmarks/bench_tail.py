@@ -22,12 +22,16 @@ Requests go as the verl plugin sends them (``trainer_plugin.proxy.build_generate
 Every output is checked against the model's reference (``tail_fleet.reference``); the fleet counts tokens
 decoded at a position some box had made before (*regenerated*) apart from output tokens prefilled on a box
 that lacked them (*re-prefilled*). Epochs after the first send the same prompts with new seeds to the same
-managers (what history adds). Seeds give independent runs (fresh managers, new prompts); the summary shows
+managers (what history adds); with ``--restart`` each manager is stopped (SIGTERM) and started again before
+each of those epochs, as a trainer resumed from a checkpoint restarts it, and with ``--state-file`` this
+checkout's manager keeps what its scheduler learned in a file across the restart (``scheduler_state_file``,
+one per seed under ``--cache-dir``). Seeds give independent runs (fresh managers, new prompts); the summary shows
 each path's median and spread over seeds.
 
     .venv/bin/python benchmarks/bench_tail.py            # 3 seeds x 3 epochs, 64 x 8, ~15 min on 2 cores
     .venv/bin/python benchmarks/bench_tail.py --quick    # 2 seeds x 2 epochs at half the step time
     .venv/bin/python benchmarks/bench_tail.py --manager-config scheduler_policy=makespan
+    .venv/bin/python benchmarks/bench_tail.py --no-router --epochs 2 --restart --state-file --baseline-rev HEAD
 
 The last line is ``tail: manager X.XXx of clairvoyant, router Y.YYx`` (medians over seeds, first epoch).
 """
@@ -226,6 +230,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-rev", default="f5012fc", help="the manager before this work")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--no-router", action="store_true", help="round robin from the client instead of sglang-router")
+    p.add_argument("--restart", action="store_true",
+                   help="stop (SIGTERM) and start each manager again before every epoch after the first")
+    p.add_argument("--state-file", action="store_true",
+                   help="this checkout's manager keeps what its scheduler learned in a file (scheduler_state_file), "
+                   "one per seed under --cache-dir, read again when --restart starts it")
     p.add_argument("--cache-dir", type=Path, default=CACHE,
                    help="the router's venv, the baseline's worktree, logs")
     args = p.parse_args(argv)
@@ -262,12 +271,17 @@ async def bench(args: argparse.Namespace) -> list[Result]:
             if router_py is not None:
                 router_url = await start_router(procs, router_py, urls, logs)
             for seed in range(args.seeds):
-                managers = {"manager": await start_manager(procs, ROOT, args.manager_config, urls,
-                                                           logs / f"manager{seed}.log")}
+                settings = {"manager": (ROOT, args.manager_config + state_setting(args, seed))}
                 if base_root is not None:
-                    managers["baseline"] = await start_manager(procs, base_root, args.baseline_config, urls,
-                                                               logs / f"baseline{seed}.log")
+                    settings["baseline"] = (base_root, args.baseline_config)
+                managers = {name: await start_manager(procs, root, config, urls, logs / f"{name}{seed}e0.log")
+                            for name, (root, config) in settings.items()}
                 for epoch in range(args.epochs):
+                    if epoch and args.restart:  # as a resumed trainer restarts its manager
+                        for name, (root, config) in settings.items():
+                            procs.terminate(managers[name])
+                            managers[name] = await start_manager(procs, root, config, urls,
+                                                                 logs / f"{name}{seed}e{epoch}.log")
                     step = make_step(seed, epoch, args, model)
                     plan = clairvoyant(specs, step.jobs)
                     bound = lower_bound(specs, step.jobs)
@@ -293,6 +307,16 @@ async def bench(args: argparse.Namespace) -> list[Result]:
         procs.stop_all()
     report(results, args, specs, fleet_cpu)
     return results
+
+
+def state_setting(args: argparse.Namespace, seed: int) -> list[str]:
+    """``scheduler_state_file`` for this seed's manager under test (a fresh file: each seed has new prompts)."""
+    if not args.state_file:
+        return []
+    path = args.cache_dir / "state" / f"scheduler-{seed}.msgpack"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    return [f"scheduler_state_file={path}"]
 
 
 def line(r: Result) -> str:

@@ -97,6 +97,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p.add_argument("--bench-lengths", action="store_true",
                    help="bench_tail's own lengths (its seeds, its epochs' draws) instead of the simulator's: the "
                    "simulator on the very steps bench_tail ran, seed by seed")
+    p.add_argument("--restart", choices=("nothing", "lengths", "all"), default=None,
+                   help="the manager restarts before every epoch after the first, keeping nothing, the length "
+                   "model only, or the length model and the boxes' speeds (scheduler_state_file)")
     p.add_argument("--oracle", choices=("exact", "group"), default=None,
                    help="predictions told the truth (each length, or its group's median): the policy's own gap")
     own = p.parse_args(argv)
@@ -135,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             policy: Makespan = PiecedMakespan(max_in_flight=own.cap, pieces=own.pieces) if own.pieces \
                 else Makespan(max_in_flight=own.cap)
             mover = None if own.no_migration else TailMigration(**bench_scheduling.migration_kwargs(args))  # type: ignore[arg-type]
+            if epoch and own.restart:  # what a restarted manager starts from: the curves it saved, seeded
+                kept, speeds = speeds.models()[0], BoxSpeeds()
+                for iid, curve in kept.items() if own.restart == "all" else ():
+                    speeds.seed(iid, curve)
+                if own.restart == "nothing" and not own.oracle:
+                    model = LengthModel()
             r = simulate("manager", policy, lengths, args, None, None, mover, model, epoch, speeds, table)
             ratios[epoch].append(r.makespan / best)
             bounds[epoch].append(r.makespan / lower_bound(specs, jobs))
@@ -142,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sim tail: {own.seeds} seeds x {own.epochs} epochs, {own.groups} groups x {GROUP}; placement cap {own.cap}, "
           f"pieces {own.pieces or 'off'}, tail migration {'off' if own.no_migration else 'on'}, "
           f"predictions {'told the ' + own.oracle + ' truth' if own.oracle else 'learned'}, "
-          f"speeds {'learned in a step before' if own.warm else 'unknown at the start'}; "
+          f"speeds {'learned in a step before' if own.warm else 'unknown at the start'}"
+          f"{'; restarted before each later epoch keeping ' + own.restart if own.restart else ''}; "
           f"moves per step median {statistics.median(moves):.0f}")
     for epoch, (rs, bs) in enumerate(zip(ratios, bounds)):
         print(f"- epoch {epoch}: makespan / clairvoyant median {statistics.median(rs):.2f} "

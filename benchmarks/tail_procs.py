@@ -46,6 +46,18 @@ class Procs:
         if proc is not None:
             _kill(proc)
 
+    def terminate(self, url: str, timeout_s: float = 60.0) -> None:
+        """Stop it as an operator would (SIGTERM: a manager finishes its shutdown, writing what it keeps),
+        killed if it is still running after ``timeout_s``."""
+        proc = self.by_url.pop(url, None)
+        if proc is None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+
     def stop_all(self) -> None:
         for url in list(self.by_url):
             self.stop(url)

@@ -129,9 +129,10 @@ class Config(BaseModel):
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True
     length_prediction: bool = False  # rollout.lengths: observe and predict output lengths per group
-    # The prompts' lengths kept across restarts (rollout.length_store): the file ("" : not kept), written this often.
-    length_history_file: str = ""
-    length_history_save_s: float = Field(default=60.0, gt=0)
+    # What the scheduler learned, kept across restarts (rollout.scheduler_state): the file ("": not kept), written
+    # this often.
+    scheduler_state_file: str = ""
+    scheduler_state_save_s: float = Field(default=60.0, gt=0)
     # Divided rollouts (rollout.pieces): the smallest piece (0: off), the smallest budget divided, the largest piece.
     piece_tokens: int = Field(default=0, ge=0)
     piece_min_budget: int = Field(default=1024, ge=1)
@@ -198,7 +199,7 @@ class Config(BaseModel):
             parse_networks(value)
         return value
 
-    @field_validator("length_history_file")
+    @field_validator("scheduler_state_file")
     @classmethod
     def _history_file(cls, v: str) -> str:
         if v:

@@ -41,8 +41,8 @@ from rollout_manager.rollout.affinity import AffinitySettings
 from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.generation_settings import GenerationSettings
-from rollout_manager.rollout.length_store import LengthStore
 from rollout_manager.rollout.local_budget import LocalBudget
+from rollout_manager.rollout.scheduler_state import StateFile
 from rollout_manager.rollout.scheduling import make_policy
 from rollout_manager.sglang import relay
 from rollout_manager.sglang.auth import SGLangAuth
@@ -100,15 +100,13 @@ class Manager:
             self.local_budget,
             on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
         )
-        # The prompts' lengths from the daemon before this one, and kept for the next.
-        self.length_store: LengthStore | None = None
-        if cfg.length_history_file and self.generator.lengths is not None:
-            self.length_store = LengthStore(cfg.length_history_file, self.generator.lengths,
-                                            cfg.length_history_save_s)
-            self.length_store.load()
-        elif cfg.length_history_file:
-            log.warning("length_history_file is set but nothing predicts lengths (scheduler_policy %r, "
-                        "length_prediction false): no history is kept", cfg.scheduler_policy)
+        # What the scheduler learned before a restart (the prompts' lengths, the boxes' speed curves), kept.
+        self.scheduler_state: StateFile | None = None
+        if cfg.scheduler_state_file:
+            self.scheduler_state = StateFile(cfg.scheduler_state_file, self.generator.lengths,
+                                             self.dispatcher.speed_curves, self.dispatcher.remember_speeds,
+                                             cfg.scheduler_state_save_s)
+            self.scheduler_state.load()
         # weights
         self.senders = SenderPlan(self.registry, cfg)
         self.weights = WeightSync(self.registry, self.version, self.senders,
@@ -124,8 +122,8 @@ class Manager:
 
         self.probes.start()
         self.quarantine.start()
-        if self.length_store is not None:
-            self.length_store.start()
+        if self.scheduler_state is not None:
+            self.scheduler_state.start()
 
     def _serving_new_version(self, inst: Instance) -> None:
         self.dispatcher.recovered(inst)  # place requests waiting for the version
@@ -151,9 +149,9 @@ class Manager:
         self.generator.stop()
 
     async def close(self) -> None:
-        """Cancel every background task, write the length history, and close outgoing connections."""
-        if self.length_store is not None:
-            await self.length_store.close()
+        """Cancel every background task, write the scheduler's state, and close outgoing connections."""
+        if self.scheduler_state is not None:
+            await self.scheduler_state.close()
         await self.weights.close()
         await self.health.close()
         await self.probes.close()
@@ -220,9 +218,9 @@ class Manager:
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
             "generation": {**self.generator.stats, "streamed_tokens": self.dispatcher.streamed_tokens},
-            "lengths": None if self.generator.lengths is None else {
-                **msgspec.to_builtins(self.generator.lengths.status()),
-                "history_file": None if self.length_store is None else msgspec.to_builtins(self.length_store.status())},
+            "lengths": None if self.generator.lengths is None else msgspec.to_builtins(self.generator.lengths.status()),
+            "scheduler_state": None if self.scheduler_state is None
+            else msgspec.to_builtins(self.scheduler_state.status()),
             "requests_waiting_for_instance": self.dispatcher.waiting,
             "admission": self.dispatcher.admission_status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],

@@ -27,7 +27,7 @@ from statistics import median
 
 import msgspec
 
-__all__ = ["StepModel", "StepFit", "StepStatus", "BoxSpeeds", "DEFAULT_BATCH_HALF"]
+__all__ = ["BoxCurve", "StepModel", "StepFit", "StepStatus", "BoxSpeeds", "DEFAULT_BATCH_HALF"]
 
 # The shape before any box showed its slope: a sequence runs at half its lone speed beside this many
 # others (the batch model scheduling.per_sequence_rate assumes: a GPU's memory-bound decode).
@@ -55,6 +55,15 @@ class StepModel:
         them, is empty: ``longest`` steps, and each sequence is in ``its own`` of them (exact for this
         model while nothing joins)."""
         return self.a * longest + self.b * tokens
+
+
+class BoxCurve(msgspec.Struct, frozen=True):
+    """A box's learned step curve under its endpoint, kept across restarts of the daemon (its instance id is
+    new after one; the box at that address is most likely the same machine)."""
+
+    endpoint: str
+    base_s: float
+    per_sequence_s: float
 
 
 class StepStatus(msgspec.Struct, frozen=True):
@@ -207,6 +216,15 @@ class BoxSpeeds:
         fit.add(n, step_s, dt)
         if fit.seen_s >= self.min_seen_s:
             self._dirty.add(iid)
+
+    def seed(self, iid: str, model: StepModel, weight_s: float = 1.0) -> None:
+        """Start ``iid`` from ``model`` (a curve learned before a restart): two observations of ``weight_s``
+        busy seconds each, alone and at a full batch, so it counts as measured at once and its own streams
+        outweigh the seed within a second or two of decoding."""
+        if not (model.a > 0 and model.b >= 0 and math.isfinite(model.a) and math.isfinite(model.b)):
+            return
+        for n in (1.0, DEFAULT_BATCH_HALF):
+            self.add(iid, n, model.step_s(n), weight_s)
 
     def forget(self, iid: str) -> None:
         self.fits.pop(iid, None)

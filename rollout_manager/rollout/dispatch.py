@@ -30,7 +30,7 @@ from rollout_manager.instances.registry import Event, Instance, Kind, Registry, 
 from rollout_manager.notify import Signal
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
-from rollout_manager.rollout.box_speed import BoxSpeeds
+from rollout_manager.rollout.box_speed import BoxCurve, BoxSpeeds, StepModel
 from rollout_manager.rollout.local_budget import LocalWindow
 from rollout_manager.rollout.makespan import BoxWork, Makespan
 from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
@@ -101,6 +101,7 @@ class Dispatcher:
         # Each instance's decode step time by running count, learned from its streams (box_speed), and,
         # under the makespan policy, what its sequences are predicted still to make (makespan.BoxWork).
         self.speeds = BoxSpeeds()
+        self.remembered_speeds: dict[str, StepModel] = {}  # by endpoint, from before a restart (remember_speeds)
         self.work: dict[str, BoxWork] = {}
         self.makespan = policy if isinstance(policy, Makespan) else None
         registry.listeners.append(self._on_event)
@@ -111,6 +112,10 @@ class Dispatcher:
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         inst.load.max_in_flight = self.bound_of(inst)
+        if event.old is None and self.remembered_speeds:  # a box this daemon's predecessor had measured
+            model = self.remembered_speeds.get(inst.endpoint)
+            if model is not None:
+                self.speeds.seed(inst.id, model)
         if event.new == State.ACTIVE:
             self._none_since = None
         elif event.old == State.ACTIVE and not self.registry.in_state(State.ACTIVE):
@@ -137,6 +142,20 @@ class Dispatcher:
         """Who can take work, or the load, changed: wake the generic waiters, place queued requests."""
         self.changed.notify()
         self._place_waiting()
+
+    def speed_curves(self) -> list[BoxCurve]:
+        """The measured boxes' learned step curves by endpoint (what a restarted daemon starts from)."""
+        models, _ = self.speeds.models()
+        return [BoxCurve(inst.endpoint, m.a, m.b) for inst in self.registry
+                if (m := models.get(inst.id)) is not None]
+
+    def remember_speeds(self, curves: list[BoxCurve]) -> None:
+        """Curves from before a restart: a box registering at one of these endpoints starts from its curve."""
+        self.remembered_speeds = {c.endpoint: StepModel(c.base_s, c.per_sequence_s) for c in curves}
+        for inst in self.registry:  # registered already (not the case at start; cheap either way)
+            model = self.remembered_speeds.get(inst.endpoint)
+            if model is not None and not self.speeds.measured(inst.id):
+                self.speeds.seed(inst.id, model)
 
     def bound_of(self, inst: Instance) -> int:
         """The most sequences ``inst`` may have in flight from here (see ``__init__``)."""

@@ -22,7 +22,7 @@ the prompt and one ``exp`` and :meth:`~LengthModel.predict` (a piece boundary) r
 Every prediction is remembered per "how much of the group had finished" bucket and scored when its
 sequence ends (:class:`ErrorStats`). What outlives the daemon (the prompts' lengths and the fleet's figure)
 goes out and comes back as a :class:`LengthHistory` (:meth:`~LengthModel.export`,
-:meth:`~LengthModel.restore`); ``length_store`` keeps it in a file. Pure: no I/O, no clock, no asyncio.
+:meth:`~LengthModel.restore`); ``scheduler_state`` keeps it in a file. Pure: no I/O, no clock, no asyncio.
 """
 
 from __future__ import annotations
