@@ -201,7 +201,7 @@ class Config(BaseModel):
 
     @field_validator("scheduler_state_file")
     @classmethod
-    def _history_file(cls, v: str) -> str:
+    def _state_file(cls, v: str) -> str:
         if v:
             p = Path(v).expanduser()
             if p.is_dir():

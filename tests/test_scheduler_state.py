@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from rollout_manager.config import Config, ConfigError, load_config
-from rollout_manager.instances.registry import Kind
+from rollout_manager.instances.registry import Kind, State
 from rollout_manager.manager import Manager
 from rollout_manager.rollout.box_speed import BoxCurve, BoxSpeeds, StepModel
 from rollout_manager.rollout.lengths import KEY_SCHEME, LengthHistory, LengthModel
@@ -184,8 +184,15 @@ async def test_a_new_manager_on_the_file_knows_the_boxes_at_their_endpoints(tmp_
         assert m is not None and m.a == pytest.approx(0.006, rel=0.02) and m.b == pytest.approx(0.00008, rel=0.05)
         assert not second.dispatcher.speeds.measured(other.id)  # a box never measured stays so
         assert second.status()["scheduler_state"]["restored_boxes"] == 1
+        assert second.registry.transition(again, State.DEAD, "test: the box left")
     finally:
-        await second.close()
+        await second.close()  # its curve is written again though the box has not come back
+    third = Manager(cfg)
+    try:
+        late = third.registry.add("127.0.0.1", 31001, Kind.REMOTE)
+        assert third.dispatcher.speeds.measured(late.id)
+    finally:
+        await third.close()
 
 
 @pytest.mark.slow

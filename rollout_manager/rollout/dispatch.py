@@ -61,6 +61,11 @@ def default_max_in_flight_total(soft_open_files: int | None = None) -> int:
     return max(min(soft // 2 - min(soft // 8, 1024), MAX_IN_FLIGHT_TOTAL_CEILING), 16)
 
 
+# Box curves kept across restarts (Dispatcher.speed_curves): every box of a large fleet, and a bound on the
+# addresses of boxes that never come back (preemptible ones return elsewhere).
+MAX_REMEMBERED_CURVES = 4096
+
+
 class Dispatcher:
     def __init__(self, registry: Registry, policy: PlacementPolicy, *, clock: Callable[[], float] = time.monotonic,
                  max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0, gather_s: float = 0.0):
@@ -144,10 +149,14 @@ class Dispatcher:
         self._place_waiting()
 
     def speed_curves(self) -> list[BoxCurve]:
-        """The measured boxes' learned step curves by endpoint (what a restarted daemon starts from)."""
+        """The measured boxes' learned step curves by endpoint (what a restarted daemon starts from), then the
+        remembered ones of boxes not back yet (a box that rejoins late still finds its curve), at most
+        ``MAX_REMEMBERED_CURVES`` in all."""
         models, _ = self.speeds.models()
-        return [BoxCurve(inst.endpoint, m.a, m.b) for inst in self.registry
-                if (m := models.get(inst.id)) is not None]
+        out = [BoxCurve(inst.endpoint, m.a, m.b) for inst in self.registry if (m := models.get(inst.id)) is not None]
+        here = {c.endpoint for c in out}
+        out += [BoxCurve(e, m.a, m.b) for e, m in self.remembered_speeds.items() if e not in here]
+        return out[:MAX_REMEMBERED_CURVES]
 
     def remember_speeds(self, curves: list[BoxCurve]) -> None:
         """Curves from before a restart: a box registering at one of these endpoints starts from its curve."""
