@@ -159,12 +159,9 @@ class Dispatcher:
         return out[:MAX_REMEMBERED_CURVES]
 
     def remember_speeds(self, curves: list[BoxCurve]) -> None:
-        """Curves from before a restart: a box registering at one of these endpoints starts from its curve."""
+        """Curves from before a restart, told at start before any box registers: a box registering at one of
+        these endpoints starts from its curve (``_on_event``)."""
         self.remembered_speeds = {c.endpoint: StepModel(c.base_s, c.per_sequence_s) for c in curves}
-        for inst in self.registry:  # registered already (not the case at start; cheap either way)
-            model = self.remembered_speeds.get(inst.endpoint)
-            if model is not None and not self.speeds.measured(inst.id):
-                self.speeds.seed(inst.id, model)
 
     def bound_of(self, inst: Instance) -> int:
         """The most sequences ``inst`` may have in flight from here (see ``__init__``)."""

@@ -76,7 +76,6 @@ class StateFile:
         self.error: str | None = None
         self._written: bytes | None = None  # what the file holds (as read or last written)
         self._task: asyncio.Task[None] | None = None
-        self._decoder = msgspec.msgpack.Decoder(SchedulerState)
 
     def load(self) -> None:
         """Restore the length model and remember the boxes' curves from the file (a missing or unusable
@@ -90,7 +89,7 @@ class StateFile:
             self._unusable(f"cannot be read: {exc.strerror or exc}")
             return
         try:
-            state = self._decoder.decode(data)
+            state = msgspec.msgpack.decode(data, type=SchedulerState)
             prompts = self.lengths.restore(state.lengths) if self.lengths and state.lengths else 0
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self._unusable(f"is not a scheduler state this daemon can use: {exc}")
