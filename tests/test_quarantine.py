@@ -5,12 +5,14 @@ and it serves again only after a reload and a passing probe. CPU engines in this
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
+from fakes import HealthRecorder
 from support import as_json, async_wait_until
 from test_trust_probe import register_active_fp32, start_cpu_engines, urls
 
@@ -47,14 +49,18 @@ class Fleet:
     urls: list[str]
 
 
-async def make_fleet(n: int, settings: QuarantineSettings) -> AsyncIterator[Fleet]:
+async def make_fleet(n: int, settings: QuarantineSettings, generation: GenerationSettings = SETTINGS,
+                     health: HealthRecorder | None = None) -> AsyncIterator[Fleet]:
+    """``health``: a failure counts against its box, as the health monitor does (None: failures count for
+    nothing)."""
     servers = await start_cpu_engines(n)
     session = aiohttp.ClientSession()
     registry = Registry()
     client = SGLangClient(session)
     probes = ProbeMonitor(registry, client.prefill_logprobs, ProbeSettings(interval_s=0, timeout_s=30, tolerance=0))
-    generator = Generator(Dispatcher(registry, LeastInFlight()), client, SETTINGS, LocalBudget(0.0, 0.0, 1.0),
-                          on_instance_failure=lambda i, e: None, on_instance_success=lambda i: None)
+    health = health or HealthRecorder(marks=False)
+    generator = Generator(Dispatcher(registry, LeastInFlight()), client, generation, LocalBudget(0.0, 0.0, 1.0),
+                          on_instance_failure=health.failure, on_instance_success=health.success)
     ledger = MismatchLedger(MismatchSettings(alpha=1.0, outlier_multiple=3.0, floor=0.05))
     quarantine = Quarantine(registry, probes, ledger, settings, generator.evict, generator.migrator.mark,
                             generator.migrator.provisional)
@@ -303,3 +309,113 @@ async def test_a_quarantined_box_that_is_removed_is_forgotten_but_its_span_stays
     f.registry.transition(f.boxes[2], State.DEAD, "removed by request")
     status = f.quarantine.status()
     assert status["quarantined_now"] == [] and [s["instance"] for s in status["distrusted_spans"]] == [f.boxes[2].id]
+
+
+# ------------------------------------------------------------------ between two attempts (issue 46, item 5)
+
+async def _caught_between_attempts(f: Fleet, health: HealthRecorder, readmit: bool) -> dict[str, Any]:
+    """A sequence makes tokens on box 0 (a probe vouches for the first few), box 0 stalls and the attempt fails;
+    while the sequence waits for another box (the others are syncing), box 0 is quarantined, and with
+    ``readmit`` reloaded at the same version and readmitted; then the others serve again. Its answer."""
+    bad, others = f.boxes[0], f.boxes[1:]
+    await f.probes.check_all()  # every box checked: the peers a later probe is judged against
+    for box in others:
+        assert f.registry.transition(box, State.SYNCING, "test: busy elsewhere")
+    await post(bad.url, "/debug/faults", {"token_delay_s": 0.01, "stall_after_tokens": 14})
+    dispatcher = f.generator.dispatcher
+    base = dispatcher.streamed_tokens
+    running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
+    await async_wait_until(lambda: dispatcher.streamed_tokens > base + 4)
+    assert await f.probes.check(bad) == Trust.CHECKED  # vouches for what it made before the probe was sent
+    await async_wait_until(lambda: health.failures and dispatcher.waiting == 1)  # stalled: between attempts
+    assert f.quarantine.quarantine(bad, "test: caught") and bad.quarantined is not None
+    if readmit:
+        await post(bad.url, "/debug/faults", {"token_delay_s": 0.0, "stall_after_tokens": None})
+        await reload_clean(f, bad, 0)  # weight sync's push at the version it serves
+        assert not f.registry.transition(bad, State.ACTIVE, "weights at version 0")
+        await f.quarantine.readmit()
+        assert bad.state == State.ACTIVE and bad.quarantined is None  # serves again, at the same version
+    assert dispatcher.waiting == 1 and not running.done()
+    for box in others:
+        assert f.registry.transition(box, State.ACTIVE, "test: back")
+    answer: dict[str, Any] = as_json(await running)
+    return answer
+
+
+def _cut_on(answer: dict[str, Any], box: Instance) -> int:
+    """The answer's first segment is ``box``'s, cut back to its vouched tokens (more than none): where."""
+    first = answer["meta_info"]["segments"][0]
+    kept = int(first["end"])
+    assert first["instance"] == box.id and kept > 0 and f"cut back at token {kept}" in first["outcome"], first
+    assert all(s["instance"] != box.id for s in answer["meta_info"]["segments"][1:])
+    discarded = [s for s in answer["meta_info"]["discarded_segments"] if s["instance"] == box.id]
+    assert discarded and discarded[0]["start"] == kept and discarded[0]["outcome"].startswith("distrusted")
+    return kept
+
+
+async def test_a_sequence_between_attempts_when_its_box_is_caught_is_cut_back_and_made_again() -> None:
+    """It was not streaming when the quarantine cut the others back; it used to go on with the box's unvouched
+    tokens and be listed as distrusted when it finished (dropped by the trainer, lost). Now it is cut back to
+    its last vouched token before its next attempt, like the others, and delivered whole and trusted."""
+    health = HealthRecorder()
+    generation = dataclasses.replace(SETTINGS, stall_timeout_s=0.5, wait_timeout_s=30.0)
+    async for f in make_fleet(3, QuarantineSettings(enabled=True, min_active=0, recheck_s=0), generation, health):
+        reference = as_json(await f.generator.generate(decode(greedy(40))))["output_ids"]
+        answer = await _caught_between_attempts(f, health, readmit=False)
+        assert answer["output_ids"] == reference
+        kept = _cut_on(answer, f.boxes[0])
+        assert not any("distrusted" in s["outcome"] for s in answer["meta_info"]["segments"])
+        assert f.generator.migrator.provisional.since(0)["samples"] == []  # nothing for the trainer to drop
+        assert f.generator.stats["cut_back_tokens"] >= 14 - kept - 1
+
+
+async def test_a_box_readmitted_at_the_same_version_never_vouches_for_what_it_made_before_it_was_caught() -> None:
+    """The box is reloaded at the version it was caught at and serves again before the sequence goes on: its
+    tokens from before the catch used to ride along and be vouched for by its next passing probe. Now they are
+    cut back, and a later probe finds nothing of it to vouch for."""
+    health = HealthRecorder()
+    generation = dataclasses.replace(SETTINGS, stall_timeout_s=0.5, wait_timeout_s=30.0)
+    async for f in make_fleet(3, QuarantineSettings(enabled=True, min_active=0, recheck_s=0), generation, health):
+        reference = as_json(await f.generator.generate(decode(greedy(40))))["output_ids"]
+        bad = f.boxes[0]
+        answer = await _caught_between_attempts(f, health, readmit=True)
+        assert answer["output_ids"] == reference
+        _cut_on(answer, bad)
+        assert await f.probes.check(bad) == Trust.CHECKED
+        assert f.generator.migrator.provisional.pending(bad.id) == []
+        assert f.generator.migrator.provisional.since(0)["samples"] == []
+
+
+def test_a_probe_after_a_readmission_vouches_only_for_what_the_box_made_since() -> None:
+    """Migrator.mark (what a passing probe vouches for) passes over a readmitted box's segments from before its
+    quarantine, in running sequences and in answers, and an answer that still holds some is listed."""
+    from rollout_manager.instances.registry import Kind
+    from rollout_manager.rollout.migration import Migrator
+    from rollout_manager.sglang.finish import FinishReason
+
+    registry = Registry()
+    a, b = (registry.add("127.0.0.1", port, Kind.REMOTE) for port in (1, 2))
+    migrator = Migrator(Dispatcher(registry, LeastInFlight()), None, None, 1.0, lambda seq: None, {})  # type: ignore[arg-type]
+    ledger = migrator.provisional
+
+    def running(rid: str, *segments: Segment) -> SequenceState:
+        seq = SequenceState(decode(greedy(8)).sequences[0].body, rid)
+        seq.output_ids.extend(range(segments[-1].end))
+        seq.segments[:] = list(segments)
+        return seq
+
+    old = running("old", Segment(a.id, a.endpoint, "0", 0, 4, "failed", trusted=2),
+                  Segment(b.id, b.endpoint, "0", 4, 6))
+    migrator.enter(1, old, b, "r1")
+    assert ledger.distrust(a.id, "quarantined: test", quarantined=True) == 0 and ledger.era(a.id) == 1
+    ledger.trust_again(a.id)  # reloaded at the same version, its probe passed: it serves again
+    assert ledger.cut_at(old) == (2, "quarantined: test")  # what generation cuts before its next attempt
+    new = running("new", Segment(a.id, a.endpoint, "0", 0, 3, era=ledger.era(a.id)))
+    migrator.enter(2, new, a, "r2")
+    assert migrator.mark(a, 0)() == 1  # the new era's segment only
+    assert new.segments[0].trusted == 3 and old.segments[0].trusted == 2
+    assert ledger.cut_at(new) is None
+    old.finish = FinishReason.of("length", length=8)
+    migrator.leave(1, old, old.segments[-1])  # delivered anyway (say its cut-back could not land): listed
+    assert [(s["request_id"], s["instance"], s["first"]) for s in ledger.since(0)["samples"]] == [("old", a.id, 2)]
+    assert old.segments[0].outcome == "failed; distrusted: quarantined: test"

@@ -233,3 +233,34 @@ async def test_the_experts_final_frame_is_not_held_against_the_frame_bound(rig: 
     out = await rig.run(body(40))
     assert rows(out["meta_info"]).shape == (len(PROMPT) + 39, LAYERS, TOP_K)
     assert len(out["meta_info"]["segments"]) == 1  # no attempt failed on the final frame's size
+
+
+@pytest.mark.parametrize("rig", [[Faults(token_delay_s=0.01), Faults()]], indirect=True)
+async def test_a_quarantine_cuts_a_sequence_with_experts_back_to_its_last_vouched_token(rig: Rig) -> None:
+    """Issue 46, item 5: a sequence that asked for its routed experts is cut back like any other when its box is
+    quarantined (it used to restart from its prompt): it keeps the tokens a passing probe vouched for and their
+    rows, and the next engine is asked only from there, so the answer equals one engine's uninterrupted."""
+    a, b = rig.register(0, 1)
+    registry = rig.generator.dispatcher.registry
+    assert registry.transition(b, State.SYNCING, "test: not yet")
+    task = asyncio.ensure_future(rig.run(body(40)))
+    await async_wait_until(lambda: rig.faults[0].emitted_tokens >= 5, 20)
+    assert rig.generator.migrator.mark(a, 0)() == 1  # what a passing probe sent now vouches for
+    vouched = rig.faults[0].emitted_tokens
+    await async_wait_until(lambda: rig.faults[0].emitted_tokens >= vouched + 4, 20)
+    assert registry.transition(b, State.ACTIVE, "test: now")
+    assert registry.quarantine(a, "test: caught")  # what Quarantine.quarantine does, then the cut-back
+    assert rig.generator.evict(a, "quarantined: test: caught", cut=True) == 1
+    out = await task
+    reference = await _alone(rig, 40)
+    assert out["output_ids"] == reference["output_ids"]
+    assert (rows(out["meta_info"]) == rows(reference["meta_info"])).all()
+    first, rest = out["meta_info"]["segments"][0], out["meta_info"]["segments"][1:]
+    kept = first["end"]
+    assert first["instance"] == a.id and 0 < kept and f"cut back at token {kept}" in first["outcome"]
+    assert {s["instance"] for s in rest} == {b.id}
+    (cut,) = out["meta_info"]["discarded_segments"]
+    assert cut["instance"] == a.id and cut["start"] == kept and cut["outcome"].startswith("distrusted")
+    (cont,) = rig.requests[1]
+    assert cont["input_ids"] == PROMPT + out["output_ids"][:kept]  # from the last vouched token, not the prompt
+    assert cont["routed_experts_start_len"] == len(PROMPT) + kept - 1  # only the rows it lacks

@@ -9,6 +9,9 @@ there agrees (a majority exists), or when the ledger calls its mismatch an outli
   tail migration and every placement pass it by, and its next weight push reloads it;
 - the sequences running on it are evicted with a cut-back: each goes back to its last token made before the
   box's last passing probe (``SequenceState.cut_point``) and continues from there on another box, exactly;
+  one between two attempts then is cut back the same way before its next attempt (a quarantine starts a new
+  era of the box, ``rollout.provisional``: what it made before is never vouched for, even after it serves
+  again at the same version);
 - the answers already delivered with tokens it made unvouched (since its last passing probe, or at a version
   none passed) are listed as distrusted samples (``rollout.provisional``, ``GET /distrusted_samples``), by
   answer id and segment, and so is every answer it finishes until it serves again: the trainer plugin drops
@@ -51,7 +54,7 @@ Mark = Callable[[Instance, int], Callable[[], int]]
 class Delivered(Protocol):
     """The answers delivered unvouched, by box (``rollout.provisional.Provisional``)."""
 
-    def distrust(self, instance: str, why: str) -> int: ...
+    def distrust(self, instance: str, why: str, quarantined: bool = False) -> int: ...
 
     def trust_again(self, instance: str) -> None: ...
 
@@ -213,7 +216,8 @@ class Quarantine:
         self.spans.append(DistrustedSpan(inst.id, inst.endpoint, version, since, now, why))
         self.counts["quarantined"] += 1
         moved = self.evict(inst, f"quarantined: {why}", True)
-        listed = 0 if self.delivered is None else self.delivered.distrust(inst.id, f"quarantined: {why}")
+        listed = 0 if self.delivered is None else self.delivered.distrust(inst.id, f"quarantined: {why}",
+                                                                          quarantined=True)
         log.error("QUARANTINED instance %s %s at weight version %d: %s; %d running sequence(s) cut back to their "
                   "last trusted token and moved, %d delivered answer segment(s) listed as distrusted; it serves "
                   "again after a reload and a passing trust probe", inst.id, inst.endpoint, version, why, moved,

@@ -98,7 +98,8 @@ class Attempts:
             vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
             version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version),
             experts=seq.experts, prompt=len(seq.body.input_ids))
-        segments = AttemptSegments(seq, inst)  # one per weight version the engine reports
+        # one per weight version the engine reports, each of the era of inst's quarantines it was made in
+        segments = AttemptSegments(seq, inst, self.migrator.provisional.era(inst.id))
         reserved = seq.reserve
         # Only a local instance's stream races the local window (in a task of its own).
         stream = asyncio.ensure_future(self._consume(seq, inst, body, progress, segments, on_tokens)) \

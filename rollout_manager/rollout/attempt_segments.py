@@ -24,17 +24,19 @@ class AttemptSegments:
 
     The next piece of a divided rollout on the instance the last one ran on extends that piece's segment
     (an undivided run would have one segment there); on another instance it starts a new one, and the last
-    piece's says where the sequence went.
+    piece's says where the sequence went. ``era``: how many times ``inst`` was quarantined so far
+    (``Provisional.era``), kept on every segment this attempt makes; a segment of an older era is never
+    extended.
     """
 
-    def __init__(self, seq: SequenceState, inst: Instance) -> None:
+    def __init__(self, seq: SequenceState, inst: Instance, era: int = 0) -> None:
         self.seq = seq
         self.start = len(seq.output_ids)
         last = seq.segments[-1] if seq.segments else None
         # What an extended segment held before this attempt: from where, at which version (none: not extended).
         self.base: tuple[int, str | None] | None = None
         if last is not None and last.outcome == PIECE_END:
-            if last.instance == inst.id and last.end == self.start:
+            if last.instance == inst.id and last.end == self.start and last.era == era:
                 last.outcome = "running"
                 self.first = len(seq.segments) - 1
                 self.current = last
@@ -42,7 +44,7 @@ class AttemptSegments:
                 return
             last.outcome = f"{PIECE_END}; the next piece ran on {inst.endpoint}"
         self.first = len(seq.segments)  # where this attempt's segments begin in seq.segments
-        self.current = Segment(inst.id, inst.endpoint, None, self.start, self.start)
+        self.current = Segment(inst.id, inst.endpoint, None, self.start, self.start, era=era)
         seq.segments.append(self.current)
 
     @property
@@ -60,7 +62,7 @@ class AttemptSegments:
             return
         if new and version is not None and seg.weight_version is not None and seg.end > seg.start:
             seg.outcome = _changed(version, seg.end)
-            seg = self.current = Segment(seg.instance, seg.endpoint, version, seg.end, end)
+            seg = self.current = Segment(seg.instance, seg.endpoint, version, seg.end, end, era=seg.era)
             self.seq.segments.append(seg)
             _note_version(self.seq, version)
         seg.end = end
@@ -85,14 +87,14 @@ class AttemptSegments:
                 cuts[-1].outcome = _changed(version, self.start + a)
                 _note_version(self.seq, version)
             cuts.append(Segment(seg.instance, seg.endpoint, version, self.start + a, self.start + b,
-                                trusted=vouched))
+                                trusted=vouched, era=seg.era))
         if self.base is not None:  # the extended segment's tokens from before this attempt stay as they were
             start, version = self.base
             if cuts[0].weight_version == version:
                 cuts[0].start = start
             else:
                 cuts.insert(0, Segment(seg.instance, seg.endpoint, version, start, self.start,
-                                       _changed(str(cuts[0].weight_version), self.start), vouched))
+                                       _changed(str(cuts[0].weight_version), self.start), vouched, seg.era))
                 if cuts[1].weight_version is not None:
                     _note_version(self.seq, cuts[1].weight_version)
         cuts[-1].outcome = seg.outcome

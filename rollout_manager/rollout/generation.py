@@ -240,6 +240,7 @@ class Generator:
                 seq.texts.append("")
                 seq.meta = FinalMeta(weight_version=self._current_version())
             while seq.finish is None:
+                self._cut_distrusted(seq)  # its box was caught while it was between two attempts
                 if seq.remaining == 0:  # the budget was used up just as an instance died
                     seq.finish = FinishReason.of(wire.LENGTH, length=seq.budget)
                     break
@@ -265,6 +266,7 @@ class Generator:
                     allow = self._allowed(seq)
                 if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
                     allow = _excluding(seq.refused.instance, allow)
+                reserved = seq.reserve  # what placing it reserves on the instance
                 inst = self.migrator.take_handoff(seq, allow)
                 if inst is None:
                     first = keys is not None and not seq.versions and not seq.discarded
@@ -292,6 +294,9 @@ class Generator:
                     if table is not None and keys is not None and first:
                         self._count_affinity(prefer, inst)
                         table.placed(keys, inst.id)
+                if inst.quarantined is not None or self._cut_distrusted(seq):  # caught while it waited for inst
+                    self.dispatcher.release(inst, reserved)
+                    continue
                 if inst is not here:
                     tried.append(inst)
                 seq.versions.append(inst.weight_version)
@@ -336,6 +341,20 @@ class Generator:
             answer(out)
             return None
         return out
+
+    def _cut_distrusted(self, seq: SequenceState) -> bool:
+        """Cut ``seq`` back to before its first token that a box made unvouched before it was quarantined (a
+        sequence between two attempts then was not streaming, so the quarantine could not cut it back; see
+        ``rollout.provisional``): it continues from there like the others. Whether it was cut."""
+        cut = self.migrator.provisional.cut_at(seq)
+        if cut is None:
+            return False
+        at, why = cut
+        made = len(seq.output_ids)
+        seq.cut_back(at, why)
+        self.stats["cut_back_tokens"] += made - len(seq.output_ids)
+        log.info("sequence %s cut back from token %d to %d before its next attempt: %s", seq.rid, made, at, why)
+        return True
 
     def _expected(self, track: Track, seq: SequenceState) -> Prediction | None:
         """The length model's figure for ``seq`` given what it made (None: the model is off)."""

@@ -140,7 +140,8 @@ class Migrator:
         live = self._by_instance.get(inst.id, {})
         segments = [seg for seq in live.values() for seg in seq.segments if seg.instance == inst.id]
         segments += self.provisional.pending(inst.id)
-        marks = [(seg, seg.end) for seg in segments if seg.weight_version in (None, named)]
+        marks = [(seg, seg.end) for seg in segments
+                 if seg.weight_version in (None, named) and not self.provisional.stale(seg)]  # not pre-quarantine
 
         def vouch() -> int:
             for seg, end in marks:

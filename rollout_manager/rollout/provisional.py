@@ -14,6 +14,13 @@ not vouched for in full are kept here, by the box that made them, until one of:
   is built after this);
 - the box is removed: nothing will judge it again (said in ``forgotten_tokens``).
 
+A quarantine also starts a new *era* of its box (:meth:`Provisional.era`, kept on each ``Segment``): what the
+box made before it was caught stays distrusted for good, even once it serves again at the same version. A
+probe after its readmission vouches only for segments of the new era (``Migrator.mark`` asks :meth:`stale`);
+a sequence that was between two attempts when its box was caught (not streaming, so not cut back then) is cut
+back before its next attempt (:meth:`cut_at`, asked by generation), and an answer that still finishes with
+such tokens is listed at once.
+
 Bounds: ``KEEP_PENDING`` segments per box (a box alone at its version is never checked; the oldest beyond the
 bound are let go and counted in ``forgotten_tokens``, as a user then has no protection for them) and
 ``KEEP_DISTRUSTED`` distrusted samples (a reader that falls further behind is told ``missed``).
@@ -68,6 +75,9 @@ class Provisional:
         self.wall = wall
         self._pending: dict[str, deque[tuple[str, Segment]]] = {}  # instance -> (request id, segment)
         self._distrusting: dict[str, str] = {}  # instance -> why its tokens are distrusted now
+        # instance -> (quarantines so far, why the last one): kept after the box is removed, so that a sequence
+        # holding its tokens is still cut back (one entry per box ever quarantined)
+        self._eras: dict[str, tuple[int, str]] = {}
         self.distrusted: deque[DistrustedSample] = deque(maxlen=KEEP_DISTRUSTED)
         self.numbered = 0  # distrusted samples ever listed
         self.distrusted_tokens = 0
@@ -79,7 +89,7 @@ class Provisional:
         for seg in seq.segments:
             if unvouched_from(seg) >= seg.end:
                 continue
-            why = self._distrusting.get(seg.instance)
+            why = self._distrusting.get(seg.instance) or self._stale_why(seg)
             if why is not None:  # its answer is not out yet: it says so too
                 if "distrusted" not in seg.outcome:
                     seg.outcome = f"{seg.outcome}; distrusted: {why}"
@@ -90,6 +100,32 @@ class Provisional:
                 _, old = kept.popleft()
                 self.forgotten_tokens += old.end - unvouched_from(old)
             kept.append((seq.rid, seg))
+
+    # ------------------------------------------------------------ eras
+    def era(self, instance: str) -> int:
+        """How many times ``instance`` was quarantined: what a segment it starts now carries."""
+        kept = self._eras.get(instance)
+        return 0 if kept is None else kept[0]
+
+    def stale(self, seg: Segment) -> bool:
+        """Whether ``seg`` was made before a quarantine of its instance: no probe vouches for it any more."""
+        kept = self._eras.get(seg.instance)
+        return kept is not None and seg.era < kept[0]
+
+    def _stale_why(self, seg: Segment) -> str | None:
+        kept = self._eras.get(seg.instance)
+        return kept[1] if kept is not None and seg.era < kept[0] else None
+
+    def cut_at(self, seq: SequenceState) -> tuple[int, str] | None:
+        """Where ``seq`` must be cut back before it goes on, and why: its first token made before a quarantine
+        of its instance that no probe had vouched for (None: there is none)."""
+        if not self._eras:
+            return None
+        at = seq.first_unvouched(self.stale)
+        if at >= len(seq.output_ids):
+            return None
+        why = next((w for s in seq.segments if s.end > at and (w := self._stale_why(s)) is not None), "quarantined")
+        return at, why
 
     def pending(self, instance: str) -> list[Segment]:
         """The delivered segments of ``instance`` not vouched for in full: a probe sent now may vouch for them."""
@@ -106,11 +142,14 @@ class Provisional:
                 del self._pending[instance]
 
     # ------------------------------------------------------------ verdicts
-    def distrust(self, instance: str, why: str) -> int:
+    def distrust(self, instance: str, why: str, quarantined: bool = False) -> int:
         """``instance`` is quarantined (or found wrong and kept serving): its unvouched delivered segments
-        become distrusted samples, and so does every one it finishes until :meth:`trust_again`. Returns the
-        samples listed now."""
+        become distrusted samples, and so does every one it finishes until :meth:`trust_again`. ``quarantined``:
+        out of service, so a new era begins (what it made so far is never vouched for). Returns the samples
+        listed now."""
         self._distrusting[instance] = why
+        if quarantined:
+            self._eras[instance] = (self.era(instance) + 1, why)
         kept = self._pending.pop(instance, deque())
         for rid, seg in kept:
             self._list(rid, seg, why)

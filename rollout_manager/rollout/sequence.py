@@ -5,6 +5,7 @@ Shared by generation (which runs sequences) and tail migration (which moves them
 
 from __future__ import annotations
 
+import base64
 import secrets
 from array import array
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
 from rollout_manager.sglang.routed_experts import RoutedExperts
+from rollout_manager.sglang.routed_experts import encode as encode_rows
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
 # The outcome of a segment whose attempt ended at a piece boundary of a divided rollout (rollout.pieces): the
@@ -37,6 +39,9 @@ class Segment:
     # Its tokens before this index passed a trust probe of its instance (None: none did); those after it are
     # cut back if the instance is quarantined (``cut_point``).
     trusted: int | None = None
+    # How many times its instance had been quarantined when the segment began (``Provisional.era``): a segment
+    # of an earlier era was made before a quarantine, and no later probe of that instance vouches for it.
+    era: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"instance": self.instance, "endpoint": self.endpoint, "weight_version": self.weight_version,
@@ -148,8 +153,13 @@ class SequenceState:
     def cut_point(self, instance: str) -> int:
         """Where a quarantine of ``instance`` cuts this sequence back to: the first token ``instance`` made that
         no passing probe vouched for (``Segment.trusted``); the sequence's length when there is none."""
+        return self.first_unvouched(lambda seg: seg.instance == instance)
+
+    def first_unvouched(self, which: Callable[[Segment], bool]) -> int:
+        """The first token no passing probe vouched for in the segments ``which`` picks; the sequence's length
+        when there is none."""
         for seg in self.segments:
-            if seg.instance != instance:
+            if not which(seg):
                 continue
             trusted = seg.start if seg.trusted is None else min(max(seg.trusted, seg.start), seg.end)
             if trusted < seg.end:
@@ -158,14 +168,10 @@ class SequenceState:
 
     def cut_back(self, at: int, why: str) -> None:
         """Throw away the tokens from ``at`` on (made by a quarantined instance since it was last vouched for):
-        the sequence continues from there; the cut part stays visible in ``discarded`` with ``why``. With
-        routed experts asked for (their rows cannot be cut per token here) it restarts from its prompt."""
+        the sequence continues from there, as after a failure; the cut part stays visible in ``discarded`` with
+        ``why``. Routed experts asked for keep their rows of the positions before the cut (the rows of the
+        forwards that made the kept tokens) and the next engine is asked for the rest."""
         if at >= len(self.output_ids):
-            return
-        if self.experts is not None:
-            for seg in self.segments:
-                seg.outcome = f"distrusted: {why}"
-            self.restart()
             return
         kept: list[Segment] = []
         cut: list[Segment] = []
@@ -175,9 +181,9 @@ class SequenceState:
                 continue
             if seg.start < at:
                 kept.append(Segment(seg.instance, seg.endpoint, seg.weight_version, seg.start, at,
-                                    f"cut back at token {at}: {why}", seg.trusted))
+                                    f"cut back at token {at}: {why}", seg.trusted, seg.era))
             cut.append(Segment(seg.instance, seg.endpoint, seg.weight_version, max(seg.start, at), seg.end,
-                               f"distrusted: {why}"))
+                               f"distrusted: {why}", None, seg.era))
         self.discarded += tuple(cut)
         self.segments[:] = kept
         self.versions[:] = [v for v in self.versions if any(s.weight_version == str(v) for s in kept)]
@@ -187,6 +193,11 @@ class SequenceState:
             del values[at:]
         self.texts[:] = [None] if kept else []  # the text up to a cut inside a chunk is not known
         self.live_text = None
+        self.at_boundary = False  # the next attempt continues after a cut, not after a piece
+        if self.experts is not None:
+            # Position p's row is the routing of the forward that fed token p: the kept tokens' forwards end
+            # at position prompt + at - 1, whose forward made token ``at`` (cut).
+            cut_rows(self.experts, len(self.body.input_ids) + at - 1)
 
     @property
     def remaining(self) -> int | None:
@@ -210,6 +221,28 @@ class SequenceState:
         """The finished segments' text plus ``current``; None when any part of it is unknown."""
         parts = [*self.texts, current]
         return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
+
+
+def cut_rows(experts: RoutedExperts, end: int) -> None:
+    """Keep ``experts``' rows of the positions before ``end`` only (never before its start): the part a cut
+    falls inside is decoded, cut at a row and encoded again (a cut-back is rare; the rest stay as sent)."""
+    end = max(experts.start, min(end, experts.end))
+    if end == experts.end:
+        return
+    keep = (end - experts.start) * experts.row_bytes
+    parts, sizes, held = [], [], 0
+    for part, size in zip(experts.parts, experts.sizes):
+        if held + size <= keep:
+            parts.append(part)
+            sizes.append(size)
+            held += size
+            continue
+        if held < keep:
+            parts.append(encode_rows(base64.b64decode(part.text)[:keep - held]))
+            sizes.append(keep - held)
+            held = keep
+        break
+    experts.parts, experts.sizes, experts.end = parts, sizes, end
 
 
 def version_floor(seq: SequenceState) -> int:
