@@ -133,6 +133,69 @@ class BoxSpec:
         return self.prefill_ms * tokens / self.speed / 1000.0
 
 
+@dataclass(frozen=True)
+class Shape:
+    """One simulated fleet and its step: the boxes (:class:`BoxSpec`'s timing: a decode step of
+    ``(base_ms + per_seq_ms x running) / speed``, at most ``max_running``, prefill ``prefill_ms`` a token /
+    speed), the lengths (a group's median lognormal around ``median``, ``group_sigma``; its samples
+    ``sample_sigma`` around it; at most ``cap``) and ``chunk_tokens``, how many tokens each streamed chunk
+    carries (the manager's ``engine_stream_interval``)."""
+
+    name: str
+    speeds: tuple[float, ...] = (1, 1, .6, .6, .6, .35, .35, .35)
+    max_running: int = 64
+    base_ms: float = 6.0
+    per_seq_ms: float = 0.08
+    prefill_ms: float = 0.02
+    median: float = 400.0
+    group_sigma: float = 0.9
+    sample_sigma: float = 0.35
+    cap: int = 4096
+    chunk_tokens: int = 64
+
+    def specs(self, time_scale: float = 1.0) -> list[BoxSpec]:
+        k = time_scale
+        return [BoxSpec(s, self.max_running, self.base_ms * k, self.per_seq_ms * k, self.prefill_ms * k)
+                for s in self.speeds]
+
+    def lengths(self) -> LengthModel:
+        return LengthModel(self.median, self.group_sigma, self.sample_sigma, self.cap)
+
+    def describe(self) -> str:
+        spread = max(self.speeds) / min(self.speeds)
+        return (f"{self.name}: speeds {','.join(f'{s:g}' for s in self.speeds)} ({spread:.1f}x), step "
+                f"({self.base_ms:g} + {self.per_seq_ms:g} n) ms, at most {self.max_running}, lengths median "
+                f"{self.median:g} sigma {self.group_sigma:g}/{self.sample_sigma:g} cap {self.cap}, "
+                f"chunks of {self.chunk_tokens} tokens")
+
+    @property
+    def tick(self) -> float:
+        """Seconds between two chunks of a stream on the fleet's mean box at half its running cap (the
+        simulator hears of every stream's tokens that often)."""
+        speed = sum(self.speeds) / len(self.speeds)
+        return self.chunk_tokens * (self.base_ms + self.per_seq_ms * self.max_running / 2) / speed / 1000.0
+
+
+# bench_tail's fleet and step (its defaults).
+BENCH = Shape("bench_tail")
+# Fleets the policy was not tuned on, for --sweep: 2x to 4x speed spreads, running caps 16 to 128, step shapes
+# from nearly flat to per-sequence heavy, length spreads mostly between groups or mostly within, sparse chunks.
+SWEEP = (
+    BENCH,
+    Shape("issue-46", (2, 2, 1, 1, 1, 1, .5, .5), 32, 10.0, 0.3, median=300, group_sigma=0.7, sample_sigma=0.45),
+    Shape("two-speeds", (2, 2, 2, 2, 1, 1, 1, 1), 128, 8.0, 0.05, median=600, group_sigma=0.5, sample_sigma=0.6,
+          chunk_tokens=32),
+    Shape("one-fast", (3, 1.5, 1.5, 1, 1, 1, 1, 1), 16, 12.0, 0.5, median=200, group_sigma=1.0, sample_sigma=0.5,
+          cap=8192),
+    Shape("four-boxes", (4, 2, 1, 1), 48, 6.0, 0.12, median=400, group_sigma=0.3, sample_sigma=0.8,
+          chunk_tokens=128),
+    Shape("sixteen", tuple(1 + 2 * k / 15 for k in range(16)), 64, 6.0, 0.08, median=300, group_sigma=0.8,
+          sample_sigma=0.4, chunk_tokens=16),
+    Shape("slow-chunks", (2, 2, 1, 1, 1, 1, .5, .5), 64, 6.0, 0.08, median=500, group_sigma=0.9, sample_sigma=0.3,
+          chunk_tokens=256),
+)
+
+
 @dataclass
 class Progress:
     """How far a sequence (prompt, seed) has been made anywhere in the fleet."""

@@ -71,11 +71,14 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def spawn_fleet(procs: Procs, specs: list[BoxSpec], model: LengthModel, logs: Path) -> tuple[list[str], int]:
-    """Start the fleet; its boxes' URLs and its pid, once it says where it listens."""
+def spawn_fleet(procs: Procs, specs: list[BoxSpec], model: LengthModel, logs: Path,
+                stream_interval: int = 1) -> tuple[list[str], int]:
+    """Start the fleet (its boxes' ``--stream-interval``: ``stream_interval``); its boxes' URLs and its pid, once
+    it says where it listens."""
     proc = procs.spawn("fleet", [PY, str(ROOT / "benchmarks" / "tail_fleet.py"),
                                  "--boxes", json.dumps([asdict(s) for s in specs]),
-                                 "--lengths", json.dumps(asdict(model))], logs / "fleet.log", stdout_pipe=True)
+                                 "--lengths", json.dumps(asdict(model)), "--stream-interval", str(stream_interval)],
+                       logs / "fleet.log", stdout_pipe=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     if not line.startswith("FLEET "):

@@ -56,7 +56,8 @@ def test_a_tiny_step_through_the_manager_is_exact_and_reported(tmp_path: Path) -
     assert "outputs equal to the reference: all" in out.stdout
     rows = [ln for ln in out.stdout.splitlines() if ln.startswith("| 0 | 0 | manager |")]
     assert rows and rows[0].split("|")[11].strip() == "12/12"
-    assert re.fullmatch(r"tail: manager \d+\.\d\dx of clairvoyant, router \d+\.\d\dx", out.stdout.splitlines()[-1])
+    assert re.fullmatch(r"tail: manager \d+\.\d\dx of clairvoyant \(worst \d+\.\d\dx\), router \d+\.\d\dx",
+                        out.stdout.splitlines()[-1])
 
 
 def test_the_simulated_tail_knows_its_yardsticks(capsys: pytest.CaptureFixture[str]) -> None:
