@@ -426,10 +426,53 @@ def test_a_sequence_predicted_to_end_before_the_step_does_stays_where_it_is() ->
     tm = TailMigration(batch_half=64, tail_share=1.0)
     moved = tm.plan(loads, running, 0, 100.0, predict=lambda s: Rest(rest[s.seq_id]))
     assert [m.seq_id for m in moved] == ["long"]
-    # by age alone (no prediction, or tail_share 0) both move
+    # by age alone (no prediction) both move: 1,000 tokens guessed left each
     assert len(TailMigration(batch_half=64, tail_share=1.0).plan(loads, running, 0, 100.0)) == 2
-    assert len(TailMigration(batch_half=64).plan(loads, running, 0, 100.0,
-                                                 predict=lambda s: Rest(rest[s.seq_id]))) == 2
+
+
+def test_a_tail_sequence_alone_on_a_slow_box_moves_to_an_idle_faster_one() -> None:
+    """The defect of issue 46: a long sequence alone on a 0.5-speed box, the other boxes idle. Its box's predicted
+    drain (``BoxWork``: it was placed counting the upper quantile) is above what the length model now says it
+    still makes, and that drain is the step's predicted end: compared with it, the sequence was "not the tail" and
+    ran to its end there. Its finish there (1,400 tokens at 20.6 ms) is set against a 2-speed box's (5.15 ms)."""
+    from rollout_manager.rollout.box_speed import StepModel
+    slow, mid, fast = StepModel(0.020, 0.0006), StepModel(0.010, 0.0003), StepModel(0.005, 0.00015)
+    loads = [InstanceLoad("slow", "remote", 1, 0, None, 48.0, slow, 2200.0, 2200.0),
+             InstanceLoad("mid", "remote", 0, 0, None, 97.0, mid),
+             InstanceLoad("fast", "remote", 0, 0, None, 194.0, fast)]
+    long = seq("long", "slow", made=1200, budget_left=2896)
+    tm = TailMigration(batch_half=64, tail_share=1.0, tail_slowdown=1.3)
+    moves = tm.plan(loads, [long], 0, 100.0, predict=lambda s: Rest(1400.0, True))
+    assert [(m.seq_id, m.target) for m in moves] == [("long", "fast")]
+    # its finish where it is (1,400 x 20.6 ms) less the move (overhead, re-prefill, 1,400 x 5.15 ms)
+    assert moves[0].gain_s == pytest.approx(1400 * 0.0206 - (0.5 + 1300 * 0.00515 / 200 + 1400 * 0.00515))
+
+
+def test_a_crowded_or_visited_fastest_box_does_not_end_the_search() -> None:
+    """The fastest box is full (past ``tail_slowdown`` for the predicted tail) or was run on: the next faster box
+    takes the sequence."""
+    from rollout_manager.rollout.box_speed import StepModel
+    curve = StepModel(0.006, 0.00008)
+    loads = [InstanceLoad("slow", "remote", 1, 0, None, 40.0, StepModel(0.024, 0.00032)),
+             InstanceLoad("fastest", "remote", 40, 0, None, 300.0, StepModel(0.003, 0.00004)),
+             InstanceLoad("fast", "remote", 2, 0, None, 160.0, curve)]
+    tm = TailMigration(batch_half=64, tail_slowdown=1.3)
+    informed = tm.plan(loads, [seq("s", "slow")], 0, 0.0, predict=lambda s: Rest(2000.0, True))
+    assert [m.target for m in informed] == ["fast"]
+    visited = tm.plan(loads, [seq("s", "slow", visited=frozenset({"slow", "fastest"}))], 0, 0.0)
+    assert [m.target for m in visited] == ["fast"]
+
+
+def test_rates_come_from_the_learned_curve_not_the_configured_batch_model() -> None:
+    """The target's learned curve (10 + 0.3 n ms) says 30 beside the sequence make its step 19.3 ms, 1.9x a lone
+    one, where the configured batch model (half speed at 64) would say 15.1 ms: against the 23 ms it gets where
+    it is, that is less than ``min_speedup`` gained, so it stays; without curves the batch model moves it."""
+    from rollout_manager.rollout.box_speed import StepModel
+    loads = [InstanceLoad("a", "remote", 1, 0, None, 40.0, StepModel(0.0225, 0.0005)),
+             InstanceLoad("b", "remote", 30, 0, None, 97.0, StepModel(0.010, 0.0003))]
+    assert TailMigration(batch_half=64).plan(loads, [seq("s", "a")], 0, 0.0) == []
+    no_curves = [InstanceLoad("a", "remote", 1, 0, None, 40.0), InstanceLoad("b", "remote", 30, 0, None, 97.0)]
+    assert [m.target for m in TailMigration(batch_half=64).plan(no_curves, [seq("s", "a")], 0, 0.0)] == ["b"]
 
 
 def test_the_predicted_tail_moves_only_where_few_run_beside_it() -> None:

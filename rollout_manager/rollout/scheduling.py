@@ -401,32 +401,36 @@ class TailMigration:
     """Which running sequences to move, at the end of a batch, to instances where they finish sooner.
 
     Only while nothing waits in the manager (otherwise an idle instance gets that waiting work, and
-    moving would only reshuffle). The remaining length of a sequence is unknown; with long-tailed
-    lengths the best cheap guess is its age (a sequence that has made ``m`` tokens tends to make
-    about as many more), so the estimate is ``min(budget_left, max(made, min_tokens))``: never past
-    the budget. Moving costs the re-prefill of prompt plus tokens made, at ``prefill_factor`` times
-    the target's lone decode rate, plus ``move_overhead_s`` (abort, reconnect, scheduling).
+    moving would only reshuffle). Each box's step time at each running count is its learned curve
+    (``InstanceLoad.step``; before one, the batch model above from its measured lone rate): a configured
+    ``batch_half`` says nothing true of a fleet it was not set for (64 against 34 on a fleet of
+    10 + 0.3 n ms made full boxes look 1.3x faster per sequence than they are). A sequence's tokens left
+    are the larger of its age (a sequence that made ``m`` tends to make about as many more; at least
+    ``min_tokens``) and the length model's figure (``predict``), never past its budget: the model's
+    conditional median of a sequence far past its siblings is small ("about to end") and would price every
+    move of the tail below ``min_gain_s``. Moving costs the re-prefill of prompt plus tokens made, at
+    ``prefill_factor`` times the target's lone step, plus ``move_overhead_s`` (abort, reconnect, scheduling).
 
-    Candidates go longest expected time first; each takes the target where it would run fastest
-    (counting the moves already planned there, under the batch model above) if that is at least
-    ``min_speedup`` times its current per-sequence rate and saves at least ``min_gain_s``.
-    Sequences on a ``draining`` instance move whenever a target exists. Where the length model
-    predicts (``predict``: the tokens a sequence still makes), a sequence predicted to end before
-    ``tail_share`` of the step's predicted end (the latest drain over the boxes, ``makespan``) stays: it
-    is not the tail, and moving it would only load the boxes that run the tail (in the simulator,
-    told every length, placement alone is 1.04x of clairvoyant and moves by age made it 1.09x).
-    With ``tail_slowdown`` set, a sequence whose prediction evidence informed (``Rest.informed``) is the
-    predicted tail: it moves only to a box where its step, with it added, is at most that many times a lone
-    sequence's there, so the tail runs with few beside it rather than joining a full batch (in the
-    simulator at 1.3, 16 seeds: 1.19x / 1.06x / 1.07x of clairvoyant by epoch -> 1.16x / 1.04x / 1.05x). It
-    trusts each box's ``StepModel`` split between fixed and per-sequence cost; see docs/benchmarks.md.
-    Hysteresis: never to an instance the sequence already ran on, at most ``max_moves`` per sequence,
-    ``cooldown_s`` between two moves of one sequence; so no sequence ever moves back and forth.
+    Candidates go latest expected finish first; each searches the targets fastest first (its step there with
+    the moves already planned and it added) and takes the first it would finish on sooner by ``min_speedup``
+    and ``min_gain_s``; a target it ran on, or (for the predicted tail) a crowded one, is passed over and the
+    search goes on (it used to end there, leaving the sequence where it was). Sequences on a ``draining``
+    instance move whenever a target exists. Where the length model predicts, a sequence predicted to end
+    where it runs before ``tail_share`` of the step's predicted end stays: it is not the tail. That end is
+    the latest drain of the *other* boxes (``makespan.BoxWork``'s figures): the sequence's own box's drain
+    counts it at its upper quantile, so compared with it a tail sequence alone on a slow box was "not the
+    tail" for as long as that estimate stayed above the model's median (issue 46). With ``tail_slowdown``
+    set, a sequence whose prediction evidence informed (``Rest.informed``) is the predicted tail: it moves
+    only to a box where its step, with it added, is at most that many times a lone sequence's there, so the
+    tail runs with few beside it rather than joining a full batch. Hysteresis: never to an instance the
+    sequence already ran on, at most ``max_moves`` per sequence, ``cooldown_s`` between two moves of one
+    sequence; so no sequence ever moves back and forth.
 
-    Cost: O(S log T) for S sequences and T instances (a heap of targets): ~0.14 s for 20k sequences
-    on 1k instances when half the pool is idle and 9k moves come out, the worst case
-    (``benchmarks/bench_scheduling.py --plan-cost``); sequences with no faster target cost a compare.
+    Cost: O(S log T) for S sequences and T instances (a heap of targets, at most ``MAX_TRIES`` looked at per
+    sequence; ``benchmarks/bench_scheduling.py --plan-cost``); sequences with no faster target cost a compare.
     """
+
+    MAX_TRIES = 8  # targets one sequence's search looks at, at most (a plan stays O(S log T))
 
     def __init__(
         self,
@@ -468,21 +472,21 @@ class TailMigration:
         self.min_tokens = min_tokens
         self.max_target_in_flight = max_target_in_flight
 
-    def _rate(self, lone: float, n: int) -> float:
-        return per_sequence_rate(lone, n, self.batch_half)
+    def _step_of(self, c: InstanceLoad) -> StepModel | None:
+        """``c``'s decode step by running count: its learned curve, else the batch model above from its measured
+        lone rate; None while neither is known (it neither gives nor takes a sequence)."""
+        if not c.lone_rate:
+            return None
+        if c.step is not None:
+            return c.step
+        per = 1.0 / (c.lone_rate * self.batch_half)
+        return StepModel(1.0 / c.lone_rate - per, per)
 
-    def _not_the_tail(self, s: RunningSequence, rest: Rest | None, steps: dict[str, StepModel | None],
-                      n: dict[str, int], end: float) -> bool:
-        """Whether ``s`` is predicted to end where it is before ``tail_share`` of the step's predicted end."""
-        step = steps.get(s.instance_id)
-        return rest is not None and step is not None and \
-            rest.tokens * step.step_s(n.get(s.instance_id, 1)) < self.tail_share * end
-
-    def _crowded(self, step: StepModel | None, n: int) -> bool:
+    def _crowded(self, step: StepModel, n: int) -> bool:
         """Whether one more sequence on a box of ``step`` running ``n`` would run past ``tail_slowdown`` of
         its lone speed there."""
         limit = self.tail_slowdown
-        return limit is not None and step is not None and step.step_s(n + 1) > limit * step.step_s(1)
+        return limit is not None and step.step_s(n + 1) > limit * step.step_s(1)
 
     def plan(
         self,
@@ -497,81 +501,113 @@ class TailMigration:
 
         ``running`` may include sequences on instances not in ``instances`` (draining ones, named in
         ``draining``); a sequence on an instance with no measured rate stays where it is. ``predict``:
-        what the length model expects a sequence still makes (None, or answering None: no guard); asked
-        only of the sequences a faster box could take.
+        what the length model expects a sequence still makes (None, or answering None: its age stands in);
+        asked only of the sequences a faster box could take.
+
+        Each candidate's finish where it runs (its tokens left at the step time its box has now) is set
+        against its finish on each faster target (the re-prefill, then its tokens left at the target's step
+        with it added), fastest target first: it moves to the first target it reaches sooner by
+        ``min_speedup`` and ``min_gain_s``, skipping targets it ran on and, for the predicted tail, crowded
+        ones; a target that does not take it does not end its search.
         """
         if waiting > 0 or not running or self.max_moves == 0:
             return []
         n: dict[str, int] = {c.instance_id: c.in_flight_requests for c in instances}
-        lone = {c.instance_id: c.lone_rate for c in instances if c.lone_rate}
+        steps: dict[str, StepModel] = {}
+        for c in instances:
+            st = self._step_of(c)
+            if st is not None:
+                steps[c.instance_id] = st
         cap = self.max_target_in_flight
-        # Max-heap of targets by the per-sequence rate one more sequence would get there.
-        heap = [(-self._rate(r, n[i] + 1), i) for i, r in lone.items()
+        # Min-heap of targets by the step one more sequence would get there (the fastest first).
+        heap = [(st.step_s(n[i] + 1), i) for i, st in steps.items()
                 if i not in draining and (cap is None or n[i] < cap)]
         if not heap:
             return []
         heapq.heapify(heap)
-        best_rate = -heap[0][0]
+        best_step = heap[0][0]
+        # The step's predicted end without each box: the latest drain of the others (a sequence on the box that
+        # ends last is the tail whatever that box's estimate of it says).
+        ends = self._ends(instances, steps) if predict is not None and self.tail_share else None
 
         cands: list[tuple[float, float, RunningSequence, bool]] = []
-        steps = {c.instance_id: c.step for c in instances} if predict is not None else {}
-        end = max((st.drain_s(c.longest_tokens, c.predicted_tokens) for c in instances
-                   if (st := steps.get(c.instance_id)) is not None), default=0.0) if self.tail_share else 0.0
-        ask = predict is not None and (end > 0 or self.tail_slowdown is not None)
         for s in running:
             if s.moves >= self.max_moves or s.budget_left == 0:
                 continue
             if s.last_moved_at is not None and now - s.last_moved_at < self.cooldown_s:
                 continue
-            src_lone = lone.get(s.instance_id)
             drain = s.instance_id in draining
-            if src_lone is None and not drain:
+            src = steps.get(s.instance_id)
+            if src is None and not drain:
                 continue
-            here = self._rate(src_lone, n.get(s.instance_id, 1)) if src_lone else 0.0
-            if not drain and best_rate < self.min_speedup * here:
+            here = src.step_s(n.get(s.instance_id, 1)) if src is not None else math.inf
+            if not drain and best_step * self.min_speedup > here:
                 continue  # no target is fast enough for it: the common case, kept cheap
-            rest = predict(s) if ask and not drain and predict is not None and \
-                steps.get(s.instance_id) is not None else None
-            if end > 0 and self._not_the_tail(s, rest, steps, n, end):
-                continue
-            left = float(max(s.made, self.min_tokens))
-            if s.budget_left is not None:
-                left = min(left, s.budget_left)
-            cands.append((left / here if here > 0 else math.inf, left, s, rest is not None and rest.informed))
+            rest = predict(s) if predict is not None and not drain else None
+            left = self._left(s, rest)
+            if ends is not None and rest is not None and here < math.inf and \
+                    left * here < self.tail_share * ends(s.instance_id):
+                continue  # it ends where it is before the step does: not the tail
+            cands.append((left * here, left, s, rest is not None and rest.informed))
         cands.sort(key=lambda c: (-c[0], c[2].seq_id))
 
         moves: list[Move] = []
-        for _, left, s, informed in cands:
+        for t_here, left, s, informed in cands:
             drain = s.instance_id in draining
-            skipped = []
-            target = None
-            while heap:
+            src = steps.get(s.instance_id)
+            here = src.step_s(n.get(s.instance_id, 1)) if src is not None else math.inf
+            t_here = left * here  # earlier moves off its instance sped it up
+            skipped: list[tuple[float, str]] = []
+            chosen: tuple[str, float] | None = None
+            while heap and len(skipped) < self.MAX_TRIES:
                 key, tid = heapq.heappop(heap)
+                if not drain and key * self.min_speedup > here:
+                    heapq.heappush(heap, (key, tid))  # this and every later target: too slow for it
+                    break
+                skipped.append((key, tid))
                 if tid in s.visited or tid == s.instance_id:
-                    skipped.append((key, tid))
                     continue
-                target = (key, tid)
-                break
+                st = steps[tid]
+                if informed and not drain and self._crowded(st, n[tid]):
+                    continue
+                cost = self.move_overhead_s + (s.prompt_tokens + s.made) * st.step_s(1) / self.prefill_factor
+                gain = t_here - (cost + left * key)
+                if drain or gain >= self.min_gain_s:
+                    skipped.pop()
+                    chosen = (tid, gain)
+                    break
             for item in skipped:
                 heapq.heappush(heap, item)
-            if target is None:
+            if chosen is None:
                 continue
-            key, tid = target
-            there = -key
-            src_lone = lone.get(s.instance_id)
-            here = self._rate(src_lone, n.get(s.instance_id, 1)) if src_lone else 0.0
-            t_here = left / here if here > 0 else math.inf  # earlier moves off its instance sped it up
-            cost = (self.move_overhead_s
-                    + (s.prompt_tokens + s.made) / (self.prefill_factor * lone[tid]))
-            gain = t_here - (cost + left / there)
-            crowded = informed and not drain and self._crowded(steps.get(tid), n[tid])
-            if drain or (not crowded and there >= self.min_speedup * here and gain >= self.min_gain_s):
-                moves.append(Move(s.seq_id, s.instance_id, tid, gain))
-                n[tid] += 1
-                if s.instance_id in n:
-                    n[s.instance_id] = max(n[s.instance_id] - 1, 0)
-                if cap is None or n[tid] < cap:
-                    heapq.heappush(heap, (-self._rate(lone[tid], n[tid] + 1), tid))
-            else:
-                heapq.heappush(heap, target)
+            tid, gain = chosen
+            moves.append(Move(s.seq_id, s.instance_id, tid, gain))
+            n[tid] += 1
+            if s.instance_id in n:
+                n[s.instance_id] = max(n[s.instance_id] - 1, 0)
+            if cap is None or n[tid] < cap:
+                heapq.heappush(heap, (steps[tid].step_s(n[tid] + 1), tid))
         return moves
+
+    def _left(self, s: RunningSequence, rest: Rest | None) -> float:
+        """Tokens ``s`` is taken to make still: the length model's figure where it gives one, else its age (a
+        sequence that made ``m`` tends to make about as many more), never past its budget."""
+        left = float(max(s.made, self.min_tokens))
+        if rest is not None and rest.tokens > left:
+            left = rest.tokens
+        return left if s.budget_left is None else min(left, float(s.budget_left))
+
+    @staticmethod
+    def _ends(instances: Sequence[InstanceLoad], steps: dict[str, StepModel]) -> Callable[[str], float]:
+        """For each box, the latest predicted drain of the *other* boxes (``makespan.BoxWork``'s figures)."""
+        first, second, top = 0.0, 0.0, ""
+        for c in instances:
+            st = steps.get(c.instance_id)
+            if st is None:
+                continue
+            d = st.drain_s(c.longest_tokens, c.predicted_tokens)
+            if d > first:
+                first, second, top = d, first, c.instance_id
+            elif d > second:
+                second = d
+        return lambda iid: second if iid == top else first
