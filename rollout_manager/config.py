@@ -122,6 +122,7 @@ class Config(BaseModel):
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
     engine_first_byte_timeout_s: float = Field(default=60.0, gt=0)  # first chunk, unless the instance serves others
     engine_max_frame_mb: float = Field(default=16.0, gt=0)  # one SSE frame (or non-streaming answer) from an engine
+    engine_max_instance_buffer_mb: float = Field(default=128.0, gt=0)  # unfinished frames of one instance's calls
     engine_vocab_size: int = Field(default=0, ge=0)  # token ids must be below it (0: as the instance says, else 2**31)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     engine_stream_interval: int = Field(default=64, ge=0)  # 0: send none, the server's --stream-interval holds

@@ -9,6 +9,7 @@ from __future__ import annotations
 from rollout_manager.instances.registry import Instance
 from rollout_manager.rollout.generation_settings import GenerationSettings
 from rollout_manager.sglang.client import CallBounds, SGLangClient
+from rollout_manager.sglang.deadline import BoxBytes
 
 
 class CallBoundsCache:
@@ -28,7 +29,7 @@ class CallBoundsCache:
         load = inst.load
         bounds = CallBounds(s.connect_timeout_s, s.stall_timeout_s, s.first_byte_timeout_s, s.max_frame_bytes,
                             activity=lambda: load.last_chunk_at, limits=self.client.limits,
-                            headers=self.client.generate_headers)
+                            headers=self.client.generate_headers, box_bytes=BoxBytes(s.max_instance_buffer_bytes))
         if len(self._by_id) > 4 * (instances + 64):
             self._by_id.clear()
         self._by_id[inst.id] = (inst, s, bounds)

@@ -33,6 +33,8 @@ class GenerationSettings:
     first_byte_timeout_s: float | None = None
     max_frame_bytes: int | None = None
     vocab_size: int = 0
+    # The most bytes of unfinished frames one instance's calls may hold at once (None: no bound).
+    max_instance_buffer_bytes: int | None = None
     # Short non-streaming calls that start together on one instance go as one SGLang batch of at most
     # this many (sglang.coalesce; 1: one call each).
     batch_max: int = 64
@@ -54,5 +56,6 @@ class GenerationSettings:
                    cfg.staleness_action, first_byte_timeout_s=cfg.engine_first_byte_timeout_s,
                    pieces=PieceSettings(cfg.piece_tokens, cfg.piece_min_budget, cfg.piece_max_tokens),
                    max_frame_bytes=int(cfg.engine_max_frame_mb * 1e6), vocab_size=cfg.engine_vocab_size,
+                   max_instance_buffer_bytes=int(cfg.engine_max_instance_buffer_mb * 1e6),
                    batch_max=cfg.engine_batch_max,
                    length_prediction=cfg.length_prediction or cfg.scheduler_policy == "makespan")

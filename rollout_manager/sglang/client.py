@@ -150,7 +150,7 @@ async def _raise_for_status(conn: Connection) -> None:
             break
         raw += piece
         if conn.deadline is not None:
-            conn.deadline.unframed = len(raw)
+            conn.deadline.hold(len(raw))
     text = raw[:ERROR_BODY_BYTES].decode(errors="replace")[:2000]
     try:
         error: Any = jsonutil.loads(text)
@@ -207,7 +207,7 @@ class ChunkStream:
             except ValueError as exc:
                 raise EngineFailed(f"undecodable stream: {exc}") from None
             del data  # the bytes read do not stay while the next read waits
-            deadline.unframed = decoder.pending
+            deadline.hold(decoder.pending)
             if chunks or decoder.done:
                 deadline.chunk(len(chunks))
             if chunks:
@@ -302,11 +302,14 @@ async def generate_batch_once(
 
     SGLang answers a batch with one list once every item is done, and refuses the whole batch when one
     item is refused, so an :class:`EngineRejected` here names no item. An answer that is not one
-    output per body, each for its own ``rid``, is the instance's failure.
+    output per body, each for its own ``rid``, is the instance's failure. The whole answer is bounded as one
+    frame is: its items are short by construction (:func:`.generate_request.joinable`), and a bound per item
+    would let one babbling call hold that many frames' worth of memory. Only items that carry routed experts
+    (rows for every position, prompt included) get a frame's room each.
     """
     frame = bounds.max_frame_bytes
-    raw = await _answer(session, base_url, bodies, bounds,
-                        None if frame is None else frame * len(bodies))
+    rows = bodies[0].routed_experts  # a join key: all of the batch's bodies ask for them or none does
+    raw = await _answer(session, base_url, bodies, bounds, frame * len(bodies) if frame and rows else frame)
     answers = _decode(raw)
     chunks = [GenerateChunk.of(a) for a in answers] if isinstance(answers, list) else []
     if not (len(chunks) == len(bodies) and all(_is_output(a) for a in answers)
@@ -329,7 +332,7 @@ async def _answer(session: aiohttp.ClientSession, base_url: str, body: SequenceB
         while data := await conn.read():
             size += len(data)
             if conn.deadline is not None:
-                conn.deadline.unframed = size
+                conn.deadline.hold(size)
             if max_bytes is not None and size > max_bytes:
                 raise EngineFailed(f"an answer of over {max_bytes} bytes, the bound (engine_max_frame_mb)")
             parts.append(data)

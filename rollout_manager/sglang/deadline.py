@@ -9,6 +9,8 @@ import itertools
 from collections.abc import Callable
 from typing import Protocol
 
+from rollout_manager.sglang.errors import EngineFailed
+
 
 class Timed(Protocol):
     """A call in a :class:`DeadlineClock`: ``armed`` is its entry's token (0: none)."""
@@ -17,6 +19,22 @@ class Timed(Protocol):
 
     def on_due(self) -> None:
         """Its entry came due (the clock cleared ``armed`` first)."""
+
+
+class BoxBytes:
+    """The bytes of unfinished frames (or answers) held at once for one instance's calls, and their bound.
+
+    Each call is bounded by its frame bound (``engine_max_frame_mb``); a box that babbles on many calls at
+    once would still hold that much for every one of them, so a broken box could fill the manager's memory.
+    A call that makes its box's calls hold more than ``limit`` fails, unless it is the only one holding any:
+    a single frame within its own bound (a routed-experts frame can pass ``limit``) is never the box's fault.
+    """
+
+    __slots__ = ("limit", "held")
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit  # None: no bound
+        self.held = 0
 
 
 class Deadline:
@@ -30,9 +48,11 @@ class Deadline:
     re-arms itself in the clock when it finds the deadline moved.
     """
 
-    __slots__ = ("loop", "started", "first_s", "stall_s", "activity", "last", "chunks", "headers", "unframed")
+    __slots__ = ("loop", "started", "first_s", "stall_s", "activity", "last", "chunks", "headers", "unframed",
+                 "box")
 
-    def __init__(self, first_s: float, stall_s: float, activity: Callable[[], float] | None):
+    def __init__(self, first_s: float, stall_s: float, activity: Callable[[], float] | None,
+                 box: BoxBytes | None = None):
         self.loop = asyncio.get_running_loop()
         self.started = self.loop.time()
         self.first_s, self.stall_s = min(first_s, stall_s), stall_s
@@ -40,7 +60,23 @@ class Deadline:
         self.last: float | None = None  # when the last chunk came
         self.chunks = 0
         self.headers = False  # the status line and headers came
-        self.unframed = 0  # bytes of an unfinished frame (or answer) the reader holds now
+        self.unframed = 0  # bytes of an unfinished frame (or answer) the reader holds now (:meth:`hold`)
+        self.box = box  # what the instance's calls hold together (None: not counted)
+
+    def hold(self, n: int) -> None:
+        """The reader now holds ``n`` bytes of an unfinished frame (or answer) of this call (0: none, as
+        when the call ends). Raises :class:`EngineFailed` when that takes the instance's calls past their
+        bound together (:class:`BoxBytes`)."""
+        box = self.box
+        if box is not None:
+            grew = n > self.unframed
+            box.held += n - self.unframed
+            self.unframed = n
+            if grew and box.limit is not None and box.held > box.limit and box.held > n:
+                raise EngineFailed(f"the instance's calls hold {box.held} bytes of unfinished frames at once, over "
+                                   f"the bound of {box.limit} for one instance (engine_max_instance_buffer_mb)")
+        else:
+            self.unframed = n
 
     def chunk(self, n: int = 1) -> None:
         """``n`` complete chunks came."""

@@ -30,7 +30,7 @@ import aiohttp
 import httptools
 
 from rollout_manager.sglang import wire
-from rollout_manager.sglang.deadline import Deadline, DeadlineClock
+from rollout_manager.sglang.deadline import BoxBytes, Deadline, DeadlineClock
 from rollout_manager.sglang.errors import EngineFailed
 from rollout_manager.sglang.local_limits import LocalLimits, local_resource_error
 
@@ -57,6 +57,7 @@ class CallBounds:
     activity: Callable[[], float] | None = None
     limits: LocalLimits | None = None
     headers: dict[str, str] | None = None  # of the POST (None: JSON only); SGLangClient.generate_headers adds its key
+    box_bytes: BoxBytes | None = None  # what the instance's calls hold together, and its bound (one per instance)
 
 
 class _Stale(Exception):
@@ -190,6 +191,8 @@ class Connection(asyncio.Protocol):
     def release(self, finished: bool = False) -> None:
         """The call is over: keep the connection for the next call when its answer came to its end (or,
         ``finished``, only its end is missing: it waits :data:`DRAIN_S` for it), else close it."""
+        if self.deadline is not None:
+            self.deadline.hold(0)  # the reader holds nothing of this call any more
         self.deadline = None
         self._disarm()
         if self.timer is not None:
@@ -403,7 +406,7 @@ class Relay:
         limits.loop.ensure_started()
         key, start = self._key(base_url)
         first_s = bounds.stall_timeout_s if bounds.first_byte_timeout_s is None else bounds.first_byte_timeout_s
-        deadline = Deadline(first_s, bounds.stall_timeout_s, bounds.activity)
+        deadline = Deadline(first_s, bounds.stall_timeout_s, bounds.activity, bounds.box_bytes)
         request = _request_head(start, bounds.headers, len(data)) + data
         del data  # orjson's output sits in a 4 KiB buffer whatever its length: not kept while connecting
         loop, attempt, fresh_only = deadline.loop, 0, False
