@@ -7,8 +7,11 @@ manager with verl's V1 trainer hooks (TransferQueue stubbed with the shape it re
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
@@ -23,7 +26,14 @@ from rollout_manager.rollout.provisional import Provisional
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.finish import FinishReason
-from trainer_plugin.distrust import DistrustFilter, SegmentKey, distrusted_rows, drop_distrusted, zero_rows
+from trainer_plugin.distrust import (
+    DROPPED_UID,
+    DistrustFilter,
+    SegmentKey,
+    distrusted_rows,
+    drop_fields,
+    zero_rows,
+)
 
 
 def finished(rid: str, *segments: Segment) -> SequenceState:
@@ -120,55 +130,192 @@ async def test_the_endpoint_pages_by_number_and_refuses_garbage(api: tuple[Manag
     assert st["quarantine"]["delivered"]["distrusted_samples"] == 1
 
 
-async def test_the_trainer_drops_distrusted_samples_before_the_actor_update(api: tuple[Manager, TestClient],
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """verl's ``_update_actor`` (stubbed: no cluster) runs after the hook zeroed the masks of the listed sample
-    in TransferQueue (stubbed with the shape ``kv_batch_get`` returns)."""
-    import transfer_queue
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+N = 4  # samples per prompt (rollout.n)
+REWARDS = {"p0": [1.0, 0.0, 0.0, 1.0], "p1": [1.0, 1.0, 0.0, 0.0]}
+PROMPT_LEN = 3
 
+
+@pytest.fixture(scope="module")
+def transfer_queue() -> Iterator[Any]:
+    """verl's TransferQueue as ``TaskRunnerV1.run`` starts it (on a small local Ray), closed afterwards."""
+    import os
+
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, object_store_memory=100 << 20,
+             logging_level="WARNING")
+    try:
+        cfg = OmegaConf.load(os.path.join(os.path.dirname(tq.__file__), "config.yaml"))
+        cfg.backend.SimpleStorage.num_data_storage_units = 1
+        tq.init(cfg)
+        try:
+            yield tq
+        finally:
+            tq.close()
+    finally:
+        ray.shutdown()
+
+
+def _verl_config(port: int) -> Any:
+    """verl's own ppo_trainer config (GRPO, n samples a prompt), the plugin's manager address in it."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        return compose("ppo_trainer", overrides=[
+            "algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={N}", "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+            "+actor_rollout_ref.rollout.custom.rollout_manager.host=127.0.0.1",
+            f"+actor_rollout_ref.rollout.custom.rollout_manager.port={port}"])
+
+
+def _put_groups(tq: Any) -> Any:
+    """Two GRPO groups of N samples in TransferQueue as verl's agent loop puts them (``{uid}_{session}_{i}``
+    keys, a reward on each response's last token, the proxy's ``extra_fields``), each of a box of its own."""
+    from verl.trainer.ppo.v1.replay_buffer import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    keys, fields = [], []
+    for uid, rewards in REWARDS.items():
+        for j, reward in enumerate(rewards):
+            n = 3 + j  # response lengths differ: jagged rows
+            scores = torch.zeros(n)
+            scores[-1] = reward
+            keys.append(f"{uid}_{j}_0")
+            fields.append({"prompts": torch.arange(PROMPT_LEN) + 1, "responses": torch.arange(n) + 10,
+                           "response_mask": torch.ones(n, dtype=torch.int64),
+                           "loss_mask": torch.ones(n, dtype=torch.int64), "rm_scores": scores,
+                           "old_log_probs": torch.full((n,), -1.0), "uid": uid,
+                           "extra_fields": {"request_id": f"{uid}-{j}",
+                                            "segments": [_seg(f"inst-{uid}-{j}", 0, n)]}})
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields))
+    return KVBatchMeta(partition_id="train", keys=keys, tags=[{} for _ in keys])
+
+
+def _grpo(rewards: list[float]) -> torch.Tensor:
+    """verl's own GRPO advantage of one group's samples (one per sample: they are constant along a row)."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    scores = torch.tensor(rewards).unsqueeze(-1)
+    adv, _ = compute_grpo_outcome_advantage(scores, torch.ones_like(scores), np.array(["g"] * len(rewards)))
+    return adv[:, 0]
+
+
+class ActorStandIn:
+    """The training ranks' ``update_actor`` as verl's engine runs it, less the model: the micro-batch read back
+    from TransferQueue, ``batch_num_tokens`` summed over ``loss_mask`` (``FSDPEngine.forward_backward_batch``),
+    and verl's own ``ppo_loss`` on log-probs that require a gradient."""
+
+    def __init__(self, config: Any) -> None:
+        from verl.utils.config import omega_conf_to_dataclass
+
+        self.config = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+        self.seen: dict[str, Any] = {}
+
+    def update_actor(self, batch: Any) -> dict[str, Any]:
+        import transfer_queue as tq
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.losses import ppo_loss
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=[
+            "prompts", "responses", "response_mask", "loss_mask", "old_log_probs", "advantages"])
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()),
+                             global_batch_size=len(batch.keys))
+        total = int(data["prompts"].offsets().diff().sum() + data["responses"].offsets().diff().sum())
+        log_probs = torch.full((total,), -0.9, requires_grad=True)
+        loss, _ = ppo_loss(self.config, {"log_probs": log_probs}, data)
+        loss.backward()
+        self.seen = {"advantages": data["advantages"], "grad": log_probs.grad, "data": data,
+                     "batch_num_tokens": data["batch_num_tokens"]}
+        return {"metrics": {"mfu": 0.0, "pg_loss": float(loss)}}
+
+
+async def test_distrusted_samples_leave_their_groups_before_verls_advantages(api: tuple[Manager, TestClient],
+                                                                            transfer_queue: Any) -> None:
+    """Issue 46, item 5: a sample listed as distrusted is out of its GRPO group before verl computes the
+    advantages (verl's own ``_compute_advantage`` over TransferQueue), so its siblings' advantages are GRPO's
+    over them alone; one listed only after the advantages were computed makes the plugin compute them again
+    before verl's ``_update_actor``, whose loss (verl's ``ppo_loss``) gets no gradient and no token count from
+    either. Zeroing the masks after the advantages (the plugin before) kept the dropped sample's reward in its
+    siblings' baseline: their advantages would be GRPO's over all four."""
     from trainer_plugin.verl_trainer import PPOTrainerSyncWithManager
 
+    tq = transfer_queue
     manager, client = api
     ledger = manager.generator.migrator.provisional
-    ledger.finished(finished("bad", Segment("inst-1", "h:1", "0", 2, 4, "ok")))
-    ledger.distrust("inst-1", "quarantined: test")
-    ones = [torch.ones(4, dtype=torch.int64), torch.ones(3, dtype=torch.int64)]
-    data = TensorDict({"response_mask": torch.nested.as_nested_tensor(ones, layout=torch.jagged),
-                       "loss_mask": torch.nested.as_nested_tensor(ones, layout=torch.jagged),
-                       "extra_fields": NonTensorStack(
-                           {"request_id": "bad", "segments": [_seg("inst-0", 0, 2), _seg("inst-1", 2, 4)]},
-                           {"request_id": "good", "segments": [_seg("inst-0", 0, 3)]})}, batch_size=[2])
-    written: dict[str, Any] = {}
-    seen_at_update: list[dict[str, Any]] = []
-    monkeypatch.setattr(transfer_queue, "kv_batch_get", lambda keys, partition_id, select_fields: data)
-    monkeypatch.setattr(transfer_queue, "kv_batch_put",
-                        lambda keys, partition_id, fields: written.update(fields))
-    monkeypatch.setattr(PPOTrainerSync, "_update_actor",
-                        lambda self, batch, metrics: seen_at_update.append(dict(written)) or batch)
+    batch = _put_groups(tq)
     t = object.__new__(PPOTrainerSyncWithManager)
-    port = client.server.port
-    t.config = OmegaConf.create({"data": {"train_batch_size": 1}, "algorithm": {}, "actor_rollout_ref": {"rollout": {
-        "n": 1, "custom": {"rollout_manager": {"host": "127.0.0.1", "port": port}}}}})
-    batch = type("Batch", (), {"keys": ["k0", "k1"], "partition_id": "train"})()
+    t.config = _verl_config(client.server.port)
+    t.actor_rollout_wg = actor = ActorStandIn(t.config)
+    t.global_steps = 1
+
+    def distrust(uid: str, j: int) -> None:
+        ledger.finished(finished(f"{uid}-{j}", Segment(f"inst-{uid}-{j}", "h:1", "0", 0, 3 + j, "ok")))
+        ledger.distrust(f"inst-{uid}-{j}", "quarantined: test", quarantined=True)
+
+    def advantages(uid: str) -> torch.Tensor:
+        got = tq.kv_batch_get(keys=[k for k in batch.keys if k.startswith(uid)], partition_id="train",
+                              select_fields=["advantages"])["advantages"]
+        return torch.stack([row[0] for row in got.unbind()])
+
+    distrust("p0", 3)  # caught before the step: out of p0's group before its advantages
     metrics: dict[str, Any] = {}
-    await asyncio.to_thread(t._update_actor, batch, metrics)
+    await asyncio.to_thread(t._compute_advantage, batch, metrics)
     assert metrics["rollout_manager/distrusted_samples_dropped"] == 1.0
-    assert len(seen_at_update) == 1  # verl's update ran after the masks were written back
-    for name in ("response_mask", "loss_mask"):
-        assert [row.tolist() for row in seen_at_update[0][name].unbind()] == [[0, 0, 0, 0], [1, 1, 1]]
+    p0 = advantages("p0")
+    assert torch.allclose(p0[:3], _grpo(REWARDS["p0"][:3])) and p0[3] == 0
+    assert not torch.allclose(p0[:3], _grpo(REWARDS["p0"])[:3])  # what keeping it in the baseline gives
+    assert torch.allclose(advantages("p1"), _grpo(REWARDS["p1"]))
+
+    distrust("p1", 0)  # caught after the advantages, before the actor update: p1's computed again
+    await asyncio.to_thread(t._update_actor, batch, metrics)
+    assert metrics["rollout_manager/distrusted_samples_dropped"] == 2.0
+    assert metrics["rollout_manager/distrusted_advantages_recomputed"] == 1.0
+    p1 = advantages("p1")
+    assert p1[0] == 0 and torch.allclose(p1[1:], _grpo(REWARDS["p1"][1:]))
+    assert torch.allclose(advantages("p0")[:3], _grpo(REWARDS["p0"][:3]))  # p0's as before
+    # verl's loss over what the actor update read: no gradient through the dropped samples' tokens, and
+    # their tokens are not in the token-mean's count
+    lengths = [3 + j for j in range(N)] * 2
+    dropped = {3, N + 0}
+    assert actor.seen["batch_num_tokens"] == sum(n for i, n in enumerate(lengths) if i not in dropped)
+    grad, at = actor.seen["grad"], 0
+    for i, n in enumerate(lengths):
+        response = grad[at + PROMPT_LEN - 1: at + PROMPT_LEN - 1 + n]
+        at += PROMPT_LEN + n
+        if i in dropped:
+            assert not response.any(), i
+        elif not math.isclose(float(advantages("p0" if i < N else "p1")[i % N]), 0.0, abs_tol=1e-6):
+            assert response.abs().min() > 0, i
+    # nothing new: nothing written, nothing computed again
+    metrics = {}
+    await asyncio.to_thread(t._update_actor, batch, metrics)
+    assert "rollout_manager/distrusted_advantages_recomputed" not in metrics
     # a manager that cannot be reached: a warning, the step goes on, said in the metrics
     t._rm_distrust = DistrustFilter("http://127.0.0.1:9")
     metrics = {}
-    await asyncio.to_thread(t._update_actor, batch, metrics)
-    assert metrics["rollout_manager/distrust_check_failed"] == 1.0 and len(seen_at_update) == 2
+    await asyncio.to_thread(t._compute_advantage, batch, metrics)
+    assert metrics["rollout_manager/distrust_check_failed"] == 1.0 and "advantages" in str(
+        tq.kv_batch_get(keys=batch.keys[:1], partition_id="train", select_fields=["advantages"]).keys())
+    tq.kv_clear(keys=batch.keys, partition_id="train")
 
 
-def test_drop_distrusted_writes_nothing_when_nothing_matches() -> None:
-    data = TensorDict({"response_mask": torch.ones(1, 2), "extra_fields": NonTensorStack(
-        {"request_id": "x", "segments": [_seg("a", 0, 2)]})}, batch_size=[1])
-    assert drop_distrusted(data, DistrustFilter("http://unused")) == ({}, 0)
+def test_drop_fields_writes_nothing_when_nothing_matches() -> None:
+    data = TensorDict({"response_mask": torch.ones(1, 2), "uid": NonTensorStack("u"), "extra_fields":
+                       NonTensorStack({"request_id": "x", "segments": [_seg("a", 0, 2)]})}, batch_size=[1])
+    assert drop_fields(data, ["u_0_0"], DistrustFilter("http://unused")) == ({}, [])
+
+
+def test_drop_fields_gives_each_dropped_sample_a_group_of_its_own() -> None:
+    data = TensorDict({"response_mask": torch.ones(2, 2), "uid": NonTensorStack("u", "u"), "extra_fields":
+                       NonTensorStack({"request_id": "x", "segments": [_seg("a", 0, 2, "ok; distrusted: q")]},
+                                      {"request_id": "y", "segments": [_seg("a", 0, 2)]})}, batch_size=[2])
+    fields, dropped = drop_fields(data, ["u_0_0", "u_1_0"], DistrustFilter("http://unused"))
+    assert dropped == ["u_0_0"] and fields["uid"] == [DROPPED_UID + "u_0_0", "u"]
+    assert fields["response_mask"].tolist() == [[0, 0], [1, 1]]
+    assert drop_fields(data, ["u_0_0", "u_1_0"], DistrustFilter("http://unused"), {"u_0_0"}) == ({}, [])
 
 
 # ------------------------------------------------------------------ shown beside the mismatch

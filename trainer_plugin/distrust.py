@@ -1,16 +1,21 @@
-"""Drop the samples a quarantined box made unvouched before the trainer trains on them.
+"""Drop the samples a quarantined box made unvouched before the trainer computes their advantages.
 
 A box's tokens are provisional until a trust probe sent after them passes. When a box is quarantined, its
 running sequences are cut back (their answers never carry those tokens), but answers delivered before that
 may; the manager lists them (``GET /distrusted_samples?after=N``: the answer's id and the segment's box,
-version and token range, numbered). Before each actor update the plugin reads what is new, and every sample
-of the batch with such a segment, or with a segment the manager flagged ``distrusted`` in its ``meta_info``
-(an answer that finished on the box before its cut-back landed), is dropped: its ``response_mask`` (and
-verl's ``loss_mask``, where the batch has one) is zeroed, so none of its tokens reach the loss.
+version and token range, numbered). Before verl computes a micro-batch's advantages the plugin reads what is
+new, and every sample of the batch with such a segment, or with a segment the manager flagged ``distrusted``
+in its ``meta_info`` (an answer that finished on the box before its cut-back landed), leaves the batch as
+verl's own padding samples do (``verl.trainer.ppo.padding_utils``): its ``response_mask`` (and ``loss_mask``)
+zeroed, so none of its tokens reach the loss, and a ``uid`` of its own, so it is no GRPO sibling of anyone:
+the advantages of its prompt's other samples are computed over them alone (a group-relative baseline never
+includes a dropped sample). Zeroing the masks after the advantages (what the plugin did before) left the
+dropped sample's reward in its siblings' baseline.
 
 :class:`DistrustFilter` keeps the records seen (bounded) and the reader's cursor; :func:`distrusted_rows` is
-the pure match (lists in, booleans out), tested without verl. A manager that cannot be reached costs a
-warning and the step goes on unprotected (said in the step's metrics as ``distrust_check_failed``).
+the pure match (lists in, booleans out), tested without verl; :func:`drop_fields` what to write back. A
+manager that cannot be reached costs a warning and the step goes on unprotected (said in the step's metrics
+as ``distrust_check_failed``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ log = logging.getLogger("trainer_plugin.distrust")
 
 KEEP_KEYS = 500_000  # distrusted segments remembered across steps (a sample may be trained on steps later)
 MASK_FIELDS = ("response_mask", "loss_mask")
+READ_FIELDS = ("extra_fields", "uid", *MASK_FIELDS)  # what drop_fields reads of a batch
+DROPPED_UID = "rollout-manager-distrusted:"  # + the sample's TransferQueue key: a group of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,15 +108,22 @@ def zero_rows(values: Any, rows: Sequence[bool]) -> Any:
     return [[0 for _ in row] if drop else row for row, drop in zip(values, rows, strict=True)]
 
 
-def drop_distrusted(data: Any, flt: DistrustFilter) -> tuple[dict[str, Any], int]:
-    """The mask fields of ``data`` (a batch as ``tq.kv_batch_get`` gives it, with ``extra_fields``) with the
-    distrusted samples' rows zeroed, and how many samples were dropped (0: nothing to write back)."""
+def drop_fields(data: Any, keys: Sequence[str], flt: DistrustFilter, done: set[str] | None = None
+                ) -> tuple[dict[str, Any], list[str]]:
+    """What to write back for the samples of ``data`` (a batch as ``tq.kv_batch_get`` gives it for ``keys``,
+    with :data:`READ_FIELDS`) that are distrusted and not in ``done`` (dropped already): the mask fields with
+    their rows zeroed and the ``uid`` column with theirs made their own; and the keys of those samples (none:
+    nothing to write)."""
     rows = flt.rows(per_sample(data["extra_fields"]))
-    dropped = sum(rows)
+    if done:
+        rows = [drop and key not in done for drop, key in zip(rows, keys, strict=True)]
+    dropped = [key for key, drop in zip(keys, rows, strict=True) if drop]
     if not dropped:
-        return {}, 0
-    names = [n for n in MASK_FIELDS if _has(data, n)]
-    return {n: zero_rows(data[n], rows) for n in names}, dropped
+        return {}, []
+    fields = {n: zero_rows(data[n], rows) for n in MASK_FIELDS if _has(data, n)}
+    fields["uid"] = [f"{DROPPED_UID}{key}" if drop else uid
+                     for uid, key, drop in zip(list(data["uid"]), keys, rows, strict=True)]
+    return fields, dropped
 
 
 def _has(data: Any, name: str) -> bool:

@@ -8,8 +8,10 @@ groups, ``on_step_end`` where weights are synced); whatever ``on_step_end`` leav
 the metrics the manager needs: :class:`ManagerMetricsMixin` times the step and the trainer's wait
 for rollouts (its bubble), posts ``step_time_s``, ``trainer_bubble_time_s`` and ``step_throughput``
 (samples per second) to ``/update_metrics`` after the weight sync, and logs the manager's answer
-(local budget, remote idle time, generation counters) under ``rollout_manager/``. Everything else is
-verl's ``PPOTrainerSync``. A manager that cannot be reached costs a warning, never the step.
+(local budget, remote idle time, generation counters) under ``rollout_manager/``. Before verl computes a
+micro-batch's advantages, and again before the actor update, it drops the samples a quarantined box made
+unvouched (:mod:`trainer_plugin.distrust`). Everything else is verl's ``PPOTrainerSync``. A manager that
+cannot be reached costs a warning, never the step.
 
 Importing this module imports verl's V1 trainer (TransferQueue included, seconds), so the plugin
 registers it only when verl itself imports ``verl.trainer.ppo.v1`` (see
@@ -27,7 +29,7 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-from .distrust import MASK_FIELDS, DistrustFilter, drop_distrusted
+from .distrust import READ_FIELDS, DistrustFilter, drop_fields
 from .metrics import StepTimer, as_log_metrics, post_mismatch_sync, post_step_metrics_sync
 from .mismatch import FIELDS, StepMismatch, tally_batch
 from .settings import PluginSettings, from_rollout_config
@@ -44,6 +46,7 @@ class ManagerMetricsMixin:
     _rm_timer: StepTimer | None = None
     _rm_mismatch: StepMismatch | None = None
     _rm_distrust: DistrustFilter | None = None
+    _rm_dropped: set[str] | None = None  # the micro-batch's samples dropped so far (their TransferQueue keys)
 
     @property
     def _rm_settings(self) -> PluginSettings:
@@ -91,30 +94,58 @@ class ManagerMetricsMixin:
             log.warning("per-box log-prob mismatch not computed: %s", exc)
         return batch
 
+    def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        # Distrusted samples leave before the advantages: a dropped sample must not set its siblings' baseline.
+        self._rm_dropped = set()
+        self._rm_check_distrusted(batch, metrics)
+        return super()._compute_advantage(batch, metrics)  # type: ignore[misc]
+
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        try:  # as late as can be: a box quarantined while this step ran is caught too
-            metrics.update(self._rm_drop_distrusted(batch))
+        # As late as can be: a box quarantined since the advantages were computed is caught too, and the
+        # advantages are computed again without its samples (cheap: no model runs for them).
+        if self._rm_check_distrusted(batch, metrics):
+            batch = super()._compute_advantage(batch, metrics)  # type: ignore[misc]
+            metrics["rollout_manager/distrusted_advantages_recomputed"] = 1.0
+        return super()._update_actor(batch, metrics)  # type: ignore[misc]
+
+    def _rm_check_distrusted(self, batch: Any, metrics: dict[str, Any]) -> int:
+        """Drop the batch's samples a quarantined box made unvouched (:mod:`trainer_plugin.distrust`); how many
+        were dropped now. A manager that cannot be reached costs a warning, never the step."""
+        try:
+            dropped = self._rm_drop_distrusted(batch)
         except Exception as exc:  # unprotected, but the step goes on: said in the log and the metrics
             log.warning("distrusted samples not checked: %s", exc)
             metrics["rollout_manager/distrust_check_failed"] = 1.0
-        return super()._update_actor(batch, metrics)  # type: ignore[misc]
+            return 0
+        done = self._rm_dropped if self._rm_dropped is not None else set()
+        metrics["rollout_manager/distrusted_samples_dropped"] = float(len(done))
+        metrics["rollout_manager/distrusted_samples_missed"] = float(self._rm_distrust.missed
+                                                                     if self._rm_distrust is not None else 0)
+        return dropped
 
-    def _rm_drop_distrusted(self, batch: Any) -> dict[str, float]:
-        """Zero the masks of the samples a quarantined box made unvouched (:mod:`trainer_plugin.distrust`)."""
+    def _rm_drop_distrusted(self, batch: Any) -> int:
+        """Zero the masks of the samples a quarantined box made unvouched and give each a ``uid`` of its own, in
+        TransferQueue, as verl's padding samples have; how many were dropped now."""
         if self._rm_distrust is None:
             self._rm_distrust = DistrustFilter(self._rm_settings.manager_url)
         self._rm_distrust.refresh()
         import transfer_queue as tq
+        from tensordict import NonTensorStack, TensorDict
 
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["extra_fields", *MASK_FIELDS])
-        masks, dropped = drop_distrusted(data, self._rm_distrust)
-        if dropped:
-            log.warning("%d sample(s) made by a quarantined box before it was caught: dropped from this step "
-                        "(their masks zeroed)", dropped)
-            tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=masks)
-        return {"rollout_manager/distrusted_samples_dropped": float(dropped),
-                "rollout_manager/distrusted_samples_missed": float(self._rm_distrust.missed)}
+        keys = list(batch.keys)
+        data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=list(READ_FIELDS))
+        if self._rm_dropped is None:
+            self._rm_dropped = set()
+        fields, dropped = drop_fields(data, keys, self._rm_distrust, self._rm_dropped)
+        if not dropped:
+            return 0
+        log.warning("%d sample(s) made by a quarantined box before it was caught: dropped from this step (masks "
+                    "zeroed, each its own GRPO group)", len(dropped))
+        uids = fields.pop("uid")
+        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
+                        fields=TensorDict({**fields, "uid": NonTensorStack(*uids)}, batch_size=[len(keys)]))
+        self._rm_dropped.update(dropped)
+        return len(dropped)
 
     def _rm_tally_mismatch(self, batch: Any) -> None:
         """The trainer's log-probs of the micro-batch against the rollout's, split by box (see
