@@ -27,13 +27,14 @@ import aiohttp
 import msgspec
 
 from rollout_manager.config import Config
-from rollout_manager.errors import BadRequest, Forbidden
+from rollout_manager.errors import BadRequest, Conflict, Forbidden
 from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.served_ids import safe_id_limit
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
 from rollout_manager.osutil import open_file_limit
@@ -47,7 +48,7 @@ from rollout_manager.rollout.scheduling import make_policy
 from rollout_manager.sglang import relay
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.client import SGLangClient
-from rollout_manager.sglang.logprob_probe import probe_ids
+from rollout_manager.sglang.logprob_probe import ID_RUNGS, probe_ids, probe_limit
 from rollout_manager.sglang.relay import Relay
 from rollout_manager.weights.agent_client import AgentClient
 from rollout_manager.weights.groups import SenderPlan
@@ -165,12 +166,14 @@ class Manager:
         await self.admission.check(source, hosts)
 
     def register_remote(self, host: str, port: int, handshake_port: int | None,
-                        receiver_port: int | None = None, vocab_size: int | None = None) -> dict[str, Any]:
+                        receiver_port: int | None = None, vocab_size: int | None = None, *,
+                        vocab_from_config: bool = False) -> dict[str, Any]:
         # The box's own credential: with it (and without the shared token) its launcher can remove
         # this instance and nothing else. Only its digest is kept; it is never shown again.
         box_token = secrets.token_urlsafe(32)
         inst = self.registry.add(host, port, Kind.REMOTE, handshake_port, receiver_port,
-                                 declared_vocab_size=vocab_size, box_token_digest=token_digest(box_token))
+                                 declared_vocab_size=vocab_size, vocab_from_config=vocab_from_config,
+                                 box_token_digest=token_digest(box_token))
         return {
             "id": inst.id,
             "endpoint": inst.endpoint,
@@ -270,10 +273,15 @@ class Manager:
                 "quarantined": quarantined}
 
     def probe_prompt(self, vocab_size: int | None) -> dict[str, Any]:
-        """The trust probe's prompt for ``vocab_size`` (None: the first serving box's vocabulary)."""
+        """The trust probe's prompt for ``vocab_size`` (None: the highest rung a registered box is probed at).
+        Raises :class:`Conflict` when no box's safe ids are known yet and no size was given."""
         if vocab_size is None:
-            vocab_size = next((i.engine.vocab_size for i in self.registry if i.engine.vocab_size), None)
-        return {"vocab_size": vocab_size, "input_ids": probe_ids(vocab_size)}
+            vocab_size = max((safe_id_limit(i) for i in self.registry), default=0)
+        limit = probe_limit(vocab_size)
+        if limit is None:
+            raise Conflict("no registered box has token ids known to be safe yet: pass ?vocab_size=N (the "
+                           f"model's vocabulary size, at least {ID_RUNGS[0]})")
+        return {"vocab_size": vocab_size, "limit": limit, "input_ids": probe_ids(limit)}
 
     def update_probe_reference(self, version: int, ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         """The trainer's log-probs of the probe prompt at ``version``: the boxes serving it are probed again

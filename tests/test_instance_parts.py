@@ -79,7 +79,9 @@ def test_identity_is_set_at_registration_and_the_status_shape_is_unchanged() -> 
         "consecutive_failures", "failures_total", "last_error", "last_error_at", "waiting_for",
         "quarantined",  # taken out of service by the quarantine (issue 39)
         "streaming",
-        "server_stream_interval", "max_running_requests", "vocab_size", "routed_experts",
+        "server_stream_interval", "max_running_requests", "vocab_size",
+        "vocab_checked", "ids_served",  # what the trust probe may send it (issue 46)
+        "routed_experts",
         "speculative_algorithm",  # --speculative-algorithm from /server_info (issue 40)
         "max_in_flight",
         "trust",  # the trust probe's record (issue 39): provisional until a probe at its version passed

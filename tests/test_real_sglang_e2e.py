@@ -64,6 +64,7 @@ async def test_both_boxes_registered_through_the_launcher(fleet: Any, http: aioh
     assert {i["endpoint"]: i["state"] for i in listed} == {b.endpoint: "active" for b in boxes}
     # SGLang reports no vocabulary size: the launcher read it from the model's config.json.
     assert [i["vocab_size"] for i in listed] == [VOCAB, VOCAB]
+    assert [i["vocab_checked"] for i in listed] == [True, True]  # read from config.json: the probe may use it
 
 
 async def test_rollouts_through_the_manager_equal_sglangs_own(fleet: Any, http: aiohttp.ClientSession) -> None:

@@ -21,6 +21,7 @@ from rollout_manager.cpu_engine.server import create_app
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.served_ids import note_served
 from rollout_manager.instances.trust import (
     BF16_TOLERANCE,
     FP32_TOLERANCE,
@@ -31,7 +32,13 @@ from rollout_manager.instances.trust import (
     tolerance,
 )
 from rollout_manager.sglang.client import SGLangClient
-from rollout_manager.sglang.logprob_probe import PROBE_RID_PREFIX, ProbeFailed, parse_input_logprobs, probe_ids
+from rollout_manager.sglang.logprob_probe import (
+    PROBE_RID_PREFIX,
+    ProbeFailed,
+    parse_input_logprobs,
+    probe_ids,
+    probe_limit,
+)
 
 TENSOR = "model.layers.0.self_attn.q_proj.weight"
 
@@ -113,7 +120,8 @@ def register_active_fp32(registry: Registry, servers: list[TestServer]) -> list[
     boxes = []
     for server in servers:
         inst = registry.add("127.0.0.1", server.port or 0, Kind.REMOTE)
-        inst.engine = EngineFacts(vocab_size=256, dtype="float32", tp_size=1)
+        # the CPU engine reports its vocabulary itself: a checked size
+        inst.engine = EngineFacts(vocab_size=256, vocab_checked=True, dtype="float32", tp_size=1)
         registry.transition(inst, State.ACTIVE, "healthy")
         boxes.append(inst)
     return boxes
@@ -216,3 +224,54 @@ async def test_an_activation_nudge_probes_the_box_out_of_the_pause(fleet: Fleet)
     await monitor.check_all(boxes[:2])  # the loop's probe of boxes[2] runs beside these
     await async_wait_until(lambda: boxes[2].trust.probes == 1)
     assert seen.count(boxes[2].url) == 1
+
+
+# ------------------------------------------------------------------ only ids the box is known to take (issue 46)
+async def test_the_probe_sends_only_ids_a_box_is_known_to_take_and_waits_without_any() -> None:
+    """A box whose vocabulary nobody vouched for (declared by hand, or not at all) is probed only below what it
+    served; with nothing served it is not probed, and its status says why."""
+    registry = Registry()
+    sent: list[tuple[str, list[int]]] = []
+
+    async def prefill(url: str, ids: list[int], rid: str, timeout_s: float) -> list[float]:
+        sent.append((url, ids))
+        return [-1.0] * (len(ids) - 1)
+
+    monitor = ProbeMonitor(registry, prefill, ProbeSettings(interval_s=0, timeout_s=5, tolerance=1e-3))
+    by_hand = registry.add("127.0.0.1", 30001, Kind.REMOTE, declared_vocab_size=150000)  # perhaps wrong
+    launched = registry.add("127.0.0.1", 30002, Kind.REMOTE, declared_vocab_size=1000, vocab_from_config=True)
+    for inst in (by_hand, launched):
+        registry.transition(inst, State.ACTIVE, "healthy")
+    assert await monitor.check(by_hand) is None and sent == []  # nothing known to be safe: nothing sent
+    assert by_hand.trust.waiting and "vocab_source" in by_hand.trust.waiting
+    assert by_hand.to_dict(0)["trust"]["waiting"] == by_hand.trust.waiting
+    await monitor.check(launched)  # its launcher read the model's config.json: ids below 512 (the rung under 1000)
+    assert sent[-1][0] == launched.url and max(sent[-1][1]) < 512 and launched.trust.probes == 1
+
+    note_served(by_hand, [5, 300, 17], [40, 41])  # it answered ids up to 300: 256 is its rung
+    await monitor.check(by_hand)
+    assert sent[-1][0] == by_hand.url and max(sent[-1][1]) < 256 and sent[-1][1] == probe_ids(256)
+    assert by_hand.trust.waiting is None and by_hand.trust.probes == 1
+    assert probe_limit(63) is None and probe_limit(300) == 256 and probe_limit(151936) == 32000
+
+
+async def test_a_waiting_box_is_probed_soon_after_it_has_served_safe_ids() -> None:
+    """The probe loop looks at a waiting box again on its own (every few seconds), not at the next round."""
+    registry = Registry()
+    sent: list[list[int]] = []
+
+    async def prefill(url: str, ids: list[int], rid: str, timeout_s: float) -> list[float]:
+        sent.append(ids)
+        return [-1.0] * (len(ids) - 1)
+
+    monitor = ProbeMonitor(registry, prefill, ProbeSettings(interval_s=3600, timeout_s=5, tolerance=1e-3))
+    inst = registry.add("127.0.0.1", 30001, Kind.REMOTE)
+    monitor.start()
+    try:
+        registry.transition(inst, State.ACTIVE, "healthy")
+        await async_wait_until(lambda: inst.trust.waiting, 5, message="the probe to wait")
+        note_served(inst, list(range(100)), [])
+        await async_wait_until(lambda: inst.trust.probes == 1, 10, message="the probe after the box served ids")
+        assert sent == [probe_ids(64)] and inst.trust.waiting is None
+    finally:
+        await monitor.close()

@@ -51,6 +51,7 @@ from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.request import Request, decode, decode_items
 from rollout_manager.sglang import wire
+from rollout_manager.sglang.logprob_probe import ID_RUNGS
 from rollout_manager.sglang.sse import sse_frame
 
 if TYPE_CHECKING:  # a Protocol in aiohttp's typedefs, not importable from every supported aiohttp
@@ -84,7 +85,8 @@ async def register_rollout_instance(request: web.Request, body: RegisterRolloutI
     """Register a rollout box (pending until /health_generate succeeds); 409 if already registered."""
     await manager_of(request).check_registration_source(request.remote, [body.host])
     result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
-                                                 body.weight_receiver_port, body.vocab_size)
+                                                 body.weight_receiver_port, body.vocab_size,
+                                                 vocab_from_config=body.vocab_source == "model_config")
     return json_response(result)
 
 
@@ -307,8 +309,8 @@ async def probe_prompt(request: web.Request) -> web.Response:
     """The trust probe's prompt for a vocabulary size (``?vocab_size=N``; the served boxes' when left out),
     for the trainer to compute its reference log-probs of."""
     raw = request.query.get("vocab_size")
-    if raw is not None and (not raw.isascii() or not raw.isdigit() or len(raw) > 9 or int(raw) < 2):
-        raise BadRequest(f"vocab_size must be a whole number >= 2, not {raw[:40]!r}")
+    if raw is not None and (not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) < ID_RUNGS[0]):
+        raise BadRequest(f"vocab_size must be a whole number >= {ID_RUNGS[0]}, not {raw[:40]!r}")
     return json_response(manager_of(request).probe_prompt(None if raw is None else int(raw)))
 
 

@@ -100,6 +100,11 @@ class RegisterRolloutInstance(StrictModel):
     vocab_size: Annotated[int, Field(ge=1, le=2**31)] | None = Field(
         default=None, description="the served model's vocabulary size (its config.json); input ids at or "
                                   "above it are refused before they reach the box (SGLang does not report it)")
+    vocab_source: Literal["declared", "model_config"] = Field(
+        default="declared", description="where vocab_size comes from: 'model_config' when it was read from the "
+        "config.json of the files the box serves (scripts/launch_sglang.sh does), so the manager's own requests "
+        "(the trust probe) may use ids below it; 'declared' (by hand) only bounds what callers may send, and "
+        "the manager's own requests use ids the box has been seen to take")
 
 
 class RegisterLocalRolloutInstances(RootModel[list[tuple[Host, Port]]]):

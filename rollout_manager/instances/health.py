@@ -155,7 +155,7 @@ class HealthMonitor:
             log.warning("instance %s %s: cannot read %s (%s); not checking its parallelism", inst.id,
                         inst.endpoint, wire.SERVER_INFO, exc)
             return None
-        inst.engine = engine_facts(info, inst.declared_vocab_size)
+        inst.engine = engine_facts(info, inst.declared_vocab_size, inst.vocab_from_config)
         if inst.engine.streaming == "cumulative":
             log.warning("instance %s %s streams cumulative chunks (every chunk repeats the whole output so far, "
                         "so relaying costs more CPU per token); start SGLang with --incremental-streaming-output "
@@ -186,16 +186,19 @@ def _loading(inst: Instance) -> bool:
     return inst.state == State.SYNCING or inst.versions.activating is not None
 
 
-def engine_facts(info: wire.ServerInfo, declared_vocab_size: int | None) -> EngineFacts:
+def engine_facts(info: wire.ServerInfo, declared_vocab_size: int | None,
+                 vocab_from_config: bool = False) -> EngineFacts:
     """What ``/server_info`` (and ``/model_info``) said, as one value: how it streams, what it runs at once
-    (the dispatcher's bound on it), its vocabulary size (the smaller of what it says and what its launcher
-    declared) and the weight version it reports before any push from here."""
+    (the dispatcher's bound on it), its vocabulary size (the smaller of what it says and what was declared
+    at registration; checked when the server said it or its launcher read the model's config) and the weight
+    version it reports before any push from here."""
     incremental = info.incremental_streaming_output
     return EngineFacts(
         streaming=None if incremental is None else "incremental" if incremental else "cumulative",
         server_stream_interval=None if incremental is None else info.stream_interval,
         max_running_requests=info.max_running_requests,
         vocab_size=min((v for v in (info.vocab_size, declared_vocab_size) if v is not None), default=None),
+        vocab_checked=info.vocab_size is not None or (vocab_from_config and declared_vocab_size is not None),
         joined_version=info.weight_version,
         routed_experts=info.routed_experts,
         dtype=info.dtype,

@@ -13,6 +13,7 @@ Many modules read an instance; each part has one writer, so a field's value has 
 - ``versions`` (:class:`BoxVersions`): weight sync's (``weights/sync.py``): staged and activating versions.
 - ``trust`` (:class:`TrustRecord`): the trust probe's (``probe.py``), frozen, replaced whole: whether the box
   serves the weights it is named at.
+- ``ids_served``: the rollout path's (``served_ids.note_served``): the token ids it has been seen to take.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class EngineFacts:
     # Its vocabulary size: the smaller of what the server says and what its launcher declared (None:
     # neither is known). SGLang's scheduler dies on an input id at or past it.
     vocab_size: int | None = None
+    # Whether ``vocab_size`` comes from a source that cannot be wrong (the server's own report, or the model's
+    # config.json read by its launcher): only then may the manager's own requests use ids up to it.
+    vocab_checked: bool = False
     joined_version: str | None = None  # the weight version it reported before any push from here
     # Whether it returns the experts each token was routed to (SGLang's --enable-return-routed-experts; None:
     # not said): only such an engine may take a sequence that asks for them (routed-expert replay, R3).
@@ -99,8 +103,10 @@ class Instance:
     mooncake_handshake_port: int | None = None
     weight_receiver_port: int | None = None
     registered_at: float = 0.0
-    # The vocabulary size its launcher read from the model's config.json at registration (None: not sent).
+    # The vocabulary size sent at registration (None: not sent), and whether its launcher read it from the
+    # model's config.json (``vocab_source`` "model_config") rather than somebody declaring it.
     declared_vocab_size: int | None = None
+    vocab_from_config: bool = False
     box_token_digest: str | None = None  # sha256 of the box token its registration got (never shown)
     # lifecycle: the registry's
     state: State = State.PENDING
@@ -123,6 +129,9 @@ class Instance:
     engine: EngineFacts = EngineFacts()
     versions: BoxVersions = field(default_factory=BoxVersions)  # staged/activating versions, paused seconds
     trust: TrustRecord = TrustRecord()  # what the trust probe found
+    # 1 + the largest token id it has been seen to take (in a prompt it answered, or sampled): every id below
+    # is safe to send it. The rollout path's, through ``served_ids.note_served``.
+    ids_served: int = 0
     # Computed once: host and port never change, and every sequence placed here reads both.
     endpoint: str = field(init=False)
     url: str = field(init=False)
@@ -158,6 +167,8 @@ class Instance:
             "server_stream_interval": engine.server_stream_interval,
             "max_running_requests": engine.max_running_requests,
             "vocab_size": engine.vocab_size,
+            "vocab_checked": engine.vocab_checked,
+            "ids_served": self.ids_served,
             "routed_experts": engine.routed_experts,
             "speculative_algorithm": engine.speculative_algorithm,
             "max_in_flight": load.max_in_flight,

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 from rollout_manager.config import Config
 from rollout_manager.instances.registry import Event, Instance, Registry, State
+from rollout_manager.instances.served_ids import safe_id_limit
 from rollout_manager.instances.trust import Probed, Trust, judge, tolerance
-from rollout_manager.sglang.logprob_probe import PROBE_RID_PREFIX, ProbeFailed, probe_ids
+from rollout_manager.sglang.logprob_probe import ID_RUNGS, PROBE_RID_PREFIX, ProbeFailed, probe_ids, probe_limit
 
 log = logging.getLogger("rollout_manager.trust")
 
@@ -41,6 +42,10 @@ StartListener = Callable[[Instance, int], None]
 # (the box just probed, the version, each judged box's verdict there): told after each probe that was judged
 VerdictListener = Callable[[Instance, int, list[tuple[Instance, Trust]]], None]
 KEEP_VERSIONS = 4  # probe results kept for this many recent versions
+WAITING_RECHECK_S = 2.0  # how often a box whose probe waits for safe ids is looked at again
+WAITING_FOR_IDS = (f"no token id is known to be safe on this box yet (SGLang dies on one past its vocabulary): the "
+                   f"probe waits until it has served ids up to {ID_RUNGS[0]}, or register it with vocab_size and "
+                   f"vocab_source 'model_config' (scripts/launch_sglang.sh reads the model's config.json)")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class ProbeMonitor:
         # (version, the prompt's ids) -> the trainer's log-probs of it (each token after the first)
         self._references: dict[tuple[int, tuple[int, ...]], tuple[float, ...]] = {}
         self._due: set[str] = set()
+        self._waiting: set[str] = set()  # boxes whose probe waits for ids known to be safe on them
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.start_listeners: list[StartListener] = []
@@ -96,16 +102,25 @@ class ProbeMonitor:
             self.nudge(inst)
         elif event.new == State.DEAD:
             self._due.discard(inst.id)
+            self._waiting.discard(inst.id)
             for results in self._results.values():
                 results.pop(inst.id, None)
 
     async def _loop(self) -> None:
         interval = self.settings.interval_s
+        next_round = time.monotonic() + interval
         while True:
+            timeout = next_round - time.monotonic() if interval > 0 else None
+            if self._waiting:  # boxes that had no safe ids: look again soon, without sending anything
+                timeout = min(timeout, WAITING_RECHECK_S) if timeout is not None else WAITING_RECHECK_S
             try:
-                await asyncio.wait_for(self._wake.wait(), interval if interval > 0 else None)
-            except asyncio.TimeoutError:  # the periodic round: every serving box
+                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.0) if timeout is not None else None)
+            except asyncio.TimeoutError:
+                pass
+            if interval > 0 and time.monotonic() >= next_round:  # the periodic round: every serving box
                 self._due.update(i.id for i in self.registry)
+                next_round = time.monotonic() + interval
+            self._due.update(self._waiting)
             self._wake.clear()
             due, self._due = self._due, set()
             boxes = [i for i in (self.registry.get(d) for d in due) if i is not None]
@@ -148,7 +163,17 @@ class ProbeMonitor:
             return None
         version = inst.versions.serving(inst.weight_version)
         engine = inst.engine
-        ids = probe_ids(engine.vocab_size)
+        limit = probe_limit(safe_id_limit(inst))
+        if limit is None:  # no id is known to be safe on it: wait for it to serve some (served_ids)
+            self._waiting.add(inst.id)
+            if inst.trust.waiting is None:
+                log.info("instance %s %s: trust probe waits: %s", inst.id, inst.endpoint, WAITING_FOR_IDS)
+                inst.trust = dataclasses.replace(inst.trust, waiting=WAITING_FOR_IDS)
+            return None
+        self._waiting.discard(inst.id)
+        if inst.trust.waiting is not None:
+            inst.trust = dataclasses.replace(inst.trust, waiting=None)
+        ids = probe_ids(limit)
         for started in list(self.start_listeners):
             started(inst, version)
         try:

@@ -109,7 +109,8 @@ class Registry:
 
     # ------------------------------------------------------------ changes
     def add_many(self, specs: list[tuple[str, int, Kind, int | None]], receiver_port: int | None = None, *,
-                 declared_vocab_size: int | None = None, box_token_digest: str | None = None) -> list[Instance]:
+                 declared_vocab_size: int | None = None, vocab_from_config: bool = False,
+                 box_token_digest: str | None = None) -> list[Instance]:
         """Register several instances at once: all or none (409 names the duplicates)."""
         endpoints = [format_endpoint(h, p) for h, p, _, _ in specs]
         taken = [ep for ep in endpoints if ep in self._by_endpoint]
@@ -125,8 +126,10 @@ class Registry:
             inst = Instance(
                 id=f"inst-{n}", host=host, port=port, kind=kind, order=n,
                 mooncake_handshake_port=hs_port, weight_receiver_port=receiver_port, registered_at=now,
-                declared_vocab_size=declared_vocab_size, box_token_digest=box_token_digest, state_since=now,
-                engine=EngineFacts(vocab_size=declared_vocab_size),  # until the engine says more
+                declared_vocab_size=declared_vocab_size, vocab_from_config=vocab_from_config,
+                box_token_digest=box_token_digest, state_since=now,  # the engine facts until the engine says more
+                engine=EngineFacts(vocab_size=declared_vocab_size,
+                                   vocab_checked=vocab_from_config and declared_vocab_size is not None),
             )
             self._instances[inst.id] = inst
             self._by_endpoint[ep] = inst.id
@@ -136,9 +139,10 @@ class Registry:
 
     def add(self, host: str, port: int, kind: Kind, handshake_port: int | None = None,
             receiver_port: int | None = None, *, declared_vocab_size: int | None = None,
-            box_token_digest: str | None = None) -> Instance:
+            vocab_from_config: bool = False, box_token_digest: str | None = None) -> Instance:
         return self.add_many([(host, port, kind, handshake_port)], receiver_port,
-                             declared_vocab_size=declared_vocab_size, box_token_digest=box_token_digest)[0]
+                             declared_vocab_size=declared_vocab_size, vocab_from_config=vocab_from_config,
+                             box_token_digest=box_token_digest)[0]
 
     def transition(self, inst: Instance, new: State, reason: str) -> bool:
         """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed."""

@@ -163,6 +163,7 @@ class TrustRecord:
     probes: int = 0  # probes answered, all versions
     disagreements: int = 0  # verdicts of 'disagrees' given, all versions
     last_probe_error: str | None = None  # the last probe that got no usable answer (None: the last one did)
+    waiting: str | None = None  # why no probe can be sent to it now (None: nothing keeps it from one)
 
     def state(self, serving: int) -> Trust:
         """Its trust at the version it serves now: provisional until a probe there was judged."""
@@ -171,4 +172,5 @@ class TrustRecord:
     def to_dict(self, serving: int) -> dict[str, Any]:
         return {"state": self.state(serving).value, "version": self.version, "diff": self.diff,
                 "detail": self.detail, "checked_at": self.checked_at, "probes": self.probes,
-                "disagreements": self.disagreements, "last_probe_error": self.last_probe_error}
+                "disagreements": self.disagreements, "last_probe_error": self.last_probe_error,
+                "waiting": self.waiting}

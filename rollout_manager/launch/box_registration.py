@@ -85,6 +85,8 @@ def cmd_register(args: argparse.Namespace) -> None:
     vocab = args.vocab_size or (model_vocab_size(args.model_path) if args.model_path else None)
     if vocab:
         body["vocab_size"] = vocab
+        # Read from the files the box serves: the manager may then use ids below it for its own requests.
+        body["vocab_source"] = "declared" if args.vocab_size else "model_config"
     elif args.model_path:
         print(f"launch_sglang: no vocab_size in {args.model_path}'s config.json (or no config.json here); the "
               "manager cannot refuse out-of-vocabulary input ids for this box (--vocab-size sets it)",

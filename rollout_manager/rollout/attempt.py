@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from rollout_manager.instances.registry import Instance, Kind, State
+from rollout_manager.instances.served_ids import note_served
 from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.call_bounds import CallBoundsCache
 from rollout_manager.rollout.dispatch import Dispatcher
@@ -141,6 +142,8 @@ class Attempts:
             if not isinstance(outcome, (Preempted, CallerError)):
                 outcome = outcome_of(progress.finish, error, migrating=seq.migration.leaving)
             self._carry_out(outcome, seq, inst, segments, progress)
+            if segments.made:  # it prefilled the prompt and what came before: ids it takes (the probe's)
+                note_served(inst, seq.body.input_ids, seq.output_ids)
             if seq.at_boundary and on_tokens is not None:
                 on_tokens(seq)  # the piece's last chunk (a final one) was not streamed yet
         finally:

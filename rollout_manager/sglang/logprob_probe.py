@@ -7,6 +7,11 @@ a function of the weights the box serves and nothing else the manager sends, so 
 must agree on them within their arithmetic's noise: a box that does not serves other weights.
 ``max_new_tokens`` is 1, not 0: a request that may make no token is finished by the CPU engine before any
 forward, and SGLang computes the prompt's log-probs in the same prefill either way.
+
+SGLang 0.5.23 does not refuse an input id past its embedding table: its scheduler dies on it (an
+``IndexError`` in the embedding) and takes the server down. So the probe's ids are spread below a rung of
+:data:`ID_RUNGS` no higher than the ids the box is known to take (:func:`probe_limit`); boxes that know the
+same rung get the same prompt, and are compared with each other.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from rollout_manager.sglang import wire
 
 PROBE_TOKENS = 32  # prompt length: one short prefill
 PROBE_RID_PREFIX = "rollout-manager-probe-"
-_ID_LIMIT = 32000  # ids stay below this (and the vocabulary): ordinary tokens in every tokenizer we know
+# The limits a probe prompt's ids are spread below: powers of two, then 32,000 (ordinary tokens in every
+# tokenizer we know). Few rungs, so that boxes learning their vocabulary from what they serve soon share one.
+ID_RUNGS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32000)
 
 
 class ProbeFailed(Exception):
@@ -35,9 +42,15 @@ def is_probe(body: object) -> bool:
     return isinstance(rid, str) and rid.startswith(PROBE_RID_PREFIX)
 
 
-def probe_ids(vocab_size: int | None, length: int = PROBE_TOKENS) -> list[int]:
-    """The fixed prompt: the same ids for every box with the same vocabulary size, spread over it."""
-    limit = max(min(vocab_size or _ID_LIMIT, _ID_LIMIT), 2)
+def probe_limit(known: int) -> int | None:
+    """The highest rung at or below ``known`` (every id below ``known`` is safe to send): the probe prompt's
+    ids stay below it. None below the lowest rung: no probe can be sent yet."""
+    fitting = [rung for rung in ID_RUNGS if rung <= known]
+    return fitting[-1] if fitting else None
+
+
+def probe_ids(limit: int, length: int = PROBE_TOKENS) -> list[int]:
+    """The fixed prompt for a rung ``limit`` (:func:`probe_limit`): distinct ids spread below it."""
     return [(7 + 131 * i) % limit for i in range(length)]
 
 
