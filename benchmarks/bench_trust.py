@@ -54,7 +54,7 @@ from bench_reliability import register, status
 from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.osutil import free_port
 from rollout_manager.sglang import tensor_payload, wire
-from rollout_manager.sglang.logprob_probe import PROBE_RID_PREFIX, prefill_logprobs, probe_ids
+from rollout_manager.sglang.logprob_probe import ID_RUNGS, PROBE_RID_PREFIX, prefill_logprobs, probe_ids, probe_limit
 from trainer_plugin.distrust import distrusted_rows, key_of
 
 PY = sys.executable
@@ -200,7 +200,7 @@ def readback(rows: int) -> list[str]:
 async def cost(s: aiohttp.ClientSession, ep: str, repeats: int = 20) -> tuple[float, float]:
     """Median seconds of one probe and of one whole-model load, straight to one box."""
     model = build_model(0)  # the engines' own weights (--seed 0): a load that changes nothing but costs the same
-    ids = probe_ids(model.config.vocab_size)
+    ids = probe_ids(probe_limit(model.config.vocab_size) or ID_RUNGS[0])  # the prompt the manager sends such boxes
     probes = []
     for _ in range(repeats):
         t = time.perf_counter()

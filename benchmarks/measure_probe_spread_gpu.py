@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rollout_manager.instances.trust import tolerance  # noqa: E402
-from rollout_manager.sglang.logprob_probe import probe_ids  # noqa: E402
+from rollout_manager.sglang.logprob_probe import ID_RUNGS, probe_ids, probe_limit  # noqa: E402
 
 # Lengths of the other sequences packed with the probe, one composition per tuple (the first: alone).
 COMPOSITIONS: tuple[tuple[int, ...], ...] = (
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     dims = Dims(args.vocab, args.hidden, args.heads, args.kv_heads, args.inter, args.layers)
-    probe = probe_ids(args.vocab)
+    probe = probe_ids(probe_limit(args.vocab) or ID_RUNGS[0])  # the prompt the manager sends such boxes
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}; torch {torch.__version__}; model {dims}; logit std {args.logit_std}; probe {len(probe)} "
           f"tokens; {len(COMPOSITIONS) - 1} compositions beside it (other lengths {COMPOSITIONS[1:]})")
