@@ -491,11 +491,13 @@ def report_runs(runs: list[Run], interval: float) -> list[str]:
                      f"{spread_of(per_interval)} intervals' worth of the box's output; kept after the catch "
                      f"{spread_of([float(r.delivered.kept) for r in caught], '{:.0f}')}; trained before the catch at "
                      f"a step of one interval {spread_of([100 * x for x in share] or [0.0], '{:.0f}')}% of them")
-        lines.append(f"  at the default {DEFAULT_INTERVAL_S:g} s interval that is "
+        lines.append(f"  at the default {DEFAULT_INTERVAL_S:g} s interval the catch takes "
                      f"{statistics.median(intervals) * DEFAULT_INTERVAL_S:.0f} s (worst "
-                     f"{max(intervals) * DEFAULT_INTERVAL_S:.0f} s) of a bad box's output delivered before the catch: "
+                     f"{max(intervals) * DEFAULT_INTERVAL_S:.0f} s): the bad box makes "
                      f"{statistics.median(intervals) * DEFAULT_INTERVAL_S * 1000:,.0f} tokens (worst "
-                     f"{max(intervals) * DEFAULT_INTERVAL_S * 1000:,.0f}) per 1,000 tokens/s the box makes")
+                     f"{max(intervals) * DEFAULT_INTERVAL_S * 1000:,.0f}) on the wrong weights per 1,000 tokens/s "
+                     f"it serves; what it delivers of them is listed and dropped, except what an actor update "
+                     f"trained before the catch (the share above, at a {DEFAULT_INTERVAL_S:g} s step)")
     return lines
 
 
@@ -554,15 +556,22 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"old read-back (measured here, CPU): {line}")
         print(f"old read-back (8B embedding, full size): {H200_READBACK}")
     caught = [r.caught_s / args.interval_s for r in runs if r.caught_s is not None]
-    kept = [r.delivered.kept for r in runs]
+    share = [100 * r.delivered.trained_before[STEPS[0]] / r.delivered.bad_tokens for r in runs
+             if r.caught_s is not None and r.delivered.bad_tokens]
+    kept = [r.delivered.kept for r in runs if r.caught_s is not None]
     probes = sum(c.probes for c in cleans)
-    false_q = sum(c.quarantined for c in cleans) + sum(r.false_quarantines for r in runs + subtle)
-    print(f"trust: wrong tensor caught in {len(caught)} of {len(runs)} runs, "
-          + (f"in {statistics.median(caught):.2f} intervals (worst {max(caught):.2f})" if caught else "never")
-          + f", {max(kept, default=0)} bad tokens kept after the catch (worst run); 5% noise caught in "
-          f"{sum(r.caught_s is not None for r in subtle)} of {len(subtle)}; {false_q} false quarantines in {probes} "
-          f"probes on fleets differing by {', '.join(f'{c.spread:g}' for c in cleans)}")
-
+    false_q = [c.quarantined for c in cleans]
+    false_runs = sum(r.false_quarantines for r in runs + subtle)
+    print(f"trust: wrong tensor caught in {len(caught)} of {len(runs)} runs"
+          + (f" in {statistics.median(caught):.2f} intervals (worst {max(caught):.2f}; "
+             f"{statistics.median(caught) * DEFAULT_INTERVAL_S:.0f} s, worst {max(caught) * DEFAULT_INTERVAL_S:.0f} s "
+             f"at the default {DEFAULT_INTERVAL_S:g} s), {max(kept)} bad tokens kept after the catch (worst run), "
+             f"{statistics.median(share or [0.0]):.0f}% (worst {max(share or [0.0]):.0f}%) trained before it at a step "
+             f"of one interval" if caught else "")
+          + f"; 5% noise caught in {sum(r.caught_s is not None for r in subtle)} of {len(subtle)}; "
+          f"{sum(false_q) + false_runs} false quarantines in {probes} probes ("
+          + ", ".join(f"{q} at spread {c.spread:g}" for q, c in zip(false_q, cleans))
+          + f", {false_runs} in the fault runs)")
 
 async def wait_up(s: aiohttp.ClientSession, engine: str, timeout: float = 60.0) -> None:
     end = time.monotonic() + timeout
