@@ -32,8 +32,10 @@ requests with log-probs go through the manager all along, from 12 clients. Parts
 A token is "made on corrupted weights" when its log-prob differs from the clean model's by more than 1e-5
 (clean tokens differ by about 1e-6 at most; the probe's noise is added to the probe's answers only).
 
-Last line: ``trust: wrong tensor caught in X intervals (worst Y), ...; small noise caught in A of B runs;
-F false quarantines in P probes ...``.
+Last line: ``trust: wrong tensor caught in N of N runs in X intervals (worst Y; seconds at the default), K bad
+tokens kept after the catch (worst run), S% (worst W%) trained before it at a step of one interval; 5% noise
+caught in A of B; F false quarantines in P probes (per clean fleet, and in the fault runs)``. About 5 minutes
+on a 2-core machine; ``--quick`` about 70 s.
 
     .venv/bin/python benchmarks/bench_trust.py [--quick] [--runs 5] [--subtle-runs 2] [--interval-s 2]
         [--clean-probes 1000] [--readback-rows 16032] [--seed N]
