@@ -160,18 +160,27 @@ async def main() -> None:
                         help="skip the second manager with the fast lane off (http_fast_generate=false)")
     parser.add_argument("--prompt-tokens", type=int, default=4,
                         help="prompt length in tokens (RL prompts are hundreds to thousands)")
+    parser.add_argument("--manager-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the manager under test (serve --set; default: none, the defaults a "
+                             "user runs)")
+    parser.add_argument("--compare-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="run a second manager with these settings in the same rounds (repeatable)")
     args = parser.parse_args()
     logs = Path(os.environ.get("BENCH_LOGS", "/tmp/bench-manager-overhead"))
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     try:
-        manager, backends = spawn_fake_cluster(logs, procs, "scheduler_policy=least_in_flight")
+        manager, backends = spawn_fake_cluster(logs, procs, *args.manager_set)
         manager_pid = procs[-1].pid
         lane_off, lane_off_pid = None, 0
         if not args.no_lane_off:
-            lane_off = spawn_manager(logs / "manager_lane_off.log", procs, "scheduler_policy=least_in_flight",
+            lane_off = spawn_manager(logs / "manager_lane_off.log", procs, *args.manager_set,
                                      "http_fast_generate=false")
             lane_off_pid = procs[-1].pid
+        compare, compare_pid = None, 0
+        if args.compare_set:
+            compare = spawn_manager(logs / "manager_compare.log", procs, *args.compare_set)
+            compare_pid = procs[-1].pid
         router, router_pid = None, 0
         if not args.no_router:
             rport = free_port()
@@ -190,6 +199,8 @@ async def main() -> None:
         await register_backends(manager, backends)
         if lane_off:
             await register_backends(lane_off, backends)
+        if compare:
+            await register_backends(compare, backends)
         await wait_ok(floor + "/health")
         await wait_ok(plain + "/health")
         if router:
@@ -204,6 +215,9 @@ async def main() -> None:
                                                            plain_pid)]
         if lane_off:
             paths.insert(2, (LANE_OFF, [lane_off], lane_off_pid))
+        compare_name = f"rollout-manager, {' '.join(args.compare_set)}"
+        if compare:
+            paths.insert(2, (compare_name, [compare], compare_pid))
         if router:
             paths.append(("sglang-router 0.3.2 round_robin", [router], router_pid))
         for _, urls, _pid in paths:  # warm-up: connections, caches, rate meters
@@ -232,7 +246,16 @@ async def main() -> None:
             # ratio of medians when the machine's speed drifts during the run.
             paired = [m["rps"] / r["rps"] for m, r in zip(runs["rollout-manager"],
                                                           runs["sglang-router 0.3.2 round_robin"])]
-            print(f"per round: {', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f}")
+            print(f"per round: {', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f}, "
+                  f"worst {min(paired):.2f}")
+        if compare:
+            for other in ("rollout-manager", *(["sglang-router 0.3.2 round_robin"] if router else [])):
+                paired = [m["rps"] / r["rps"] for m, r in zip(runs[compare_name], runs[other])]
+                print(f"{compare_name} / {other} throughput, per round: {', '.join(f'{x:.2f}' for x in paired)}; "
+                      f"median {statistics.median(paired):.2f}")
+            cpu = [m["cpu_ms"] / r["cpu_ms"] for m, r in zip(runs[compare_name], runs["rollout-manager"])]
+            print(f"{compare_name} / rollout-manager CPU per request, per round: "
+                  f"{', '.join(f'{x:.2f}' for x in cpu)}; median {statistics.median(cpu):.2f}")
         if lane_off:
             for other in ("rollout-manager", *(["sglang-router 0.3.2 round_robin"] if router else [])):
                 paired = [m["rps"] / r["rps"] for m, r in zip(runs[LANE_OFF], runs[other])]

@@ -38,6 +38,7 @@ from rollout_manager.cpu_engine.encode import output_chunk
 HERE = Path(__file__).resolve()
 CONNECTIONS = 64
 LANE_OFF = "rollout-manager, fast lane off"
+POLICY = os.environ.get("RM_BENCH_POLICY")  # the child's scheduler_policy (set from --policy)
 
 
 def body(prompt_tokens: int) -> bytes:
@@ -92,9 +93,9 @@ async def start_manager(port: int, lane: bool, lengths: bool = False) -> None:
         built.append(self)
 
     Manager.__init__ = keep  # type: ignore[method-assign]
-    config = Config(bind=f"127.0.0.1:{port}", scheduler_policy="least_in_flight", log_level="warning",
-                    health_check_interval_s=3600, pending_poll_interval_s=3600, http_fast_generate=lane,
-                    length_prediction=lengths)
+    policy = {"scheduler_policy": POLICY} if POLICY else {}  # else the default a user runs
+    config = Config(bind=f"127.0.0.1:{port}", log_level="warning", health_check_interval_s=3600,
+                    pending_poll_interval_s=3600, http_fast_generate=lane, length_prediction=lengths, **policy)
     ready = asyncio.Event()
     asyncio.ensure_future(server.serve(config, ready=ready))
     await ready.wait()
@@ -138,9 +139,17 @@ async def child(bare: bool, prompt_tokens: int, requests: int, lane: bool, lengt
     per = max(1, requests // CONNECTIONS)
     await asyncio.gather(*(client(port, request, 10) for _ in range(CONNECTIONS)))  # warm-up
     callgrind(True)
+    profile = os.environ.get("RM_BENCH_PROFILE")  # a cProfile of the measured requests (without valgrind)
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.process_time()
     await asyncio.gather(*(client(port, request, per) for _ in range(CONNECTIONS)))
     cpu = time.process_time() - t0
+    if profile:
+        profiler.disable()
+        profiler.dump_stats(profile)
     callgrind(False)
     print(json.dumps({"requests": per * CONNECTIONS, "cpu_us": 1e6 * cpu / (per * CONNECTIONS)}), flush=True)
     os._exit(0)  # the daemon's tasks are not shut down: the figure is taken
@@ -177,9 +186,12 @@ def main() -> None:
     parser.add_argument("--no-lane-off", action="store_true", help="skip the manager with the fast lane off")
     parser.add_argument("--length-prediction", action="store_true",
                         help="the manager with length_prediction on (every request joins one prompt's group)")
+    parser.add_argument("--policy", help="the manager's scheduler_policy (default: the default a user runs)")
     parser.add_argument("--lane-off", action="store_true", help=argparse.SUPPRESS)  # a child's setting
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.policy:
+        os.environ["RM_BENCH_POLICY"] = args.policy  # the children's
     if args.child:
         sys.path.insert(0, str(args.root))
         import uvloop
@@ -193,7 +205,7 @@ def main() -> None:
         if not args.no_lane_off:
             rows.append((LANE_OFF, False, False))
     print(f"{args.requests} non-streaming requests, {args.prompt_tokens}-token prompts, {CONNECTIONS} connections, "
-          f"one process ({args.root})\n")
+          f"one process ({args.root}), scheduler_policy {args.policy or 'default'}\n")
     print("| server | instructions per request | CPU µs per request (without valgrind only; noisy) |")
     print("| --- | ---: | ---: |")
     figures = {}

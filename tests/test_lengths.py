@@ -219,12 +219,17 @@ async def test_through_the_manager_status_and_metrics(start_manager: Any, start_
     m = await start_manager(length_prediction="true")
     (engine,) = await start_engines([])
     await m.register(engine)
-    params = {"max_new_tokens": 4, "temperature": 0.0}
+    params = {"max_new_tokens": 100, "temperature": 0.0}  # past engine_stream_interval (64): a length to predict
     status, out = await m.post("/generate", {"input_ids": [1, 2], "sampling_params": params, "group_key": 3})
     assert status == 400 and "group_key" in out["error"], out
     # the CPU engine refuses fields it does not know: a 200 is a body without group_key
     status, out = await m.post("/generate", {"input_ids": [[1, 2]] * 3, "sampling_params": params,
                                              "group_key": "uid-1"})
+    assert status == 200, out
+    # a sequence that fits one chunk interval is not tracked: it cannot set a step's tail, and the model's
+    # work would cost it more than placement gains (issue 46, item 6)
+    status, out = await m.post("/generate", {"input_ids": [[1, 2]] * 2, "group_key": "uid-2",
+                                             "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
     assert status == 200, out
     status, st = await m.get("/get_instances_status")
     assert status == 200

@@ -221,7 +221,9 @@ class Generator:
         own = f"rm-{self._rid_prefix}{next(self._rid_counter)}"
         seq = SequenceState(body=body, rid=body.rid or own, engine_rid=own, min_version=item.min_version)
         self.stats["sequences"] += 1
-        lengths = self.lengths
+        # A sequence short enough for one chunk interval cannot set a step's tail: the length model (and the
+        # makespan policy's gathering, which needs its figure) would cost it more than placement gains.
+        lengths = None if _short(seq.budget, self.settings.engine_stream_interval) else self.lengths
         track = None if lengths is None else \
             lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
         seq.track = track
@@ -441,6 +443,12 @@ def _still_expected(median: float, made: int, remaining: int | None) -> float:
     the simulator in benchmarks/sim_pool.py predicts), within what is left of its budget."""
     left = max(median - made, 1.0)
     return left if remaining is None else min(left, float(remaining))
+
+
+def _short(budget: int | None, interval: int) -> bool:
+    """Whether a sequence of ``budget`` tokens fits one chunk interval (``engine_stream_interval``; 0: none
+    does): it is sent as one call and ends too soon to matter to a step's makespan."""
+    return budget is not None and 0 < budget <= interval
 
 
 def _predict_left(lengths: LengthModel) -> Callable[[SequenceState], Rest | None]:
