@@ -149,6 +149,17 @@ async def load(urls: list[str], n: int, concurrency: int, stream: bool, prompt_t
             "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))]}
 
 
+def print_paired(runs: dict[str, list[dict[str, float]]], name: str, label: str, others: tuple[str, ...]) -> None:
+    """``name``'s throughput against each of ``others`` and its CPU against the manager's, round by round."""
+    for other in others:
+        paired = [m["rps"] / r["rps"] for m, r in zip(runs[name], runs[other])]
+        print(f"{label} / {other} throughput, per round: {', '.join(f'{x:.2f}' for x in paired)}; "
+              f"median {statistics.median(paired):.2f}")
+    cpu = [m["cpu_ms"] / r["cpu_ms"] for m, r in zip(runs[name], runs["rollout-manager"])]
+    print(f"{label} / rollout-manager CPU per request, per round: {', '.join(f'{x:.2f}' for x in cpu)}; "
+          f"median {statistics.median(cpu):.2f}")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=4000)
@@ -248,22 +259,11 @@ async def main() -> None:
                                                           runs["sglang-router 0.3.2 round_robin"])]
             print(f"per round: {', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.2f}, "
                   f"worst {min(paired):.2f}")
+        others = ("rollout-manager", *(["sglang-router 0.3.2 round_robin"] if router else []))
         if compare:
-            for other in ("rollout-manager", *(["sglang-router 0.3.2 round_robin"] if router else [])):
-                paired = [m["rps"] / r["rps"] for m, r in zip(runs[compare_name], runs[other])]
-                print(f"{compare_name} / {other} throughput, per round: {', '.join(f'{x:.2f}' for x in paired)}; "
-                      f"median {statistics.median(paired):.2f}")
-            cpu = [m["cpu_ms"] / r["cpu_ms"] for m, r in zip(runs[compare_name], runs["rollout-manager"])]
-            print(f"{compare_name} / rollout-manager CPU per request, per round: "
-                  f"{', '.join(f'{x:.2f}' for x in cpu)}; median {statistics.median(cpu):.2f}")
+            print_paired(runs, compare_name, compare_name, others)
         if lane_off:
-            for other in ("rollout-manager", *(["sglang-router 0.3.2 round_robin"] if router else [])):
-                paired = [m["rps"] / r["rps"] for m, r in zip(runs[LANE_OFF], runs[other])]
-                print(f"fast lane off / {other} throughput, per round: {', '.join(f'{x:.2f}' for x in paired)}; "
-                      f"median {statistics.median(paired):.2f}")
-            cpu = [m["cpu_ms"] / r["cpu_ms"] for m, r in zip(runs[LANE_OFF], runs["rollout-manager"])]
-            print(f"fast lane off / on CPU per request, per round: {', '.join(f'{x:.2f}' for x in cpu)}; "
-                  f"median {statistics.median(cpu):.2f}")
+            print_paired(runs, LANE_OFF, "fast lane off", others)
     finally:
         stop_all(procs)
 

@@ -83,6 +83,15 @@ def _timed_out(timeout_s: float, message: Message, last: Any) -> AssertionError:
     return AssertionError(f"timed out after {timeout_s:g}s waiting for {text}; last value: {last!r}")
 
 
+def rss_mb(pid: int) -> float:
+    """A process's resident memory now, in MiB (from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def wait_until(predicate: Callable[[], T], timeout_s: float = 20.0, *, interval_s: float = 0.05,
                message: Message = "condition") -> T:
     """Poll ``predicate`` until it returns something truthy and return that; fail the test at the deadline.

@@ -17,21 +17,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import PY, Proc, async_wait_until, free_port, wait_http_ok
+from support import PY, Proc, async_wait_until, free_port, rss_mb, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
 SEQUENCES = 40  # about half go to the babbling box: unbounded, 20 frame bounds (16 MB) held at once
 BOX_BUFFER_MB = 32  # engine_max_instance_buffer_mb for these runs
 GROWTH_BOUND_MB = 150  # the manager may grow by the box's bound and its own working set, not by 320 MB
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 class Fleet:

@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import PY, ROOT, OnLoopback, async_wait_until, free_port
+from support import PY, ROOT, OnLoopback, async_wait_until, free_port, rss_mb
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
@@ -251,14 +251,6 @@ class Tally:
         self.segments_hist[len(segs)] = self.segments_hist.get(len(segs), 0) + 1
         self.empty_segments += sum(1 for s, e in bounds[:-1] if s == e)
         self.regenerated += sum(e - s for s, e in bounds) - len(out)
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def _proc_cpu(pid: int) -> float:
