@@ -90,7 +90,7 @@ class Inst:
         toks = sum(r.budget_left for r in self.running) + sum(r.budget_left for r in self.queue)
         return InstanceLoad(self.iid, "remote", self.in_flight(), toks, self.meter.rate(now),
                             self.lone_meter.rate(now), self.speeds.model(self.iid) if self.speeds else None,
-                            self.work.tokens, self.work.longest)
+                            self.work.tokens, self.work.longest, self.max_running)
 
     def start(self, req: Req, now: float, overhead: float = 0.0) -> None:
         cached = req.prefer == self.iid  # a piece continued where it ran: its prefix is in the cache
@@ -276,8 +276,9 @@ def simulate(label: str, policy: PlacementPolicy, lengths: list[int], args: argp
                 running.append(RunningSequence(str(r.rid), inst.iid, int(r.done), r.prompt, r.budget_left,
                                                r.moves, r.last_moved_at, frozenset(r.visited)))
         t0 = time.perf_counter()
+        head = held[0].predicted if held else None  # what the head of the dispatcher's queue is predicted to make
         moves = migration.plan([i.load(now) for i in alive], running, len(held), now, (),
-                               None if model is None else predict_left)
+                               None if model is None else predict_left, head)
         plan_s += time.perf_counter() - t0
         for mv in moves:
             r = reqs[int(mv.seq_id)]

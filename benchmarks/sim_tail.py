@@ -95,6 +95,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tail_migration_tail_slowdown, as the manager (0: the predicted tail may join any batch)")
     p.add_argument("--tail-share", type=float, default=1.0,
                    help="tail_migration_tail_share (0: tail migration by age alone, as before 2026-11-28)")
+    p.add_argument("--swap-queue", type=int, default=1,
+                   help="tail_migration_swap_queue: while requests wait, sequences on slower boxes may take this "
+                   "many of a faster box's next free slots, as the manager (0: nothing moves while requests wait)")
     p.add_argument("--warm", action="store_true",
                    help="the boxes' speeds learned in one earlier step of other prompts (a manager's second step "
                    "on new data) before the first epoch; the length model starts empty all the same")
@@ -171,6 +174,11 @@ class Runs:
     moves: list[int]
 
 
+def mover_of(own: argparse.Namespace, args: argparse.Namespace) -> TailMigration:
+    """The manager's tail migration with the pool's settings and ``--swap-queue``."""
+    return TailMigration(**bench_scheduling.migration_kwargs(args), swap_queue=own.swap_queue)  # type: ignore[arg-type]
+
+
 def run_shape(own: argparse.Namespace, shape: Shape) -> Runs:
     sim = sim_args(own, shape)
     specs = shape.specs()
@@ -183,7 +191,7 @@ def run_shape(own: argparse.Namespace, shape: Shape) -> Runs:
         if own.warm:
             other = argparse.Namespace(**{**vars(args), "seed": 10_000 + seed})
             simulate("warm-up", Makespan(max_in_flight=cap), make_lengths(other, 0), other, None, None,
-                     None if own.no_migration else TailMigration(**bench_scheduling.migration_kwargs(args)),  # type: ignore[arg-type]
+                     None if own.no_migration else mover_of(own, args),
                      LengthModel(), 0, speeds)
         for epoch in range(own.epochs):
             lengths = bench_lengths(seed, epoch, own.groups, shape) if own.bench_lengths else make_lengths(args, epoch)
@@ -193,7 +201,7 @@ def run_shape(own: argparse.Namespace, shape: Shape) -> Runs:
             best = clairvoyant(specs, jobs).makespan
             policy: Makespan = PiecedMakespan(max_in_flight=cap, pieces=own.pieces) if own.pieces \
                 else Makespan(max_in_flight=cap)
-            mover = None if own.no_migration else TailMigration(**bench_scheduling.migration_kwargs(args))  # type: ignore[arg-type]
+            mover = None if own.no_migration else mover_of(own, args)
             if epoch and own.restart:  # what a restarted manager starts from: the curves it saved, seeded
                 kept, speeds = speeds.models()[0], BoxSpeeds()
                 for iid, curve in kept.items() if own.restart == "all" else ():

@@ -147,6 +147,7 @@ class Config(BaseModel):
     tail_migration_prefill_factor: float = Field(default=200.0, gt=0)
     tail_migration_tail_share: float = Field(default=1.0, ge=0)
     tail_migration_tail_slowdown: float = Field(default=1.3, ge=0)  # 0: off, else at least 1
+    tail_migration_swap_queue: int = Field(default=1, ge=0)
     # Affinity (rollout.affinity) and bounded staleness (rollout.generation); config.toml explains them.
     affinity: bool = True
     affinity_max_slowdown: float = Field(default=2.0, ge=1)

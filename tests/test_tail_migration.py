@@ -6,7 +6,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -494,3 +494,73 @@ def test_the_predicted_tail_moves_only_where_few_run_beside_it() -> None:
     assert plan(30, informed=False) == ["long"]
     with pytest.raises(ValueError):
         TailMigration(tail_slowdown=0.5)
+
+
+def test_while_requests_wait_an_old_sequence_on_a_slow_full_box_takes_a_fast_boxs_next_slot() -> None:
+    """Issue 46's first epoch: every box full, requests waiting, and before this nothing moved until the queue was
+    empty, so a long sequence that began on a slow box spent the step's start there. With ``swap_queue`` a sequence
+    expected to run longer than the waiting request (by age: 600 made against 300 predicted) takes the faster
+    box's next free slot (past its bound, one at most) and the waiting request the slot it leaves; a young one
+    (100 made) stays, as does everything with swaps off."""
+    from rollout_manager.rollout.box_speed import StepModel
+    slow, fast = StepModel(0.020, 0.0006), StepModel(0.005, 0.00015)
+
+    def loads(fast_in_flight: int = 32) -> list[InstanceLoad]:
+        return [InstanceLoad("slow", "remote", 32, 0, None, 48.0, slow, max_in_flight=32),
+                InstanceLoad("fast", "remote", fast_in_flight, 0, None, 194.0, fast, max_in_flight=32)]
+
+    running = [seq("old", "slow", made=600), seq("young", "slow", made=100), seq("there", "fast", made=700)]
+    tm = TailMigration(batch_half=64, tail_share=1.0, tail_slowdown=1.3, swap_queue=1)
+    moves = tm.plan(loads(), running, 10, 100.0, predict=lambda s: Rest(50.0), waiting_left=300.0)
+    assert [(m.seq_id, m.target, m.swap) for m in moves] == [("old", "fast", True)]
+    # finish there 600 x 39.2 ms, against the later of the move (overhead, re-prefill, 600 x 9.8 ms on the full
+    # fast box) and the waiting request's 300 x 39.2 ms on the slow slot
+    gain = 600 * 0.0392 - max(0.5 + 700 * 0.00515 / 200 + 600 * 0.0098, 300 * 0.0392)
+    assert moves[0].gain_s == pytest.approx(gain)
+    assert tm.plan(loads(33), running, 10, 100.0, waiting_left=300.0) == []  # its next slot is taken already
+    assert tm.plan(loads(), running, 10, 100.0, waiting_left=700.0) == []  # the waiting one is as long
+    off = TailMigration(batch_half=64, tail_share=1.0, tail_slowdown=1.3)
+    assert off.plan(loads(), running, 10, 100.0, waiting_left=300.0) == []
+    with pytest.raises(ValueError):
+        TailMigration(swap_queue=-1)
+
+
+async def test_a_swap_moves_a_slow_boxs_sequence_past_a_full_fast_box_and_the_waiting_request_takes_its_slot(
+) -> None:
+    """Through the generator and the dispatcher, each box bounded to one sequence: the slow box runs an old
+    sequence, the fast box another, a third request waits. The plan moves the old one into the fast box past its
+    bound (one over, reserved at once), the waiting request is placed on the slow box when the abort lands, and
+    every answer is exact."""
+    fakes = [PacedFake(hold_after=200), PacedFake(hold_after=0)]
+    for f in fakes:
+        await f.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            settings = replace(SETTINGS, migration=TailMigration(batch_half=1.0, min_gain_s=0.0, cooldown_s=0.0,
+                                                                 swap_queue=1))
+            rig = await make_rig(session, fakes, settings)
+            rig.dispatcher.max_in_flight_per_instance = 1
+            for i in (rig.a, rig.b):
+                i.load.max_in_flight = rig.dispatcher.bound_of(i)
+            slow, fast = fakes
+            old = asyncio.ensure_future(rig.generator.generate(decode(body(300, "old"))))
+            await wait_for(lambda: rig.dispatcher.streamed_tokens >= 200)
+            there = asyncio.ensure_future(rig.generator.generate(decode(body(50, "there"))))
+            await wait_for(lambda: rig.b.load.in_flight == 1)
+            waiting = asyncio.ensure_future(rig.generator.generate(decode(body(100, "w"))))
+            await wait_for(lambda: rig.dispatcher.waiting == 1)
+            assert rig.generator.migrate_now() == 1
+            assert rig.b.load.in_flight == 2  # reserved at once, one past its bound
+            out = as_json(await waiting)  # placed on the slow box's slot once the old one left it
+            assert isinstance(out, dict) and out["output_ids"] == reference(PROMPT, 100)
+            assert [s["instance"] for s in out["meta_info"]["segments"]] == [rig.a.id]
+            fast.release.set()
+            moved = as_json(await old)
+            assert isinstance(moved, dict) and moved["output_ids"] == reference(PROMPT, 300)
+            segs = [(s["instance"], s["start"], s["end"]) for s in moved["meta_info"]["segments"]]
+            assert segs == [(rig.a.id, 0, 200), (rig.b.id, 200, 300)]
+            assert as_json(await there)["output_ids"] == reference(PROMPT, 50)  # type: ignore[index]
+            assert rig.failures == []
+    finally:
+        for f in fakes:
+            await f.close()

@@ -94,6 +94,7 @@ class Dispatcher:
         self._loads: dict[str, InstanceLoad] = {}  # see load_of
         self._rates_at = 0.0
         self.waiting = 0  # requests parked in acquire() because no instance can take them now
+        self.last_predicted: float | None = None  # what the last sequence placed with a prediction was to make
         # Those requests (rollout.waiting), first come first served; under the makespan policy longest predicted first.
         self._queue = WaitQueue(longest_first=isinstance(policy, Makespan))
         self._idle_since: dict[str, float] = {}
@@ -234,6 +235,7 @@ class Dispatcher:
             load.token_rate = rate  # type: ignore[assignment]
             load.lone_rate = None
             load.step = models.get(iid, fleet)
+            load.max_in_flight = own.max_in_flight
             if work:  # the makespan policy's predicted work (empty under the others)
                 box = work.get(iid)
                 load.predicted_tokens, load.longest_tokens = (box.tokens, box.longest) if box else (0.0, 0.0)
@@ -322,6 +324,8 @@ class Dispatcher:
         if box is None:
             box = self.work[inst.id] = BoxWork()
         box.placed(*policy.counted(tokens, predicted, high))
+        if predicted is not None:
+            self.last_predicted = predicted
         self._reserve(inst, tokens, now)
         return inst
 
@@ -508,13 +512,25 @@ class Dispatcher:
         """Tokens/s a lone sequence gets on ``inst``, measured at whatever batch it ran."""
         return self.lone_meter(inst).rate(now)
 
-    def claim(self, inst: Instance, tokens: int) -> bool:
+    def requests_waiting(self) -> int:
+        """Requests waiting for a slot: parked here, or held back by their batch until it has room."""
+        return self.waiting + self.held_by_batches
+
+    def waiting_predicted(self) -> float | None:
+        """What the next request to be placed is predicted to make: the head of the queue's prediction, else
+        (a batch's requests held back, or none predicted) the last one placed with a prediction."""
+        head = self._queue.head()
+        return head.predicted if head is not None and head.predicted is not None else self.last_predicted
+
+    def claim(self, inst: Instance, tokens: int, over: int = 0) -> bool:
         """Reserve ``inst`` for a sequence tail migration moves there, past the dispatch policy (the
-        migration policy chose it); False if it cannot take work now, or is at its bound."""
+        migration policy chose it); False if it cannot take work now, or is ``over`` past its bound (a swap
+        while requests wait: the box takes the sequence into its next free slot, and no waiting request is
+        placed there meanwhile, since the box is past its bound)."""
         if self.closing or inst.state != State.ACTIVE or self.registry.get(inst.id) is not inst:
             return False
         load = inst.load
-        if load.in_flight >= self.bound_of(inst) or self.in_flight >= self.max_in_flight_total:
+        if load.in_flight >= self.bound_of(inst) + over or self.in_flight >= self.max_in_flight_total + over:
             return False
         load.in_flight += 1
         load.in_flight_tokens += tokens

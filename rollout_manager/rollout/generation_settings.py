@@ -49,7 +49,8 @@ class GenerationSettings:
             batch_half=cfg.tail_migration_batch_half, min_speedup=cfg.tail_migration_min_speedup,
             min_gain_s=cfg.tail_migration_min_gain_s, prefill_factor=cfg.tail_migration_prefill_factor,
             max_moves=cfg.tail_migration_max_moves, cooldown_s=cfg.tail_migration_cooldown_s,
-            tail_share=cfg.tail_migration_tail_share, tail_slowdown=cfg.tail_migration_tail_slowdown or None)
+            tail_share=cfg.tail_migration_tail_share, tail_slowdown=cfg.tail_migration_tail_slowdown or None,
+            swap_queue=cfg.tail_migration_swap_queue)
         return cls(cfg.max_attempts_per_request, cfg.no_instance_wait_timeout_s, cfg.connect_timeout_s,
                    cfg.stream_stall_timeout_s, cfg.engine_stream_interval, migration if cfg.tail_migration else None,
                    cfg.tail_migration_interval_s, None if cfg.max_staleness < 0 else cfg.max_staleness,

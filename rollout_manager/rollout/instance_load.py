@@ -22,6 +22,8 @@ class InstanceLoad:
     count the box happened to run says more about what it was given than about the box.
     ``predicted_tokens`` and ``longest_tokens``: what the length model predicts its sequences still
     make, in all and the longest of them (0 where nothing was predicted; see ``makespan.BoxWork``).
+    ``max_in_flight``: the most sequences the manager places on it (its running bound; None: unbounded), which
+    tail migration's swaps read: a box at its bound takes a moved sequence into its next free slot.
     """
 
     instance_id: str
@@ -33,3 +35,4 @@ class InstanceLoad:
     step: StepModel | None = None
     predicted_tokens: float = 0.0
     longest_tokens: float = 0.0
+    max_in_flight: int | None = None

@@ -223,14 +223,18 @@ class Migrator:
         predict = self.predict
         live = self._live
         ask = None if predict is None else (lambda rs: predict(live[by_key[rs.seq_id]][0]))
-        moves = policy.plan(loads, running, self.dispatcher.waiting, now, draining, ask)
+        # With swaps on, requests a batch holds back wait for a slot as much as those parked in the dispatcher.
+        dispatcher = self.dispatcher
+        waiting = dispatcher.requests_waiting() if policy.swap_queue else dispatcher.waiting
+        moves = policy.plan(loads, running, waiting, now, draining, ask, dispatcher.waiting_predicted())
         started = 0
         for planned in moves:
             seq, src, rid = self._live[by_key[planned.seq_id]]
             target = registry.get(planned.target)
             bound = self.bound(seq)
+            over = policy.swap_queue if planned.swap else 0
             if target is None or (bound is not None and not bound(target)) or \
-                    not self.dispatcher.claim(target, seq.reserve):
+                    not dispatcher.claim(target, seq.reserve, over):
                 continue
             part = seq.migration
             part.target, part.reserved, part.leaving = target, seq.reserve, True

@@ -395,6 +395,7 @@ class Move:
     source: str
     target: str
     gain_s: float  # expected seconds saved, after the re-prefill
+    swap: bool = False  # made while requests wait: the target is at its bound and takes it into its next free slot
 
 
 class TailMigration:
@@ -445,6 +446,7 @@ class TailMigration:
         max_target_in_flight: int | None = None,
         tail_share: float = 0.0,
         tail_slowdown: float | None = None,
+        swap_queue: int = 0,
     ) -> None:
         if batch_half <= 0 or prefill_factor <= 0:
             raise ValueError("batch_half and prefill_factor must be > 0")
@@ -460,6 +462,9 @@ class TailMigration:
             raise ValueError("tail_share must be >= 0")
         if tail_slowdown is not None and tail_slowdown < 1.0:
             raise ValueError("tail_slowdown must be >= 1")
+        if swap_queue < 0:
+            raise ValueError("swap_queue must be >= 0")
+        self.swap_queue = swap_queue
         self.tail_share = tail_share
         self.tail_slowdown = tail_slowdown
         self.batch_half = batch_half
@@ -496,6 +501,7 @@ class TailMigration:
         now: float,
         draining: Collection[str] = (),
         predict: Callable[[RunningSequence], Rest | None] | None = None,
+        waiting_left: float | None = None,
     ) -> list[Move]:
         """The moves to make now (each sequence at most once). ``instances``: where work may go.
 
@@ -510,8 +516,12 @@ class TailMigration:
         ``min_speedup`` and ``min_gain_s``, skipping targets it ran on and, for the predicted tail, crowded
         ones; a target that does not take it does not end its search.
         """
-        if waiting > 0 or not running or self.max_moves == 0:
+        if not running or self.max_moves == 0:
             return []
+        if waiting > 0:
+            if not self.swap_queue:
+                return []
+            return self._swaps(instances, running, now, draining, predict, waiting_left)
         n: dict[str, int] = {c.instance_id: c.in_flight_requests for c in instances}
         steps: dict[str, StepModel] = {}
         for c in instances:
@@ -587,6 +597,95 @@ class TailMigration:
                 n[s.instance_id] = max(n[s.instance_id] - 1, 0)
             if cap is None or n[tid] < cap:
                 heapq.heappush(heap, (steps[tid].step_s(n[tid] + 1), tid))
+        return moves
+
+    def _swaps(
+        self,
+        instances: Sequence[InstanceLoad],
+        running: Sequence[RunningSequence],
+        now: float,
+        draining: Collection[str],
+        predict: Callable[[RunningSequence], Rest | None] | None,
+        waiting_left: float | None,
+    ) -> list[Move]:
+        """The moves to make while requests wait for a slot (``swap_queue`` > 0): a sequence on a slower box
+        takes a faster box's next free slot (it waits there, past the box's bound, as one of at most
+        ``swap_queue``), and the slot it leaves goes to a waiting request.
+
+        Every box stays full, so what a swap changes is who runs where: the sequence expected to make more
+        (``left``, as :meth:`plan` has it: a sequence's age says it is long before anything else can) on the
+        faster box, the waiting request (``waiting_left``: what the head of the queue is predicted to make;
+        None: ``min_tokens``) on the slower. It is made where it brings the later of the two finishes
+        forward by ``min_gain_s`` after the re-prefill: ``left x here`` against the larger of ``cost + left x
+        there`` and ``waiting_left x here``. Without it nothing moves until the queue is empty, and a long
+        sequence that began on a slow full box spends the first epoch's start there (issue 46)."""
+        n: dict[str, int] = {c.instance_id: c.in_flight_requests for c in instances}
+        room: dict[str, int] = {}
+        steps: dict[str, StepModel] = {}
+        for c in instances:
+            st = self._step_of(c)
+            if st is None:
+                continue
+            iid = c.instance_id
+            steps[iid] = st
+            cap = c.max_in_flight
+            room[iid] = (1 << 30) if cap is None else cap + self.swap_queue - n[iid]
+        # Targets by the step they run at once full (a swap leaves every box's count as it is).
+        full = {c.instance_id: (n[c.instance_id] if c.max_in_flight is None else max(c.max_in_flight, 1))
+                for c in instances}
+        heap = [(st.step_s(min(n[i] + 1, full[i])), i) for i, st in steps.items()
+                if i not in draining and room[i] > 0]
+        if not heap:
+            return []
+        heapq.heapify(heap)
+        best_step = heap[0][0]
+        other = float(self.min_tokens) if waiting_left is None else waiting_left
+        cands: list[tuple[float, float, float, RunningSequence]] = []
+        for s in running:
+            if s.moves >= self.max_moves or s.budget_left == 0 or s.instance_id in draining:
+                continue
+            if s.last_moved_at is not None and now - s.last_moved_at < self.cooldown_s:
+                continue
+            src = steps.get(s.instance_id)
+            if src is None:
+                continue
+            here = src.step_s(max(n.get(s.instance_id, 1), 1))
+            if best_step * self.min_speedup > here:
+                continue
+            left = self._left(s, predict(s) if predict is not None else None)
+            if left <= other:
+                continue  # the waiting request is expected to run as long: the faster slot is as well its
+            cands.append((left * here, left, here, s))
+        cands.sort(key=lambda c: (-c[0], c[3].seq_id))
+        moves: list[Move] = []
+        for t_here, left, here, s in cands:
+            if not heap:
+                break
+            skipped: list[tuple[float, str]] = []
+            chosen: tuple[str, float] | None = None
+            while heap and len(skipped) < self.MAX_TRIES:
+                key, tid = heapq.heappop(heap)
+                if key * self.min_speedup > here:
+                    heapq.heappush(heap, (key, tid))
+                    break
+                skipped.append((key, tid))
+                if tid in s.visited or tid == s.instance_id:
+                    continue
+                cost = self.move_overhead_s + (s.prompt_tokens + s.made) * steps[tid].step_s(1) / self.prefill_factor
+                gain = t_here - max(cost + left * key, other * here)
+                if gain >= self.min_gain_s:
+                    skipped.pop()
+                    chosen = (tid, gain)
+                    break
+            for item in skipped:
+                heapq.heappush(heap, item)
+            if chosen is None:
+                continue
+            tid, gain = chosen
+            moves.append(Move(s.seq_id, s.instance_id, tid, gain, swap=True))
+            room[tid] -= 1
+            if room[tid] > 0:
+                heapq.heappush(heap, (steps[tid].step_s(min(n[tid] + 1, full[tid])), tid))
         return moves
 
     def _left(self, s: RunningSequence, rest: Rest | None) -> float:

@@ -72,6 +72,13 @@ class WaitQueue:
             at -= 1
         queue.insert(at, waiter)
 
+    def head(self) -> Waiter | None:
+        """The next waiter to be offered (None: nobody waits)."""
+        for waiter in self._queue:
+            if not waiter.future.done():
+                return waiter
+        return None
+
     def leave(self, waiter: Waiter) -> None:
         """``waiter`` stopped waiting (placed, timed out or cancelled): dropped now if it is behind others
         (rare), else with the done waiters at the head."""
