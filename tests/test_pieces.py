@@ -28,13 +28,14 @@ from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.lengths import LengthModel
 from rollout_manager.rollout.local_budget import LocalBudget
-from rollout_manager.rollout.pieces import PieceSettings, PieceTally
+from rollout_manager.rollout.pieces import PieceSettings
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import PIECE_END, SequenceState
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.finish import FinalMeta, VersionSpan
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
+from rollout_manager.sglang.piece_meta import PieceTally
 
 PROMPT = [5, 17, 42]
 PIECES = PieceSettings(tokens=8, min_budget=16, max_tokens=16)
@@ -92,17 +93,17 @@ def test_the_tally_says_the_counts_of_the_whole_sequence() -> None:
     tally.add(FinalMeta("0", other={"cached_tokens": 107, "reasoning_tokens": 8}), 100, 8)  # stayed: 1 recomputed
     stayed = FinalMeta("0", other={"cached_tokens": 115, "reasoning_tokens": 4, "output_token_logprobs_length": 4,
                                    "cached_tokens_details": {"device": 115, "host": 0}})
-    lists = {"output_token_logprobs": [[0.0, 1, None]] * 20}
+    logprobs = [[0.0, 1, None]] * 20
     whole = replace(tally)
     whole.sums = dict(tally.sums)
     whole.add(stayed, 100, 16)
     # every piece stayed: what the cache served of the caller's prompt, as an undivided answer says it
-    assert whole.merged(stayed, 20, lists).other == {"cached_tokens": 90, "reasoning_tokens": 20,
+    assert whole.merged(stayed, 20, {}, logprobs).other == {"cached_tokens": 90, "reasoning_tokens": 20,
                                                      "output_token_logprobs_length": 20,
                                                      "cached_tokens_details": {"device": 90, "host": 0}}
     moved = FinalMeta("0", other={"cached_tokens": 0, "reasoning_tokens": 4})
     tally.add(moved, 100, 16)  # moved: 116 prefilled again, one of them an undivided run computes too
-    assert tally.merged(moved, 20, lists).other == {"cached_tokens": max(90 - 115, 0), "reasoning_tokens": 20}
+    assert tally.merged(moved, 20, {}, logprobs).other == {"cached_tokens": max(90 - 115, 0), "reasoning_tokens": 20}
 
 
 # ------------------------------------------------------------------ through the generator

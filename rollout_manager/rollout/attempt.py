@@ -33,13 +33,13 @@ from rollout_manager.rollout.outcome import (
     outcome_of,
     settle,
 )
-from rollout_manager.rollout.pieces import PieceTally
 from rollout_manager.rollout.progress import TOKEN_ID_BOUND, BadChunk, SequenceProgress
 from rollout_manager.rollout.sequence import PIECE_END, Refusal, Segment, SequenceState, version_check
 from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineRejected, SGLangClient, open_stream
 from rollout_manager.sglang.coalesce import Coalescer
 from rollout_manager.sglang.finish import LENGTH
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
+from rollout_manager.sglang.piece_meta import PieceTally
 from rollout_manager.sglang.routed_experts import MAX_ROW_TEXT
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -233,8 +233,7 @@ class Attempts:
                     seq.finish, seq.meta = finish.rebased(segments.start), progress.final
                     if seq.tally is not None:  # a divided rollout: its counts over every piece
                         seq.tally.add(seq.meta, len(seq.body.input_ids), segments.start)
-                        seq.meta = seq.tally.merged(seq.meta, len(seq.output_ids),
-                                                    {**seq.per_token, "output_token_logprobs": seq.logprobs})
+                        seq.meta = seq.tally.merged(seq.meta, len(seq.output_ids), seq.per_token, seq.logprobs)
                     segment.outcome = "finished"
                 if cut is None:
                     self.on_instance_success(inst)

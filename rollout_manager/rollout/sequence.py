@@ -14,11 +14,11 @@ from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.rollout.lengths import Track
-from rollout_manager.rollout.pieces import PieceTally
 from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
+from rollout_manager.sglang.piece_meta import PieceTally
 from rollout_manager.sglang.routed_experts import RoutedExperts
 from rollout_manager.sglang.routed_experts import encode as encode_rows
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
