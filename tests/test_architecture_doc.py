@@ -13,8 +13,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
 PACKAGES = ("rollout_manager", "trainer_plugin")
