@@ -191,6 +191,13 @@ class Config(BaseModel):
     # while this much of its output waits to be sent.
     response_write_timeout_s: float = Field(default=60.0, gt=0)
     max_unsent_output_kb: float = Field(default=1024.0, gt=0)
+    # The OpenAI-compatible front (openai_front; docs/agents.md): the tokenizer whose chat template renders
+    # /v1/chat/completions ("" : token-id completions only), the model name it answers to, the session ledger's bounds.
+    openai_tokenizer_path: str = ""
+    openai_model_name: str = Field(default="default", min_length=1)
+    openai_max_sessions: int = Field(default=4096, gt=0)
+    openai_session_max_tokens: int = Field(default=1_048_576, gt=0)
+    openai_session_idle_s: float = Field(default=3600.0, gt=0)
 
     @field_validator("allowed_sender_ips", "registration_allowed_networks", mode="before")
     @classmethod

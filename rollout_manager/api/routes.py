@@ -47,6 +47,7 @@ from rollout_manager.instances.mismatch import BoxReport
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
+from rollout_manager.openai_front import routes as openai_routes
 from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.request import Request, decode, decode_items
@@ -385,4 +386,5 @@ def create_app(manager: Manager) -> web.Application:
     app[MAX_ADMIN_BODY] = int(manager.config.max_admin_body_kb * 1024)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
+    openai_routes.register(app, manager)  # /v1/*: the OpenAI-compatible front (docs/agents.md)
     return app

@@ -1,0 +1,263 @@
+"""The front's core: an OpenAI request -> prompt ids (rendered, or the ledger's) -> the manager's own
+rollout path (the Generator ``/generate`` uses: placement, affinity by session, continuation on another
+box, version segments) -> OpenAI's answer, and the turn into the session's ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from rollout_manager.errors import ManagerError
+from rollout_manager.manager import Manager
+from rollout_manager.openai_front import responses
+from rollout_manager.openai_front.errors import OpenAIError, invalid
+from rollout_manager.openai_front.ledger import Ledger, PromptPlan, Session
+from rollout_manager.openai_front.prompt import plan_chat, plan_ids
+from rollout_manager.openai_front.render import Renderer
+from rollout_manager.openai_front.schemas import ChatRequest, CompletionRequest, not_found_model
+from rollout_manager.openai_front.schemas import prompts as prompts_of
+from rollout_manager.rollout.generation import Generator
+from rollout_manager.rollout.request import Request, SequenceRequest
+from rollout_manager.sglang.answer import ErrorChunk, GenerateAnswer
+from rollout_manager.sglang.openai_turn import TurnResult, TurnSampling, read_answer, turn_body
+
+log = logging.getLogger("rollout_manager.openai_front")
+CHAT, CHAT_CHUNK, TEXT = "chat.completion", "chat.completion.chunk", "text_completion"
+
+
+@dataclass
+class Prepared:
+    """A request checked and turned into prompt ids, ready to run; its session (if any) is held busy."""
+
+    reply: responses.Reply
+    chat: bool
+    prompts: list[list[int]]
+    n: int
+    request: Request
+    want_logprobs: bool
+    renderer: Renderer | None
+    session: Session | None = None
+    plan: PromptPlan | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def _failure(exc: ManagerError) -> OpenAIError:
+    return OpenAIError(exc.status, str(exc), None, exc.reason)
+
+
+class Front:
+    def __init__(self, manager: Manager) -> None:
+        cfg = manager.config
+        self.manager = manager
+        self.model = cfg.openai_model_name
+        self.tokenizer_path = cfg.openai_tokenizer_path
+        self.ledger = Ledger(cfg.openai_max_sessions, cfg.openai_session_max_tokens, cfg.openai_session_idle_s)
+        self.created = int(time.time())
+        self._renderer: Renderer | None = None
+        self._loading: asyncio.Lock = asyncio.Lock()
+
+    @property
+    def generator(self) -> Generator:
+        generator = self.manager.generator
+        assert generator is not None
+        return generator
+
+    async def renderer(self, needed_by: str | None) -> Renderer | None:
+        """The tokenizer, loaded on first use off the event loop; a 400 naming ``needed_by`` when none is
+        configured and the request needs one (None: optional)."""
+        if self._renderer is None and self.tokenizer_path:
+            async with self._loading:
+                if self._renderer is None:
+                    try:
+                        self._renderer = await asyncio.to_thread(Renderer, self.tokenizer_path)
+                    except Exception as exc:
+                        log.error("openai_tokenizer_path %s: %s", self.tokenizer_path, exc)
+                        raise OpenAIError(500, f"the manager's tokenizer (openai_tokenizer_path) did not load: "
+                                          f"{exc}", None, "tokenizer_unavailable") from None
+        if self._renderer is None and needed_by is not None:
+            raise invalid(needed_by, "this manager has no tokenizer (openai_tokenizer_path is not set): send "
+                          "token ids to /v1/completions", "tokenizer_not_configured")
+        return self._renderer
+
+    def _sampling(self, body: ChatRequest | CompletionRequest, budget: int | None, choice: int) -> TurnSampling:
+        seed = None if body.seed is None else body.seed + choice  # n choices from one seed: not n copies
+        return TurnSampling(budget, body.temperature, body.top_p, seed, body.stops, body.stop_token_ids,
+                            body.top_k, body.min_p, body.ignore_eos)
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        try:
+            self.generator.vocab.check(ids, field)
+        except ManagerError as exc:
+            raise invalid(field, str(exc)) from None
+
+    def _request(self, body: ChatRequest | CompletionRequest, prompts: list[list[int]], budget: int | None,
+                 session_id: str | None) -> Request:
+        seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j), stream=body.stream), session_id)
+                for ids in prompts for j in range(body.n)]
+        return Request(seqs, batched=len(seqs) > 1, stream=body.stream)
+
+    def _reply(self, prefix: str, session_id: str | None) -> responses.Reply:
+        return responses.Reply(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model, session_id)
+
+    def _open(self, session_id: str | None, n: int) -> Session | None:
+        if session_id is None:
+            return None
+        if n != 1:
+            raise invalid("n", "a session's turn samples one answer (n=1): the ledger keeps one history")
+        return self.ledger.begin(session_id)
+
+    async def prepare_chat(self, body: ChatRequest, session_id: str | None) -> Prepared:
+        if body.model != self.model:
+            raise not_found_model(body.model, self.model)
+        renderer = await self.renderer("messages")
+        assert renderer is not None
+        session = self._open(session_id, body.n)
+        try:
+            branch = None if session is None else session.branch
+            turn = 0 if session is None else session.turn_count
+            plan = plan_chat(renderer, branch, turn, body.messages, body.tools)
+            self._check_ids(plan.ids, "messages")
+            if session is not None:
+                self.ledger.check_room(session, plan)
+            request = self._request(body, [plan.ids], body.budget, session_id)
+        except BaseException:
+            if session is not None:
+                self.ledger.end(session)
+            raise
+        return Prepared(self._reply("chatcmpl", session_id), True, [plan.ids], body.n, request, body.logprobs,
+                        renderer, session, plan, list(body.messages))
+
+    async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> Prepared:
+        if body.model != self.model:
+            raise not_found_model(body.model, self.model)
+        given = prompts_of(body.prompt)
+        texts = given if isinstance(given[0], str) else None
+        renderer = await self.renderer("prompt" if texts is not None else None)
+        if texts is not None:
+            assert renderer is not None
+            ids_list = [renderer.encode(str(t)) for t in texts]
+        else:
+            ids_list = cast("list[list[int]]", given)
+        for i, ids in enumerate(ids_list):
+            if not ids:
+                raise invalid("prompt", f"prompt {i} has no tokens")
+            self._check_ids(ids, "prompt")
+        if session_id is not None and len(ids_list) != 1:
+            raise invalid("prompt", "a session's turn has one prompt")
+        session = self._open(session_id, body.n)
+        plan = None
+        try:
+            if session is not None:
+                plan = plan_ids(session.branch, session.turn_count, ids_list[0])
+                self.ledger.check_room(session, plan)
+            request = self._request(body, ids_list, body.budget, session_id)
+        except BaseException:
+            if session is not None:
+                self.ledger.end(session)
+            raise
+        return Prepared(self._reply("cmpl", session_id), False, ids_list, body.n, request, body.logprobs is not None,
+                        renderer, session, plan)
+
+    # ------------------------------------------------------------------ running
+    def _text(self, p: Prepared, answer: GenerateAnswer, ids: list[int]) -> str:
+        return p.renderer.decode(ids) if p.renderer is not None else (answer.text or "")
+
+    def _tokens(self, p: Prepared, ids: list[int]) -> list[str]:
+        return [p.renderer.token_text(t) for t in ids] if p.renderer is not None else [str(t) for t in ids]
+
+    def _logprobs(self, p: Prepared, result: TurnResult, ids: list[int], lps: list[float | None],
+                  offset: int = 0) -> dict[str, Any] | None:
+        if not p.want_logprobs:
+            return None
+        tokens = self._tokens(p, ids)
+        return responses.chat_logprobs(tokens, lps) if p.chat else responses.completion_logprobs(tokens, lps, offset)
+
+    def _record(self, p: Prepared, result: TurnResult, text: str) -> None:
+        if p.session is not None and p.plan is not None:
+            self.ledger.record(p.session, p.plan, p.messages, result, text)
+
+    def _end(self, p: Prepared) -> None:
+        if p.session is not None:
+            self.ledger.end(p.session)
+
+    async def run(self, p: Prepared) -> dict[str, Any]:
+        """A non-streamed answer."""
+        try:
+            try:
+                out = await self.generator.generate(p.request)
+            except ManagerError as exc:
+                raise _failure(exc) from None
+            answers = out if isinstance(out, list) else [out]
+            choices, made = [], 0
+            for i, answer in enumerate(answers):
+                assert answer is not None
+                result = read_answer(answer)
+                text = self._text(p, answer, result.output_ids)
+                lp = self._logprobs(p, result, result.output_ids, result.logprobs)
+                make = responses.chat_choice if p.chat else responses.completion_choice
+                choices.append(make(i, text, result, lp))
+                made += len(result.output_ids)
+                if i == 0:
+                    self._record(p, result, text)
+            prompt_tokens = sum(map(len, p.prompts)) * p.n
+            return responses.whole(p.reply, CHAT if p.chat else TEXT, choices, p.prompts, prompt_tokens, made)
+        finally:
+            self._end(p)
+
+    async def stream(self, p: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        """The answer as OpenAI's stream chunks (the caller writes ``data: [DONE]`` after the last)."""
+        kind = CHAT_CHUNK if p.chat else TEXT
+        count = len(p.request.sequences)
+        sent_ids, sent_text = [0] * count, [""] * count
+        finals: list[TurnResult | None] = [None] * count
+        texts = [""] * count
+        chunks = self.generator.generate_stream(p.request)
+        try:
+            if p.chat:
+                yield responses.chunk(p.reply, kind, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None, "token_ids": []}
+                                                      for i in range(count)])
+            async for ready in chunks:
+                out = []
+                for item in ready:
+                    if isinstance(item, ErrorChunk):
+                        err = OpenAIError(item.status, item.message)
+                        yield err.to_json()
+                        return
+                    i = item.index if p.request.batched and isinstance(item.index, int) else 0
+                    result = read_answer(item)
+                    ids = result.output_ids
+                    text = self._text(p, item, ids)
+                    if text.endswith("\ufffd") and result.finish_reason is None:
+                        text = sent_text[i]  # a character cut between tokens: wait for its other bytes
+                    new_ids, new_lps = ids[sent_ids[i]:], result.logprobs[sent_ids[i]:]
+                    delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else text
+                    lp = self._logprobs(p, result, new_ids, new_lps, len(sent_text[i])) if new_ids else None
+                    choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": result.finish_reason,
+                                              "token_ids": new_ids}
+                    if p.chat:
+                        choice["delta"] = {"content": delta} if delta or result.finish_reason is None else {}
+                    else:
+                        choice["text"] = delta
+                    if result.finish_reason is not None:
+                        choice["rollout"] = responses.rollout_info(result)
+                        finals[i] = result
+                        texts[i] = text
+                    sent_ids[i], sent_text[i] = len(ids), text
+                    out.append(choice)
+                if out:
+                    yield responses.chunk(p.reply, kind, out)
+            first = finals[0]
+            if first is not None:
+                self._record(p, first, texts[0])
+            if include_usage:
+                prompt_tokens = sum(len(ids) for ids in p.prompts) * p.n
+                yield responses.chunk(p.reply, kind, [], responses.usage(prompt_tokens, sum(sent_ids)))
+        finally:
+            await chunks.aclose()
+            self._end(p)

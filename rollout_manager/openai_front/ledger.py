@@ -1,0 +1,207 @@
+"""The session ledger (token-in/token-out): per session, the exact ids each turn sent and sampled.
+
+A session is a list of branches; a branch is one growing token sequence, the first turn's prompt followed
+by every later token with a mask (1: sampled by the model, 0: written by the template or a tool) and the
+sampled tokens' log-probs. A turn whose prompt extends the branch adds to it; a turn that rewrote the
+history starts a new branch (an agent that edits its past gets a second trajectory, never a corrupted
+one). Bounded in sessions, tokens per session and idle time (``openai_*`` in config.toml).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_manager.openai_front.errors import OpenAIError
+from rollout_manager.sglang.openai_turn import TurnResult
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a turn's freshly rendered prompt parted from the ledger. ``kind``: ``retokenized`` (the
+    messages were the ledger's but their rendering and tokenizing did not give back its ids: the ledger's
+    were used), ``rewritten`` (the caller changed a message the ledger holds: a new branch)."""
+
+    turn: int  # the session's turn (0-based) whose prompt diverged
+    position: int  # first token (retokenized) or message (rewritten) that differs
+    tokens: int  # tokens of the ledger's history that the fresh rendering would have changed
+    kind: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"turn": self.turn, "position": self.position, "tokens": self.tokens, "kind": self.kind}
+
+
+@dataclass
+class Turn:
+    """One turn of a branch: its prompt is ``ids[:prompt_len]``, its answer the ``made`` ids after it."""
+
+    prompt_len: int
+    made: int
+    finish_reason: str | None
+    matched_stop: int | str | None
+    weight_version: Any
+    weight_versions: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_len": self.prompt_len, "response_len": self.made, "finish_reason": self.finish_reason,
+                "weight_version": self.weight_version, "weight_versions": self.weight_versions}
+
+
+@dataclass
+class Branch:
+    prompt_len: int
+    ids: list[int]
+    mask: list[int] = field(default_factory=list)  # for ids[prompt_len:]
+    logprobs: list[float] = field(default_factory=list)  # for ids[prompt_len:]; 0.0 where mask is 0
+    messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation the ids hold
+    turns: list[Turn] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_ids": self.ids[:self.prompt_len], "response_ids": self.ids[self.prompt_len:],
+                "response_mask": self.mask, "response_logprobs": self.logprobs,
+                "turns": [t.to_json() for t in self.turns]}
+
+
+@dataclass
+class Session:
+    id: str
+    last_used: float
+    branches: list[Branch] = field(default_factory=list)
+    divergences: list[Divergence] = field(default_factory=list)
+    busy: bool = False
+
+    @property
+    def branch(self) -> Branch | None:
+        return self.branches[-1] if self.branches else None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(b.ids) for b in self.branches)
+
+    @property
+    def turn_count(self) -> int:
+        return sum(len(b.turns) for b in self.branches)
+
+    def to_json(self) -> dict[str, Any]:
+        """The trajectory: the current branch's ids at the top, every branch and divergence beside it."""
+        current = self.branch
+        out: dict[str, Any] = {"session_id": self.id, "turns": self.turn_count,
+                               "divergences": [d.to_json() for d in self.divergences],
+                               "branch": len(self.branches) - 1, "branches": [b.to_json() for b in self.branches]}
+        if current is not None:
+            out.update(current.to_json())
+        return out
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """A turn's prompt ids and how they relate to the session's branch: ``extends`` (its first
+    ``len(branch.ids)`` ids are the branch's) or a new branch; and a divergence to count, if any."""
+
+    ids: list[int]
+    extends: bool
+    divergence: Divergence | None = None
+
+
+class Ledger:
+    """The sessions, least recently used first; expiry is swept on every access (no timer task)."""
+
+    def __init__(self, max_sessions: int, max_tokens: int, idle_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_sessions = max_sessions
+        self.max_tokens = max_tokens
+        self.idle_s = idle_s
+        self.clock = clock
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.expired = 0
+        self.evicted = 0
+        self.divergences = 0
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        while self.sessions:
+            oldest = next(iter(self.sessions.values()))
+            if oldest.busy or now - oldest.last_used < self.idle_s:
+                break
+            del self.sessions[oldest.id]
+            self.expired += 1
+
+    def get(self, session_id: str) -> Session | None:
+        self._sweep()
+        return self.sessions.get(session_id)
+
+    def begin(self, session_id: str) -> Session:
+        """The session for a turn about to run (made if new), marked busy: one turn at a time per session
+        (a second one while it runs gets 409: the ledger could not say which came first)."""
+        self._sweep()
+        session = self.sessions.get(session_id)
+        if session is None:
+            if len(self.sessions) >= self.max_sessions:
+                idle = next((s for s in self.sessions.values() if not s.busy), None)
+                if idle is None:
+                    raise OpenAIError(429, f"{self.max_sessions} sessions are running a turn "
+                                      "(openai_max_sessions)", "session_id", "too_many_sessions")
+                del self.sessions[idle.id]
+                self.evicted += 1
+            session = self.sessions[session_id] = Session(session_id, self.clock())
+        elif session.busy:
+            raise OpenAIError(409, f"session {session_id!r} is already running a turn", "session_id",
+                              "session_busy")
+        self.sessions.move_to_end(session_id)
+        session.busy = True
+        return session
+
+    def end(self, session: Session) -> None:
+        session.busy = False
+        session.last_used = self.clock()
+
+    def check_room(self, session: Session, plan: PromptPlan) -> None:
+        """Refuse a turn whose prompt would take the session past ``openai_session_max_tokens``."""
+        branch = session.branch
+        held = session.tokens - (len(branch.ids) if branch is not None and plan.extends else 0)
+        if held + len(plan.ids) > self.max_tokens:
+            raise invalid_session(f"session {session.id!r} would hold {held + len(plan.ids)} tokens, past "
+                                  f"openai_session_max_tokens {self.max_tokens}; read and free it first")
+
+    def record(self, session: Session, plan: PromptPlan, messages: list[dict[str, Any]] | None,
+               result: TurnResult, answer_text: str | None) -> None:
+        """A finished turn into the session: its template tokens (mask 0), its sampled ids (mask 1)."""
+        branch = session.branch
+        if plan.divergence is not None:
+            session.divergences.append(plan.divergence)
+            self.divergences += 1
+        if branch is None or not plan.extends:
+            branch = Branch(len(plan.ids), list(plan.ids))
+            session.branches.append(branch)
+        else:
+            added = plan.ids[len(branch.ids):]
+            branch.ids.extend(added)
+            branch.mask.extend([0] * len(added))
+            branch.logprobs.extend([0.0] * len(added))
+        branch.ids.extend(result.output_ids)
+        branch.mask.extend([1] * len(result.output_ids))
+        branch.logprobs.extend(0.0 if lp is None else lp for lp in result.logprobs)
+        if messages is not None:
+            branch.messages = [*messages, {"role": "assistant", "content": answer_text or ""}]
+        branch.turns.append(Turn(len(plan.ids), len(result.output_ids), result.finish_reason, result.matched_stop,
+                                 result.weight_version, result.weight_versions))
+
+    def release(self, session_id: str) -> Session | None:
+        session = self.sessions.get(session_id)
+        if session is None or session.busy:
+            return None
+        return self.sessions.pop(session_id)
+
+    def status(self) -> dict[str, Any]:
+        self._sweep()
+        return {"sessions": len(self.sessions), "tokens": sum(s.tokens for s in self.sessions.values()),
+                "divergences": self.divergences, "expired": self.expired, "evicted": self.evicted,
+                "max_sessions": self.max_sessions, "max_session_tokens": self.max_tokens,
+                "session_idle_s": self.idle_s}
+
+
+def invalid_session(message: str) -> OpenAIError:
+    return OpenAIError(400, message, "session_id", "session_full")

@@ -1,0 +1,69 @@
+"""A chat turn's prompt ids: the ledger's ids for the history it holds, the template rendered for the rest.
+
+Re-rendering and re-tokenizing a conversation does not give back the ids a model sampled (templates drop
+reasoning, tokenizers merge across message boundaries), so a session's history is never re-tokenized
+into the prompt: the new ids are the ledger's, then the template's closing of the last answer and the new
+messages, tokenized alone. The fresh full rendering is still tokenized once per turn to count where it
+would have diverged (the ``retokenized`` divergences of the trajectory).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_manager.openai_front.ledger import Branch, Divergence, PromptPlan
+from rollout_manager.openai_front.render import Renderer
+
+
+def _content(m: dict[str, Any]) -> Any:
+    c = m.get("content")
+    if isinstance(c, list):  # text parts (schemas.check_messages refused the rest)
+        return "".join(str(p.get("text", "")) for p in c)
+    return c or ""
+
+
+def same_message(sent: dict[str, Any], held: dict[str, Any]) -> bool:
+    """Whether a message the caller sent is the one the ledger holds (role, text, tool ids and calls)."""
+    return (sent.get("role") == held.get("role") and _content(sent) == _content(held)
+            and sent.get("tool_call_id") == held.get("tool_call_id")
+            and (sent.get("tool_calls") or None) == (held.get("tool_calls") or None))
+
+
+def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None) -> PromptPlan:
+    """The prompt for ``messages`` given the session's current branch (None: a fresh session)."""
+    full = renderer.chat_text(messages, tools, True)
+    if branch is None or not branch.messages:
+        return PromptPlan(renderer.encode(full), extends=False)
+    held = branch.messages
+    first_change = next((i for i, (a, b) in enumerate(zip(messages, held)) if not same_message(a, b)), None)
+    if first_change is None and len(messages) > len(held):
+        held_text = renderer.chat_text(held, tools, False)
+        if full.startswith(held_text):
+            closing = renderer.assistant_closing()
+            last = branch.turns[-1]
+            if isinstance(last.matched_stop, int):  # the model sampled the end token the template writes
+                written = renderer.token_text(last.matched_stop)
+                if closing.startswith(written):
+                    closing = closing[len(written):]
+            ids = [*branch.ids, *renderer.encode(closing + full[len(held_text):])]
+            fresh = renderer.encode(full)
+            n = len(branch.ids)
+            at = next((i for i, (a, b) in enumerate(zip(fresh, branch.ids)) if a != b), min(len(fresh), n))
+            divergence = Divergence(turn, at, n - at, "retokenized") if at < n else None
+            return PromptPlan(ids, extends=True, divergence=divergence)
+        first_change = len(held)  # the template renders the held messages differently with the new ones
+    at = len(held) if first_change is None else first_change
+    return PromptPlan(renderer.encode(full), extends=False,
+                      divergence=Divergence(turn, at, len(branch.ids), "rewritten"))
+
+
+def plan_ids(branch: Branch | None, turn: int, ids: list[int]) -> PromptPlan:
+    """A completion's given prompt ids: extends the branch if it starts with the branch's ids."""
+    if branch is None:
+        return PromptPlan(ids, extends=False)
+    n = len(branch.ids)
+    if len(ids) > n and ids[:n] == branch.ids:
+        return PromptPlan(ids, extends=True)
+    at = next((i for i, (a, b) in enumerate(zip(ids, branch.ids)) if a != b), min(len(ids), n))
+    return PromptPlan(ids, extends=False, divergence=Divergence(turn, at, n - at, "rewritten"))

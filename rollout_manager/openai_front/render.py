@@ -1,0 +1,63 @@
+"""Chat messages as the model's own template renders them, and ids back to text: transformers' tokenizer
+loaded from ``openai_tokenizer_path`` (the files the boxes load), never a template written here.
+
+transformers is imported on first use, not at start: a manager without the front configured never pays
+for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_manager.openai_front.errors import OpenAIError
+
+_MARK = "\u2063ASSISTANT-CONTENT\u2063"  # a text no template writes by itself
+
+
+class Renderer:
+    """One tokenizer and its chat template; every method is synchronous CPU work."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok: Any = AutoTokenizer.from_pretrained(path)
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError(f"the tokenizer at {path} has no chat template")
+        self._closing: str | None = None
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  generation_prompt: bool) -> str:
+        """The conversation as the template writes it (a 400 naming ``messages`` if the template refuses)."""
+        try:
+            text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                add_generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja's TemplateError and the template's own raise_exception
+            raise OpenAIError(400, f"the model's chat template refused the messages: {exc}", "messages",
+                              "template_error") from None
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids, with no special tokens added (a rendered template writes its own)."""
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """Ids -> the text a caller sees (special tokens skipped, as SGLang's default)."""
+        return str(self.tok.decode(ids, skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tok.decode([token_id], skip_special_tokens=False))
+
+    def assistant_closing(self) -> str:
+        """What the template writes after an assistant message's content (``<|im_end|>\\n`` in ChatML): the
+        tokens between a sampled answer and the next message, which the model did not write unless it
+        sampled the end token itself."""
+        if self._closing is None:
+            text = self.chat_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}],
+                                  None, False)
+            at = text.rfind(_MARK)
+            self._closing = text[at + len(_MARK):] if at >= 0 else ""
+        return self._closing
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)

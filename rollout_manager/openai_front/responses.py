@@ -1,0 +1,74 @@
+"""OpenAI's response objects (chat completion, completion, their stream chunks, usage) from typed turn
+results. Beside OpenAI's fields each choice carries ``token_ids`` (the ids sampled) and ``rollout``
+(weight version, version spans, segments: which boxes made it), which the SDK keeps as extra fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollout_manager.sglang.openai_turn import TurnResult
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every object of one response shares."""
+
+    id: str
+    created: int
+    model: str
+    session_id: str | None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def rollout_info(result: TurnResult) -> dict[str, Any]:
+    return {"weight_version": result.weight_version, "weight_versions": result.weight_versions,
+            "segments": result.segments}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float | None]) -> dict[str, Any]:
+    return {"content": [{"token": t, "logprob": -9999.0 if lp is None else lp, "bytes": list(t.encode()),
+                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset: int = 0) -> dict[str, Any]:
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_choice(index: int, text: str, result: TurnResult, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": result.finish_reason, "token_ids": result.output_ids, "rollout": rollout_info(result)}
+
+
+def completion_choice(index: int, text: str, result: TurnResult, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason,
+            "token_ids": result.output_ids, "rollout": rollout_info(result)}
+
+
+def whole(reply: Reply, kind: str, choices: list[dict[str, Any]], prompt_ids: list[list[int]],
+          prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A non-streamed answer; ``kind`` is ``chat.completion`` or ``text_completion``."""
+    out: dict[str, Any] = {"id": reply.id, "object": kind, "created": reply.created, "model": reply.model,
+                           "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
+                           "prompt_token_ids": prompt_ids[0] if len(prompt_ids) == 1 else prompt_ids}
+    if reply.session_id is not None:
+        out["session_id"] = reply.session_id
+    return out
+
+
+def chunk(reply: Reply, kind: str, choices: list[dict[str, Any]],
+          usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    """A stream chunk; ``kind`` is ``chat.completion.chunk`` or ``text_completion``."""
+    out: dict[str, Any] = {"id": reply.id, "object": kind, "created": reply.created, "model": reply.model,
+                           "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out

@@ -1,0 +1,87 @@
+"""An OpenAI-style turn as SGLang's ``/generate`` body, and SGLang's answer read back for the OpenAI front.
+
+The front (``rollout_manager.openai_front``) speaks OpenAI's field names; SGLang's wire keys (the sampling
+parameters' names, ``output_token_logprobs``' layout) stay here, like everything else SGLang's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from msgspec import UNSET
+
+from rollout_manager.sglang.answer import GenerateAnswer
+from rollout_manager.sglang.generate_request import Sampling, SequenceBody
+
+
+@dataclass(frozen=True)
+class TurnSampling:
+    """What an OpenAI request says about sampling, in its own terms (None: not given)."""
+
+    max_tokens: int | None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+
+
+def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> SequenceBody:
+    """One sequence's ``/generate`` body: the prompt ids, the sampling, log-probs always asked for (the
+    ledger keeps them; SGLang computes them at no extra forward pass)."""
+    rest: dict[str, Any] = {}
+    if sampling.temperature is not None:
+        rest["temperature"] = sampling.temperature
+    if sampling.top_p is not None:
+        rest["top_p"] = sampling.top_p
+    if sampling.stop:
+        rest["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        rest["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.top_k is not None:
+        rest["top_k"] = sampling.top_k
+    if sampling.min_p is not None:
+        rest["min_p"] = sampling.min_p
+    if sampling.ignore_eos:
+        rest["ignore_eos"] = True
+    params = Sampling(max_new_tokens=sampling.max_tokens, sampling_seed=sampling.seed, rest=rest)
+    return SequenceBody(list(ids), params, stream=stream, return_logprob=True)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One sequence's answer as the front needs it: the ids sampled, their log-probs (None where the
+    engine gave none), how it ended (OpenAI's word), and the weight versions it ran under."""
+
+    output_ids: list[int]
+    logprobs: list[float | None]
+    finish_reason: str | None
+    matched_stop: int | str | None
+    prompt_tokens: int
+    weight_version: Any
+    weight_versions: list[dict[str, Any]]
+    segments: list[dict[str, Any]]
+
+
+def read_answer(answer: GenerateAnswer) -> TurnResult:
+    """SGLang's answer (final or a cumulative stream chunk) -> :class:`TurnResult`. SGLang's finish types
+    ``stop`` and ``length`` are OpenAI's words too; ``abort`` is reported as ``stop`` is not: it stays
+    ``abort`` so a caller can tell."""
+    meta = answer.meta_info
+    ids = list(answer.output_ids)
+    lps: list[float | None] = [None] * len(ids)
+    if meta.output_token_logprobs is not UNSET:
+        rows = meta.output_token_logprobs[-len(ids):] if ids else []
+        lps = [row[0] if row and isinstance(row[0], (int, float)) else None for row in rows]
+        lps += [None] * (len(ids) - len(lps))
+    finish = meta.finish_reason
+    kind = None if finish is None else finish.type
+    matched = None if finish is None or finish.matched is UNSET or isinstance(finish.matched, list) else finish.matched
+    versions = [] if meta.weight_versions is UNSET else [
+        {"version": v.version, "start": v.start, "end": v.end} for v in meta.weight_versions]
+    segments = [] if meta.segments is UNSET else [s.to_dict() for s in meta.segments]
+    return TurnResult(ids, lps, kind, matched, meta.prompt_tokens, meta.weight_version, versions, segments)

@@ -1,0 +1,156 @@
+"""The OpenAI-compatible front (``/v1/*``, rollout_manager/openai_front), driven by the official ``openai`` SDK
+against a real manager and a CPU engine: turns run through the manager's own rollout path with token ids, a
+session's ledger keeps the exact ids (its next turn's prompt extends them, the trajectory returns them),
+streaming and non-streaming agree, and bad requests get OpenAI's error shape naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from openai_tokenizer import eos_id, make
+
+MODEL = "tiny-chatml"
+
+
+@pytest.fixture
+async def front(tmp_path: Path, start_manager: Any, start_engines: Any) -> Any:
+    """A manager with the front configured (a ChatML tokenizer) and one CPU engine whose end token is
+    ChatML's ``<|im_end|>``; yields (manager handle, SDK client)."""
+    tok = make(tmp_path / "tokenizer")
+    m = await start_manager(openai_tokenizer_path=str(tok), openai_model_name=MODEL)
+    (engine,) = await start_engines(["--eos-token-id", str(eos_id())])
+    await m.register(engine)
+    client = openai.AsyncOpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        yield m, client
+    finally:
+        await client.close()
+
+
+def extra(obj: Any, name: str) -> Any:
+    """A field the manager adds beside OpenAI's (the SDK keeps it as an extra)."""
+    return (obj.model_extra or {})[name]
+
+
+async def test_a_sessions_second_turn_extends_the_ledger_and_the_trajectory_is_what_was_sampled(front: Any) -> None:
+    m, client = front
+    models = await client.models.list()
+    assert [x.id for x in models.data] == [MODEL]
+    session = {"X-Session-Id": "agent-1"}
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "you are a helpful agent"},
+                                      {"role": "user", "content": "hello what is the answer"}]
+    first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, extra_headers=session)
+    p1, r1 = extra(first, "prompt_token_ids"), extra(first.choices[0], "token_ids")
+    assert 1 <= len(r1) <= 6 and first.usage.prompt_tokens == len(p1) and first.usage.completion_tokens == len(r1)
+    assert first.choices[0].logprobs is not None and len(first.choices[0].logprobs.content) == len(r1)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "again please"}]
+    second = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                  extra_body={"session_id": "agent-1"})
+    p2, r2 = extra(second, "prompt_token_ids"), extra(second.choices[0], "token_ids")
+    assert p2[:len(p1) + len(r1)] == p1 + r1  # the history is the ledger's ids, not a re-tokenization
+    assert len(p2) > len(p1) + len(r1)  # ... followed by the template's closing and the new message
+
+    async with m.session.get(f"{m.url}/v1/sessions/agent-1/trajectory") as resp:
+        assert resp.status == 200
+        traj = await resp.json()
+    assert traj["prompt_ids"] == p1
+    assert traj["prompt_ids"] + traj["response_ids"] == p2 + r2
+    mask = traj["response_mask"]
+    assert [t for t, k in zip(traj["response_ids"], mask) if k == 1] == r1 + r2  # exactly the sampled ids
+    assert mask == [1] * len(r1) + [0] * (len(p2) - len(p1) - len(r1)) + [1] * len(r2)
+    sampled_lps = [lp for lp, k in zip(traj["response_logprobs"], mask) if k == 1]
+    assert sampled_lps[:len(r1)] == pytest.approx([c.logprob for c in first.choices[0].logprobs.content])
+    assert [t["prompt_len"] for t in traj["turns"]] == [len(p1), len(p2)]
+    assert traj["divergences"] == [] and traj["branch"] == 0
+
+    # a rewritten history (the first user message edited) starts a branch, counted, the first kept
+    messages[1] = {"role": "user", "content": "hello"}
+    await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                         extra_headers=session)
+    async with m.session.delete(f"{m.url}/v1/sessions/agent-1") as resp:
+        freed = await resp.json()
+    assert freed["branch"] == 1 and len(freed["branches"]) == 2
+    assert [d["kind"] for d in freed["divergences"]] == ["rewritten"] and freed["divergences"][0]["position"] == 1
+    async with m.session.get(f"{m.url}/v1/sessions/agent-1/trajectory") as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["param"] == "session_id"
+
+
+async def test_streaming_and_not_give_the_same_ids(front: Any) -> None:
+    m, client = front
+    messages = [{"role": "user", "content": "what is the answer"}]
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+    ids, text, finish, usage = [], "", None, None
+    async for chunk in stream:
+        for c in chunk.choices:
+            ids += extra(c, "token_ids") or []
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+        usage = chunk.usage or usage
+    assert ids == extra(whole.choices[0], "token_ids") and len(ids) == 8
+    assert text == whole.choices[0].message.content and finish == whole.choices[0].finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == 8 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+    # token-id prompts on /v1/completions, n=2 with a seed: two choices, each equal streamed or not
+    body = dict(model=MODEL, prompt=[4, 5, 6, 7], max_tokens=5, temperature=1.0, seed=3, n=2,
+                extra_body={"ignore_eos": True})
+    done = await client.completions.create(**body)
+    assert [c.index for c in done.choices] == [0, 1] and extra(done, "prompt_token_ids") == [4, 5, 6, 7]
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    async for chunk in await client.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += extra(c, "token_ids") or []
+    assert [streamed[0], streamed[1]] == [extra(c, "token_ids") for c in done.choices]
+
+    # the raw stream ends with OpenAI's terminator
+    async with m.session.post(m.url + "/v1/completions", json={**{k: v for k, v in body.items() if k != "extra_body"},
+                                                                "stream": True}) as resp:
+        raw = await resp.read()
+    assert resp.headers["Content-Type"].startswith("text/event-stream") and raw.endswith(b"data: [DONE]\n\n")
+
+
+BAD_CHATS: list[tuple[dict[str, Any], int, str]] = [
+    (dict(messages=[]), 400, "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
+    (dict(messages=[{"role": "user", "content": "hi"}], temperature=5), 400, "temperature"),
+    (dict(messages=[{"role": "user", "content": "hi"}], max_tokens="many"), 400, "max_tokens"),
+    (dict(messages=[{"role": "user", "content": "hi"}], model="gpt-4o"), 404, "model"),
+    (dict(messages=[{"role": "user", "content": "hi"}], n=2, extra_body={"session_id": "s"}), 400, "n"),
+    (dict(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+          tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), 400,
+     "tool_choice"),
+]
+
+
+async def test_a_bad_request_gets_openais_error_naming_the_field(front: Any) -> None:
+    m, client = front
+    for call, status, param in BAD_CHATS:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(**{"model": MODEL, **call})
+        err = caught.value
+        assert err.status_code == status and err.param == param, (call, err.body)
+        assert set(err.body) >= {"message", "type", "param", "code"}  # the SDK hands over the "error" object
+    status, ledger = await m.get("/v1/sessions")
+    assert status == 200 and ledger["sessions"] == 0  # the refused session turn left nothing behind
+
+
+async def test_the_raw_error_shape_and_a_text_completion(front: Any) -> None:
+    m, client = front
+    async with aiohttp.ClientSession() as s:
+        async with s.post(m.url + "/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}) as resp:
+            body = await resp.json()
+    assert resp.status == 400 and body["error"]["param"] == "prompt", body
+    assert body["error"]["type"] == "invalid_request_error" and "99999" in body["error"]["message"]
+    out = await client.completions.create(model=MODEL, prompt="hello you", max_tokens=3, temperature=0,
+                                          logprobs=0, extra_body={"ignore_eos": True})
+    assert extra(out, "prompt_token_ids") == [8, 9]
+    assert len(extra(out.choices[0], "token_ids")) == 3 and len(out.choices[0].logprobs.token_logprobs) == 3
