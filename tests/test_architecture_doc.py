@@ -200,3 +200,15 @@ def test_no_module_imports_a_floor_above_its_own() -> None:
         if floor[target] < floor[name]
     )
     assert not up, f"imports that run up a floor: {up}"
+
+
+def test_class_names_are_unique_across_the_packages() -> None:
+    """One name, one class: a reader who finds ``Trust`` or ``Group`` knows which one is meant."""
+    where: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"classes defined more than once: {twice}"

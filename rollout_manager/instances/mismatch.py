@@ -42,7 +42,7 @@ class BoxReport:
 
 
 @dataclass(slots=True)
-class Trust:
+class BoxFigures:
     """One instance's running figures."""
 
     mean_abs_diff: float  # exponentially weighted over steps
@@ -73,7 +73,7 @@ class MismatchLedger:
 
     def __init__(self, settings: MismatchSettings | None = None) -> None:
         self.settings = settings or MismatchSettings()
-        self.by_instance: dict[str, Trust] = {}
+        self.by_instance: dict[str, BoxFigures] = {}
         self.last_step: int | None = None
         self.unattributed_tokens = 0
 
@@ -92,7 +92,7 @@ class MismatchLedger:
         for box in merged.values():
             t = self.by_instance.get(box.instance)
             if t is None:
-                self.by_instance[box.instance] = Trust(box.mean_abs_diff, box.k3_kl, box.mean_abs_diff, box.k3_kl,
+                self.by_instance[box.instance] = BoxFigures(box.mean_abs_diff, box.k3_kl, box.mean_abs_diff, box.k3_kl,
                                                        step, tokens=box.tokens)
                 continue
             t.mean_abs_diff += a * (box.mean_abs_diff - t.mean_abs_diff)
@@ -127,14 +127,14 @@ class MismatchLedger:
                 "ratio_to_median": ratio, "above_median_multiple": self.is_outlier(t, fleet),
                 "verdict": self.verdict(t, fleet, ratio)}
 
-    def is_outlier(self, t: Trust, fleet: Fleet) -> bool:
+    def is_outlier(self, t: BoxFigures, fleet: Fleet) -> bool:
         """Above the floor and above ``outlier_multiple`` x the fleet's median (never when all disagree)."""
         s = self.settings
         if fleet.fleet_wide or t.mean_abs_diff <= s.floor or fleet.instances < 2:
             return False
         return fleet.median is None or fleet.median <= 0 or t.mean_abs_diff > s.outlier_multiple * fleet.median
 
-    def verdict(self, t: Trust, fleet: Fleet, ratio: float | None) -> str:
+    def verdict(self, t: BoxFigures, fleet: Fleet, ratio: float | None) -> str:
         if fleet.fleet_wide:
             return "every instance disagrees with the trainer together: not this instance's fault"
         if self.is_outlier(t, fleet):
@@ -163,7 +163,7 @@ class MismatchLedger:
                 "unattributed_tokens": self.unattributed_tokens, "outlier_multiple": self.settings.outlier_multiple,
                 "floor": self.settings.floor, "note": note}
 
-    def _reported(self, live: Iterable[str] | None) -> list[tuple[str, Trust]]:
+    def _reported(self, live: Iterable[str] | None) -> list[tuple[str, BoxFigures]]:
         if live is None:
             return list(self.by_instance.items())
         return [(i, self.by_instance[i]) for i in live if i in self.by_instance]

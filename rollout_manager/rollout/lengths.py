@@ -177,7 +177,7 @@ def conditional(mu: float, sigma: float, made: int, q: float, budget: int | None
 class Track:
     """One running sequence: its group, prompt, budget, and how to read its running length."""
 
-    group: Group
+    group: LengthGroup
     prompt: int
     name: str
     progress: Callable[[], int] | None
@@ -198,7 +198,7 @@ class Track:
 
 
 @dataclass(eq=False, slots=True)
-class Group:
+class LengthGroup:
     """The samples of one group: finished log lengths, running tracks, the prior, and the cached fit."""
 
     prior: Prior
@@ -315,7 +315,7 @@ class LengthModel:
         # them to the encoder as they are)
         self.history: LRUCache[int, list[int]] = LRUCache(maxsize=history_capacity)
         self.history_depth = history_depth
-        self.groups: LRUCache[str | int, Group] = LRUCache(maxsize=group_capacity)
+        self.groups: LRUCache[str | int, LengthGroup] = LRUCache(maxsize=group_capacity)
         self.running: set[Track] = set()
         # the fleet's figure: an exponentially weighted mean and variance of every finished log length
         self.fleet = fleet_prior
@@ -331,7 +331,7 @@ class LengthModel:
         group = self.groups.get(key)
         if group is None or (group_key is None and not group.running and group.finished):
             # a prompt's samples that all ended are last epoch's: its next samples are a new group
-            group = self.groups[key] = Group(self._prior(pkey), pkey in self.history)
+            group = self.groups[key] = LengthGroup(self._prior(pkey), pkey in self.history)
         group.started += 1
         track = Track(group, pkey, name, progress, budget)
         group.running.add(track)
