@@ -14,6 +14,7 @@ import pytest
 from openai_tokenizer import eos_id, make
 
 MODEL = "tiny-chatml"
+pytestmark = pytest.mark.slow  # a manager and a CPU engine per test
 
 
 @pytest.fixture

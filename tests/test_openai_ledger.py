@@ -1,0 +1,94 @@
+"""The OpenAI front's session ledger and prompt planning without processes: the real transformers tokenizer
+(tests/openai_tokenizer.py, a ChatML template) and the ledger's bounds under a controlled clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai_tokenizer import make
+
+from rollout_manager.openai_front.errors import OpenAIError
+from rollout_manager.openai_front.ledger import Ledger
+from rollout_manager.openai_front.prompt import plan_chat, plan_ids
+from rollout_manager.openai_front.render import Renderer
+from rollout_manager.sglang.openai_turn import TurnResult
+
+
+@pytest.fixture(scope="module")
+def renderer(tmp_path_factory: pytest.TempPathFactory) -> Renderer:
+    return Renderer(str(make(Path(tmp_path_factory.mktemp("tok")))))
+
+
+def result(ids: list[int], matched: int | None = None) -> TurnResult:
+    return TurnResult(ids, [-0.5] * len(ids), "stop" if matched is not None else "length", matched, 0, "v1", [], [])
+
+
+def test_a_reply_whose_rendering_does_not_give_back_its_ids_keeps_the_ids_and_counts_the_divergence(
+        renderer: Renderer) -> None:
+    ledger = Ledger(8, 10_000, 60.0)
+    session = ledger.begin("s")
+    messages = [{"role": "user", "content": "hello"}]
+    first = plan_chat(renderer, None, 0, messages, None)
+    assert first.ids == renderer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    # the model sampled "<|endoftext|>" inside its answer: decoding skips it, so a re-rendering loses it
+    sampled = [20, 0, 21]
+    text = renderer.decode(sampled)
+    ledger.record(session, first, messages, result(sampled), text)
+    ledger.end(session)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+    second = plan_chat(renderer, session.branch, 1, messages, None)
+    assert second.extends and second.ids[:len(first.ids) + 3] == first.ids + sampled
+    # the template's closing of the answer (the model did not sample <|im_end|>) and the new message, alone
+    assert second.ids[len(first.ids) + 3:] == renderer.encode("<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
+                                                              "<|im_start|>assistant\n")
+    assert second.divergence is not None and second.divergence.kind == "retokenized"
+    assert second.divergence.position == len(first.ids) + 1 and second.divergence.tokens == 2
+
+
+def test_an_answer_that_sampled_the_end_token_is_not_closed_twice(renderer: Renderer) -> None:
+    ledger = Ledger(8, 10_000, 60.0)
+    session = ledger.begin("s")
+    messages = [{"role": "user", "content": "hello"}]
+    first = plan_chat(renderer, None, 0, messages, None)
+    end = renderer.encode("<|im_end|>")[0]
+    sampled = [20, 21, end]
+    ledger.record(session, first, messages, result(sampled, matched=end), renderer.decode(sampled))
+    messages += [{"role": "assistant", "content": renderer.decode(sampled)}, {"role": "user", "content": "again"}]
+    second = plan_chat(renderer, session.branch, 1, messages, None)
+    assert second.ids[len(first.ids) + 3:] == renderer.encode("\n<|im_start|>user\nagain<|im_end|>\n"
+                                                              "<|im_start|>assistant\n")
+    assert second.divergence is None  # this rendering tokenizes back to exactly the ledger's ids
+    ledger.record(session, second, messages, result([30]), renderer.decode([30]))
+    branch = session.branch
+    assert branch is not None and branch.mask == [1, 1, 1] + [0] * (len(second.ids) - len(first.ids) - 3) + [1]
+    assert branch.logprobs.count(-0.5) == 4 and len(branch.logprobs) == len(branch.mask)
+
+
+def test_completion_ids_extend_or_branch() -> None:
+    ledger = Ledger(8, 10_000, 60.0)
+    session = ledger.begin("s")
+    ledger.record(session, plan_ids(None, 0, [1, 2]), None, result([3]), None)
+    assert plan_ids(session.branch, 1, [1, 2, 3, 4]).extends
+    rewritten = plan_ids(session.branch, 1, [1, 9, 3, 4])
+    assert not rewritten.extends and rewritten.divergence is not None and rewritten.divergence.position == 1
+
+
+def test_the_ledgers_bounds() -> None:
+    now = [0.0]
+    ledger = Ledger(2, 10, 60.0, clock=lambda: now[0])
+    a = ledger.begin("a")
+    with pytest.raises(OpenAIError) as busy:
+        ledger.begin("a")
+    assert busy.value.status == 409 and busy.value.param == "session_id"
+    ledger.end(a)
+    b = ledger.begin("b")
+    ledger.end(b)
+    ledger.begin("c")  # a third session frees the least recently used idle one
+    assert ledger.get("a") is None and ledger.evicted == 1
+    with pytest.raises(OpenAIError) as full:
+        ledger.check_room(b, plan_ids(None, 0, list(range(11))))
+    assert full.value.status == 400 and full.value.param == "session_id"
+    now[0] = 61.0  # b idle past the bound; c is running a turn and stays
+    assert ledger.get("b") is None and ledger.get("c") is not None and ledger.expired == 1
+    assert ledger.status()["sessions"] == 1
