@@ -5,6 +5,7 @@ streaming and non-streaming agree, and bad requests get OpenAI's error shape nam
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -18,18 +19,27 @@ pytestmark = pytest.mark.slow  # a manager and a CPU engine per test
 
 
 @pytest.fixture
-async def front(tmp_path: Path, start_manager: Any, start_engines: Any) -> Any:
-    """A manager with the front configured (a ChatML tokenizer) and one CPU engine whose end token is
-    ChatML's ``<|im_end|>``; yields (manager handle, SDK client)."""
-    tok = make(tmp_path / "tokenizer")
-    m = await start_manager(openai_tokenizer_path=str(tok), openai_model_name=MODEL)
-    (engine,) = await start_engines(["--eos-token-id", str(eos_id())])
-    await m.register(engine)
-    client = openai.AsyncOpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    try:
-        yield m, client
-    finally:
+async def start_front(tmp_path: Path, start_manager: Any, start_engines: Any) -> Any:
+    """Starts a manager with the front configured (a ChatML tokenizer) and one CPU engine whose end token is
+    ChatML's ``<|im_end|>`` (and the engine flags given); returns (manager handle, SDK client)."""
+    clients: list[openai.AsyncOpenAI] = []
+
+    async def start(*engine_flags: str) -> tuple[Any, openai.AsyncOpenAI]:
+        tok = make(tmp_path / "tokenizer")
+        m = await start_manager(openai_tokenizer_path=str(tok), openai_model_name=MODEL)
+        (engine,) = await start_engines(["--eos-token-id", str(eos_id()), *engine_flags])
+        await m.register(engine)
+        clients.append(openai.AsyncOpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60))
+        return m, clients[-1]
+
+    yield start
+    for client in clients:
         await client.close()
+
+
+@pytest.fixture
+async def front(start_front: Any) -> Any:
+    return await start_front()
 
 
 def extra(obj: Any, name: str) -> Any:
@@ -155,3 +165,24 @@ async def test_the_raw_error_shape_and_a_text_completion(front: Any) -> None:
                                           logprobs=0, extra_body={"ignore_eos": True})
     assert extra(out, "prompt_token_ids") == [8, 9]
     assert len(extra(out.choices[0], "token_ids")) == 3 and len(out.choices[0].logprobs.token_logprobs) == 3
+
+
+async def test_a_stream_abandoned_mid_turn_frees_its_session_and_is_not_recorded(start_front: Any) -> None:
+    m, client = await start_front("--token-delay-s", "0.05")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True, "session_id": "gone"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(m.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.content.readline()).startswith(b"data: ")  # the turn runs; then the caller leaves
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:  # the abandoned turn is aborted and its session freed (409 while it still runs)
+        try:
+            out = await client.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=2,
+                                                       temperature=0, extra_body={"session_id": "gone"})
+            break
+        except openai.ConflictError:
+            assert asyncio.get_running_loop().time() < deadline, "the abandoned turn still holds its session"
+            await asyncio.sleep(0.05)
+    status, traj = await m.get("/v1/sessions/gone/trajectory")
+    assert status == 200 and traj["turn_count"] == 1 and traj["response_ids"] == extra(out.choices[0], "token_ids")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from openai_tokenizer import make
+from openai_tokenizer import DROPS_REASONING, make
 
 from rollout_manager.openai_front.errors import OpenAIError
 from rollout_manager.openai_front.ledger import Ledger
@@ -92,3 +92,23 @@ def test_the_ledgers_bounds() -> None:
     now[0] = 61.0  # b idle past the bound; c is running a turn and stays
     assert ledger.get("b") is None and ledger.get("c") is not None and ledger.expired == 1
     assert ledger.status()["sessions"] == 1
+
+
+def test_a_template_that_drops_earlier_reasoning_cannot_change_the_history(tmp_path: Path) -> None:
+    renderer = Renderer(str(make(tmp_path / "tok", DROPS_REASONING)))
+    ledger = Ledger(8, 10_000, 60.0)
+    session = ledger.begin("s")
+    messages = [{"role": "user", "content": "hello"}]
+    first = plan_chat(renderer, None, 0, messages, None)
+    think, end_think = renderer.encode("<think> </think>")
+    sampled = [think, 20, end_think, 21]
+    text = renderer.decode(sampled)
+    ledger.record(session, first, messages, result(sampled), text)
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+    assert "w20" not in renderer.chat_text(messages, None, True)  # the template drops it on re-rendering
+    second = plan_chat(renderer, session.branch, 1, messages, None)
+    assert second.extends and second.ids[:len(first.ids) + 4] == first.ids + sampled  # the ledger's ids kept
+    assert second.ids[len(first.ids) + 4:] == renderer.encode("<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
+                                                              "<|im_start|>assistant\n")
+    assert second.divergence is not None and second.divergence.kind == "retokenized"
+    assert second.divergence.position == len(first.ids) and second.divergence.tokens == 4

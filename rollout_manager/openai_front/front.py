@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -181,7 +181,8 @@ class Front:
         if p.session is not None and p.plan is not None:
             self.ledger.record(p.session, p.plan, p.messages, result, text)
 
-    def _end(self, p: Prepared) -> None:
+    def close(self, p: Prepared) -> None:
+        """The turn is over (answered, failed or abandoned): its session takes the next turn."""
         if p.session is not None:
             self.ledger.end(p.session)
 
@@ -207,9 +208,9 @@ class Front:
             prompt_tokens = sum(map(len, p.prompts)) * p.n
             return responses.whole(p.reply, CHAT if p.chat else TEXT, choices, p.prompts, prompt_tokens, made)
         finally:
-            self._end(p)
+            self.close(p)
 
-    async def stream(self, p: Prepared, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, p: Prepared, include_usage: bool) -> AsyncGenerator[dict[str, Any], None]:
         """The answer as OpenAI's stream chunks (the caller writes ``data: [DONE]`` after the last)."""
         kind = CHAT_CHUNK if p.chat else TEXT
         count = len(p.request.sequences)
@@ -260,4 +261,4 @@ class Front:
                 yield responses.chunk(p.reply, kind, [], responses.usage(prompt_tokens, sum(sent_ids)))
         finally:
             await chunks.aclose()
-            self._end(p)
+            self.close(p)

@@ -88,7 +88,7 @@ class Session:
     def to_json(self) -> dict[str, Any]:
         """The trajectory: the current branch's ids at the top, every branch and divergence beside it."""
         current = self.branch
-        out: dict[str, Any] = {"session_id": self.id, "turns": self.turn_count,
+        out: dict[str, Any] = {"session_id": self.id, "turn_count": self.turn_count,
                                "divergences": [d.to_json() for d in self.divergences],
                                "branch": len(self.branches) - 1, "branches": [b.to_json() for b in self.branches]}
         if current is not None:

@@ -3,8 +3,10 @@
 Re-rendering and re-tokenizing a conversation does not give back the ids a model sampled (templates drop
 reasoning, tokenizers merge across message boundaries), so a session's history is never re-tokenized
 into the prompt: the new ids are the ledger's, then the template's closing of the last answer and the new
-messages, tokenized alone. The fresh full rendering is still tokenized once per turn to count where it
-would have diverged (the ``retokenized`` divergences of the trajectory).
+messages, rendered after a stand-in answer (:meth:`.Renderer.after_answer`) and tokenized alone, so a
+template that rewrites earlier turns (drops their reasoning) cannot change the history. The fresh full
+rendering is still tokenized once per turn to count where it would have diverged (the ``retokenized``
+divergences of the trajectory).
 """
 
 from __future__ import annotations
@@ -38,21 +40,20 @@ def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: li
     held = branch.messages
     first_change = next((i for i, (a, b) in enumerate(zip(messages, held)) if not same_message(a, b)), None)
     if first_change is None and len(messages) > len(held):
-        held_text = renderer.chat_text(held, tools, False)
-        if full.startswith(held_text):
-            closing = renderer.assistant_closing()
+        tail = renderer.after_answer(messages[len(held):], tools)
+        if tail is not None:
             last = branch.turns[-1]
             if isinstance(last.matched_stop, int):  # the model sampled the end token the template writes
                 written = renderer.token_text(last.matched_stop)
-                if closing.startswith(written):
-                    closing = closing[len(written):]
-            ids = [*branch.ids, *renderer.encode(closing + full[len(held_text):])]
+                if tail.startswith(written):
+                    tail = tail[len(written):]
+            ids = [*branch.ids, *renderer.encode(tail)]
             fresh = renderer.encode(full)
             n = len(branch.ids)
             at = next((i for i, (a, b) in enumerate(zip(fresh, branch.ids)) if a != b), min(len(fresh), n))
             divergence = Divergence(turn, at, n - at, "retokenized") if at < n else None
             return PromptPlan(ids, extends=True, divergence=divergence)
-        first_change = len(held)  # the template renders the held messages differently with the new ones
+        first_change = len(held)  # the template hides the answer's text: no place to join at
     at = len(held) if first_change is None else first_change
     return PromptPlan(renderer.encode(full), extends=False,
                       divergence=Divergence(turn, at, len(branch.ids), "rewritten"))

@@ -23,7 +23,6 @@ class Renderer:
         self.tok: Any = AutoTokenizer.from_pretrained(path)
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(f"the tokenizer at {path} has no chat template")
-        self._closing: str | None = None
 
     def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                   generation_prompt: bool) -> str:
@@ -47,16 +46,15 @@ class Renderer:
     def token_text(self, token_id: int) -> str:
         return str(self.tok.decode([token_id], skip_special_tokens=False))
 
-    def assistant_closing(self) -> str:
-        """What the template writes after an assistant message's content (``<|im_end|>\\n`` in ChatML): the
-        tokens between a sampled answer and the next message, which the model did not write unless it
-        sampled the end token itself."""
-        if self._closing is None:
-            text = self.chat_text([{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}],
-                                  None, False)
-            at = text.rfind(_MARK)
-            self._closing = text[at + len(_MARK):] if at >= 0 else ""
-        return self._closing
+    def after_answer(self, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+        """What the template writes after an assistant answer's text when ``new`` follows it: the answer's
+        closing (``<|im_end|>\n`` in ChatML), the new messages, the generation prompt. Rendered after a
+        stand-in conversation (a user message and an answer whose text is a marker), so the cost is the new
+        messages', not the history's. None when the template does not write the answer's text as given."""
+        stand_in = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+        text = self.chat_text([*stand_in, *new], tools, True)
+        at = text.find(_MARK)
+        return text[at + len(_MARK):] if at >= 0 and text.count(_MARK) == 1 else None
 
     @property
     def vocab_size(self) -> int:

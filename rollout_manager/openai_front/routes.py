@@ -61,14 +61,18 @@ async def _answer(request: web.Request, front: Front, prepared: Prepared, includ
     if not prepared.request.stream:
         return json_response(await front.run(prepared))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    chunks = front.stream(prepared, include_usage)
     try:
-        async for obj in front.stream(prepared, include_usage):
+        await resp.prepare(request)
+        async for obj in chunks:
             await resp.write(sse_frame(obj))
         await resp.write(wire.DONE_FRAME)
         await resp.write_eof()
-    except ConnectionError:  # the caller went away: the stream's generator is closed, its turn aborted
+    except ConnectionError:  # the caller went away: its turn is aborted below and not recorded
         pass
+    finally:
+        await chunks.aclose()  # closes the generator's stream (aborting what runs)
+        front.close(prepared)  # frees the session even if the stream never started
     return resp
 
 
