@@ -2,8 +2,8 @@
 """Multi-turn affinity on a simulated pool with a prefix cache per instance.
 
 Time-stepped simulation, no GPU, no network. The manager side is the real code: the dispatch
-policies of ``rollout_manager.rollout.scheduling`` (with ``TokenRateMeter`` rates) and the affinity
-table and overload rule of ``rollout_manager.rollout.affinity`` (``AffinityTable.lookup/placed/
+policies of ``rollout_manager.placement.scheduling`` (with ``TokenRateMeter`` rates) and the affinity
+table and overload rule of ``rollout_manager.placement.affinity`` (``AffinityTable.lookup/placed/
 finished``, ``overloaded``), applied as ``Dispatcher.try_acquire`` applies them. The instances are a
 model:
 
@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_manager.rollout.affinity import AffinityKeys, AffinitySettings, AffinityTable, overloaded
-from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, make_policy
+from rollout_manager.placement.affinity import AffinityKeys, AffinitySettings, AffinityTable, overloaded
+from rollout_manager.placement.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, make_policy
 
 
 @dataclass

@@ -32,8 +32,8 @@ def measure(instances: int, sequences: int, tokens: int, prefer: bool) -> float:
     """Microseconds per placement, with the package found first on sys.path."""
     from rollout_manager.instances.instance import Kind, State
     from rollout_manager.instances.registry import Registry
-    from rollout_manager.rollout.dispatch import Dispatcher
-    from rollout_manager.rollout.scheduling import DEFAULT_POLICY, make_policy
+    from rollout_manager.placement.dispatch import Dispatcher
+    from rollout_manager.placement.scheduling import DEFAULT_POLICY, make_policy
 
     clock = [0.0]  # the dispatcher's clock, moved by hand: the same rates and decay in every run
     registry = Registry(clock=lambda: clock[0])

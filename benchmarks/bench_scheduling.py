@@ -2,7 +2,7 @@
 """Scheduling and tail migration on a simulated heterogeneous, preemptible rollout pool.
 
 Discrete-event simulation, no GPU, no network. The manager side is the real code
-(``rollout_manager.rollout.scheduling``: the dispatch policies, ``TokenRateMeter`` and
+(``rollout_manager.placement.scheduling``: the dispatch policies, ``TokenRateMeter`` and
 ``TailMigration``); the instances are a model:
 
 - continuous batching with saturating throughput: an instance running ``n`` sequences makes
@@ -44,7 +44,7 @@ batch, and a full pool is what the fluid bound needs). So each scenario also get
   N tokens; and ``--order longest-first`` hands every policy the batch in the clairvoyant's order,
   which shows what knowing the order is worth.
 
-The makespan policy (``rollout_manager.rollout.makespan``) runs as the dispatcher runs it: every
+The makespan policy (``rollout_manager.placement.makespan``) runs as the dispatcher runs it: every
 policy reads the boxes' step models (``box_speed.BoxSpeeds``, fed from the stream ticks); the makespan
 rows also use the real length model (``lengths.LengthModel``: each request's group, its siblings'
 ends, and with ``--epochs N`` the same prompts' lengths of earlier epochs, the manager's state kept from
@@ -78,10 +78,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from schedule_bounds import fluid_bound, longest_alone_bound, opt_lower_bound
 from sim_pool import PiecedMakespan, make_instances, make_lengths, preempt_index, simulate
 
-from rollout_manager.rollout.box_speed import BoxSpeeds
-from rollout_manager.rollout.lengths import LengthModel
-from rollout_manager.rollout.makespan import Makespan
-from rollout_manager.rollout.scheduling import (
+from rollout_manager.placement.box_speed import BoxSpeeds
+from rollout_manager.placement.lengths import LengthModel
+from rollout_manager.placement.makespan import Makespan
+from rollout_manager.placement.scheduling import (
     POLICY_NAMES,
     InstanceLoad,
     Move,

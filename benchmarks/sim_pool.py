@@ -11,10 +11,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from rollout_manager.rollout.box_speed import BoxSpeeds
-from rollout_manager.rollout.lengths import LengthModel, Track
-from rollout_manager.rollout.makespan import BoxWork, Makespan
-from rollout_manager.rollout.scheduling import (
+from rollout_manager.placement.box_speed import BoxSpeeds
+from rollout_manager.placement.lengths import LengthModel, Track
+from rollout_manager.placement.makespan import BoxWork, Makespan
+from rollout_manager.placement.scheduling import (
     InstanceLoad,
     PlacementPolicy,
     Rest,

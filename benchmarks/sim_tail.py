@@ -38,10 +38,10 @@ from sim_pool import PiecedMakespan, make_lengths, simulate
 from tail_fleet import BENCH, SWEEP, Shape
 from tail_plan import Job, clairvoyant, lower_bound
 
-from rollout_manager.rollout.box_speed import BoxSpeeds
-from rollout_manager.rollout.lengths import LengthModel, Prediction, Track
-from rollout_manager.rollout.makespan import Makespan
-from rollout_manager.rollout.scheduling import TailMigration
+from rollout_manager.placement.box_speed import BoxSpeeds
+from rollout_manager.placement.lengths import LengthModel, Prediction, Track
+from rollout_manager.placement.makespan import Makespan
+from rollout_manager.placement.scheduling import TailMigration
 
 GROUP = 8
 PROMPT = 256

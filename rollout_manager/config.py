@@ -118,7 +118,7 @@ class Config(BaseModel):
     max_attempts_per_request: int = Field(default=8, gt=0)
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
     max_in_flight_per_instance: int = Field(default=0, ge=0)  # 0: each instance's max_running_requests (else 1024)
-    max_in_flight_total: int = Field(default=0, ge=0)  # 0: what the open-file limit leaves (rollout.dispatch)
+    max_in_flight_total: int = Field(default=0, ge=0)  # 0: what the open-file limit leaves (placement.dispatch)
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
     engine_first_byte_timeout_s: float = Field(default=60.0, gt=0)  # first chunk, unless the instance serves others
     engine_max_frame_mb: float = Field(default=16.0, gt=0)  # one SSE frame (or non-streaming answer) from an engine
@@ -129,8 +129,8 @@ class Config(BaseModel):
     engine_batch_max: int = Field(default=64, ge=1)  # short calls joined into one engine batch at most (1: never)
     # Tail migration (scheduling.TailMigration; config.toml says what each one means).
     tail_migration: bool = True
-    length_prediction: bool = False  # rollout.lengths: observe and predict output lengths per group
-    # What the scheduler learned, kept across restarts (rollout.scheduler_state): the file ("": not kept), written
+    length_prediction: bool = False  # placement.lengths: observe and predict output lengths per group
+    # What the scheduler learned, kept across restarts (placement.scheduler_state): the file ("": not kept), written
     # this often.
     scheduler_state_file: str = ""
     scheduler_state_save_s: float = Field(default=60.0, gt=0)
@@ -148,7 +148,7 @@ class Config(BaseModel):
     tail_migration_tail_share: float = Field(default=1.0, ge=0)
     tail_migration_tail_slowdown: float = Field(default=1.3, ge=0)  # 0: off, else at least 1
     tail_migration_swap_queue: int = Field(default=1, ge=0)
-    # Affinity (rollout.affinity) and bounded staleness (rollout.generation); config.toml explains them.
+    # Affinity (placement.affinity) and bounded staleness (rollout.generation); config.toml explains them.
     affinity: bool = True
     affinity_max_slowdown: float = Field(default=2.0, ge=1)
     affinity_block_tokens: int = Field(default=64, gt=0)

@@ -28,11 +28,11 @@ from rollout_manager.instances.mismatch import MismatchLedger
 from rollout_manager.instances.quarantine import Quarantine
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.lengths import LengthModel
+from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.rollout.counters import GENERATION_COUNTERS
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import Generator
-from rollout_manager.rollout.lengths import LengthModel
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.sglang.local_limits import LocalLimits
 from rollout_manager.weights.push_record import WeightPush
 from rollout_manager.weights.sync import WeightSync
@@ -304,7 +304,7 @@ class StateCollector(Collector):
 
 
 def length_families(model: LengthModel) -> Iterator[Metric]:
-    """The length model (``rollout.lengths``): what it holds, and its predictions' error when their
+    """The length model (``placement.lengths``): what it holds, and its predictions' error when their
     sequences ended, by the fraction of the group finished when predicted (MAE: ``..._abs_error_*`` over
     ``..._scored``)."""
     yield GaugeMetricFamily(PREFIX + "length_groups", "Groups whose output lengths the manager estimates.",

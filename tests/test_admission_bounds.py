@@ -23,14 +23,14 @@ from support import PY, Proc, async_wait_until, free_port, wait_http_ok
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
-from rollout_manager.rollout.dispatch import (
+from rollout_manager.placement.dispatch import (
     DEFAULT_INSTANCE_MAX_IN_FLIGHT,
     MAX_IN_FLIGHT_TOTAL_CEILING,
     Dispatcher,
     accepted_at,
     default_max_in_flight_total,
 )
-from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.sglang import wire
 
 

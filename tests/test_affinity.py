@@ -16,13 +16,19 @@ from rollout_manager.config import ConfigError, load_config
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.errors import InvalidField
 from rollout_manager.instances.registry import Instance, Registry, State
-from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
+from rollout_manager.placement.affinity import AffinitySettings, AffinityTable, overloaded
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import (
+    InstanceLoad,
+    LeastInFlight,
+    PlacementPolicy,
+    RoundRobin,
+    ThroughputAware,
+)
 from rollout_manager.rollout.batch import run_batch
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import Request, decode
-from rollout_manager.rollout.scheduling import InstanceLoad, LeastInFlight, PlacementPolicy, RoundRobin, ThroughputAware
 from rollout_manager.sglang.client import SGLangClient
 
 PROMPT = [5, 17, 42]

@@ -12,11 +12,11 @@ from typing import Any
 from test_batch_window import generator
 
 from rollout_manager.instances.registry import Registry
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.batch import run_batch_ndjson
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed
 from rollout_manager.rollout.request import Request, decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 
 
 async def test_every_id_is_answered_once_and_a_cancelled_request_not_at_all() -> None:

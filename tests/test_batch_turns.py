@@ -16,10 +16,10 @@ import pytest
 from test_batch_window import batch, generator
 
 from rollout_manager.instances.registry import Kind, Registry, State
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.batch import BatchLine, run_batch
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.request import Request, decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.window import START_PER_TURN, pacer
 
 N = 1000  # well above START_PER_TURN, and within the pool's room: only the pacing spreads the starts

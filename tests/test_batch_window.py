@@ -13,12 +13,12 @@ from fakes import reference, register_active, start_fakes
 from support import as_json
 
 from rollout_manager.instances.registry import Registry
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.batch import run_batch
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.window import LOOKAHEAD
 from rollout_manager.sglang import client as sgl
 

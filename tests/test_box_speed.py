@@ -1,4 +1,4 @@
-"""The box speed model (rollout.box_speed): decode step time by running count, learned from stream timing.
+"""The box speed model (placement.box_speed): decode step time by running count, learned from stream timing.
 
 Synthetic streams of a box whose step costs ``a + b * n``, no processes, time an argument; and what the
 manager's status and metrics show of the learned curves (its real app, in process).
@@ -14,9 +14,9 @@ from support import free_port
 
 from rollout_manager.instances.registry import Kind, State
 from rollout_manager.ops import render_status
-from rollout_manager.rollout.box_speed import BoxSpeeds, StepFit, StepModel
-from rollout_manager.rollout.makespan import Makespan
-from rollout_manager.rollout.scheduling import InstanceLoad, ThroughputAware, TokenRateMeter
+from rollout_manager.placement.box_speed import BoxSpeeds, StepFit, StepModel
+from rollout_manager.placement.makespan import Makespan
+from rollout_manager.placement.scheduling import InstanceLoad, ThroughputAware, TokenRateMeter
 
 A, B = 0.02, 0.001  # seconds per step, and per running sequence per step (a 7B-class GPU box, roughly)
 

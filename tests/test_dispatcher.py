@@ -10,8 +10,8 @@ from fakes import FakeClock, run_pending
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
-from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.scheduling import LeastInFlight
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.scheduling import LeastInFlight
 
 
 def active(registry: Registry, n: int, kind: Kind = Kind.REMOTE, first_port: int = 30000) -> list[Instance]:

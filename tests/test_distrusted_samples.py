@@ -373,9 +373,9 @@ async def test_the_status_page_shows_each_boxs_probe_verdict_and_the_quarantine(
 # ------------------------------------------------------------------ a probe's mark costs what its box made
 def test_a_mark_looks_only_at_the_sequences_with_segments_of_its_box() -> None:
     from rollout_manager.instances.registry import Kind, Registry
-    from rollout_manager.rollout.dispatch import Dispatcher
+    from rollout_manager.placement.dispatch import Dispatcher
+    from rollout_manager.placement.scheduling import LeastInFlight
     from rollout_manager.rollout.migration import Migrator
-    from rollout_manager.rollout.scheduling import LeastInFlight
 
     registry = Registry()
     a, b, c = (registry.add("127.0.0.1", port, Kind.REMOTE) for port in (1, 2, 3))

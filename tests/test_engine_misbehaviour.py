@@ -26,13 +26,13 @@ from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.osutil import free_port
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout import sequence
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.progress import BadChunk, SequenceProgress
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang import client as sgl
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.finish import FinishReason

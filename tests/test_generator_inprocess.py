@@ -14,11 +14,11 @@ from fakes import HealthRecorder as Health
 from support import as_json
 
 from rollout_manager.instances.registry import Registry
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
 PROMPT = [5, 17, 42]

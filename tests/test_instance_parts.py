@@ -12,7 +12,7 @@ from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Kind, Registry
 
 ROOT = Path(__file__).resolve().parents[1]
-REGISTRY, HEALTH, DISPATCH = "instances/registry.py", "instances/health.py", "rollout/dispatch.py"
+REGISTRY, HEALTH, DISPATCH = "instances/registry.py", "instances/health.py", "placement/dispatch.py"
 # Each part's fields, by the one module of rollout_manager/ that may assign them (see instances/instance.py).
 OWNER = {
     **dict.fromkeys(("state", "state_since", "waiting_for", "last_error", "last_error_at", "weight_version",

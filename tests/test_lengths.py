@@ -1,4 +1,4 @@
-"""Output lengths known early (``rollout.lengths``): the censored per-group estimate, the per-prompt history
+"""Output lengths known early (``placement.lengths``): the censored per-group estimate, the per-prompt history
 across epochs, its bound; the ``group_key`` field at the door (typed, refused with 400 naming it, never sent
 to an engine); and the predictions' error in ``/get_instances_status`` and ``/metrics``.
 """
@@ -19,12 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollout_manager.config import Config
 from rollout_manager.errors import InvalidField
 from rollout_manager.instances.registry import Registry
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.lengths import BUCKETS, LengthModel, Prior, Track, bucket, censored_fit
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.lengths import BUCKETS, LengthModel, Prior, Track, bucket, censored_fit
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode, decode_items
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
 

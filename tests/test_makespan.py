@@ -1,4 +1,4 @@
-"""The makespan placement policy (rollout.makespan): pure decisions, and the dispatcher running them.
+"""The makespan placement policy (placement.makespan): pure decisions, and the dispatcher running them.
 
 No processes: the policy on hand-built loads, then the dispatcher with a registry of instances that are
 never contacted.
@@ -13,10 +13,10 @@ import pytest
 from fakes import FakeClock, run_pending
 
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
-from rollout_manager.rollout.box_speed import StepModel
-from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.makespan import BoxWork, Makespan
-from rollout_manager.rollout.scheduling import InstanceLoad, make_policy
+from rollout_manager.placement.box_speed import StepModel
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.makespan import BoxWork, Makespan
+from rollout_manager.placement.scheduling import InstanceLoad, make_policy
 
 FAST, SLOW = StepModel(0.01, 0.0005), StepModel(0.02, 0.001)
 

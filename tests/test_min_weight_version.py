@@ -17,11 +17,11 @@ from support import as_json, async_wait_until
 
 from rollout_manager.errors import InvalidField, ManagerError
 from rollout_manager.instances.registry import Instance, Registry, State
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 
 PROMPT = [5, 17, 42]

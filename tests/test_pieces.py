@@ -23,14 +23,14 @@ from test_routed_experts import body as r3_body
 from test_routed_experts import rig as r3_rig  # noqa: F401  (the R3 tests' fixture: CPU engines in process)
 
 from rollout_manager.instances.registry import Instance, Registry, State
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.lengths import LengthModel
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.attempt_segments import AttemptSegments
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.lengths import LengthModel
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.pieces import PieceSettings
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import PIECE_END, SequenceState
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.finish import FinalMeta, VersionSpan

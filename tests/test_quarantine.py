@@ -22,12 +22,12 @@ from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.instances.trust import Trust
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import distrust
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.sglang.client import SGLangClient

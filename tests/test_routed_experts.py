@@ -31,11 +31,11 @@ from rollout_manager.cpu_engine.faults import Faults
 from rollout_manager.cpu_engine.server import create_app
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.routed_experts import RoutedExperts
 

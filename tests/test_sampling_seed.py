@@ -16,11 +16,11 @@ from fakes import HealthRecorder, reference, register_active, start_fakes
 from support import as_json
 
 from rollout_manager.instances.registry import Registry
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.rollout.sequence import sampling_seed
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.generate_request import SequenceBody, continuation, encode

@@ -1,5 +1,5 @@
-"""What the scheduler learned, across restarts (``rollout.lengths`` export/restore, ``rollout.box_speed``
-seeds, ``rollout.scheduler_state``): a restored model predicts a known prompt as the old one did, a box
+"""What the scheduler learned, across restarts (``placement.lengths`` export/restore, ``placement.box_speed``
+seeds, ``placement.scheduler_state``): a restored model predicts a known prompt as the old one did, a box
 registering at a remembered endpoint starts from its curve; a file from another key scheme, a corrupt or
 an unwritable one is reported and never stops the daemon; a real daemon stopped and started again on the
 same file predicts from the lengths the first one saw and knows its box's speed before it streams.
@@ -19,9 +19,9 @@ import pytest
 from rollout_manager.config import Config, ConfigError, load_config
 from rollout_manager.instances.registry import Kind, State
 from rollout_manager.manager import Manager
-from rollout_manager.rollout.box_speed import BoxCurve, BoxSpeeds, StepModel
-from rollout_manager.rollout.lengths import KEY_SCHEME, LengthHistory, LengthModel
-from rollout_manager.rollout.scheduler_state import StateFile
+from rollout_manager.placement.box_speed import BoxCurve, BoxSpeeds, StepModel
+from rollout_manager.placement.lengths import KEY_SCHEME, LengthHistory, LengthModel
+from rollout_manager.placement.scheduler_state import StateFile
 
 
 class Boxes:

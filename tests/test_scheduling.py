@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from rollout_manager.rollout.scheduling import (
+from rollout_manager.placement.scheduling import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     InstanceLoad,

@@ -25,12 +25,12 @@ from rollout_manager.errors import Unavailable
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.batch import run_batch
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import LeastInFlight
 from rollout_manager.sglang import client as sgl
 
 PROMPT = [5, 17, 42]

@@ -17,12 +17,9 @@ from support import as_json
 
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.registry import Instance, Registry, State
-from rollout_manager.rollout.batch import run_batch
-from rollout_manager.rollout.dispatch import Dispatcher
-from rollout_manager.rollout.generation import GenerationSettings, Generator
-from rollout_manager.rollout.local_budget import LocalBudget
-from rollout_manager.rollout.request import decode
-from rollout_manager.rollout.scheduling import (
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import (
     InstanceLoad,
     LeastInFlight,
     Rest,
@@ -32,6 +29,9 @@ from rollout_manager.rollout.scheduling import (
     lone_rate_weight,
     per_sequence_rate,
 )
+from rollout_manager.rollout.batch import run_batch
+from rollout_manager.rollout.generation import GenerationSettings, Generator
+from rollout_manager.rollout.request import decode
 from rollout_manager.sglang import wire
 from rollout_manager.sglang.client import SGLangClient
 from rollout_manager.sglang.sse import sse_frame
@@ -417,7 +417,7 @@ async def test_a_sequence_under_an_output_penalty_is_not_migrated(rig: Rig) -> N
 def test_a_sequence_predicted_to_end_before_the_step_does_stays_where_it_is() -> None:
     """Where lengths are predicted, only the step's tail moves: a sequence that ends where it runs before the
     step's predicted end (the latest box drain) would only load the boxes that run the tail."""
-    from rollout_manager.rollout.box_speed import StepModel
+    from rollout_manager.placement.box_speed import StepModel
     fast, slow = StepModel(0.006, 0.00008), StepModel(0.017, 0.00023)
     loads = [InstanceLoad("slow", "remote", 2, 0, None, 10.0, slow, 1000.0, 900.0),
              InstanceLoad("fast", "remote", 1, 0, None, 40.0, fast, 3000.0, 3000.0)]  # the tail runs on fast
@@ -435,7 +435,7 @@ def test_a_tail_sequence_alone_on_a_slow_box_moves_to_an_idle_faster_one() -> No
     drain (``BoxWork``: it was placed counting the upper quantile) is above what the length model now says it
     still makes, and that drain is the step's predicted end: compared with it, the sequence was "not the tail" and
     ran to its end there. Its finish there (1,400 tokens at 20.6 ms) is set against a 2-speed box's (5.15 ms)."""
-    from rollout_manager.rollout.box_speed import StepModel
+    from rollout_manager.placement.box_speed import StepModel
     slow, mid, fast = StepModel(0.020, 0.0006), StepModel(0.010, 0.0003), StepModel(0.005, 0.00015)
     loads = [InstanceLoad("slow", "remote", 1, 0, None, 48.0, slow, 2200.0, 2200.0),
              InstanceLoad("mid", "remote", 0, 0, None, 97.0, mid),
@@ -451,7 +451,7 @@ def test_a_tail_sequence_alone_on_a_slow_box_moves_to_an_idle_faster_one() -> No
 def test_a_crowded_or_visited_fastest_box_does_not_end_the_search() -> None:
     """The fastest box is full (past ``tail_slowdown`` for the predicted tail) or was run on: the next faster box
     takes the sequence."""
-    from rollout_manager.rollout.box_speed import StepModel
+    from rollout_manager.placement.box_speed import StepModel
     curve = StepModel(0.006, 0.00008)
     loads = [InstanceLoad("slow", "remote", 1, 0, None, 40.0, StepModel(0.024, 0.00032)),
              InstanceLoad("fastest", "remote", 40, 0, None, 300.0, StepModel(0.003, 0.00004)),
@@ -467,7 +467,7 @@ def test_rates_come_from_the_learned_curve_not_the_configured_batch_model() -> N
     """The target's learned curve (10 + 0.3 n ms) says 30 beside the sequence make its step 19.3 ms, 1.9x a lone
     one, where the configured batch model (half speed at 64) would say 15.1 ms: against the 23 ms it gets where
     it is, that is less than ``min_speedup`` gained, so it stays; without curves the batch model moves it."""
-    from rollout_manager.rollout.box_speed import StepModel
+    from rollout_manager.placement.box_speed import StepModel
     loads = [InstanceLoad("a", "remote", 1, 0, None, 40.0, StepModel(0.0225, 0.0005)),
              InstanceLoad("b", "remote", 30, 0, None, 97.0, StepModel(0.010, 0.0003))]
     assert TailMigration(batch_half=64).plan(loads, [seq("s", "a")], 0, 0.0) == []
@@ -479,7 +479,7 @@ def test_the_predicted_tail_moves_only_where_few_run_beside_it() -> None:
     """A sequence whose prediction evidence informs is the predicted tail: it moves to a faster box only while
     its step there, with it added, stays within ``tail_slowdown`` of a lone sequence's (6 + 0.08 n ms: 1.3x
     allows 23 beside it); a sequence predicted from the fleet's figure alone moves as before."""
-    from rollout_manager.rollout.box_speed import StepModel
+    from rollout_manager.placement.box_speed import StepModel
     fast, slow = StepModel(0.006, 0.00008), StepModel(0.017, 0.00023)
 
     def plan(fast_running: int, informed: bool) -> list[str]:
@@ -502,7 +502,7 @@ def test_while_requests_wait_an_old_sequence_on_a_slow_full_box_takes_a_fast_box
     expected to run longer than the waiting request (by age: 600 made against 300 predicted) takes the faster
     box's next free slot (past its bound, one at most) and the waiting request the slot it leaves; a young one
     (100 made) stays, as does everything with swaps off."""
-    from rollout_manager.rollout.box_speed import StepModel
+    from rollout_manager.placement.box_speed import StepModel
     slow, fast = StepModel(0.020, 0.0006), StepModel(0.005, 0.00015)
 
     def loads(fast_in_flight: int = 32) -> list[InstanceLoad]:

@@ -48,7 +48,7 @@ from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.openai_front import routes as openai_routes
-from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
+from rollout_manager.placement.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.request import Request, decode, decode_items
 from rollout_manager.sglang import wire
@@ -102,7 +102,9 @@ async def register_local_rollout_instances(request: web.Request, body: RegisterL
 
 async def get_instances_status(request: web.Request) -> web.Response:
     """Every instance with its state, kind, weight version, group and load, plus recent events."""
-    return json_response(manager_of(request).status())
+    status = manager_of(request).status()
+    status["openai_sessions"] = request.app[openai_routes.FRONT].ledger.status()  # the OpenAI front's ledger
+    return json_response(status)
 
 
 async def distrusted_samples(request: web.Request) -> web.Response:

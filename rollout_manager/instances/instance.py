@@ -6,7 +6,7 @@ Many modules read an instance; each part has one writer, so a field's value has 
   it waits for, its last error, the weight version it is named at, its sender group): the registry's
   (``registry.py``), the only module that assigns them. Weight sync and the sender plan change the
   version and the group through the registry's methods.
-- :class:`Load`: the dispatcher's (``rollout/dispatch.py``): sequences and tokens it placed there.
+- :class:`Load`: the dispatcher's (``placement/dispatch.py``): sequences and tokens it placed there.
 - :class:`Health`: the health monitor's (``health.py``): failures counted towards removal.
 - :class:`EngineFacts`: the health monitor's, frozen: what the engine said about itself when it became
   ready, replaced whole, never edited field by field.
@@ -87,7 +87,7 @@ class EngineFacts:
     quantization: str | None = None
     tp_size: int | None = None
     # ``--speculative-algorithm`` (None: none, or not said). Placement needs no special case for it: the box's
-    # learned step curve (rollout.box_speed) shows what drafting buys at each batch size, and the tail goes
+    # learned step curve (placement.box_speed) shows what drafting buys at each batch size, and the tail goes
     # where that curve says it ends soonest.
     speculative_algorithm: str | None = None
 

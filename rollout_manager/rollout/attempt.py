@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.instances.served_ids import note_served
+from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.call_bounds import CallBoundsCache
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.outcome import (

@@ -19,7 +19,7 @@ from msgspec import UNSET, UnsetType
 
 from rollout_manager import jsonutil
 from rollout_manager.errors import ManagerError
-from rollout_manager.rollout.dispatch import accepted_at
+from rollout_manager.placement.dispatch import accepted_at
 from rollout_manager.rollout.request import Request
 from rollout_manager.rollout.window import LOOKAHEAD, pacer
 from rollout_manager.sglang.answer import GenerateAnswer as Answer

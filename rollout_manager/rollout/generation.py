@@ -22,18 +22,18 @@ from typing import Any
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
-from rollout_manager.rollout import affinity as aff
+from rollout_manager.placement import affinity as aff
+from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.lengths import LengthModel, Prediction, Track
+from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.scheduling import Rest
 from rollout_manager.rollout.answers import final_answer, partial_answer
 from rollout_manager.rollout.attempt import Attempts
 from rollout_manager.rollout.counters import new_generation_stats
-from rollout_manager.rollout.dispatch import Dispatcher
 from rollout_manager.rollout.generation_settings import GenerationSettings as GenerationSettings  # re-exported
-from rollout_manager.rollout.lengths import LengthModel, Prediction, Track
-from rollout_manager.rollout.local_budget import LocalBudget
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.outcome import GenerationFailed as GenerationFailed  # re-exported
 from rollout_manager.rollout.request import Request, SequenceRequest
-from rollout_manager.rollout.scheduling import Rest
 from rollout_manager.rollout.sequence import (
     SequenceState,
     version_floor,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_manager.config import Config
+from rollout_manager.placement.scheduling import TailMigration
 from rollout_manager.rollout.pieces import PieceSettings
-from rollout_manager.rollout.scheduling import TailMigration
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class GenerationSettings:
     # Short non-streaming calls that start together on one instance go as one SGLang batch of at most
     # this many (sglang.coalesce; 1: one call each).
     batch_max: int = 64
-    # Output lengths predicted per group (rollout.lengths), observation only; off: no work per request.
+    # Output lengths predicted per group (placement.lengths), observation only; off: no work per request.
     length_prediction: bool = False
     # Divided rollouts (rollout.pieces; tokens 0: off): long sequences generated in pieces, each placed again.
     pieces: PieceSettings = PieceSettings()

@@ -15,6 +15,9 @@ from typing import Annotated, Any
 import msgspec
 
 from rollout_manager.errors import InvalidField
+from rollout_manager.placement.affinity import (
+    KEY_FIELD,  # affinity: requests with one key go where their context is cached
+)
 from rollout_manager.sglang.generate_request import (
     BatchIds,
     Count,
@@ -29,7 +32,6 @@ from rollout_manager.sglang.wire import PER_ITEM_KEYS, PER_ITEM_LIST_KEYS, per_i
 from rollout_manager.validation import Problem, describe, explain, join
 
 # The manager's own top-level /generate fields (never sent to SGLang), see docs/http-api.md.
-KEY_FIELD = "trajectory_key"  # affinity: requests with one key go where their context is cached
 MIN_VERSION_FIELD = "min_weight_version"  # place only on instances at this weight version or newer
 GROUP_FIELD = "group_key"  # the sequence's group (a GRPO prompt's samples): its length is predicted from theirs
 TrajectoryKey = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -43,7 +45,7 @@ class CallerBody(GenerateFields[Ids], kw_only=True):
     to the instance whose prefix cache holds their context. ``min_weight_version``: place the sequences
     only on instances at this weight version or newer; none such: they wait as for capacity
     (``wait_timeout_s``), then 503. ``group_key``: the sequences of one group (verl's ``uid``: a GRPO
-    prompt's samples), whose lengths predict each other's (``rollout.lengths``); without one, the samples
+    prompt's samples), whose lengths predict each other's (``placement.lengths``); without one, the samples
     of one prompt are a group."""
 
     trajectory_key: TrajectoryKey | list[TrajectoryKey | None] | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
-from rollout_manager.rollout.lengths import Track
+from rollout_manager.placement.lengths import Track
 from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason

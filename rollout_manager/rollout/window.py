@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rollout_manager.rollout.dispatch import Dispatcher
+from rollout_manager.placement.dispatch import Dispatcher
 
 log = logging.getLogger("rollout_manager.rollout.window")
 

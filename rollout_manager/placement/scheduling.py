@@ -19,9 +19,9 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from rollout_manager.rollout.box_speed import StepModel
-from rollout_manager.rollout.instance_load import InstanceLoad
-from rollout_manager.rollout.makespan import Makespan
+from rollout_manager.placement.box_speed import StepModel
+from rollout_manager.placement.instance_load import InstanceLoad
+from rollout_manager.placement.makespan import Makespan
 
 __all__ = [
     "InstanceLoad",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout_manager.rollout.box_speed import StepModel
+from rollout_manager.placement.box_speed import StepModel
 
 __all__ = ["InstanceLoad"]
 

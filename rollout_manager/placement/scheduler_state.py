@@ -1,7 +1,7 @@
 """What the scheduler learned, in a file, so that a restarted daemon does not start from nothing.
 
 The prompts of an RL job come back every epoch, and their earlier lengths are what lets placement put the
-long ones first (``rollout.lengths``); the boxes' speed curves (``rollout.box_speed``) are what tells it
+long ones first (``placement.lengths``); the boxes' speed curves (``placement.box_speed``) are what tells it
 where they run fastest. A manager restarted with the trainer (a resume from a checkpoint, an upgrade, a
 crash) would otherwise meet every prompt as new and every box as unmeasured. Both are needed together: in
 ``benchmarks/sim_tail.py``, a restart that kept the lengths but not the speeds placed the known-long
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import msgspec
 
-from rollout_manager.rollout.box_speed import BoxCurve
-from rollout_manager.rollout.lengths import LengthHistory, LengthModel
+from rollout_manager.placement.box_speed import BoxCurve
+from rollout_manager.placement.lengths import LengthHistory, LengthModel
 
-log = logging.getLogger("rollout_manager.rollout.scheduler_state")
+log = logging.getLogger("rollout_manager.placement.scheduler_state")
 
 __all__ = ["SchedulerState", "StateFile", "StateStatus"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("rollout_manager.rollout.local_budget")
+log = logging.getLogger("rollout_manager.placement.local_budget")
 
 
 @dataclass

@@ -29,12 +29,12 @@ from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.notify import Signal
 from rollout_manager.osutil import open_file_limit
-from rollout_manager.rollout.affinity import AffinitySettings, AffinityTable, overloaded
-from rollout_manager.rollout.box_speed import BoxCurve, BoxSpeeds, StepModel
-from rollout_manager.rollout.local_budget import LocalWindow
-from rollout_manager.rollout.makespan import BoxWork, Makespan
-from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
-from rollout_manager.rollout.waiting import Waiter, WaitQueue
+from rollout_manager.placement.affinity import AffinitySettings, AffinityTable, overloaded
+from rollout_manager.placement.box_speed import BoxCurve, BoxSpeeds, StepModel
+from rollout_manager.placement.local_budget import LocalWindow
+from rollout_manager.placement.makespan import BoxWork, Makespan
+from rollout_manager.placement.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
+from rollout_manager.placement.waiting import Waiter, WaitQueue
 
 _RATE_REUSE_S = 0.01  # how long a computed rate is reused while its meter does not change
 _UNKNOWN = object()  # not in the rate cache (None there is a rate not yet measured)
@@ -95,7 +95,7 @@ class Dispatcher:
         self._rates_at = 0.0
         self.waiting = 0  # requests parked in acquire() because no instance can take them now
         self.last_predicted: float | None = None  # what the last sequence placed with a prediction was to make
-        # Those requests (rollout.waiting), first come first served; under the makespan policy longest predicted first.
+        # Those requests (placement.waiting), first come first served; under makespan longest predicted first.
         self._queue = WaitQueue(longest_first=isinstance(policy, Makespan))
         self._idle_since: dict[str, float] = {}
         self._idle_s: dict[str, float] = {}
@@ -349,7 +349,7 @@ class Dispatcher:
         :meth:`_expire`). Instances in ``avoid`` (it failed there) may take it again once they recovered,
         but never count as ones that could: past the wait it fails rather than try them again.
 
-        Requests that cannot be placed at once wait in ``rollout.waiting.WaitQueue`` (arrival order; under
+        Requests that cannot be placed at once wait in ``placement.waiting.WaitQueue`` (arrival order; under
         the makespan policy longest predicted first), placed in one pass whenever something changes
         (:meth:`_place_waiting`).
         """

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rollout_manager.instances.registry import Instance, Kind, State
-from rollout_manager.rollout.request import KEY_FIELD  # body key the manager reads and strips
-from rollout_manager.rollout.scheduling import InstanceLoad, PlacementPolicy, ThroughputAware
+from rollout_manager.placement.scheduling import InstanceLoad, PlacementPolicy, ThroughputAware
+
+KEY_FIELD = "trajectory_key"  # the body key the manager reads (and strips) for a request's affinity key
 
 __all__ = ["AffinityKeys", "AffinityTable", "AffinitySettings", "KEY_FIELD", "KEY_HEADER", "FALLBACK_REASONS",
            "fallback_reason", "overloaded"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollout_manager.rollout.instance_load import InstanceLoad
+from rollout_manager.placement.instance_load import InstanceLoad
 
 __all__ = ["BoxWork", "Makespan"]
 
