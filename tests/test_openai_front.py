@@ -152,6 +152,7 @@ async def test_a_bad_request_gets_openais_error_naming_the_field(front: Any) -> 
         assert set(err.body) >= {"message", "type", "param", "code"}  # the SDK hands over the "error" object
     status, ledger = await m.get("/v1/sessions")
     assert status == 200 and ledger["sessions"] == 0  # the refused session turn left nothing behind
+    assert (await m.status())["openai_sessions"] == ledger and ledger["max_sessions"] == 4096
 
 
 async def test_the_raw_error_shape_and_a_text_completion(front: Any) -> None:
