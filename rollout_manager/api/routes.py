@@ -48,7 +48,7 @@ from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.openai_front import routes as openai_routes
-from rollout_manager.rollout.affinity import KEY_HEADER, KEY_MAX_LEN
+from rollout_manager.placement.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.request import Request, decode, decode_items
 from rollout_manager.sglang import wire
