@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 from openai_tokenizer import eos_id, make
+from support import async_wait_until
 
 MODEL = "tiny-chatml"
 pytestmark = pytest.mark.slow  # a manager and a CPU engine per test
@@ -187,3 +188,26 @@ async def test_a_stream_abandoned_mid_turn_frees_its_session_and_is_not_recorded
             await asyncio.sleep(0.05)
     status, traj = await m.get("/v1/sessions/gone/trajectory")
     assert status == 200 and traj["turn_count"] == 1 and traj["response_ids"] == extra(out.choices[0], "token_ids")
+
+
+async def test_a_turn_whose_box_dies_continues_on_another_and_the_ledger_has_the_whole_turn(
+        tmp_path: Path, start_manager: Any, start_engines: Any) -> None:
+    m = await start_manager(openai_tokenizer_path=str(make(tmp_path / "tokenizer")), openai_model_name=MODEL,
+                            engine_stream_interval=1)  # a chunk per token: the cut is exactly where it died
+    dying, healthy = await start_engines(["--die-after-tokens", "5", "--token-delay-s", "0.005"], [])
+    await m.register(dying)  # the dying one is the only choice for the turn's first attempt
+    messages = [{"role": "user", "content": "what is the answer"}]
+    turn = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    async with openai.AsyncOpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        first = asyncio.ensure_future(client.chat.completions.create(**turn, extra_headers={"X-Session-Id": "d"}))
+        await async_wait_until(lambda: dying.proc.popen.poll() is not None, message="the dying engine to die")
+        await m.register(healthy)
+        out = await first
+        reference = await client.chat.completions.create(**turn)  # the same turn, uninterrupted, on the healthy one
+    ids = extra(out.choices[0], "token_ids")
+    assert ids == extra(reference.choices[0], "token_ids") and len(ids) == 16  # greedy: exactly as uninterrupted
+    segments = out.choices[0].model_extra["rollout"]["segments"]
+    assert [s["endpoint"] for s in segments] == [dying.endpoint, healthy.endpoint]
+    assert segments[0]["end"] == segments[1]["start"] >= 4 and segments[1]["end"] == 16
+    status, traj = await m.get("/v1/sessions/d/trajectory")
+    assert status == 200 and traj["response_ids"] == ids and traj["response_mask"] == [1] * 16
