@@ -111,6 +111,10 @@ async def test_streaming_and_not_give_the_same_ids(front: Any) -> None:
     assert ids == extra(whole.choices[0], "token_ids") and len(ids) == 8
     assert text == whole.choices[0].message.content and finish == whole.choices[0].finish_reason == "length"
     assert usage is not None and usage.completion_tokens == 8 and usage.prompt_tokens == whole.usage.prompt_tokens
+    with openai.OpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60) as sync:  # the sync client
+        same = await asyncio.to_thread(sync.chat.completions.create, model=MODEL, messages=messages, max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert extra(same.choices[0], "token_ids") == ids
 
     # token-id prompts on /v1/completions, n=2 with a seed: two choices, each equal streamed or not
     body = dict(model=MODEL, prompt=[4, 5, 6, 7], max_tokens=5, temperature=1.0, seed=3, n=2,
