@@ -1,12 +1,13 @@
 """Chat messages as the model's own template renders them, and ids back to text: transformers' tokenizer
 loaded from ``openai_tokenizer_path`` (the files the boxes load), never a template written here.
 
-transformers is imported on first use, not at start: a manager without the front configured never pays
-for it.
+transformers is an optional dependency (a verl trainer's install has it), imported on first use, not at start:
+a manager without the front configured never pays for it, and the base install stays the daemon alone.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from rollout_manager.openai_front.errors import OpenAIError
@@ -18,9 +19,12 @@ class Renderer:
     """One tokenizer and its chat template; every method is synchronous CPU work."""
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok: Any = AutoTokenizer.from_pretrained(path)
+        try:
+            transformers = importlib.import_module("transformers")
+        except ImportError:
+            raise ValueError("the OpenAI front's tokenizer needs transformers, not installed here: "
+                             "pip install transformers") from None
+        self.tok: Any = transformers.AutoTokenizer.from_pretrained(path)
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(f"the tokenizer at {path} has no chat template")
 
