@@ -487,6 +487,11 @@ class TailMigration:
         per = 1.0 / (c.lone_rate * self.batch_half)
         return StepModel(1.0 / c.lone_rate - per, per)
 
+    def _move_cost(self, context_tokens: int, step: StepModel) -> float:
+        """Seconds a move of a sequence with ``context_tokens`` (prompt and tokens made) costs on a box stepping
+        as ``step``: one prefill of them there, plus the fixed overhead (abort, reconnect, scheduling)."""
+        return self.move_overhead_s + context_tokens * step.step_s(1) / self.prefill_factor
+
     def _crowded(self, step: StepModel, n: int) -> bool:
         """Whether one more sequence on a box of ``step`` running ``n`` would run past ``tail_slowdown`` of
         its lone speed there."""
@@ -580,7 +585,7 @@ class TailMigration:
                 st = steps[tid]
                 if informed and not drain and self._crowded(st, n[tid]):
                     continue
-                cost = self.move_overhead_s + (s.prompt_tokens + s.made) * st.step_s(1) / self.prefill_factor
+                cost = self._move_cost(s.prompt_tokens + s.made, st)
                 gain = t_here - (cost + left * key)
                 if drain or gain >= self.min_gain_s:
                     skipped.pop()
@@ -671,7 +676,7 @@ class TailMigration:
                 skipped.append((key, tid))
                 if tid in s.visited or tid == s.instance_id:
                     continue
-                cost = self.move_overhead_s + (s.prompt_tokens + s.made) * steps[tid].step_s(1) / self.prefill_factor
+                cost = self._move_cost(s.prompt_tokens + s.made, steps[tid])
                 gain = t_here - max(cost + left * key, other * here)
                 if gain >= self.min_gain_s:
                     skipped.pop()
