@@ -134,6 +134,8 @@ class Config(BaseModel):
     # this often.
     scheduler_state_file: str = ""
     scheduler_state_save_s: float = Field(default=60.0, gt=0)
+    # The scaling signal (placement.fleet_signal): boxes of each kind the rest of the step needs to end this soon.
+    scale_target_step_s: float = Field(default=300.0, gt=0)
     # Divided rollouts (rollout.pieces): the smallest piece (0: off), the smallest budget divided, the largest piece.
     piece_tokens: int = Field(default=0, ge=0)
     piece_min_budget: int = Field(default=1024, ge=1)

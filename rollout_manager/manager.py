@@ -40,6 +40,7 @@ from rollout_manager.metrics import ManagerMetrics
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.placement.affinity import AffinitySettings
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.fleet_signal import FleetSignal
 from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.placement.scheduler_state import StateFile
 from rollout_manager.placement.scheduling import make_policy
@@ -120,6 +121,10 @@ class Manager:
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
                                       self.local_budget, self.sglang.limits, self.started_at, self.mismatch,
                                       self.quarantine)
+
+        # The scaling signal: boxes of each kind the rest of the step needs (read at scrape and status).
+        self.fleet_signal = FleetSignal(self.registry, self.dispatcher, cfg.scale_target_step_s)
+        self.metrics.fleet_signal = self.fleet_signal
 
         self.probes.start()
         self.quarantine.start()
@@ -226,6 +231,7 @@ class Manager:
             else msgspec.to_builtins(self.scheduler_state.status()),
             "requests_waiting_for_instance": self.dispatcher.waiting,
             "admission": self.dispatcher.admission_status(),
+            "fleet_demand": self.fleet_signal.status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
             "recent_weight_pushes": [push.to_json() for push in self.weights.pushes[-10:]],
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),

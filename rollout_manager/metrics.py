@@ -29,6 +29,7 @@ from rollout_manager.instances.quarantine import Quarantine
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.fleet_signal import FleetSignal
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.rollout.counters import GENERATION_COUNTERS
@@ -139,6 +140,46 @@ class MismatchCollector(Collector):
             yield events
             yield GaugeMetricFamily(PREFIX + "quarantined_instances", "Instances out of service as untrusted now.",
                                     value=len(quarantine.at_version))
+
+
+class FleetDemandCollector(Collector):
+    """The scaling signal (``placement.fleet_signal``): the boxes of each kind the rest of the step wants, what an
+    autoscaler (KEDA's Prometheus scaler, a loop calling Ray's request_resources) scales on."""
+
+    def __init__(self, metrics: ManagerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        signal = self.metrics.fleet_signal
+        if signal is None:
+            return
+        demand = signal.demand()
+        labels = ["kind", "preemptible"]
+        wanted = GaugeMetricFamily(PREFIX + "fleet_boxes_wanted",
+                                   "Boxes of the kind the rest of the step needs to end within scale_target_step_s "
+                                   "(those running work and those to be given some; 0 once nothing waits or runs).",
+                                   labels=labels)
+        more = GaugeMetricFamily(PREFIX + "fleet_boxes_more",
+                                 "Boxes of the kind wanted beyond those registered now (fleet_boxes_wanted - "
+                                 "fleet_boxes).", labels=labels)
+        there = GaugeMetricFamily(PREFIX + "fleet_boxes", "Boxes of the kind registered now (pending, syncing or "
+                                  "active).", labels=labels)
+        for k in demand.kinds:
+            lab = [k.kind, "true" if k.preemptible else "false"]
+            wanted.add_metric(lab, k.wanted)
+            more.add_metric(lab, k.more)
+            there.add_metric(lab, k.boxes)
+        yield from (wanted, more, there)
+        yield GaugeMetricFamily(PREFIX + "fleet_predicted_end_seconds",
+                                "Seconds from now the step is predicted to end with the boxes wanted (0 while no "
+                                "box's speed is measured).", value=demand.predicted_end_s)
+        yield GaugeMetricFamily(PREFIX + "fleet_target_seconds", "scale_target_step_s.", value=demand.target_s)
+        work = GaugeMetricFamily(PREFIX + "fleet_predicted_tokens",
+                                 "Tokens the rest of the step is predicted to make: running sequences' and waiting "
+                                 "ones'.", labels=["where"])
+        work.add_metric(["running"], demand.running_tokens)
+        work.add_metric(["waiting"], demand.waiting_tokens)
+        yield work
 
 
 class StateCollector(Collector):
@@ -375,6 +416,8 @@ class ManagerMetrics:
         self.prometheus.register(StateCollector(self))
         self.prometheus.register(EventHistograms(self))
         self.prometheus.register(MismatchCollector(self))
+        self.fleet_signal: FleetSignal | None = None  # the manager sets it (its own part, read at scrape)
+        self.prometheus.register(FleetDemandCollector(self))
         registry.listeners.append(self._on_event)
         weights.push_listeners.append(self._on_push)
         generator.finished_listeners.append(self._on_finished)

@@ -522,6 +522,10 @@ class Dispatcher:
         head = self._queue.head()
         return head.predicted if head is not None and head.predicted is not None else self.last_predicted
 
+    def waiters(self) -> list[Waiter]:
+        """Requests parked here for an instance, in the order they are offered."""
+        return self._queue.waiters()
+
     def claim(self, inst: Instance, tokens: int, over: int = 0) -> bool:
         """Reserve ``inst`` for a sequence tail migration moves there, past the dispatch policy (the
         migration policy chose it); False if it cannot take work now, or is ``over`` past its bound (a swap

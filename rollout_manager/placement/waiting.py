@@ -79,6 +79,10 @@ class WaitQueue:
                 return waiter
         return None
 
+    def waiters(self) -> list[Waiter]:
+        """The waiters still waiting, in the order they are offered (the fleet's demand reads them)."""
+        return [w for w in self._queue if not w.future.done()]
+
     def leave(self, waiter: Waiter) -> None:
         """``waiter`` stopped waiting (placed, timed out or cancelled): dropped now if it is behind others
         (rare), else with the done waiters at the head."""

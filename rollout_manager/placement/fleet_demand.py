@@ -1,0 +1,229 @@
+"""How many boxes of each kind the rest of the step needs to end within a target: the number an autoscaler acts on.
+
+The manager never starts or stops machines; it says what it would want. The figure comes from what placement
+already knows: each box's decode step ``a + b * n`` (``box_speed.StepModel``) and bound ``B``, the tokens its
+running sequences are still predicted to make (``W``, the longest of them ``L``: ``makespan.BoxWork``), and
+the predicted tokens of each sequence still waiting. Under continuous batching a box that makes ``W`` tokens
+with ``L`` the longest needs at least ``max(L, W / B)`` decode steps, and pays ``b`` for every token, so it
+drains in ``a * max(L, W / B) + b * W`` seconds (``makespan``'s closed form with the batch bound). Within
+``target_s`` a box therefore holds at most the ``W`` that keeps this at ``target_s``: its room.
+
+:func:`fleet_demand` places the waiting sequences longest first into the room of the boxes there are (they are
+paid for already), and where none has room, opens a box of the kind that makes a token cheapest (its price
+per hour over its tokens per hour at its bound; kinds without a price after priced ones, fastest first) that
+can still make the sequence within the target. Past the longest few hundred, sequences are short beside the
+boxes' room and are poured in as a volume. A box is *wanted* while it has running work or is given some: once
+the queue is drained and nothing runs, every kind wants none. Pure: plain values in, a plain value out; the
+caller decides how often to ask.
+
+What a box's kind is (``BoxKind.name``) is the caller's: the manager groups boxes by whether they are
+preemptible and by their price per hour, which is how an operator tells machine types apart.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollout_manager.placement.box_speed import StepModel
+
+__all__ = ["BoxKind", "BoxNow", "KindDemand", "FleetDemand", "fleet_demand", "room", "drain_s", "EXACT"]
+
+EXACT = 256  # waiting sequences placed one by one, longest first; the rest as a volume of tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BoxKind:
+    """A kind of box the fleet can grow by: its step model (the median of its measured boxes), its bound,
+    and what one costs (None: not told)."""
+
+    name: str
+    step: StepModel
+    bound: int
+    price_per_hour: float | None = None
+    preemptible: bool = False
+
+    def tokens_per_hour(self) -> float:
+        return 3600.0 * self.step.rate(self.bound)
+
+
+@dataclass(frozen=True, slots=True)
+class BoxNow:
+    """One box there is: its kind, its step model (None: its kind's), bound and the predicted work it runs
+    (``tokens`` in all, ``longest`` the longest sequence's)."""
+
+    kind: str
+    step: StepModel | None
+    bound: int
+    running: int
+    tokens: float
+    longest: float
+
+
+@dataclass(frozen=True, slots=True)
+class KindDemand:
+    """One kind's figures: boxes registered now, how many of them run work, and how many the step wants in
+    all (``wanted``; ``wanted - boxes`` more when positive)."""
+
+    kind: str
+    price_per_hour: float | None
+    preemptible: bool
+    boxes: int
+    busy: int
+    wanted: int
+
+    @property
+    def more(self) -> int:
+        return max(self.wanted - self.boxes, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetDemand:
+    """The rest of the step as the signal sees it: its work, the boxes wanted per kind, and when the step
+    is predicted to end with them (``predicted_end_s`` from now; above ``target_s``: some sequence is too
+    long for any kind to make in time, or its box already holds more than the target allows)."""
+
+    target_s: float
+    running_tokens: float
+    waiting_sequences: int
+    waiting_tokens: float
+    kinds: tuple[KindDemand, ...]
+    predicted_end_s: float
+    measured: bool = True  # False: no box's speed is known yet, and the counts only hold what there is
+
+    @property
+    def within_target(self) -> bool:
+        return self.predicted_end_s <= self.target_s * (1.0 + 1e-9)
+
+    @property
+    def wanted(self) -> int:
+        return sum(k.wanted for k in self.kinds)
+
+
+def drain_s(step: StepModel, bound: int, tokens: float, longest: float) -> float:
+    """Seconds a box of ``step`` and ``bound`` needs to make ``tokens``, the longest sequence ``longest``."""
+    if tokens <= 0:
+        return 0.0
+    return step.a * max(longest, tokens / max(bound, 1)) + step.b * tokens
+
+
+def room(step: StepModel, bound: int, longest: float, target_s: float) -> float:
+    """The most tokens a box of ``step`` and ``bound`` whose longest sequence makes ``longest`` can make in
+    ``target_s`` (0 when even that sequence cannot: :func:`drain_s` grows with the tokens, so this is where
+    it reaches the target)."""
+    a, b, bound = step.a, step.b, max(bound, 1)
+    full = target_s / (a / bound + b)  # tokens when the batch bound, not the longest, sets the steps
+    if full >= longest * bound:
+        return full
+    if b <= 0:
+        return longest * bound if a * longest <= target_s else 0.0
+    return max((target_s - a * longest) / b, 0.0)
+
+
+class _Open:
+    """A box in the plan: there now or opened by it, and the work it is given."""
+
+    __slots__ = ("kind", "step", "bound", "tokens", "longest", "given")
+
+    def __init__(self, kind: str, step: StepModel, bound: int, tokens: float, longest: float) -> None:
+        self.kind, self.step, self.bound = kind, step, bound
+        self.tokens, self.longest = tokens, longest
+        self.given = False
+
+    def room(self, target_s: float, longest: float = 0.0) -> float:
+        return room(self.step, self.bound, max(self.longest, longest), target_s) - self.tokens
+
+    def take(self, tokens: float, longest: float) -> None:
+        self.tokens += tokens
+        self.longest = max(self.longest, longest)
+        self.given = True
+
+
+def _rank(kinds: Sequence[BoxKind]) -> list[BoxKind]:
+    """Kinds in the order boxes are opened: cheapest token first where priced, then fastest."""
+    return sorted(kinds, key=lambda k: (k.price_per_hour is None,
+                                        k.price_per_hour / k.tokens_per_hour() if k.price_per_hour is not None
+                                        else -k.tokens_per_hour(), k.name))
+
+
+def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxNow],
+                 waiting: Sequence[float]) -> FleetDemand:
+    """The boxes of each of ``kinds`` the rest of the step needs to end within ``target_s`` seconds, given the
+    ``boxes`` there are (a box whose kind is not among ``kinds`` is left out) and the predicted tokens of each
+    waiting sequence (``waiting``). Raises ValueError for a target that is not positive."""
+    if not target_s > 0 or not math.isfinite(target_s):
+        raise ValueError("target_s must be a positive number of seconds")
+    by_name = {k.name: k for k in kinds}
+    ranked = _rank(kinds)
+    plan: list[_Open] = []
+    for box in boxes:
+        kind = by_name.get(box.kind)
+        if kind is None:
+            continue
+        o = _Open(box.kind, box.step or kind.step, box.bound, max(box.tokens, 0.0), max(box.longest, 0.0))
+        o.given = box.running > 0 or box.tokens > 0
+        plan.append(o)
+    running_tokens = sum(o.tokens for o in plan)
+    waits = [max(float(w), 1.0) for w in waiting]
+    heap = [(-o.room(target_s), k) for k, o in enumerate(plan)]  # most room first
+    heapq.heapify(heap)
+
+    def open_for(longest: float) -> _Open | None:
+        """A new box of the first-ranked kind that makes ``longest`` within the target (else the fastest)."""
+        if not ranked:
+            return None
+        fit = next((k for k in ranked if room(k.step, k.bound, longest, target_s) >= longest), None)
+        if fit is None:
+            fit = min(ranked, key=lambda k: (k.step.a + k.step.b, k.name))
+        o = _Open(fit.name, fit.step, fit.bound, 0.0, 0.0)
+        plan.append(o)
+        return o
+
+    exact = heapq.nlargest(EXACT, waits) if len(waits) > EXACT else sorted(waits, reverse=True)
+    for r in exact:
+        target: _Open | None = None
+        if heap:
+            _, k = heap[0]
+            if plan[k].room(target_s, r) >= r:
+                target = plan[k]
+                heapq.heappop(heap)
+        if target is None:
+            target = open_for(r)
+            if target is None:
+                break
+            k = len(plan) - 1
+        target.take(r, r)
+        heapq.heappush(heap, (-target.room(target_s), k))
+    volume = sum(waits) - sum(exact)
+    if volume > 0 and plan:
+        for o in sorted(plan, key=lambda o: -o.room(target_s)):
+            if volume <= 0:
+                break
+            free = o.room(target_s)
+            if free > 0:
+                o.take(min(free, volume), 0.0)
+                volume -= free
+        while volume > 0:
+            new = open_for(1.0)
+            if new is None:
+                break
+            free = new.room(target_s)
+            if free <= 0:  # no kind makes a token within the target: the rest on one box, late
+                new.take(volume, 0.0)
+                break
+            new.take(min(free, volume), 0.0)
+            volume -= free
+    end = max((drain_s(o.step, o.bound, o.tokens, o.longest) for o in plan), default=0.0)
+    wanted: dict[str, int] = {}
+    for o in plan:
+        if o.given:
+            wanted[o.kind] = wanted.get(o.kind, 0) + 1
+    out = []
+    for kind in kinds:
+        mine = [b for b in boxes if b.kind == kind.name]
+        out.append(KindDemand(kind.name, kind.price_per_hour, kind.preemptible, len(mine),
+                              sum(1 for b in mine if b.running > 0 or b.tokens > 0), wanted.get(kind.name, 0)))
+    return FleetDemand(target_s, round(running_tokens, 1), len(waits), round(sum(waits), 1), tuple(out),
+                       round(end, 3))
