@@ -185,32 +185,6 @@ def test_partial_output_is_cumulative_and_unfinished() -> None:
     assert "output_token_logprobs" not in no_lp["meta_info"] and no_lp["index"] == 1
 
 
-def test_read_output_reads_the_managers_answer() -> None:
-    body = {"input_ids": [5], "return_logprob": True}
-    segments = [Segment("a", "h:1", "6", 0, 1), Segment("b", "h:2", None, 1, 2)]
-    answer = final_output(SequenceBody.of(body), rid="q", output_ids=[1, 2],
-                               logprobs=[[-0.1, 1, None], [None, 2, None]], finish=FinishReason.of(wire.STOP),
-                               engine_meta=NO_META, segments=segments,
-                               text="ab", e2e_latency=0.5, index=None).to_json()
-    out = wire.read_output(answer)
-    assert out.rid == "q" and out.output_ids == [1, 2] and out.text == "ab" and out.index is None
-    assert out.finish_reason == {"type": "stop"} and out.finish_type == "stop"
-    assert out.prompt_tokens == 1 and out.completion_tokens == 2 and out.e2e_latency == 0.5
-    assert out.token_logprobs == [-0.1, None] and len(out.logprob_entries) == 2
-    assert out.segments == [s.to_dict() for s in segments]
-    assert out.weight_version is None and out.weight_versions == ["6", None]
-
-
-def test_read_output_of_sglang_own_output_and_of_an_empty_object() -> None:
-    out = wire.read_output(chunk([4], 1, finish=wire.finish_reason(wire.ABORT)))
-    assert out.finish_type == "abort" and out.segments == [] and out.weight_versions == ["7"]
-    assert out.token_logprobs == []  # not asked for
-    empty = wire.read_output({"output_ids": None, "meta_info": None})
-    assert empty.output_ids == [] and empty.rid is None and empty.finish_type is None
-    assert empty.weight_versions == [None] and empty.e2e_latency is None
-    assert wire.read_output({"meta_info": {"finish_reason": "stop"}}).finish_type == "stop"
-
-
 def test_per_item_keys_cover_what_split_batch_splits() -> None:
     assert set(wire.PER_ITEM_KEYS) == {"sampling_params", "return_logprob", "rid"}
     body: dict[str, Any] = {"input_ids": [[1], [2]], "return_logprob": [True, False]}

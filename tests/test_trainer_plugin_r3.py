@@ -71,17 +71,18 @@ def instance(endpoint: str, routed_experts: bool | None, state: str = "active") 
 
 def test_decode_gives_verls_array_and_refuses_what_would_misalign() -> None:
     want = routes(7)
-    got = decode_routed_experts({"routed_experts": encode(want)}, LAYOUT, rows=7, rid="r")
+    got = decode_routed_experts(encode(want), LAYOUT, rows=7, rid="r")
     assert got.dtype == np.int32 and got.shape == (7, LAYERS, TOP_K) and (got == want).all()
-    assert decode_routed_experts({"routed_experts": ""}, LAYOUT, rows=0).shape == (0, LAYERS, TOP_K)
+    assert decode_routed_experts("", LAYOUT, rows=0).shape == (0, LAYERS, TOP_K)
     with pytest.raises(ValueError, match=r"request r: .* 112 bytes, expected 8 rows of 2 layers x 2 experts"):
-        decode_routed_experts({"routed_experts": encode(want)}, LAYOUT, rows=8, rid="r")
+        decode_routed_experts(encode(want), LAYOUT, rows=8, rid="r")
     with pytest.raises(ValueError, match="not base64"):
-        decode_routed_experts({"routed_experts": "@@@"}, LAYOUT, rows=1)
-    with pytest.raises(ValueError, match="not base64 text"):
-        decode_routed_experts({"routed_experts": [[1, 2]]}, LAYOUT, rows=1)
+        decode_routed_experts("@@@", LAYOUT, rows=1)
     with pytest.raises(RoutedExpertsUnavailable, match=r"request r: the answer carries no meta_info.routed_experts"):
-        decode_routed_experts({}, LAYOUT, rows=1, rid="r")
+        decode_routed_experts(None, LAYOUT, rows=1, rid="r")
+    answer = {"output_ids": [], "meta_info": {"routed_experts": [[1, 2]]}}
+    with pytest.raises(ValueError, match="meta_info.routed_experts is list, not base64 text"):
+        token_output_fields(answer, False, experts=LAYOUT)
 
 
 def test_layout_is_read_from_the_model_as_verls_sglang_server_reads_it() -> None:
@@ -277,7 +278,7 @@ async def assert_the_engines_experts(outs: list[Any], engine: Any) -> None:
                     "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
             own = await direct(session, engine.url, body)
             assert own["output_ids"] == out.token_ids
-            want = decode_routed_experts(own["meta_info"], LAYOUT, rows=len(prompt) + 5)
+            want = decode_routed_experts(own["meta_info"]["routed_experts"], LAYOUT, rows=len(prompt) + 5)
             assert (out.routed_experts == want).all()
 
 

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import Any
 
-from rollout_manager.sglang import wire
+from rollout_manager.sglang.answer import ReceivedAnswer
 
 from .client import ManagerClient, ManagerHTTPError
 from .request_batcher import RequestBatcher
@@ -130,34 +130,41 @@ def token_output_fields(result: dict[str, Any], return_logprob: bool,
 
     ``experts``: the model's layout when routing replay asked for them (``routed_experts``: rows for the
     ``prompt_len`` prompt tokens and the output but its last token, as verl's SGLang server hands them)."""
-    out = wire.read_output(result)
-    token_ids = [int(t) for t in out.output_ids]
+    out = ReceivedAnswer.from_json(result)
+    token_ids = list(out.output_ids)
     log_probs = None
     if return_logprob:
-        n = len(out.logprob_entries)
+        n = len(out.token_logprobs)
         if n != len(token_ids):
             raise ValueError(f"request {out.rid}: {n} log-probs for {len(token_ids)} tokens")
-        log_probs = [float(v) for v in out.token_logprobs]
+        log_probs = [_logprob(v, out.rid, i) for i, v in enumerate(out.token_logprobs)]
     versions = out.weight_versions
     steps = [_as_int(v) for v in versions]
     known = [s for s in steps if s is not None]
     global_steps = _as_int(out.weight_version)
     if global_steps is None:
         global_steps = fallback_global_steps
-    extra = {
+    extra: dict[str, Any] = {
         "global_steps": global_steps,
         "min_global_steps": min(known) if known else global_steps,
         "max_global_steps": max(known) if known else global_steps,
         "weight_version": out.weight_version,
         "weight_versions": versions,
-        "segments": out.segments,
+        "segments": [s.to_json() for s in out.segments],
         "request_id": out.rid,
     }
-    fields = {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": out.finish_type, "extra_fields": extra}
+    fields: dict[str, Any] = {"token_ids": token_ids, "log_probs": log_probs, "stop_reason": out.finish_type,
+                              "extra_fields": extra}
     if experts is not None:
-        fields["routed_experts"] = decode_routed_experts(out.meta_info, experts, rows=prompt_len + len(token_ids) - 1,
-                                                         rid=out.rid)
+        fields["routed_experts"] = decode_routed_experts(out.routed_experts, experts,
+                                                         rows=prompt_len + len(token_ids) - 1, rid=out.rid)
     return fields
+
+
+def _logprob(value: float | None, rid: str | None, i: int) -> float:
+    if value is None:
+        raise ValueError(f"request {rid}: output token {i} has no log-prob")
+    return value
 
 
 def _as_int(value: Any) -> int | None:

@@ -56,19 +56,16 @@ class ExpertsLayout:
         return cls(layers, top_k)
 
 
-def decode_routed_experts(meta_info: Mapping[str, Any], layout: ExpertsLayout, *, rows: int,
-                          rid: Any = None) -> np.ndarray:
-    """``meta_info.routed_experts`` -> int32 ``[rows, layers, top_k]`` (verl's ``TokenOutput.routed_experts``).
+def decode_routed_experts(value: str | None, layout: ExpertsLayout, *, rows: int, rid: Any = None) -> np.ndarray:
+    """An answer's ``routed_experts`` (:attr:`ReceivedAnswer.routed_experts`, base64 text; None: not sent)
+    -> int32 ``[rows, layers, top_k]`` (verl's ``TokenOutput.routed_experts``).
 
     ``rows``: what SGLang's alignment gives from position 0, ``prompt + completion - 1``; an answer that
     does not carry exactly that many is refused rather than handed to the trainer misaligned."""
-    value = meta_info.get("routed_experts")
     if value is None:
         raise RoutedExpertsUnavailable(
             f"request {rid}: the answer carries no meta_info.routed_experts although it asked for them "
             f"({REQUEST_FIELD}); the manager or the instance that served it does not return experts: {_FIX}")
-    if not isinstance(value, str):
-        raise ValueError(f"request {rid}: meta_info.routed_experts is {type(value).__name__}, not base64 text")
     try:
         raw = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as exc:

@@ -68,7 +68,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from rollout_manager.sglang import wire
+from rollout_manager.sglang.answer import ReceivedAnswer
 
 from .client import ManagerClient
 
@@ -95,7 +95,7 @@ class Sample:
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: Any
+    finish_reason: str | None  # "stop", "length", "abort"
     weight_version: str | None
     weight_versions: list[str | None]
 
@@ -229,15 +229,13 @@ def build_micro_batch(
 def parse_result(line: dict[str, Any], group: int, index: int, prompt_ids: list[int],
                  with_logprobs: bool) -> Sample:
     """A ``success: true`` NDJSON line -> :class:`Sample`."""
-    out = wire.read_output(line["data"])
+    out = ReceivedAnswer.from_json(line["data"])
     logprobs = None
     if with_logprobs:
-        logprobs = [float(v) if v is not None else 0.0 for v in out.token_logprobs]
-    versions = [None if v is None else str(v) for v in out.weight_versions]
-    last = out.weight_version
+        logprobs = [0.0 if v is None else v for v in out.token_logprobs]
     return Sample(group=group, index=index, request_id=str(line["id"]), prompt_ids=prompt_ids,
                   output_ids=list(out.output_ids), logprobs=logprobs, finish_reason=out.finish_type,
-                  weight_version=None if last is None else str(last), weight_versions=versions)
+                  weight_version=out.weight_version, weight_versions=out.weight_versions)
 
 
 class RolloutStream:

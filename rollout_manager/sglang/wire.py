@@ -38,7 +38,6 @@ CONTINUE_GENERATION = "/continue_generation"
 FLUSH_CACHE = "/flush_cache"
 UPDATE_WEIGHT_VERSION = "/update_weight_version"
 UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
-UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
 BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # SGLang >= 0.5.21 (see weight_update_sessions)
 END_WEIGHT_UPDATE = "/end_weight_update"
 SHUTDOWN = "/shutdown"
@@ -80,80 +79,6 @@ def error_message(error: Any) -> str:
             return str(inner.get("message") or inner)
         return str(inner)
     return str(error)
-
-
-@dataclass(frozen=True)
-class GenerateOutput:
-    """One ``/generate`` output object (of SGLang or of the manager), read field by field.
-
-    Values are the JSON ones, unconverted; absent lists read as empty and absent scalars as None.
-    """
-
-    output_ids: list[Any]
-    text: str | None
-    index: int | None
-    meta_info: dict[str, Any]
-
-    @property
-    def rid(self) -> Any:
-        return self.meta_info.get("id")
-
-    @property
-    def finish_reason(self) -> Any:
-        return self.meta_info.get("finish_reason")
-
-    @property
-    def finish_type(self) -> Any:
-        """``"stop"``, ``"length"``, ``"abort"``, None while running; a non-object reason as it is."""
-        finish = self.finish_reason
-        return finish.get("type") if isinstance(finish, dict) else finish
-
-    @property
-    def weight_version(self) -> Any:
-        """The version that made the output (the manager's: that of the last segment)."""
-        return self.meta_info.get("weight_version")
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        return self.meta_info.get("prompt_tokens")
-
-    @property
-    def completion_tokens(self) -> int | None:
-        return self.meta_info.get("completion_tokens")
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return self.meta_info.get("e2e_latency")
-
-    @property
-    def logprob_entries(self) -> list[list[Any]]:
-        """``output_token_logprobs``: ``[logprob, token_id, text_or_null]`` per output token."""
-        return self.meta_info.get("output_token_logprobs") or []
-
-    @property
-    def token_logprobs(self) -> list[Any]:
-        """The log-prob of each output token (an entry's first element; null where the engine gave none)."""
-        return [entry[0] for entry in self.logprob_entries]
-
-    @property
-    def segments(self) -> list[dict[str, Any]]:
-        """The manager's segments (one per engine the sequence ran on); empty in SGLang's own output."""
-        return self.meta_info.get("segments") or []
-
-    @property
-    def weight_versions(self) -> list[Any]:
-        """Every segment's weight version, in order; just ``[weight_version]`` without segments."""
-        return [s.get("weight_version") for s in self.segments] or [self.weight_version]
-
-
-def read_output(obj: dict[str, Any]) -> GenerateOutput:
-    """Read one ``/generate`` output object (a batch answer's item, or an NDJSON line's ``data``)."""
-    return GenerateOutput(
-        output_ids=obj.get("output_ids") or [],
-        text=obj.get("text"),
-        index=obj.get("index"),
-        meta_info=obj.get("meta_info") or {},
-    )
 
 
 # The meta_info lists with one entry per output token besides ``output_token_logprobs``: with
@@ -354,11 +279,6 @@ CACHE_NOT_FLUSHED_MESSAGE = (
     "Weights were updated, but the cache was not flushed because requests are still running or "
     "queued. Retract or finish them, then call /flush_cache."
 )
-
-
-def cache_not_flushed(message: str) -> bool:
-    """Whether a refused weight update did load the weights and only failed to flush the cache."""
-    return "the cache was not flushed" in message
 
 
 def flush_cache_path(timeout_s: float) -> str:
