@@ -43,7 +43,7 @@ from rollout_manager.cpu_engine.server import DEBUG_CHECKSUM
 from rollout_manager.sglang import tensor_payload
 from rollout_manager.weights.layout import WeightLayout, build_layout
 from rollout_manager.weights.protocol import CommitRequest, PushRequest
-from rollout_manager.weights.receiver_agent import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.sender_agent import SenderAgent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def trainer_state(args: argparse.Namespace, seed: int) -> dict[str, torch.Tensor
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-async def push(sender: SenderAgent, rx: ReceiverAgent, version: int, delta: bool, engines: int) -> dict[str, float]:
+async def push(sender: SenderAgent, rx: Receiver, version: int, delta: bool, engines: int) -> dict[str, float]:
     layout = sender.layout
     assert layout is not None
     t0 = time.perf_counter()
@@ -185,7 +185,7 @@ async def run(args: argparse.Namespace) -> int:
     log = Path(tempfile.mkdtemp(prefix="bench_moe_push_")) / "cpu-engine.log"
     proc, url = start_engine(args, log)
     sender = SenderAgent(["127.0.0.1"], 0)
-    rx = ReceiverAgent("127.0.0.1", url, bucket_bytes=args.bucket_mb << 20, readback_tensors=4)
+    rx = Receiver("127.0.0.1", url, bucket_bytes=args.bucket_mb << 20, readback_tensors=4)
     await rx.start()
     rows: list[tuple[str, dict[str, float], float]] = []
     try:

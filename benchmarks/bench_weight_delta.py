@@ -39,7 +39,7 @@ from rollout_manager.sglang.weight_loader import NamedTensors
 from rollout_manager.weights.layout import WeightLayout, unpack
 from rollout_manager.weights.mooncake_engine import mooncake_available
 from rollout_manager.weights.protocol import CommitRequest, PushRequest, TransportName
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.receiver_loader import Loader
 from rollout_manager.weights.sender_agent import SenderAgent
 
@@ -61,7 +61,7 @@ class BenchLoader(Loader):
         return 0
 
 
-class BenchReceiver(ReceiverAgent):
+class BenchReceiver(Receiver):
     """A receiver agent without SGLang: a commit verifies and stops there."""
 
     def __init__(self, host: str, sglang_url: str) -> None:

@@ -26,7 +26,7 @@ from rollout_manager.cpu_engine.server import create_app
 from rollout_manager.weights import activation
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage, unpack
 from rollout_manager.weights.protocol import ActivateRequest
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 
 PROMPT = [5, 17, 3, 99, 42, 7]
 
@@ -68,12 +68,12 @@ async def set_faults(url: str, **faults: Any) -> None:
 
 
 @pytest.fixture
-async def box() -> AsyncIterator[tuple[str, Engine, ReceiverAgent]]:
+async def box() -> AsyncIterator[tuple[str, Engine, Receiver]]:
     """A CPU engine (the default tiny model, seed 0) and a receiver agent holding ``new_weights()``."""
     server = TestServer(create_app(EngineConfig()), host="127.0.0.1", port=free_port())
     await server.start_server()
     url = str(server.make_url("")).rstrip("/")
-    agent = ReceiverAgent("127.0.0.1", url, bucket_bytes=64 << 10)
+    agent = Receiver("127.0.0.1", url, bucket_bytes=64 << 10)
     agent.loader.session = aiohttp.ClientSession()
     state = new_weights()
     agent.layout = build_layout(state)

@@ -17,7 +17,7 @@ from support import free_port
 
 from rollout_manager.weights.agent_client import AgentClient, PushFailed
 from rollout_manager.weights.protocol import CommitRequest, PrepareRequest, PushRequest
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.receiver_agent import create_app
 from rollout_manager.weights.sender_agent import SenderAgent
 
@@ -44,7 +44,7 @@ async def test_an_engine_that_never_answers_a_weight_load_fails_the_commit_withi
     app.router.add_get("/server_info", server_info)
     sglang = TestServer(app, host="127.0.0.1")
     await sglang.start_server()
-    receiver = ReceiverAgent("127.0.0.1", str(sglang.make_url("")).rstrip("/"), load_timeout_s=1.0)
+    receiver = Receiver("127.0.0.1", str(sglang.make_url("")).rstrip("/"), load_timeout_s=1.0)
     await receiver.start()
     rclient = TestClient(TestServer(create_app(receiver), host="127.0.0.1"))
     await rclient.start_server()

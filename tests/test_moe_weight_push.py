@@ -28,7 +28,7 @@ from rollout_manager.cpu_engine.server import DEBUG_CHECKSUM
 from rollout_manager.sglang import tensor_payload
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage, unpack
 from rollout_manager.weights.protocol import CommitRequest, PushRequest
-from rollout_manager.weights.receiver_agent import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.sender_agent import SenderAgent
 
 EXPERTS, LAYERS = 16, 3
@@ -142,7 +142,7 @@ async def _generate(url: str) -> list[int]:
         return list((await r.json())["output_ids"])
 
 
-async def _push(sender: SenderAgent, rx: ReceiverAgent, version: int, delta: bool) -> tuple[str, int, int]:
+async def _push(sender: SenderAgent, rx: Receiver, version: int, delta: bool) -> tuple[str, int, int]:
     """Sender -> receiver over TCP, then commit (verify and load): (mode, tensors reloaded, load calls)."""
     layout = sender.layout
     assert layout is not None
@@ -166,7 +166,7 @@ async def test_per_expert_tensors_reach_a_moe_engine_exactly_full_then_a_few_exp
     assert sum(".mlp.experts." in n for n in state) == 3 * EXPERTS * LAYERS
     before = await _generate(moe_engine)
     sender = SenderAgent(["127.0.0.1"], 0)
-    rx = ReceiverAgent("127.0.0.1", moe_engine, bucket_bytes=1 << 20)
+    rx = Receiver("127.0.0.1", moe_engine, bucket_bytes=1 << 20)
     await rx.start()
     try:
         sender.stage(state, 1)

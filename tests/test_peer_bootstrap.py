@@ -19,7 +19,7 @@ from rollout_manager.cpu_engine.model import build_model
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.weights.peers import choose_peer, holders
 from rollout_manager.weights.protocol import ServeRequest
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.refused import CommitRefused
 
 MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2}
@@ -180,7 +180,7 @@ def test_the_nearest_peer_is_the_same_group_then_the_same_subnet_then_the_least_
 
 
 async def test_a_receiver_refuses_to_serve_a_version_its_buffer_does_not_hold_verified() -> None:
-    agent = ReceiverAgent("127.0.0.1", "http://127.0.0.1:9")
+    agent = Receiver("127.0.0.1", "http://127.0.0.1:9")
     req = ServeRequest(version=1, fingerprint="f" * 64, num_engines=1, session_ids=["127.0.0.1:1"], buffer_addr=0,
                        transport="tcp")
     with pytest.raises(CommitRefused) as caught:

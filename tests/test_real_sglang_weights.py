@@ -26,7 +26,7 @@ from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage
 from rollout_manager.weights.protocol import CommitRequest
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.refused import CommitRefused
 from rollout_manager.weights.shards import shard_checksums, split_shards
 
@@ -108,15 +108,15 @@ def new_weights(sglang: Server, seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.05 for n, t in checkpoint(sglang).items()}
 
 
-async def agent_for(sglang: Server, state: dict[str, torch.Tensor], **kw: Any) -> ReceiverAgent:
+async def agent_for(sglang: Server, state: dict[str, torch.Tensor], **kw: Any) -> Receiver:
     """An agent whose buffer holds ``state`` verified-to-be (as if the sender had written it)."""
-    agent = ReceiverAgent("127.0.0.1", sglang.url, auth=kw.pop("auth", KEYS), **kw)
+    agent = Receiver("127.0.0.1", sglang.url, auth=kw.pop("auth", KEYS), **kw)
     agent.loader.session = aiohttp.ClientSession()
     restage(agent, state)
     return agent
 
 
-def restage(agent: ReceiverAgent, state: dict[str, torch.Tensor]) -> None:
+def restage(agent: Receiver, state: dict[str, torch.Tensor]) -> None:
     layout = build_layout(state)
     if agent.layout is None or agent.layout.fingerprint() != layout.fingerprint():
         agent.layout, agent.buffer = layout, HostBuffer.for_layout(layout)
@@ -124,14 +124,14 @@ def restage(agent: ReceiverAgent, state: dict[str, torch.Tensor]) -> None:
     stage(state, layout, agent.buffer.array)
 
 
-def commit_body(agent: ReceiverAgent, version: int) -> CommitRequest:
+def commit_body(agent: Receiver, version: int) -> CommitRequest:
     assert agent.layout is not None and agent.buffer is not None
     shards = split_shards(agent.layout.total_bytes, 4)
     return CommitRequest(version=version, fingerprint=agent.layout.fingerprint(), shards=shards,
                          checksums=shard_checksums(agent.buffer.array, shards))
 
 
-async def close(agent: ReceiverAgent) -> None:
+async def close(agent: Receiver) -> None:
     assert agent.loader.session is not None
     await agent.loader.session.close()
 
@@ -197,7 +197,7 @@ async def admin(http: aiohttp.ClientSession, sglang: Server, path: str, body: di
         assert r.status == 200, f"{path}: HTTP {r.status} {await r.text()}"
 
 
-def agent_state(agent: ReceiverAgent, name: str) -> torch.Tensor:
+def agent_state(agent: Receiver, name: str) -> torch.Tensor:
     from rollout_manager.weights.layout import unpack
 
     assert agent.buffer is not None and agent.layout is not None

@@ -29,7 +29,7 @@ from rollout_manager.launch.box_common import PREFIX
 from rollout_manager.sglang import tensor_payload, wire
 from rollout_manager.weights.layout import HostBuffer, build_layout, stage, unpack
 from rollout_manager.weights.mooncake_engine import MooncakeEngine, TransferError
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.refused import CommitRefused
 
 WEIGHT_PATHS = (wire.BEGIN_WEIGHT_UPDATE, wire.END_WEIGHT_UPDATE, wire.UPDATE_WEIGHTS_FROM_TENSOR)
@@ -151,9 +151,9 @@ async def test_a_data_parallel_engine_refuses_weight_loads(start_engine: StartEn
 # ---------------------------------------------------------------- the receiver agent
 
 
-async def receiver_for(e: Engine, state: dict[str, torch.Tensor], bucket_bytes: int) -> ReceiverAgent:
+async def receiver_for(e: Engine, state: dict[str, torch.Tensor], bucket_bytes: int) -> Receiver:
     """A receiver with ``state`` already landed in its buffer (the transfer itself is tested elsewhere)."""
-    agent = ReceiverAgent("127.0.0.1", e.url, bucket_bytes=bucket_bytes)
+    agent = Receiver("127.0.0.1", e.url, bucket_bytes=bucket_bytes)
     agent.loader.session = aiohttp.ClientSession()
     agent.layout = build_layout(state)
     agent.buffer = HostBuffer.for_layout(agent.layout)
@@ -161,7 +161,7 @@ async def receiver_for(e: Engine, state: dict[str, torch.Tensor], bucket_bytes: 
     return agent
 
 
-async def load_buffer(agent: ReceiverAgent, version: int) -> int:
+async def load_buffer(agent: Receiver, version: int) -> int:
     """Every tensor of the agent's buffer into SGLang, as ``/commit`` loads them after verifying."""
     assert agent.buffer is not None and agent.layout is not None
     return await agent.loader.load(unpack(agent.buffer, agent.layout), version)

@@ -35,7 +35,7 @@ from rollout_manager.weights.protocol import (
     PushRequest,
     parse_body,
 )
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.receiver_agent import create_app
 from rollout_manager.weights.receiver_loader import Loader
 from rollout_manager.weights.refused import CommitRefused
@@ -129,7 +129,7 @@ def test_a_body_that_is_not_a_json_object_is_refused(raw, message):
 class Rig:
     sender: SenderAgent
     sender_url: str
-    receiver: ReceiverAgent
+    receiver: Receiver
     receiver_client: TestClient
     receiver_url: str
     client: AgentClient
@@ -181,7 +181,7 @@ async def rig(monkeypatch) -> AsyncIterator[Rig]:
     versions: list[str] = []
     sglang = TestServer(await fake_sglang(loads, versions), host="127.0.0.1")
     await sglang.start_server()
-    receiver = ReceiverAgent("127.0.0.1", str(sglang.make_url("")))
+    receiver = Receiver("127.0.0.1", str(sglang.make_url("")))
     await receiver.start()
     receiver_client = TestClient(TestServer(create_app(receiver), host="127.0.0.1"))
     await receiver_client.start_server()

@@ -1,6 +1,12 @@
 """Weights: the manager's side of a push (``sync``, ``groups``, ``peers``, ``protocol``), the sender and receiver
 agents, and the byte layer under them (buffer layout, shards and checksums, transports).
 
+Runs in: manager, box, trainer. Each module of the package says which of the three processes run it on such a
+line: ``manager``, the daemon; ``box``, the receiver agent beside SGLang on each rollout box
+(``receiver_agent``); ``trainer``, the sender agent inside the trainer's process on each node (``sender_agent``,
+started by ``trainer_plugin.weight_push``). A module imports only modules that run wherever it runs
+(``tests/test_weights_processes.py``).
+
 The byte layer needs torch and, for Mooncake, its native library. The manager imports only
 ``groups``, ``peers``, ``sync`` and ``protocol``, so the names below load on first use (PEP 562): importing this
 package does not import torch.

@@ -1,5 +1,7 @@
 """Activating a staged version on one box: pause generation, load, record the version, continue.
 
+Runs in: box.
+
 The receiver agent holds a pushed version *staged* (verified against the trainer's checksums, in its host
 buffer) while SGLang keeps serving the previous one. ``POST /activate {version, mode}`` then:
 

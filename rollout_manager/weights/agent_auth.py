@@ -1,4 +1,7 @@
-"""The agents' side of the shared token: the manager drives them with the same bearer token it requires."""
+"""The agents' side of the shared token: the manager drives them with the same bearer token it requires.
+
+Runs in: box, trainer.
+"""
 
 from __future__ import annotations
 

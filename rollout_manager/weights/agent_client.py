@@ -1,7 +1,10 @@
 """The manager's calls to the weight agents: the sender's ``/layout`` and ``/push``, the receiver's
 ``/prepare``, ``/commit`` and ``/activate``, and a peer receiver's ``/layout`` and ``/serve`` (peer bootstrap).
 Errors are sorted by whose fault they are: a sender that is down or restaged is
-:class:`SenderUnavailable` (the instance waits), anything else :class:`PushFailed`."""
+:class:`SenderUnavailable` (the instance waits), anything else :class:`PushFailed`.
+
+Runs in: manager.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Delivering one weight version to one instance, and the retry rule both of weight sync's paths use.
 
+Runs in: manager.
+
 A version comes from the nearest peer that holds it (where one may serve), else, or when that fails,
 from the instance's sender: a delta where it pays, with the shards that did not verify rewritten in
 full. :meth:`Delivery.attempt` is one try of that with what a failure means (a sender that is not ready

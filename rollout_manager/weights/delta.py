@@ -1,6 +1,8 @@
 """Exact sparse deltas between two versions of the staged buffer: what a push sends when the receiver
 already holds the previous version.
 
+Runs in: box, trainer.
+
 After an RL step with a small learning rate only a few percent of the bf16 values change (measured on
 a 98M-parameter model with AdamW, ``benchmarks/bench_weight_delta.py``: ~2% at lr 1e-6, ~8% at 1e-5).
 The buffer is compared as 16-bit words (exact for every dtype: a wider element is two or four words,

@@ -1,5 +1,7 @@
 """Who pushes weights to whom: sender transfer groups per network interface, instances round-robin.
 
+Runs in: manager.
+
 Each trainer node runs one sender; its groups are bound round-robin to the node's
 interfaces that ``allowed_sender_ips`` admits, so traffic spreads over every allowed NIC. Instances are
 dealt to (sender, group) slots in registration order, interleaving senders first so consecutive

@@ -1,5 +1,7 @@
 """Where every tensor of a state dict lives inside one flat byte buffer.
 
+Runs in: box, trainer.
+
 The sender stages the whole state dict into one contiguous host buffer (pinned when CUDA is there),
 the transfer engine moves that buffer as a handful of large shards, and the receiver turns the same
 bytes back into tensors without copying. Both sides agree on the bytes through a :class:`WeightLayout`,

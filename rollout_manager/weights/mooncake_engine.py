@@ -1,5 +1,7 @@
 """A thin wrapper around Mooncake's ``TransferEngine`` in P2P-handshake mode (no metadata server).
 
+Runs in: box, trainer.
+
 ``mooncake`` is imported only when an engine starts, so this package imports without it.
 
 Facts about mooncake-transfer-engine 0.3.13 that shape this wrapper (read from its source and

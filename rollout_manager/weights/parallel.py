@@ -1,4 +1,7 @@
-"""Blocking transfer calls run side by side on threads (the transfer engines release the GIL)."""
+"""Blocking transfer calls run side by side on threads (the transfer engines release the GIL).
+
+Runs in: box, trainer.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Who a box that joins (or fell behind) pulls the current version from: the nearest peer holding it.
 
+Runs in: manager.
+
 A peer is an active remote instance at exactly the wanted version whose receiver agent can serve its
-verified buffer (:meth:`ReceiverAgent.serve_peer`). Nearest first: the same sender group (same trainer
+verified buffer (:meth:`Receiver.serve_peer`). Nearest first: the same sender group (same trainer
 interface, so likely the same cluster), then the same subnet (IPv4 /24, IPv6 /64), then any; among
 equals the peer serving the fewest pulls right now, then registration order. Pure functions: the
 manager's :class:`WeightSync` asks, and falls back to the trainer's sender when there is none.

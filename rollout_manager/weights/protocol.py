@@ -1,5 +1,7 @@
 """The weight agents' control API, typed: one pydantic model per request and answer body.
 
+Runs in: manager, box, trainer.
+
 The manager (:mod:`rollout_manager.weights.agent_client`, :mod:`rollout_manager.weights.sync`) builds
 requests and reads answers with these models; the agents validate requests and build answers with
 them, so both ends agree on every field by construction. The manager imports this module, so it

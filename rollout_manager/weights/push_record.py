@@ -1,6 +1,9 @@
 """What one weight push to one instance did: one type for both ways a version arrives (from the
 instance's sender, or from a peer that holds it), kept for ``/get_instances_status`` and fed to the
-metrics; serialized once, at the HTTP edge (:meth:`WeightPush.to_json`)."""
+metrics; serialized once, at the HTTP edge (:meth:`WeightPush.to_json`).
+
+Runs in: manager.
+"""
 
 from __future__ import annotations
 

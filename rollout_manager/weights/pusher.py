@@ -1,5 +1,7 @@
 """Push one staged buffer to one receiver as ``num_shards`` parallel writes.
 
+Runs in: box, trainer.
+
 Works with any :class:`~rollout_manager.weights.transport.Transport` (:class:`MooncakeEngine`,
 :class:`TcpEngine`); it uses ``write_many(target, [(local, remote, length), ...])`` only. Given one
 engine, all shards go through it in one ``write_many`` (every shard in flight at once). Given

@@ -1,5 +1,8 @@
-"""The receiver agent's state: its receive buffer (what it holds verified, staged, or serves to peers) and
-the transfers into and out of it; SGLang's side is its :class:`~rollout_manager.weights.receiver_loader.Loader`.
+"""The receiver agent's state (:class:`Receiver`): its receive buffer (what it holds verified, staged, or serves
+to peers) and the transfers into and out of it; SGLang's side is its
+:class:`~rollout_manager.weights.receiver_loader.Loader`.
+
+Runs in: box.
 
 The routes that drive it are :mod:`rollout_manager.weights.receiver_agent`, whose docstring tells the protocol.
 """
@@ -42,7 +45,7 @@ from rollout_manager.weights.transport import Transport
 log = logging.getLogger("rollout_manager.receiver")
 
 
-class ReceiverAgent:
+class Receiver:
     """One box's receiver: the buffer part here (one writer at a time: callers hold ``busy``) and SGLang's
     part, ``loader``."""
 

@@ -1,7 +1,10 @@
 """The weight receiver: runs beside SGLang on each rollout box and loads verified weights into it.
 
-This module is its HTTP side (routes, the process's entry point); its state and the transfers are
-:mod:`rollout_manager.weights.receiver`, the loads into SGLang :mod:`rollout_manager.weights.receiver_loader`.
+Runs in: box.
+
+This module is its HTTP side (routes, the process's entry point); its state and the transfers are a
+:class:`~rollout_manager.weights.receiver.Receiver`, the loads into SGLang
+:mod:`rollout_manager.weights.receiver_loader`.
 The manager drives it over HTTP (it is one brain; this agent only moves and checks bytes):
 
 - ``POST /prepare {version, layout}``: make sure a registered receive buffer matching the layout
@@ -61,13 +64,13 @@ from rollout_manager.weights.protocol import (
     ServeRequest,
     parse_body,
 )
-from rollout_manager.weights.receiver import ReceiverAgent
+from rollout_manager.weights.receiver import Receiver
 from rollout_manager.weights.receiver_faults import ReceiverFaults
 from rollout_manager.weights.refused import CommitRefused
 
 log = logging.getLogger("rollout_manager.receiver")
 
-AGENT: web.AppKey[ReceiverAgent] = web.AppKey("agent", object)  # type: ignore[arg-type]
+AGENT: web.AppKey[Receiver] = web.AppKey("agent", object)  # type: ignore[arg-type]
 
 
 def bad_body(what: str, message: str) -> web.Response:
@@ -168,7 +171,7 @@ async def handle_serve(request: web.Request) -> web.Response:
     return web.json_response(answer.model_dump())
 
 
-def create_app(agent: ReceiverAgent) -> web.Application:
+def create_app(agent: Receiver) -> web.Application:
     app = web.Application(client_max_size=64 << 20, middlewares=[token_middleware()])
     app[AGENT] = agent
     app.router.add_get("/health", handle_info)
@@ -181,7 +184,7 @@ def create_app(agent: ReceiverAgent) -> web.Application:
     return app
 
 
-async def serve(agent: ReceiverAgent, bind_host: str, port: int) -> None:
+async def serve(agent: Receiver, bind_host: str, port: int) -> None:
     await agent.start()
     runner = web.AppRunner(create_app(agent), access_log=None, handle_signals=False)
     await runner.setup()
@@ -225,11 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ReceiverFaults.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = ReceiverAgent(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
-                          num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
-                          flush_wait_s=args.flush_wait_s, faults=ReceiverFaults.from_args(args),
-                          load_timeout_s=args.load_timeout_s, auth=SGLangAuth.from_env(),
-                          readback_tensors=args.readback_tensors)
+    agent = Receiver(args.host, args.sglang_url, protocol=args.protocol, device_name=args.device_name,
+                      num_engines=args.engines, bucket_bytes=args.bucket_mb << 20,
+                      flush_wait_s=args.flush_wait_s, faults=ReceiverFaults.from_args(args),
+                      load_timeout_s=args.load_timeout_s, auth=SGLangAuth.from_env(),
+                      readback_tensors=args.readback_tensors)
     asyncio.run(serve(agent, args.bind or args.host, args.port))
     return 0
 

@@ -1,5 +1,7 @@
 """Faults the receiver agent can be told to commit, for the tests that prove the manager survives them.
 
+Runs in: box.
+
 All off unless the agent's command line arms one (``--fault-*``). They live here, as one hook object the
 agent calls at the five points where a real box can go wrong, so the agent's own code has no test branches
 and no ``os._exit``; the CPU engine does the same in ``cpu_engine/faults.py``.

@@ -1,5 +1,7 @@
 """The receiver agent's part that faces SGLang: what SGLang holds as far as the agent knows, and the loads.
 
+Runs in: box.
+
 The agent's buffer (:mod:`rollout_manager.weights.receiver`) hands tensors over; this part alone writes
 what SGLang is believed to hold (its version, the tensors that may differ from the buffer, a failed
 activation), so a full load through ``/commit`` and an activation

@@ -1,4 +1,7 @@
-"""The receiver agent's refusals, with the HTTP status that says whose fault they are."""
+"""The receiver agent's refusals, with the HTTP status that says whose fault they are.
+
+Runs in: box.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The weight sender: runs on each trainer node, holds the staged weights, writes them where told.
 
+Runs in: trainer.
+
 The trainer stages its full state dict into one registered host buffer (:meth:`SenderAgent.stage`);
 the manager then asks, per transfer group, ``POST /push`` to one receiver. A group is a Mooncake
 engine bound to one of this node's interfaces; a push splits the buffer into ``num_engines``

@@ -2,6 +2,8 @@
 verified into the receiver's buffer while the instance keeps serving the old one, then the receiver pauses
 generation only to load it (:mod:`rollout_manager.weights.activation`).
 
+Runs in: manager.
+
 A version superseded while it stages is not activated: the newer one is staged over it. A failed activation
 leaves SGLang paused: the instance leaves service (``syncing``) and gets a full push as in "drain"
 (:mod:`rollout_manager.weights.sync`). ``Instance.versions`` (:class:`BoxVersions`) is written here: what

@@ -1,5 +1,7 @@
 """Weight versions: after each training step every remote instance gets the new weights before it serves.
 
+Runs in: manager.
+
 On ``/update_weight_version`` remote instances below the new version go to ``syncing`` (no new
 requests; in-flight ones finish, SGLang is never told to abort them). Every instance that enters
 ``syncing``, this way or at registration, gets one sync task: wait until it has drained, then prepare

@@ -1,4 +1,7 @@
-"""What weight sync is configured with (the ``weight_*`` and ``peer_bootstrap*`` options of :class:`Config`)."""
+"""What weight sync is configured with (the ``weight_*`` and ``peer_bootstrap*`` options of :class:`Config`).
+
+Runs in: manager.
+"""
 
 from __future__ import annotations
 

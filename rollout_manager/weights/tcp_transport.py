@@ -1,5 +1,7 @@
 """Plain multi-stream TCP transport with the same shape as :class:`MooncakeEngine`.
 
+Runs in: box, trainer.
+
 The baseline the Mooncake transport is measured against (docs/benchmarks.md, "Weight transfer") and
 a fallback transport: ``TcpEngine(hostname).start()`` listens on ``hostname:port`` (``session_id``);
 ``register(addr, length)`` exposes a memory range; a peer's

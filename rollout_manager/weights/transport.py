@@ -1,5 +1,8 @@
 """What the agents and the pusher need from a transport; :class:`MooncakeEngine` and :class:`TcpEngine`
-both provide it, structurally, so a new transport is one more class of this shape and no union to widen."""
+both provide it, structurally, so a new transport is one more class of this shape and no union to widen.
+
+Runs in: box, trainer.
+"""
 
 from __future__ import annotations
 
