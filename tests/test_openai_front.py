@@ -6,6 +6,7 @@ streaming and non-streaming agree, and bad requests get OpenAI's error shape nam
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +216,73 @@ async def test_a_turn_whose_box_dies_continues_on_another_and_the_ledger_has_the
     assert segments[0]["end"] == segments[1]["start"] >= 4 and segments[1]["end"] == 16
     status, traj = await m.get("/v1/sessions/d/trajectory")
     assert status == 200 and traj["response_ids"] == ids and traj["response_mask"] == [1] * 16
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+TWO_CALLS = ('<tool_call> {"name": "get_weather", "arguments": {"city": "paris"}} </tool_call> '
+             '<tool_call> {"name": "get_weather", "arguments": {"city": "rome"}} </tool_call>')
+
+
+async def test_a_tool_calling_loop_through_the_sdk_extends_the_ledger_exactly(
+        tmp_path: Path, start_manager: Any, start_engines: Any) -> None:
+    """The tiny random model cannot write a tool call by itself: the CPU engine is made to (its
+    ``script_tokens`` fault: the first tokens it generates are the given ids, with the model's log-probs)."""
+    from transformers import AutoTokenizer
+
+    tok_dir = make(tmp_path / "tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    m = await start_manager(openai_tokenizer_path=str(tok_dir), openai_model_name=MODEL)
+    (engine,) = await start_engines(["--eos-token-id", str(eos_id())])
+    await m.register(engine)
+    script = [*tok.encode(TWO_CALLS, add_special_tokens=False), eos_id()]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engine.url + "/debug/faults", json={"script_tokens": script}) as resp:
+            assert resp.status == 200
+    messages: list[Any] = [{"role": "system", "content": "you are a helpful agent"},
+                           {"role": "user", "content": "what is the weather in paris"}]
+    turn = dict(model=MODEL, tools=TOOLS, max_tokens=32, temperature=0)
+    async with openai.AsyncOpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        first = await client.chat.completions.create(messages=messages, **turn, extra_headers={"X-Session-Id": "t"})
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", {"city": "paris"}), ("get_weather", {"city": "rome"})]
+        p1, r1 = extra(first, "prompt_token_ids"), extra(choice, "token_ids")
+        assert r1 == script
+
+        # the same turn streamed (no session): the same ids, calls and finish
+        names, args, ids, finish = {}, {}, [], None
+        async for chunk in await client.chat.completions.create(messages=messages, **turn, stream=True):
+            for c in chunk.choices:
+                ids += extra(c, "token_ids") or []
+                finish = c.finish_reason or finish
+                assert not c.delta.content  # the calls' text is not content
+                for d in c.delta.tool_calls or []:
+                    names[d.index] = d.function.name
+                    args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        assert ids == r1 and finish == "tool_calls"
+        assert [(names[k], json.loads(args[k])) for k in sorted(names)] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+        async with m.session.post(engine.url + "/debug/faults", json={"script_tokens": None}) as resp:
+            assert resp.status == 200
+        # the agent appends the SDK's message object as it came and a result per call
+        messages += [choice.message, *({"role": "tool", "tool_call_id": c.id, "content": w}
+                                       for c, w in zip(calls, ["sunny", "rainy"]))]
+        second = await client.chat.completions.create(messages=messages, model=MODEL, tools=TOOLS, max_tokens=5,
+                                                      temperature=0, extra_body={"session_id": "t",
+                                                                                 "ignore_eos": True})
+    p2, r2 = extra(second, "prompt_token_ids"), extra(second.choices[0], "token_ids")
+    tail = tok.encode("\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n"
+                      "</tool_response><|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert p2 == p1 + r1 + tail  # the model's ids as sampled, the results as the template writes them
+    status, traj = await m.get("/v1/sessions/t/trajectory")
+    assert status == 200 and traj["prompt_ids"] == p1 and traj["response_ids"] == r1 + tail + r2
+    assert traj["response_mask"] == [1] * len(r1) + [0] * len(tail) + [1] * len(r2) and traj["divergences"] == []
+    # the turn's ids are what /generate makes of the ledger's prompt
+    status, replay = await m.post("/generate", {"input_ids": p2, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    assert status == 200 and replay["output_ids"] == r2

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from openai_tokenizer import DROPS_REASONING, make
@@ -24,6 +25,10 @@ def result(ids: list[int], matched: int | None = None) -> TurnResult:
     return TurnResult(ids, [-0.5] * len(ids), "stop" if matched is not None else "length", matched, 0, "v1", [], [])
 
 
+def answer(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
 def test_a_reply_whose_rendering_does_not_give_back_its_ids_keeps_the_ids_and_counts_the_divergence(
         renderer: Renderer) -> None:
     ledger = Ledger(8, 10_000, 60.0)
@@ -34,7 +39,7 @@ def test_a_reply_whose_rendering_does_not_give_back_its_ids_keeps_the_ids_and_co
     # the model sampled "<|endoftext|>" inside its answer: decoding skips it, so a re-rendering loses it
     sampled = [20, 0, 21]
     text = renderer.decode(sampled)
-    ledger.record(session, first, messages, result(sampled), text)
+    ledger.record(session, first, messages, result(sampled), answer(text))
     ledger.end(session)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
     second = plan_chat(renderer, session.branch, 1, messages, None)
@@ -53,13 +58,13 @@ def test_an_answer_that_sampled_the_end_token_is_not_closed_twice(renderer: Rend
     first = plan_chat(renderer, None, 0, messages, None)
     end = renderer.encode("<|im_end|>")[0]
     sampled = [20, 21, end]
-    ledger.record(session, first, messages, result(sampled, matched=end), renderer.decode(sampled))
+    ledger.record(session, first, messages, result(sampled, matched=end), answer(renderer.decode(sampled)))
     messages += [{"role": "assistant", "content": renderer.decode(sampled)}, {"role": "user", "content": "again"}]
     second = plan_chat(renderer, session.branch, 1, messages, None)
     assert second.ids[len(first.ids) + 3:] == renderer.encode("\n<|im_start|>user\nagain<|im_end|>\n"
                                                               "<|im_start|>assistant\n")
     assert second.divergence is None  # this rendering tokenizes back to exactly the ledger's ids
-    ledger.record(session, second, messages, result([30]), renderer.decode([30]))
+    ledger.record(session, second, messages, result([30]), answer(renderer.decode([30])))
     branch = session.branch
     assert branch is not None and branch.mask == [1, 1, 1] + [0] * (len(second.ids) - len(first.ids) - 3) + [1]
     assert branch.logprobs.count(-0.5) == 4 and len(branch.logprobs) == len(branch.mask)
@@ -103,7 +108,7 @@ def test_a_template_that_drops_earlier_reasoning_cannot_change_the_history(tmp_p
     think, end_think = renderer.encode("<think> </think>")
     sampled = [think, 20, end_think, 21]
     text = renderer.decode(sampled)
-    ledger.record(session, first, messages, result(sampled), text)
+    ledger.record(session, first, messages, result(sampled), answer(text))
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
     assert "w20" not in renderer.chat_text(messages, None, True)  # the template drops it on re-rendering
     second = plan_chat(renderer, session.branch, 1, messages, None)

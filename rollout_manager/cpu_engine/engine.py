@@ -73,7 +73,8 @@ class EngineConfig:
 
 # One sequence's part of a decoding round: its tokens, sampling, generator, the position its routed experts are
 # wanted from (None: not wanted) and the position its input log-probs are wanted from (None: not, or had).
-Work = tuple[list[int], EngineSampling, torch.Generator | None, int | None, int | None]
+# (tokens, sampling, generator, routes from, prompt log-probs from, the scripted id or None: see Faults)
+Work = tuple[list[int], EngineSampling, torch.Generator | None, int | None, int | None, int | None]
 
 
 class CallGroup:
@@ -372,10 +373,12 @@ class Engine:
         experts of its positions from ``routes_from`` on, and (when ``prompt_from`` is set) its input
         tokens' log-probs from that position on."""
         out = []
-        for tokens, params, gen, routes_from, prompt_from in work:
+        for tokens, params, gen, routes_from, prompt_from, scripted in work:
             self.faults.perturb_due(self.model.named_tensors())  # in the compute thread: between two forwards
             logits, routes = self.model.logits_and_routes(tokens)
             token, lp = choose_token(logits, params, gen)
+            if scripted is not None and scripted < logits.numel():
+                token, lp = scripted, float(torch.log_softmax(logits, dim=-1)[scripted].item())
             rows = None
             if routes_from is not None and routes is not None:
                 rows = routes[routes_from:].numpy().astype("<i4", copy=False).tobytes()
@@ -409,7 +412,8 @@ class Engine:
                 await self._wake.wait()
                 continue
             work = [(s.tokens, s.spec.params, s.generator, None if s.routes is None else s.routes_next,
-                     s.spec.logprob_start_len if s.input_logprobs is None else None) for s in batch]
+                     s.spec.logprob_start_len if s.input_logprobs is None else None,
+                     None if s.internal else self.faults.scripted(len(s.output_ids))) for s in batch]
             t0 = time.perf_counter()
             self._idle.clear()
             try:

@@ -30,6 +30,10 @@ class Faults:
     perturb_tensor: str | None = None
     perturb_after_requests: int = 0
     perturb_scale: float = 0.05
+    # A scripted answer: every client sequence's first generated tokens are these ids, in place of its samples
+    # (the log-prob reported is the model's for the id), so a test makes the tiny random model write a given
+    # text (a tool call); counted from the sequence's first token on this engine (a continuation restarts it).
+    script_tokens: list[int] | None = None
     loading: bool = field(default=False)
     requests: int = field(default=0)  # client /generate calls since start or since perturb_tensor was armed
     perturbed: bool = field(default=False)  # the perturbation happened
@@ -51,6 +55,7 @@ class Faults:
         "perturb_tensor",
         "perturb_after_requests",
         "perturb_scale",
+        "script_tokens",
     )
 
     def __post_init__(self) -> None:
@@ -82,6 +87,10 @@ class Faults:
             raise ValueError("perturb_after_requests must be a non-negative integer")
         if not isinstance(self.perturb_scale, (int, float)) or self.perturb_scale <= 0:
             raise ValueError("perturb_scale must be > 0")
+        v = self.script_tokens
+        if v is not None and (not isinstance(v, list)
+                              or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)):
+            raise ValueError("script_tokens must be a list of token ids or null")
 
     def update(self, changes: dict[str, Any]) -> None:
         """Apply a runtime change; arming die/stall restarts its counter. Raises ValueError."""
@@ -130,6 +139,11 @@ class Faults:
         if self.stall_after_tokens is None:
             return None
         return max(self.stall_after_tokens - self.generated_tokens, 0)
+
+    def scripted(self, position: int) -> int | None:
+        """The id a client sequence's ``position``-th generated token is made to be (None: its own sample)."""
+        script = self.script_tokens
+        return script[position] if script is not None and position < len(script) else None
 
     def note_request(self) -> None:
         self.requests += 1

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from rollout_manager.errors import ManagerError
 from rollout_manager.manager import Manager
-from rollout_manager.openai_front import responses
+from rollout_manager.openai_front import responses, tool_calls
 from rollout_manager.openai_front.errors import OpenAIError, invalid
 from rollout_manager.openai_front.ledger import Ledger, PromptPlan, Session
 from rollout_manager.openai_front.prompt import plan_chat, plan_ids
@@ -44,6 +44,18 @@ class Prepared:
     session: Session | None = None
     plan: PromptPlan | None = None
     messages: list[dict[str, Any]] | None = None
+    tool_names: frozenset[str] | None = None  # the declared functions, when the answer is read for calls
+    parallel_tool_calls: bool = True
+
+    def answer(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat answer's assistant message (content, and tool calls when read for them) and its finish."""
+        if self.tool_names is None:
+            return {"role": "assistant", "content": text}, finish
+        parsed = tool_calls.parse(text, self.tool_names, self.parallel_tool_calls)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = [c.to_json() for c in parsed.calls]
+        return message, tool_calls.finish_reason(finish, parsed.calls)
 
 
 def _failure(exc: ManagerError) -> OpenAIError:
@@ -120,7 +132,8 @@ class Front:
         try:
             branch = None if session is None else session.branch
             turn = 0 if session is None else session.turn_count
-            plan = plan_chat(renderer, branch, turn, body.messages, body.tools)
+            tools = body.tools if body.tool_choice != "none" else None  # as SGLang: "none" hides them
+            plan = plan_chat(renderer, branch, turn, body.messages, tools)
             self._check_ids(plan.ids, "messages")
             if session is not None:
                 self.ledger.check_room(session, plan)
@@ -129,8 +142,11 @@ class Front:
             if session is not None:
                 self.ledger.end(session)
             raise
+        names = None
+        if tools:  # read for hermes-style calls (tool_calls.py), the one format the front reads yet
+            names = frozenset(str(t["function"]["name"]) for t in tools)
         return Prepared(self._reply("chatcmpl", session_id), True, [plan.ids], body.n, request, body.logprobs,
-                        renderer, session, plan, list(body.messages))
+                        renderer, session, plan, list(body.messages), names, body.parallel_tool_calls is not False)
 
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> Prepared:
         if body.model != self.model:
@@ -177,9 +193,9 @@ class Front:
         tokens = self._tokens(p, ids)
         return responses.chat_logprobs(tokens, lps) if p.chat else responses.completion_logprobs(tokens, lps, offset)
 
-    def _record(self, p: Prepared, result: TurnResult, text: str) -> None:
+    def _record(self, p: Prepared, result: TurnResult, answer: dict[str, Any] | None) -> None:
         if p.session is not None and p.plan is not None:
-            self.ledger.record(p.session, p.plan, p.messages, result, text)
+            self.ledger.record(p.session, p.plan, p.messages, result, answer)
 
     def close(self, p: Prepared) -> None:
         """The turn is over (answered, failed or abandoned): its session takes the next turn."""
@@ -200,11 +216,15 @@ class Front:
                 result = read_answer(answer)
                 text = self._text(p, answer, result.output_ids)
                 lp = self._logprobs(p, result, result.output_ids, result.logprobs)
-                make = responses.chat_choice if p.chat else responses.completion_choice
-                choices.append(make(i, text, result, lp))
+                message = None
+                if p.chat:
+                    message, finish = p.answer(text, result.finish_reason)
+                    choices.append(responses.chat_choice(i, message, finish, result, lp))
+                else:
+                    choices.append(responses.completion_choice(i, text, result, lp))
                 made += len(result.output_ids)
                 if i == 0:
-                    self._record(p, result, text)
+                    self._record(p, result, message)
             prompt_tokens = sum(map(len, p.prompts)) * p.n
             return responses.whole(p.reply, CHAT if p.chat else TEXT, choices, p.prompts, prompt_tokens, made)
         finally:
@@ -216,7 +236,8 @@ class Front:
         count = len(p.request.sequences)
         sent_ids, sent_text = [0] * count, [""] * count
         finals: list[TurnResult | None] = [None] * count
-        texts = [""] * count
+        answers: list[dict[str, Any] | None] = [None] * count
+        held = [tool_calls.StreamingContent() if p.tool_names is not None else None for _ in range(count)]
         chunks = self.generator.generate_stream(p.request)
         try:
             if p.chat:
@@ -242,20 +263,30 @@ class Front:
                     choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": result.finish_reason,
                                               "token_ids": new_ids}
                     if p.chat:
+                        streamer = held[i]
+                        if streamer is not None:  # read for tool calls: content held back where one may start
+                            delta = streamer.ready(text)
+                        calls = None
+                        if result.finish_reason is not None:
+                            answer, choice["finish_reason"] = p.answer(text, result.finish_reason)
+                            answers[i], calls = answer, answer.get("tool_calls")
+                            if streamer is not None:
+                                delta += streamer.rest(answer["content"])
                         choice["delta"] = {"content": delta} if delta or result.finish_reason is None else {}
+                        if calls:
+                            choice["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                     else:
                         choice["text"] = delta
                     if result.finish_reason is not None:
                         choice["rollout"] = responses.rollout_info(result)
                         finals[i] = result
-                        texts[i] = text
                     sent_ids[i], sent_text[i] = len(ids), text
                     out.append(choice)
                 if out:
                     yield responses.chunk(p.reply, kind, out)
             first = finals[0]
             if first is not None:
-                self._record(p, first, texts[0])
+                self._record(p, first, answers[0])
             if include_usage:
                 prompt_tokens = sum(len(ids) for ids in p.prompts) * p.n
                 yield responses.chunk(p.reply, kind, [], responses.usage(prompt_tokens, sum(sent_ids)))

@@ -167,8 +167,10 @@ class Ledger:
                                   f"openai_session_max_tokens {self.max_tokens}; read and free it first")
 
     def record(self, session: Session, plan: PromptPlan, messages: list[dict[str, Any]] | None,
-               result: TurnResult, answer_text: str | None) -> None:
-        """A finished turn into the session: its template tokens (mask 0), its sampled ids (mask 1)."""
+               result: TurnResult, answer: dict[str, Any] | None) -> None:
+        """A finished turn into the session: its template tokens (mask 0), its sampled ids (mask 1);
+        ``answer`` is the assistant message the caller was given (content and tool calls), which the next
+        turn's history must repeat."""
         branch = session.branch
         if plan.divergence is not None:
             session.divergences.append(plan.divergence)
@@ -185,7 +187,7 @@ class Ledger:
         branch.mask.extend([1] * len(result.output_ids))
         branch.logprobs.extend(0.0 if lp is None else lp for lp in result.logprobs)
         if messages is not None:
-            branch.messages = [*messages, {"role": "assistant", "content": answer_text or ""}]
+            branch.messages = [*messages, answer or {"role": "assistant", "content": ""}]
         branch.turns.append(Turn(len(plan.ids), len(result.output_ids), result.finish_reason, result.matched_stop,
                                  result.weight_version, result.weight_versions))
 

@@ -11,6 +11,7 @@ divergences of the trajectory).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rollout_manager.openai_front.ledger import Branch, Divergence, PromptPlan
@@ -24,11 +25,29 @@ def _content(m: dict[str, Any]) -> Any:
     return c or ""
 
 
+def _arguments(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def _calls(m: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
+    """A message's tool calls by id, name and arguments (as objects: an agent may send back the text the
+    front returned, or the object it parsed from it)."""
+    out = []
+    for call in m.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        out.append((call.get("id"), fn.get("name"), _arguments(fn.get("arguments"))))
+    return out
+
+
 def same_message(sent: dict[str, Any], held: dict[str, Any]) -> bool:
     """Whether a message the caller sent is the one the ledger holds (role, text, tool ids and calls)."""
     return (sent.get("role") == held.get("role") and _content(sent) == _content(held)
-            and sent.get("tool_call_id") == held.get("tool_call_id")
-            and (sent.get("tool_calls") or None) == (held.get("tool_calls") or None))
+            and sent.get("tool_call_id") == held.get("tool_call_id") and _calls(sent) == _calls(held))
 
 
 def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: list[dict[str, Any]],

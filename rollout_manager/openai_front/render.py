@@ -8,11 +8,41 @@ a manager without the front configured never pays for it, and the base install s
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
 
-from rollout_manager.openai_front.errors import OpenAIError
+from rollout_manager.openai_front.errors import OpenAIError, invalid
 
 _MARK = "\u2063ASSISTANT-CONTENT\u2063"  # a text no template writes by itself
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as chat templates take them: an assistant's tool-call ``arguments`` given as JSON text
+    become the object (templates write them with ``tojson``), as SGLang's
+    ``normalize_assistant_tool_call_arguments`` does; text that is not a JSON object is a 400 naming it.
+    The caller's messages are not changed (the ledger compares them as sent)."""
+    out = messages
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if not calls or not any(isinstance(c["function"].get("arguments"), str) for c in calls):
+            continue
+        fixed = []
+        for j, call in enumerate(calls):
+            fn = call["function"]
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    args = None
+                if type(args) is not dict:
+                    raise invalid(f"messages[{i}].tool_calls[{j}].function.arguments",
+                                  "a tool call's arguments must be a JSON object")
+            fixed.append({**call, "function": {**fn, "arguments": args}})
+        if out is messages:
+            out = list(messages)
+        out[i] = {**m, "tool_calls": fixed}
+    return out
 
 
 class Renderer:
@@ -32,7 +62,7 @@ class Renderer:
                   generation_prompt: bool) -> str:
         """The conversation as the template writes it (a 400 naming ``messages`` if the template refuses)."""
         try:
-            text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+            text = self.tok.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
                                                 add_generation_prompt=generation_prompt)
         except Exception as exc:  # jinja's TemplateError and the template's own raise_exception
             raise OpenAIError(400, f"the model's chat template refused the messages: {exc}", "messages",

@@ -43,9 +43,11 @@ def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset:
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
 
-def chat_choice(index: int, text: str, result: TurnResult, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": result.finish_reason, "token_ids": result.output_ids, "rollout": rollout_info(result)}
+def chat_choice(index: int, message: dict[str, Any], finish_reason: str | None, result: TurnResult,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """``message``: the assistant's (content and any ``tool_calls``); ``finish_reason`` as read with them."""
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "token_ids": result.output_ids, "rollout": rollout_info(result)}
 
 
 def completion_choice(index: int, text: str, result: TurnResult, logprobs: dict[str, Any] | None) -> dict[str, Any]:

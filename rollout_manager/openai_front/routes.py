@@ -23,6 +23,7 @@ from rollout_manager.openai_front.schemas import (
     ChatRequest,
     CompletionRequest,
     check_messages,
+    check_tools,
     check_unsupported,
     decode_body,
 )
@@ -81,6 +82,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     body = decode_body(await read_json(request, large=True), ChatRequest)
     check_messages(body.messages)
+    check_tools(body.tools, body.tool_choice)
     check_unsupported(body)
     prepared = await front.prepare_chat(body, _session_id(request, body))
     return await _answer(request, front, prepared, body.include_usage)

@@ -137,6 +137,56 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
             raise invalid(f"messages[{i}].content", "content must be a string, a list of parts or null")
         if isinstance(content, list) and any(type(p) is not dict or p.get("type") != "text" for p in content):
             raise invalid(f"messages[{i}].content", "only text parts are supported")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise invalid(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
+        calls = m.get("tool_calls")
+        if calls is not None and (role != "assistant" or type(calls) is not list):
+            raise invalid(f"messages[{i}].tool_calls", "tool_calls must be a list, on an assistant message")
+        for j, call in enumerate(calls or []):
+            fn = call.get("function") if type(call) is dict else None
+            if type(fn) is not dict or not isinstance(fn.get("name"), str):
+                raise invalid(f"messages[{i}].tool_calls[{j}].function", "a tool call's function must be an object "
+                              "with a name")
+            if not isinstance(fn.get("arguments"), (str, dict)):
+                raise invalid(f"messages[{i}].tool_calls[{j}].function.arguments", "a tool call's arguments must be "
+                              "a JSON object or its text")
+
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> None:
+    """``tools`` as OpenAI defines them (``{"type": "function", "function": {"name", "description",
+    "parameters"}}``, names unique) and a ``tool_choice`` that names one of them; a 400 naming the field."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        if type(tool) is not dict or tool.get("type") != "function":
+            raise invalid(f"tools[{i}].type", "a tool must be {\"type\": \"function\", \"function\": {...}}")
+        fn = tool.get("function")
+        if type(fn) is not dict:
+            raise invalid(f"tools[{i}].function", "a tool's function must be an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+            raise invalid(f"tools[{i}].function.name", "a function's name must be 1 to 64 of a-z, A-Z, 0-9, _ and -")
+        if name in names:
+            raise invalid(f"tools[{i}].function.name", f"two tools are named {name!r}")
+        names.add(name)
+        if fn.get("parameters") is not None and type(fn["parameters"]) is not dict:
+            raise invalid(f"tools[{i}].function.parameters", "a function's parameters must be a JSON Schema object")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise invalid(f"tools[{i}].function.description", "a function's description must be a string")
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return
+    if tool_choice == "required":
+        if not names:
+            raise invalid("tool_choice", "tool_choice 'required' needs tools")
+        return
+    fn = tool_choice.get("function") if type(tool_choice) is dict else None
+    if type(fn) is not dict or tool_choice.get("type") != "function" or not isinstance(fn.get("name"), str):
+        raise invalid("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
+                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if fn["name"] not in names:
+        raise invalid("tool_choice", f"tool_choice names {fn['name']!r}, which is not among the tools")
 
 
 def check_unsupported(body: ChatRequest | CompletionRequest) -> None:
@@ -150,8 +200,8 @@ def check_unsupported(body: ChatRequest | CompletionRequest) -> None:
         if body.top_logprobs:
             raise invalid("top_logprobs", "top_logprobs is not supported by this front yet", "unsupported")
         if body.tool_choice not in (None, "auto", "none"):
-            raise invalid("tool_choice", "only tool_choice 'auto' and 'none' are supported: tool calls are not "
-                          "parsed or forced yet", "unsupported")
+            raise invalid("tool_choice", "only tool_choice 'auto' and 'none' are supported: a call is not forced "
+                          "(the grammar that would force one is not sent to the boxes yet)", "unsupported")
     else:
         if body.echo:
             raise invalid("echo", "echo is not supported by this front yet", "unsupported")

@@ -1,0 +1,119 @@
+"""Tool calls in the OpenAI front without processes: the hermes-style reading of an answer (as SGLang 0.5.23's
+HermesDetector reads it), a stream's content adding up to the whole answer's, and a tool conversation's next
+turn extending the session's ledger exactly (the model's ids kept, the tool results as template tokens)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai_tokenizer import make
+
+from rollout_manager.openai_front import tool_calls
+from rollout_manager.openai_front.errors import OpenAIError
+from rollout_manager.openai_front.ledger import Ledger
+from rollout_manager.openai_front.prompt import plan_chat
+from rollout_manager.openai_front.render import Renderer
+from rollout_manager.openai_front.schemas import check_messages, check_tools
+from rollout_manager.sglang.openai_turn import TurnResult
+
+NAMES = frozenset({"get_weather"})
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+TWO_CALLS = ('<tool_call> {"name": "get_weather", "arguments": {"city": "paris"}} </tool_call> '
+             '<tool_call> {"name": "get_weather", "arguments": {"city": "rome"}} </tool_call>')
+
+
+def test_an_answer_is_read_into_content_and_calls() -> None:
+    parsed = tool_calls.parse("let me look \n" + TWO_CALLS, NAMES)
+    assert parsed.content == "let me look"
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "paris"}),
+                                                                         ("get_weather", {"city": "rome"})]
+    assert all(c.id.startswith("call_") for c in parsed.calls) and parsed.calls[0].id != parsed.calls[1].id
+    assert tool_calls.finish_reason("stop", parsed.calls) == "tool_calls"
+    assert tool_calls.finish_reason("length", parsed.calls) == "length"
+    only = tool_calls.parse(TWO_CALLS, NAMES, parallel=False)
+    assert only.content is None and len(only.calls) == 1  # parallel_tool_calls false: the first call
+    unclosed = tool_calls.parse('<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}', NAMES)
+    assert len(unclosed.calls) == 1
+    unknown = tool_calls.parse('hi <tool_call>{"name": "launch", "arguments": {}}</tool_call>', NAMES)
+    assert unknown.calls == [] and unknown.content == "hi"  # a call to an undeclared function is dropped
+    broken = "hi <tool_call>{not json</tool_call>"
+    assert tool_calls.parse(broken, NAMES) == tool_calls.Parsed(broken, [])  # the whole text stays content
+    assert tool_calls.parse("no call here ", NAMES) == tool_calls.Parsed("no call here ", [])
+
+
+@pytest.mark.parametrize("text", ["plain answer  ", "let me look \n" + TWO_CALLS, "hi <tool_call>{not json",
+                                  "ends in <tool_", "<tool_call>" + TWO_CALLS[11:]])
+def test_a_streams_content_adds_up_to_the_whole_answers(text: str) -> None:
+    for step in (1, 3, 7):
+        streamer, sent = tool_calls.StreamingContent(), ""
+        for end in range(step, len(text) + step, step):
+            sent += streamer.ready(text[:end])
+        sent += streamer.rest(tool_calls.parse(text, NAMES).content)
+        assert sent == (tool_calls.parse(text, NAMES).content or "")
+
+
+def test_tools_and_tool_messages_are_checked_naming_the_field() -> None:
+    cases: list[tuple[Any, Any, str]] = [
+        ([{"type": "function", "function": {"name": "bad name"}}], None, "tools[0].function.name"),
+        ([{"type": "retrieval"}], None, "tools[0].type"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "object"}}], None,
+         "tools[0].function.parameters"),
+        (TOOLS + TOOLS, None, "tools[1].function.name"),
+        (TOOLS, {"type": "function", "function": {"name": "other"}}, "tool_choice"),
+        (None, "required", "tool_choice"),
+    ]
+    for tools, choice, param in cases:
+        with pytest.raises(OpenAIError) as caught:
+            check_tools(tools, choice)
+        assert caught.value.status == 400 and caught.value.param == param
+    check_tools(TOOLS, "required")  # well formed (forcing a call is refused elsewhere, as unsupported)
+    with pytest.raises(OpenAIError) as caught:
+        check_messages([{"role": "tool", "content": "sunny"}])
+    assert caught.value.param == "messages[0].tool_call_id"
+    with pytest.raises(OpenAIError) as caught:
+        check_messages([{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f",
+                                                                                                    "arguments": 3}}]}])
+    assert caught.value.param == "messages[0].tool_calls[0].function.arguments"
+
+
+@pytest.fixture(scope="module")
+def renderer(tmp_path_factory: pytest.TempPathFactory) -> Renderer:
+    return Renderer(str(make(Path(tmp_path_factory.mktemp("tok")))))
+
+
+def test_a_tool_conversations_next_turn_extends_the_ledger(renderer: Renderer) -> None:
+    ledger = Ledger(8, 10_000, 60.0)
+    session = ledger.begin("s")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "weather in paris"}]
+    first = plan_chat(renderer, None, 0, messages, TOOLS)
+    assert first.ids == renderer.encode(renderer.chat_text(messages, TOOLS, True))
+    end = renderer.encode("<|im_end|>")[0]
+    sampled = [*renderer.encode(TWO_CALLS), end]  # what the model wrote: two calls, then the end token
+    parsed = tool_calls.parse(renderer.decode(sampled), NAMES)
+    answer = {"role": "assistant", "content": parsed.content, "tool_calls": [c.to_json() for c in parsed.calls]}
+    ledger.record(session, first, messages, TurnResult(sampled, [-0.5] * len(sampled), "stop", end, 0, "v1", [], []),
+                  answer)
+    ledger.end(session)
+    # the agent sends back the calls (their arguments parsed to objects, as some harnesses do) and two results
+    back = {"role": "assistant", "content": None,
+            "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                           for c in answer["tool_calls"]]}
+    results = [{"role": "tool", "tool_call_id": c.id, "content": w} for c, w in zip(parsed.calls, ["sunny", "rainy"])]
+    messages += [back, *results]
+    second = plan_chat(renderer, session.branch, 1, messages, TOOLS)
+    n = len(first.ids) + len(sampled)
+    assert second.extends and second.ids[:n] == first.ids + sampled  # the model's ids, not re-tokenized
+    assert second.ids[n:] == renderer.encode("\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+                                             "<tool_response>\nrainy\n</tool_response><|im_end|>\n"
+                                             "<|im_start|>assistant\n")
+    ledger.record(session, second, messages, TurnResult([7], [-0.1], "length", None, 0, "v1", [], []),
+                  {"role": "assistant", "content": "a"})
+    branch = session.branch
+    assert branch is not None and branch.mask == [1] * len(sampled) + [0] * (len(second.ids) - n) + [1]
+    # the template writes the calls back as the model wrote them (a word per JSON piece): nothing diverged
+    assert second.divergence is None and len(session.branches) == 1
