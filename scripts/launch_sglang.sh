@@ -10,8 +10,9 @@ Usage: launch_sglang.sh --model-path PATH [options] [-- SGLANG_FLAGS...]
 
 Starts one rollout instance on this box: SGLang (or the CPU engine) plus the weight receiver agent,
 waits until both answer, registers the instance with the rollout manager, and keeps them running.
-On Ctrl-C, SIGTERM or SIGHUP it deregisters (the manager drains the instance: no new work, in-flight
-requests finish), then stops both children. If SGLang or the agent dies, it deregisters, stops the
+On Ctrl-C or SIGHUP it deregisters (the manager drains the instance: no new work, in-flight
+requests finish), then stops both children. SIGTERM is a preemption notice unless --preemption-notice
+off (below): the manager moves the work off the box while it keeps serving, then the children stop. If SGLang or the agent dies, it deregisters, stops the
 other and exits. A second Ctrl-C skips the drain. Nothing is left running when it exits; if the
 launcher itself is killed (kill -9) its children get SIGTERM from the kernel.
 
@@ -83,6 +84,29 @@ Weight receiver agent:
   --mooncake-device-name NAMES   RDMA NICs, comma-separated (default: all).
   --receiver-arg ARG      extra argument for the agent, repeatable (e.g. --receiver-arg=--engines=2).
 
+Preemption notices (the manager moves the work off a box before its cloud takes it back):
+  --preemption-notice auto|aws|gce|azure|sigterm|off
+                          where notices come from (default auto; env ROLLOUT_PREEMPTION_NOTICE).
+                          aws: EC2 Spot's spot/instance-action (IMDSv2, checked every 5 s; two minutes'
+                          notice). gce: the metadata server's instance/preempted, waited on (about 30 s).
+                          azure: Scheduled Events of type Preempt or Terminate for this VM, checked every
+                          second (NotBefore; at least 30 s). auto: whichever of the three answers at
+                          start (all asked at once, 1 s each), else SIGTERM alone. Every mode but off
+                          also treats SIGTERM as a notice: the box reports --sigterm-grace-s seconds
+                          left, keeps serving until the manager has removed it (or the time is
+                          spent), then stops. off: SIGTERM deregisters and drains, as Ctrl-C does.
+                          A withdrawn notice (Azure's event gone, AWS's item gone, GCE back to FALSE),
+                          or one the box outlives by 60 s, is taken back: the box returns to service.
+  --sigterm-grace-s S     seconds between SIGTERM and the kill (default 30, Kubernetes' default
+                          terminationGracePeriodSeconds): set it to your pod's, Slurm's GraceTime, ...
+  --preemptible auto|true|false
+                          register the box as one its cloud may take back (default auto: true when
+                          the metadata service says this is a spot/preemptible machine).
+  --price-per-hour P      what the box costs per hour, registered for the status and the scaling signal.
+  --aws-metadata-url URL, --gce-metadata-url URL, --azure-metadata-url URL
+                          the metadata services (default http://169.254.169.254; env
+                          ROLLOUT_AWS_METADATA_URL, ROLLOUT_GCE_METADATA_URL, ROLLOUT_AZURE_METADATA_URL).
+
 Timing:
   --ready-timeout-s S     how long SGLang and the agent may take to answer (default 1800: large
                           models load and compile for a long time). The manager then checks
@@ -102,6 +126,7 @@ Environment:
                               but deregistration, which uses the box token the registration returned
                               (it can remove this instance and nothing else).
   ROLLOUT_MANAGER_ENGINE      sglang or cpu (as --engine).
+  ROLLOUT_PREEMPTION_NOTICE   as --preemption-notice.
   PYTHON                      the interpreter (as --python).
   ROLLOUT_SGLANG_API_KEY, ROLLOUT_SGLANG_ADMIN_API_KEY
                               SGLang's keys (as --api-key, --admin-api-key), without them on this
@@ -116,9 +141,11 @@ Network: the manager must reach --port and --transfer-agent-handshake-port on --
 weight senders must reach Mooncake's port range (TCP 15000-17000 by default, RDMA for rdma) on --host.
 
 Supervisors: a terminal's Ctrl-C reaches only this launcher (the children run in their own process
-groups), so the drain happens before SGLang stops. Under systemd use KillMode=mixed (the default
+groups), so the drain happens before SGLang stops. A supervisor that signals every process (not only
+this launcher) stops SGLang at once: the manager then handles the box as a crash. Under systemd use KillMode=mixed (the default
 control-group sends SIGTERM to SGLang at the same time); give Kubernetes pods a
-terminationGracePeriodSeconds above --drain-timeout-s + --stop-timeout-s.
+terminationGracePeriodSeconds of --sigterm-grace-s (or, with --preemption-notice off, above
+--drain-timeout-s + --stop-timeout-s).
 
 Exit status: 0 stopped by a signal, after deregistering; 1 a check or the start-up failed
 (port in use, manager unreachable, not ready in time, registration refused); 2 bad usage;
@@ -143,6 +170,7 @@ PY=${PYTHON:-python3}
 MODEL_PATH="" VOCAB_SIZE="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
 PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 INCREMENTAL=1 DRY_RUN=0
 READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5 WAIT_MANAGER=0
+NOTICE=${ROLLOUT_PREEMPTION_NOTICE:-auto} GRACE=30 PREEMPTIBLE=auto PRICE="" METADATA_ARGS=()
 RECEIVER_ARGS=() EXTRA=()
 API_KEY=${ROLLOUT_SGLANG_API_KEY:-} ADMIN_API_KEY=${ROLLOUT_SGLANG_ADMIN_API_KEY:-}
 
@@ -153,7 +181,9 @@ while [[ $# -gt 0 ]]; do
     case ${arg%%=*} in
       --manager-addr|--model-path|--vocab-size|--host|--bind|--port|--transfer-agent-handshake-port|--receiver-port|\
       --engine|--python|--mooncake-protocol|--mooncake-device-name|--receiver-arg|--ready-timeout-s|\
-      --drain-timeout-s|--stop-timeout-s|--reregister-check-s|--wait-for-manager|--api-key|--admin-api-key)
+      --drain-timeout-s|--stop-timeout-s|--reregister-check-s|--wait-for-manager|--api-key|--admin-api-key|\
+      --preemption-notice|--sigterm-grace-s|--preemptible|--price-per-hour|--aws-metadata-url|\
+      --gce-metadata-url|--azure-metadata-url)
         shift; set -- "${arg%%=*}" "${arg#*=}" "$@"; continue ;;
     esac
   fi
@@ -181,6 +211,12 @@ while [[ $# -gt 0 ]]; do
     --stop-timeout-s) need_value "$@"; STOP_TIMEOUT=$2; shift 2 ;;
     --reregister-check-s) need_value "$@"; RECHECK=$2; shift 2 ;;
     --wait-for-manager) need_value "$@"; WAIT_MANAGER=$2; shift 2 ;;
+    --preemption-notice) need_value "$@"; NOTICE=$2; shift 2 ;;
+    --sigterm-grace-s) need_value "$@"; GRACE=$2; shift 2 ;;
+    --preemptible) need_value "$@"; PREEMPTIBLE=$2; shift 2 ;;
+    --price-per-hour) need_value "$@"; PRICE=$2; shift 2 ;;
+    --aws-metadata-url|--gce-metadata-url|--azure-metadata-url)
+      need_value "$@"; METADATA_ARGS+=("${1%-metadata-url}-url" "$2"); shift 2 ;;  # the helper's --aws-url, ...
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
     *) EXTRA+=("$arg"); shift ;;  # SGLang's own flags, passed through in order
@@ -213,11 +249,15 @@ is_port "$PORT" || usage_error "--port must be a port number, got '$PORT'"
 [[ -n $AGENT_PORT ]] || AGENT_PORT=$(( PORT + 1111 <= 65535 ? PORT + 1111 : PORT - 1111 ))
 is_port "$AGENT_PORT" || usage_error "--transfer-agent-handshake-port must be a port number, got '$AGENT_PORT'"
 for pair in "ready-timeout-s:$READY_TIMEOUT" "drain-timeout-s:$DRAIN_TIMEOUT" "stop-timeout-s:$STOP_TIMEOUT" \
-            "reregister-check-s:$RECHECK" "wait-for-manager:$WAIT_MANAGER"; do
+            "reregister-check-s:$RECHECK" "wait-for-manager:$WAIT_MANAGER" "sigterm-grace-s:$GRACE"; do
   is_num "${pair#*:}" || usage_error "--${pair%%:*} must be a number of seconds, got '${pair#*:}'"
 done
 STOP_TIMEOUT=${STOP_TIMEOUT%%.*}
 case $ENGINE in sglang|cpu) ;; *) usage_error "--engine must be sglang or cpu, got '$ENGINE'" ;; esac
+case $NOTICE in auto|aws|gce|azure|sigterm|off) ;; *) usage_error "--preemption-notice must be auto, aws, gce, azure, sigterm or off, got '$NOTICE'" ;; esac
+case $PREEMPTIBLE in auto|true|false) ;; *) usage_error "--preemptible must be auto, true or false, got '$PREEMPTIBLE'" ;; esac
+[[ -z $PRICE ]] || is_num "$PRICE" || usage_error "--price-per-hour must be a number >= 0, got '$PRICE'"
+[[ $GRACE =~ [1-9] ]] || usage_error "--sigterm-grace-s must be above 0, got '$GRACE'"
 case $PROTOCOL in tcp|rdma) ;; *) usage_error "--mooncake-protocol must be tcp or rdma, got '$PROTOCOL'" ;; esac
 [[ $ENGINE == cpu || -n $MODEL_PATH ]] || usage_error "--model-path is required for --engine sglang"
 [[ -n $MANAGER_ADDR ]] || usage_error "no manager address: set ROLLOUT_MANAGER_ADDR=http://<ip>:<port> or pass --manager-addr"
@@ -264,6 +304,7 @@ if (( DRY_RUN )); then
   for a in "${ENGINE_CMD[@]}"; do if [[ -n $a && ( $a == "$API_KEY" || $a == "$ADMIN_API_KEY" ) ]]; then shown+=("<key>"); else shown+=("$a"); fi; done
   printf 'manager: %s\nhost: %s\nengine:' "$MANAGER" "$HOST"; printf ' %q' "${shown[@]}"; echo
   printf 'agent:'; printf ' %q' "${AGENT_CMD[@]}"; echo
+  printf 'preemption notices: %s (SIGTERM grace %ss)\n' "$NOTICE" "$GRACE"
   exit 0
 fi
 
@@ -271,8 +312,24 @@ fi
 box preflight --manager "$MANAGER" --bind "$BIND" --port "$PORT" --agent-port "$AGENT_PORT" \
   --modules "$MODULES" --wait-for-manager "$WAIT_MANAGER" >/dev/null || exit 1
 
+# Which metadata service gives notices (auto: whichever answers), and whether this is a spot machine.
+PROVIDER="" SPOT=""
+case $NOTICE in
+  auto|aws|gce|azure)
+    detected=$(box notice-detect --mode "$NOTICE" ${METADATA_ARGS[@]+"${METADATA_ARGS[@]}"}) || exit 1
+    if [[ $detected =~ \"provider\":\ \"([a-z]+)\" ]]; then PROVIDER=${BASH_REMATCH[1]}; fi
+    if [[ $detected =~ \"preemptible\":\ (true|false) ]]; then SPOT=${BASH_REMATCH[1]}; fi
+    if [[ -n $PROVIDER ]]; then
+      log "preemption notices: $PROVIDER metadata service${SPOT:+ (spot machine: $SPOT)}, and SIGTERM (grace ${GRACE}s)"
+    else
+      log "preemption notices: no cloud metadata service answered; SIGTERM only (grace ${GRACE}s)"
+    fi ;;
+  sigterm) log "preemption notices: SIGTERM only (grace ${GRACE}s)" ;;
+esac
+if [[ $PREEMPTIBLE == auto ]]; then PREEMPTIBLE=${SPOT:-false}; fi
+
 # ------------------------------------------------------------------ supervision
-ENGINE_PID="" AGENT_PID="" HELPER_PID="" WATCH_PID="" ENDPOINT="" STOP="" SIGNALS=0 DONE=0
+ENGINE_PID="" AGENT_PID="" HELPER_PID="" WATCH_PID="" NOTICE_PID="" ENDPOINT="" STOP="" STOP_AT="" SIGNALS=0 DONE=0
 # Scratch files, deleted as soon as they are open (a SIGKILLed launcher runs no trap, so nothing it
 # leaves in $TMPDIR would ever be removed): the registration's stdout on fds 6 (write) and 7 (read);
 # the registration state for `box watch` on fds 8 and 9 (helpers reopen them as /dev/fd/N).
@@ -285,7 +342,7 @@ rm -f "$scratch"
 
 on_signal() {  # only note it and interrupt what runs; the main flow does the stopping
   SIGNALS=$((SIGNALS + 1))
-  [[ -n $STOP ]] || STOP=$1
+  [[ -n $STOP ]] || { STOP=$1; STOP_AT=${EPOCHREALTIME/,/.}; }  # bash 5; else the helper counts from its start
   if [[ -n $HELPER_PID ]]; then kill -TERM "$HELPER_PID" 2>/dev/null || true; fi
 }
 trap 'on_signal SIGINT' INT
@@ -343,11 +400,25 @@ stop_children() {
   AGENT_PID="" ENGINE_PID=""
 }
 
-stop_watch() {  # before deregistering: nothing may register the box again
-  [[ -n $WATCH_PID ]] || return 0
-  signal_group TERM "$WATCH_PID"
-  wait "$WATCH_PID" 2>/dev/null || true
-  WATCH_PID=""
+stop_watch() {  # before deregistering: nothing may register the box again, or report a notice
+  local p
+  for p in "$WATCH_PID" "$NOTICE_PID"; do
+    if [[ -n $p ]]; then signal_group TERM "$p"; wait "$p" 2>/dev/null || true; fi
+  done
+  WATCH_PID="" NOTICE_PID=""
+}
+
+# SIGTERM with notices on: the manager is told the box goes in --sigterm-grace-s (counted from the
+# signal) and moves its work off; SGLang keeps serving until the manager has removed the box or the time
+# is spent. Falls back to deregister when the manager does not take it (one without evacuation).
+evacuate_on_sigterm() {
+  [[ -n $ENDPOINT && $STOP == SIGTERM && $NOTICE != off ]] && (( SIGNALS == 1 )) || return 1
+  log "SIGTERM: reporting $ENDPOINT to the manager as going within ${GRACE}s"
+  local rc=0
+  run_box evacuate --manager "$MANAGER" --endpoint "$ENDPOINT" --deadline-s "$GRACE" --since "${STOP_AT:-0}" \
+    --source sigterm --state-file /dev/fd/9 --wait >/dev/null || rc=$?
+  if (( rc == 0 || SIGNALS >= 2 )); then ENDPOINT=""; return 0; fi  # asked twice: stop now
+  return 1
 }
 
 deregister() {
@@ -372,7 +443,7 @@ finish() {  # deregister, stop the children, exit with $1
   if (( ! DONE )); then
     DONE=1
     stop_watch || true
-    deregister || true
+    evacuate_on_sigterm || deregister || true
     stop_children || true
   fi
   exit "$status"
@@ -402,8 +473,12 @@ stop_if_asked
 REGISTER_MODEL=()  # the CPU engine reports its own vocabulary size; SGLang's is read from the model
 if [[ $ENGINE == sglang ]]; then REGISTER_MODEL=(--model-path "$MODEL_PATH"); fi
 if [[ -n $VOCAB_SIZE ]]; then REGISTER_MODEL+=(--vocab-size "$VOCAB_SIZE"); fi
+REGISTER_BOX=()  # what the manager's placement and scaling signal know the box by
+if [[ $PREEMPTIBLE == true ]]; then REGISTER_BOX+=(--preemptible); fi
+if [[ -n $PRICE ]]; then REGISTER_BOX+=(--price-per-hour "$PRICE"); fi
 if ! run_box register --manager "$MANAGER" --host "$HOST" --port "$PORT" --agent-url "$AGENT_URL" \
-      --agent-port "$AGENT_PORT" ${REGISTER_MODEL[@]+"${REGISTER_MODEL[@]}"} --state-file /dev/fd/8 >&6; then
+      --agent-port "$AGENT_PORT" ${REGISTER_MODEL[@]+"${REGISTER_MODEL[@]}"} ${REGISTER_BOX[@]+"${REGISTER_BOX[@]}"} \
+  --state-file /dev/fd/8 >&6; then
   if [[ -n $STOP ]]; then  # interrupted: the manager may have filed us before the helper was stopped
     if [[ $HOST == *:* ]]; then ENDPOINT="[$HOST]:$PORT"; else ENDPOINT="$HOST:$PORT"; fi
   fi
@@ -419,6 +494,11 @@ stop_if_asked
 CHILD_STDIN=/dev/fd/9 start_child "$PY" -m rollout_manager.launch.box watch --manager "$MANAGER" --state-file /dev/stdin \
   --interval "$RECHECK"
 WATCH_PID=$!
+if [[ -n $PROVIDER ]]; then  # reports this cloud's preemption notices (rollout_manager/launch/notice_watch.py)
+  CHILD_STDIN=/dev/fd/9 start_child "$PY" -m rollout_manager.launch.box notice-watch --provider "$PROVIDER" \
+    --manager "$MANAGER" --state-file /dev/stdin ${METADATA_ARGS[@]+"${METADATA_ARGS[@]}"}
+  NOTICE_PID=$!
+fi
 
 while :; do
   # Poll instead of `wait -n`: a child that died before this loop began (a race under load) would

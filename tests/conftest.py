@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,10 @@ from support import PY, STARTED, OnLoopback, Proc, async_wait_until, free_port, 
 from rollout_manager.api.routes import create_app
 from rollout_manager.config import Config
 from rollout_manager.manager import Manager
+
+# The launcher's default (--preemption-notice auto) asks the clouds' link-local metadata services; tests
+# never do (tests/test_preemption_notices.py points it at loopback fakes), and SIGTERM stays a drain.
+os.environ.setdefault("ROLLOUT_PREEMPTION_NOTICE", "off")
 
 # Fast health settings for tests; production defaults are minutes.
 FAST = {

@@ -32,6 +32,18 @@ Commands:
   with one log line. While the manager is unreachable the box keeps serving; one line when it goes
   away, one when it is back.
 
+- ``notice-detect [--mode auto|aws|gce|azure]``: which cloud metadata service answers (all asked at once,
+  each with ``--timeout``) and whether this machine is a spot one, as one JSON line.
+- ``notice-watch --provider P --manager ADDR --state-file F``: runs beside the children; reports a
+  preemption notice from P's metadata service with ``POST /evacuate_instance`` (seconds left), and
+  ``POST /cancel_evacuation`` when it is withdrawn (``rollout_manager.launch.notice_watch``).
+- ``evacuate --manager ADDR --endpoint E --deadline-s S [--since T] [--wait]``: the SIGTERM path; reports
+  the box as going S seconds after T and, with ``--wait``, returns once the manager has removed it or
+  the time is spent. Exit 1 when the manager did not take it.
+
+Metadata base URLs: ``--aws-url``/``--gce-url``/``--azure-url``, else ``$ROLLOUT_AWS_METADATA_URL``,
+``$ROLLOUT_GCE_METADATA_URL``, ``$ROLLOUT_AZURE_METADATA_URL``, else ``http://169.254.169.254``.
+
 ``ROLLOUT_MANAGER_AUTH_TOKEN``, when set, is sent as ``Authorization: Bearer <token>`` on every call
 to the manager but one: deregistration uses the box token the registration answer carried (kept in
 the state file, renewed by ``watch`` when it registers again), which removes this instance and no
@@ -40,7 +52,8 @@ other. From a manager that issues none (or no longer knows it: 401), the shared 
 
 # This module is the entry point only: the command-line parser and main (the docstring above is the
 # --help text). The commands live in box_local (detect-host, preflight, exec, wait-ready) and
-# box_registration (register, deregister, watch), both on the shared helpers of box_common.
+# box_registration (register, deregister, watch), both on the shared helpers of box_common; the
+# preemption notices in notice_watch (notice-detect, notice-watch, evacuate) on notices' providers.
 
 from __future__ import annotations
 
@@ -51,6 +64,7 @@ from collections.abc import Sequence
 from rollout_manager.launch.box_common import BoxError, fail, normalize_addr
 from rollout_manager.launch.box_local import cmd_exec, cmd_preflight, cmd_wait_ready, detect_host
 from rollout_manager.launch.box_registration import cmd_deregister, cmd_register, cmd_watch
+from rollout_manager.launch.notice_watch import add_metadata_args, cmd_evacuate, cmd_notice_detect, cmd_notice_watch
 
 __all__ = ["build_parser", "main"]
 
@@ -104,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=60.0, help="keep retrying an unreachable manager this long")
     s.add_argument("--endpoint-file", help="also write the registered endpoint here")
     s.add_argument("--state-file", help="also write the body, endpoint and manager run id here (for watch)")
+    s.add_argument("--preemptible", action="store_true", help="register the box as one its cloud may take back")
+    s.add_argument("--price-per-hour", type=float, help="what the box costs per hour (registered as price_per_hour)")
     s.set_defaults(func=cmd_register)
 
     s = sub.add_parser("watch")
@@ -118,6 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=60.0)
     s.add_argument("--state-file", help="written by register --state-file: its box token authorises the call")
     s.set_defaults(func=cmd_deregister)
+
+    s = sub.add_parser("notice-detect")
+    s.add_argument("--mode", choices=("auto", "aws", "gce", "azure"), default="auto")
+    add_metadata_args(s)
+    s.set_defaults(func=cmd_notice_detect)
+
+    s = sub.add_parser("notice-watch")
+    s.add_argument("--provider", choices=("aws", "gce", "azure"), required=True)
+    s.add_argument("--manager", required=True)
+    s.add_argument("--state-file", required=True, help="written by register --state-file (endpoint, box token)")
+    s.add_argument("--endpoint", help="the registered endpoint (default: from the state file)")
+    s.add_argument("--outlive-s", type=float, default=60.0,
+                   help="alive this long past a notice's deadline: the evacuation is cancelled")
+    add_metadata_args(s)
+    s.set_defaults(func=cmd_notice_watch)
+
+    s = sub.add_parser("evacuate")
+    s.add_argument("--manager", required=True)
+    s.add_argument("--endpoint", required=True)
+    s.add_argument("--deadline-s", type=float, required=True, help="seconds the box has left, from --since")
+    s.add_argument("--since", type=float, default=0.0, help="wall-clock time the countdown started (default now)")
+    s.add_argument("--source", default="sigterm")
+    s.add_argument("--state-file", help="written by register --state-file: its box token authorises the call")
+    s.add_argument("--wait", action="store_true", help="return once the manager removed the box, or at the deadline")
+    s.set_defaults(func=cmd_evacuate)
     return p
 
 

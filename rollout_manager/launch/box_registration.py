@@ -91,6 +91,10 @@ def cmd_register(args: argparse.Namespace) -> None:
         print(f"launch_sglang: no vocab_size in {args.model_path}'s config.json (or no config.json here); the "
               "manager cannot refuse out-of-vocabulary input ids for this box (--vocab-size sets it)",
               file=sys.stderr, flush=True)
+    if getattr(args, "preemptible", False):
+        body["preemptible"] = True  # left out when false: the manager's default, and older managers know no such field
+    if getattr(args, "price_per_hour", None) is not None:
+        body["price_per_hour"] = args.price_per_hour
     endpoint = format_endpoint(args.host, args.port)
     check_parallelism(str(info.get("sglang_url") or url_of(args.host, args.port)), endpoint)
     run_id = None

@@ -192,7 +192,10 @@ class Demo:
                                       "--host", "127.0.0.1", "--port", str(port),
                                       "--transfer-agent-handshake-port", str(agent_port),
                                       "--ready-timeout-s", str(int(self.box_timeout_s)),
-                                      "--drain-timeout-s", "5", "--", *engine_flags],
+                                      "--drain-timeout-s", "5",
+                                      # boxes on this machine: no cloud to hear from, and the demo's own
+                                      # SIGTERM at its end is a stop, not a preemption
+                                      "--preemption-notice", "off", "--", *engine_flags],
                       self.logdir, env=env)
         self.children.append(child)
         box = Box(child, port)
