@@ -2,7 +2,7 @@
 """Multi-turn affinity on a simulated pool with a prefix cache per instance.
 
 Time-stepped simulation, no GPU, no network. The manager side is the real code: the dispatch
-policies of ``rollout_manager.placement.scheduling`` (with ``TokenRateMeter`` rates) and the affinity
+policies of ``rollout_manager.placement`` (with ``TokenRateMeter`` rates) and the affinity
 table and overload rule of ``rollout_manager.placement.affinity`` (``AffinityTable.lookup/placed/
 finished``, ``overloaded``), applied as ``Dispatcher.try_acquire`` applies them. The instances are a
 model:
@@ -41,7 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_manager.placement.affinity import AffinityKeys, AffinitySettings, AffinityTable, overloaded
-from rollout_manager.placement.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, make_policy
+from rollout_manager.placement.instance_load import InstanceLoad
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.policy_registry import make_policy
+from rollout_manager.placement.rate_meter import TokenRateMeter
 
 
 @dataclass

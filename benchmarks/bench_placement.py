@@ -33,7 +33,7 @@ def measure(instances: int, sequences: int, tokens: int, prefer: bool) -> float:
     from rollout_manager.instances.instance import Kind, State
     from rollout_manager.instances.registry import Registry
     from rollout_manager.placement.dispatch import Dispatcher
-    from rollout_manager.placement.scheduling import DEFAULT_POLICY, make_policy
+    from rollout_manager.placement.policy_registry import DEFAULT_POLICY, make_policy
 
     clock = [0.0]  # the dispatcher's clock, moved by hand: the same rates and decay in every run
     registry = Registry(clock=lambda: clock[0])

@@ -2,7 +2,7 @@
 """Scheduling and tail migration on a simulated heterogeneous, preemptible rollout pool.
 
 Discrete-event simulation, no GPU, no network. The manager side is the real code
-(``rollout_manager.placement.scheduling``: the dispatch policies, ``TokenRateMeter`` and
+(``rollout_manager.placement``: the dispatch policies, ``TokenRateMeter`` and
 ``TailMigration``); the instances are a model:
 
 - continuous batching with saturating throughput: an instance running ``n`` sequences makes
@@ -79,17 +79,12 @@ from schedule_bounds import fluid_bound, longest_alone_bound, opt_lower_bound
 from sim_pool import PiecedMakespan, make_instances, make_lengths, preempt_index, simulate
 
 from rollout_manager.placement.box_speed import BoxSpeeds
+from rollout_manager.placement.instance_load import InstanceLoad
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.placement.makespan import Makespan
-from rollout_manager.placement.scheduling import (
-    POLICY_NAMES,
-    InstanceLoad,
-    Move,
-    PlacementPolicy,
-    RunningSequence,
-    TailMigration,
-    make_policy,
-)
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.policy_registry import POLICY_NAMES, make_policy
+from rollout_manager.placement.tail_migration import Move, RunningSequence, TailMigration
 
 
 class Clairvoyant:

@@ -12,17 +12,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rollout_manager.placement.box_speed import BoxSpeeds
+from rollout_manager.placement.instance_load import InstanceLoad
 from rollout_manager.placement.lengths import LengthModel, Track
 from rollout_manager.placement.makespan import BoxWork, Makespan
-from rollout_manager.placement.scheduling import (
-    InstanceLoad,
-    PlacementPolicy,
-    Rest,
-    RunningSequence,
-    TailMigration,
-    TokenRateMeter,
-    lone_rate_weight,
-)
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.rate_meter import TokenRateMeter, lone_rate_weight
+from rollout_manager.placement.tail_migration import Rest, RunningSequence, TailMigration
 
 EPS = 1e-9
 

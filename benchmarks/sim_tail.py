@@ -41,7 +41,7 @@ from tail_plan import Job, clairvoyant, lower_bound
 from rollout_manager.placement.box_speed import BoxSpeeds
 from rollout_manager.placement.lengths import LengthModel, Prediction, Track
 from rollout_manager.placement.makespan import Makespan
-from rollout_manager.placement.scheduling import TailMigration
+from rollout_manager.placement.tail_migration import TailMigration
 
 GROUP = 8
 PROMPT = 256

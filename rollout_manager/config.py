@@ -127,7 +127,7 @@ class Config(BaseModel):
     connect_timeout_s: float = Field(default=10.0, gt=0)
     engine_stream_interval: int = Field(default=64, ge=0)  # 0: send none, the server's --stream-interval holds
     engine_batch_max: int = Field(default=64, ge=1)  # short calls joined into one engine batch at most (1: never)
-    # Tail migration (scheduling.TailMigration; config.toml says what each one means).
+    # Tail migration (placement.tail_migration; config.toml says what each one means).
     tail_migration: bool = True
     length_prediction: bool = False  # placement.lengths: observe and predict output lengths per group
     # What the scheduler learned, kept across restarts (placement.scheduler_state): the file ("": not kept), written

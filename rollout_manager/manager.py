@@ -42,8 +42,8 @@ from rollout_manager.placement.affinity import AffinitySettings
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.fleet_signal import FleetSignal
 from rollout_manager.placement.local_budget import LocalBudget
+from rollout_manager.placement.policy_registry import make_policy
 from rollout_manager.placement.scheduler_state import StateFile
-from rollout_manager.placement.scheduling import make_policy
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.generation_settings import GenerationSettings
 from rollout_manager.sglang import relay

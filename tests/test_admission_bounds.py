@@ -30,7 +30,7 @@ from rollout_manager.placement.dispatch import (
     accepted_at,
     default_max_in_flight_total,
 )
-from rollout_manager.placement.scheduling import LeastInFlight
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.sglang import wire
 
 

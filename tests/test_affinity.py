@@ -18,14 +18,12 @@ from rollout_manager.errors import InvalidField
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.placement.affinity import AffinitySettings, AffinityTable, overloaded
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.instance_load import InstanceLoad
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import (
-    InstanceLoad,
-    LeastInFlight,
-    PlacementPolicy,
-    RoundRobin,
-    ThroughputAware,
-)
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.round_robin import RoundRobin
+from rollout_manager.placement.throughput_aware import ThroughputAware
 from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.request import Request, decode

@@ -13,7 +13,7 @@ from test_batch_window import generator
 
 from rollout_manager.instances.registry import Registry
 from rollout_manager.placement.dispatch import Dispatcher
-from rollout_manager.placement.scheduling import LeastInFlight
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.generation import GenerationFailed
 from rollout_manager.rollout.request import Request, decode

@@ -17,7 +17,7 @@ from test_batch_window import batch, generator
 
 from rollout_manager.instances.registry import Kind, Registry, State
 from rollout_manager.placement.dispatch import Dispatcher
-from rollout_manager.placement.scheduling import LeastInFlight
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.rollout.batch import BatchLine, run_batch
 from rollout_manager.rollout.request import Request, decode
 from rollout_manager.rollout.window import START_PER_TURN, pacer

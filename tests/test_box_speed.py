@@ -15,8 +15,10 @@ from support import free_port
 from rollout_manager.instances.registry import Kind, State
 from rollout_manager.ops import render_status
 from rollout_manager.placement.box_speed import BoxSpeeds, StepFit, StepModel
+from rollout_manager.placement.instance_load import InstanceLoad
 from rollout_manager.placement.makespan import Makespan
-from rollout_manager.placement.scheduling import InstanceLoad, ThroughputAware, TokenRateMeter
+from rollout_manager.placement.rate_meter import TokenRateMeter
+from rollout_manager.placement.throughput_aware import ThroughputAware
 
 A, B = 0.02, 0.001  # seconds per step, and per running sequence per step (a 7B-class GPU box, roughly)
 

@@ -11,7 +11,7 @@ from fakes import FakeClock, run_pending
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.placement.dispatch import Dispatcher
-from rollout_manager.placement.scheduling import LeastInFlight
+from rollout_manager.placement.least_in_flight import LeastInFlight
 
 
 def active(registry: Registry, n: int, kind: Kind = Kind.REMOTE, first_port: int = 30000) -> list[Instance]:

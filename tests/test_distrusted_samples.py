@@ -374,7 +374,7 @@ async def test_the_status_page_shows_each_boxs_probe_verdict_and_the_quarantine(
 def test_a_mark_looks_only_at_the_sequences_with_segments_of_its_box() -> None:
     from rollout_manager.instances.registry import Kind, Registry
     from rollout_manager.placement.dispatch import Dispatcher
-    from rollout_manager.placement.scheduling import LeastInFlight
+    from rollout_manager.placement.least_in_flight import LeastInFlight
     from rollout_manager.rollout.migration import Migrator
 
     registry = Registry()

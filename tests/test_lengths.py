@@ -20,9 +20,9 @@ from rollout_manager.config import Config
 from rollout_manager.errors import InvalidField
 from rollout_manager.instances.registry import Registry
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.lengths import BUCKETS, LengthModel, Prior, Track, bucket, censored_fit
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.request import decode, decode_items
 from rollout_manager.sglang.client import SGLangClient

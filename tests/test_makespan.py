@@ -15,8 +15,9 @@ from fakes import FakeClock, run_pending
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.placement.box_speed import StepModel
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.instance_load import InstanceLoad
 from rollout_manager.placement.makespan import BoxWork, Makespan
-from rollout_manager.placement.scheduling import InstanceLoad, make_policy
+from rollout_manager.placement.policy_registry import make_policy
 
 FAST, SLOW = StepModel(0.01, 0.0005), StepModel(0.02, 0.001)
 

@@ -18,8 +18,8 @@ from support import as_json, async_wait_until
 from rollout_manager.errors import InvalidField, ManagerError
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.request import decode
 from rollout_manager.sglang.client import SGLangClient

@@ -24,9 +24,9 @@ from test_routed_experts import rig as r3_rig  # noqa: F401  (the R3 tests' fixt
 
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.attempt_segments import AttemptSegments
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.pieces import PieceSettings

@@ -23,8 +23,8 @@ from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.instances.trust import Trust
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.migration import distrust
 from rollout_manager.rollout.request import decode

@@ -32,8 +32,8 @@ from rollout_manager.cpu_engine.server import create_app
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationFailed, GenerationSettings, Generator
 from rollout_manager.rollout.request import decode
 from rollout_manager.sglang.client import SGLangClient

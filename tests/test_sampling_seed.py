@@ -17,8 +17,8 @@ from support import as_json
 
 from rollout_manager.instances.registry import Registry
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import LeastInFlight
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.sequence import sampling_seed

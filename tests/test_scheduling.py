@@ -4,17 +4,13 @@ from typing import Any
 
 import pytest
 
-from rollout_manager.placement.scheduling import (
-    DEFAULT_POLICY,
-    POLICY_NAMES,
-    InstanceLoad,
-    LeastInFlight,
-    PlacementPolicy,
-    RoundRobin,
-    ThroughputAware,
-    TokenRateMeter,
-    make_policy,
-)
+from rollout_manager.placement.instance_load import InstanceLoad
+from rollout_manager.placement.least_in_flight import LeastInFlight
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.policy_registry import DEFAULT_POLICY, POLICY_NAMES, make_policy
+from rollout_manager.placement.rate_meter import TokenRateMeter
+from rollout_manager.placement.round_robin import RoundRobin
+from rollout_manager.placement.throughput_aware import ThroughputAware
 
 
 def load(iid, reqs=0, toks=0, rate=None, kind="remote"):

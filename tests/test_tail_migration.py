@@ -18,17 +18,11 @@ from support import as_json
 from rollout_manager.cpu_engine.encode import output_chunk
 from rollout_manager.instances.registry import Instance, Registry, State
 from rollout_manager.placement.dispatch import Dispatcher
+from rollout_manager.placement.instance_load import InstanceLoad
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import (
-    InstanceLoad,
-    LeastInFlight,
-    Rest,
-    RunningSequence,
-    TailMigration,
-    TokenRateMeter,
-    lone_rate_weight,
-    per_sequence_rate,
-)
+from rollout_manager.placement.rate_meter import TokenRateMeter, lone_rate_weight, per_sequence_rate
+from rollout_manager.placement.tail_migration import Rest, RunningSequence, TailMigration
 from rollout_manager.rollout.batch import run_batch
 from rollout_manager.rollout.generation import GenerationSettings, Generator
 from rollout_manager.rollout.request import decode

@@ -17,7 +17,7 @@ from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.placement.dispatch import Dispatcher
-from rollout_manager.placement.scheduling import LeastInFlight
+from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.rollout.sequence import version_check
 from rollout_manager.weights.groups import SenderPlan
 from rollout_manager.weights.protocol import CommitAnswer, CommitRequest

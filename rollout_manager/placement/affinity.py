@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from rollout_manager.instances.registry import Instance, Kind, State
-from rollout_manager.placement.scheduling import InstanceLoad, PlacementPolicy, ThroughputAware
+from rollout_manager.placement.instance_load import InstanceLoad
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.throughput_aware import ThroughputAware
 
 KEY_FIELD = "trajectory_key"  # the body key the manager reads (and strips) for a request's affinity key
 

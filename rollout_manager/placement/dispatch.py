@@ -31,9 +31,11 @@ from rollout_manager.notify import Signal
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.placement.affinity import AffinitySettings, AffinityTable, overloaded
 from rollout_manager.placement.box_speed import BoxCurve, BoxSpeeds, StepModel
+from rollout_manager.placement.instance_load import InstanceLoad
 from rollout_manager.placement.local_budget import LocalWindow
 from rollout_manager.placement.makespan import BoxWork, Makespan
-from rollout_manager.placement.scheduling import InstanceLoad, PlacementPolicy, TokenRateMeter, lone_rate_weight
+from rollout_manager.placement.policy import PlacementPolicy
+from rollout_manager.placement.rate_meter import TokenRateMeter, lone_rate_weight
 from rollout_manager.placement.waiting import Waiter, WaitQueue
 
 _RATE_REUSE_S = 0.01  # how long a computed rate is reused while its meter does not change

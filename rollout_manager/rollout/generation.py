@@ -26,7 +26,7 @@ from rollout_manager.placement import affinity as aff
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.lengths import LengthModel, Prediction, Track
 from rollout_manager.placement.local_budget import LocalBudget
-from rollout_manager.placement.scheduling import Rest
+from rollout_manager.placement.tail_migration import Rest
 from rollout_manager.rollout.answers import final_answer, partial_answer
 from rollout_manager.rollout.attempt import Attempts
 from rollout_manager.rollout.counters import new_generation_stats

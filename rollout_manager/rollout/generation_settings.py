@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout_manager.config import Config
-from rollout_manager.placement.scheduling import TailMigration
+from rollout_manager.placement.tail_migration import TailMigration
 from rollout_manager.rollout.pieces import PieceSettings
 
 

@@ -1,6 +1,6 @@
 """Tail migration at run time: which sequences stream where, and moving them when the policy says.
 
-The decisions are :class:`~rollout_manager.placement.scheduling.TailMigration`'s (pure, shared with the
+The decisions are :class:`~rollout_manager.placement.tail_migration.TailMigration`'s (pure, shared with the
 simulator). This module keeps the segments streaming now, asks the policy every
 ``migration_interval_s`` while there are any, and starts each move: the target is reserved at once,
 the sequence is aborted where it runs, and generation continues it on the target from the tokens
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.placement.dispatch import Dispatcher
-from rollout_manager.placement.scheduling import Rest, RunningSequence, TailMigration
+from rollout_manager.placement.tail_migration import Rest, RunningSequence, TailMigration
 from rollout_manager.rollout.provisional import Provisional
 from rollout_manager.rollout.sequence import Segment, SequenceState
 from rollout_manager.sglang.client import SGLangClient
