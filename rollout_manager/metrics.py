@@ -189,10 +189,15 @@ class StateCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        m = self.metrics
-        now = m.registry.clock()
-        instances = list(m.registry)
+        instances = list(self.metrics.registry)
+        yield self._by_state(instances)
+        yield from self._per_instance(instances, self.metrics.registry.clock())
+        yield from self._manager_gauges()
+        yield from self._generation()
+        yield self._push_rates()
 
+    @staticmethod
+    def _by_state(instances: list[Instance]) -> GaugeMetricFamily:
         by_state = GaugeMetricFamily(PREFIX + "instances", "Registered instances by lifecycle state and kind.",
                                      labels=["state", "kind"])
         counts: dict[tuple[State, Kind], int] = {(s, k): 0 for s in State if s != State.DEAD for k in Kind}
@@ -200,8 +205,11 @@ class StateCollector(Collector):
             counts[(inst.state, inst.kind)] += 1
         for (state, kind), n in counts.items():
             by_state.add_metric([state.value, kind.value], n)
-        yield by_state
+        return by_state
 
+    def _per_instance(self, instances: list[Instance], now: float) -> Iterator[Metric]:
+        """One sample per instance of each family: identity, load, speed, versions, trust, health."""
+        m = self.metrics
         info = GaugeMetricFamily(PREFIX + "instance_info", "One per instance (value 1): its id, kind, state "
                                  "and weight-transfer group.", labels=["endpoint", "id", "kind", "state", "sender",
                                                                        "group"])
@@ -274,6 +282,9 @@ class StateCollector(Collector):
         yield from (info, in_flight, in_flight_tokens, version, lag, rate, failures, bound, staged, activating, paused,
                     trust, disagreements, step)
 
+    def _manager_gauges(self) -> Iterator[Metric]:
+        """The manager's own state: its version, the local window, what waits and what runs, its loop and limits."""
+        m = self.metrics
         yield GaugeMetricFamily(PREFIX + "weight_version", "The manager's current weight version.",
                                 value=m.version.current)
         yield GaugeMetricFamily(PREFIX + "local_budget_seconds",
@@ -317,6 +328,9 @@ class StateCollector(Collector):
                                   "Connection attempts that hit the manager's own limits (EMFILE, ENFILE, "
                                   "ENOBUFS, ENOMEM).", value=m.limits.events)
 
+    def _generation(self) -> Iterator[Metric]:
+        """The generator's counters: engine calls, outcomes, affinity fallbacks, the length model."""
+        m = self.metrics
         joined = m.generator.coalescer.stats
         yield CounterMetricFamily(PREFIX + "engine_once_calls",
                                   "Non-streaming /generate calls made to instances (short sequences; several "
@@ -336,12 +350,15 @@ class StateCollector(Collector):
         if m.generator.lengths is not None:
             yield from length_families(m.generator.lengths)
 
+    def _push_rates(self) -> GaugeMetricFamily:
+        """Each sender group's last push, in GB/s."""
+        m = self.metrics
         gbps = GaugeMetricFamily(PREFIX + "weight_push_last_gbps",
                                  "Transfer GB/s of the last weight push through each sender group.",
                                  labels=["sender", "group"])
         for (sender, group), value in sorted(m.last_gbps.items()):
             gbps.add_metric([sender, group], value)
-        yield gbps
+        return gbps
 
 
 def length_families(model: LengthModel) -> Iterator[Metric]:
