@@ -103,6 +103,11 @@ Preemption notices (the manager moves the work off a box before its cloud takes 
                           register the box as one its cloud may take back (default auto: true when
                           the metadata service says this is a spot/preemptible machine).
   --price-per-hour P      what the box costs per hour, registered for the status and the scaling signal.
+  --start-when-wanted     before loading the model, wait until the manager's scaling signal wants more
+                          boxes of this kind (preemptible or not, price; fleet_demand in
+                          /get_instances_status; a kind it has not seen yet starts when it wants any),
+                          checking every --reregister-check-s seconds: a warm pool of launchers that
+                          start as they are wanted. Several waiting launchers may start for one wanted box.
   --aws-metadata-url URL, --gce-metadata-url URL, --azure-metadata-url URL
                           the metadata services (default http://169.254.169.254; env
                           ROLLOUT_AWS_METADATA_URL, ROLLOUT_GCE_METADATA_URL, ROLLOUT_AZURE_METADATA_URL).
@@ -170,7 +175,7 @@ PY=${PYTHON:-python3}
 MODEL_PATH="" VOCAB_SIZE="" HOST="" BIND="" PORT=30000 AGENT_PORT=""
 PROTOCOL=tcp DEVICE_NAME="" DETERMINISTIC=0 METRICS=1 INCREMENTAL=1 DRY_RUN=0
 READY_TIMEOUT=1800 DRAIN_TIMEOUT=60 STOP_TIMEOUT=30 RECHECK=5 WAIT_MANAGER=0
-NOTICE=${ROLLOUT_PREEMPTION_NOTICE:-auto} GRACE=30 PREEMPTIBLE=auto PRICE="" METADATA_ARGS=()
+NOTICE=${ROLLOUT_PREEMPTION_NOTICE:-auto} GRACE=30 PREEMPTIBLE=auto PRICE="" METADATA_ARGS=() WHEN_WANTED=0
 RECEIVER_ARGS=() EXTRA=()
 API_KEY=${ROLLOUT_SGLANG_API_KEY:-} ADMIN_API_KEY=${ROLLOUT_SGLANG_ADMIN_API_KEY:-}
 
@@ -217,6 +222,7 @@ while [[ $# -gt 0 ]]; do
     --price-per-hour) need_value "$@"; PRICE=$2; shift 2 ;;
     --aws-metadata-url|--gce-metadata-url|--azure-metadata-url)
       need_value "$@"; METADATA_ARGS+=("${1%-metadata-url}-url" "$2"); shift 2 ;;  # the helper's --aws-url, ...
+    --start-when-wanted) WHEN_WANTED=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     --) shift; EXTRA+=("$@"); break ;;
     *) EXTRA+=("$arg"); shift ;;  # SGLang's own flags, passed through in order
@@ -456,6 +462,18 @@ stop_if_asked() {
   fi
 }
 
+REGISTER_BOX=()  # what the manager's placement and scaling signal know the box by
+if [[ $PREEMPTIBLE == true ]]; then REGISTER_BOX+=(--preemptible); fi
+if [[ -n $PRICE ]]; then REGISTER_BOX+=(--price-per-hour "$PRICE"); fi
+
+if (( WHEN_WANTED )); then  # nothing is started before the manager wants a box of this kind
+  if ! run_box wait-wanted --manager "$MANAGER" ${REGISTER_BOX[@]+"${REGISTER_BOX[@]}"} --interval "$RECHECK"; then
+    stop_if_asked
+    finish 1
+  fi
+  stop_if_asked
+fi
+
 start_child "${AGENT_CMD[@]}"
 AGENT_PID=$!
 start_child "${ENGINE_CMD[@]}"
@@ -473,9 +491,6 @@ stop_if_asked
 REGISTER_MODEL=()  # the CPU engine reports its own vocabulary size; SGLang's is read from the model
 if [[ $ENGINE == sglang ]]; then REGISTER_MODEL=(--model-path "$MODEL_PATH"); fi
 if [[ -n $VOCAB_SIZE ]]; then REGISTER_MODEL+=(--vocab-size "$VOCAB_SIZE"); fi
-REGISTER_BOX=()  # what the manager's placement and scaling signal know the box by
-if [[ $PREEMPTIBLE == true ]]; then REGISTER_BOX+=(--preemptible); fi
-if [[ -n $PRICE ]]; then REGISTER_BOX+=(--price-per-hour "$PRICE"); fi
 if ! run_box register --manager "$MANAGER" --host "$HOST" --port "$PORT" --agent-url "$AGENT_URL" \
       --agent-port "$AGENT_PORT" ${REGISTER_MODEL[@]+"${REGISTER_MODEL[@]}"} ${REGISTER_BOX[@]+"${REGISTER_BOX[@]}"} \
   --state-file /dev/fd/8 >&6; then

@@ -41,6 +41,9 @@ Commands:
   the box as going S seconds after T and, with ``--wait``, returns once the manager has removed it or
   the time is spent. Exit 1 when the manager did not take it.
 
+- ``wait-wanted --manager ADDR [--preemptible] [--price-per-hour P]``: returns once the manager's scaling
+  signal (``fleet_demand`` in ``/get_instances_status``) wants more boxes of this kind (``launch.wanted``).
+
 Metadata base URLs: ``--aws-url``/``--gce-url``/``--azure-url``, else ``$ROLLOUT_AWS_METADATA_URL``,
 ``$ROLLOUT_GCE_METADATA_URL``, ``$ROLLOUT_AZURE_METADATA_URL``, else ``http://169.254.169.254``.
 
@@ -53,7 +56,8 @@ other. From a manager that issues none (or no longer knows it: 401), the shared 
 # This module is the entry point only: the command-line parser and main (the docstring above is the
 # --help text). The commands live in box_local (detect-host, preflight, exec, wait-ready) and
 # box_registration (register, deregister, watch), both on the shared helpers of box_common; the
-# preemption notices in notice_watch (notice-detect, notice-watch, evacuate) on notices' providers.
+# preemption notices in notice_watch (notice-detect, notice-watch, evacuate) on notices' providers; wait-wanted
+# in wanted.
 
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ from rollout_manager.launch.box_common import BoxError, fail, normalize_addr
 from rollout_manager.launch.box_local import cmd_exec, cmd_preflight, cmd_wait_ready, detect_host
 from rollout_manager.launch.box_registration import cmd_deregister, cmd_register, cmd_watch
 from rollout_manager.launch.notice_watch import add_metadata_args, cmd_evacuate, cmd_notice_detect, cmd_notice_watch
+from rollout_manager.launch.wanted import cmd_wait_wanted
 
 __all__ = ["build_parser", "main"]
 
@@ -159,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-file", help="written by register --state-file: its box token authorises the call")
     s.add_argument("--wait", action="store_true", help="return once the manager removed the box, or at the deadline")
     s.set_defaults(func=cmd_evacuate)
+
+    s = sub.add_parser("wait-wanted")
+    s.add_argument("--manager", required=True)
+    s.add_argument("--preemptible", action="store_true", help="this box's kind: preemptible")
+    s.add_argument("--price-per-hour", type=float, help="this box's kind: its price per hour")
+    s.add_argument("--interval", type=float, default=5.0, help="seconds between reads of the manager's status")
+    s.set_defaults(func=cmd_wait_wanted)
     return p
 
 
