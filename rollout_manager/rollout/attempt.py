@@ -74,7 +74,7 @@ class Attempts:
         self._call_bounds = CallBoundsCache(client)  # one CallBounds per instance, not per attempt
 
     async def run(self, seq: SequenceState, inst: Instance, attempt: int,
-                       on_tokens: Callable[[SequenceState], None] | None = None) -> None:
+                  on_tokens: Callable[[SequenceState], None] | None = None) -> None:
         """Stream the sequence's remaining tokens from ``inst``; on failure leave it resumable.
 
         The engine call runs in this coroutine (a remote instance) or in one task that races the local
@@ -82,23 +82,9 @@ class Attempts:
         this frame for as long as it streams.
         """
         rid = seq.engine_rid if attempt == 0 else f"{seq.engine_rid}~{attempt}"
-        interval = self.settings.engine_stream_interval
-        # What is left fits in one chunk interval and nobody watches it stream: ask for one answer.
-        # A failure then loses no more than a stream at that interval would (<= interval tokens).
-        # Not on a local instance: the local window takes those back every step, routinely.
-        limit = seq.limit  # what is left, or one piece of it (rollout.pieces)
-        once = (on_tokens is None and interval > 0 and limit is not None and limit <= interval
-                and inst.kind == Kind.REMOTE)
-        body = continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
-                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed,
-                            experts_from=None if seq.experts is None else seq.experts.end, piece=seq.piece)
-        # The engine's tokens are appended to the sequence's own lists as they come: no copy per chunk.
-        # Each chunk is checked first (progress.SequenceProgress), so the lists hold only tokens it vouches for.
-        progress = SequenceProgress(
-            seq.output_ids, seq.logprobs, limit=limit, per_token=seq.per_token,
-            vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
-            version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version),
-            experts=seq.experts, prompt=len(seq.body.input_ids))
+        once = self._once(seq, inst, on_tokens)
+        body = self._body(seq, rid, once, on_tokens)
+        progress = self._progress(seq, inst)
         # one per weight version the engine reports, each of the era of inst's quarantines it was made in
         segments = AttemptSegments(seq, inst, self.migrator.provisional.era(inst.id))
         reserved = seq.reserve
@@ -141,21 +127,59 @@ class Attempts:
                 error = str(exc)
             if not isinstance(outcome, (Preempted, CallerError)):
                 outcome = outcome_of(progress.finish, error, migrating=seq.migration.leaving)
-            self._carry_out(outcome, seq, inst, segments, progress)
-            if segments.made:  # it prefilled the prompt and what came before: ids it takes (the probe's)
-                note_served(inst, seq.body.input_ids, seq.output_ids)
-            if seq.at_boundary and on_tokens is not None:
-                on_tokens(seq)  # the piece's last chunk (a final one) was not streamed yet
+            self._settle(outcome, seq, inst, segments, progress, on_tokens)
         finally:
-            if stream is not None and not stream.done():
-                stream.cancel()
-                await asyncio.gather(stream, return_exceptions=True)
-            self.dispatcher.release(inst, max(reserved - segments.made, 0))
-            self.migrator.leave(live, seq, segments.current)
-            if isinstance(outcome, (Cancelled, Preempted)):  # the engine still runs it
-                if isinstance(outcome, Cancelled):
-                    segments.current.outcome = "cancelled"
-                await asyncio.shield(self.client.abort(inst.url, rid))
+            await self._leave(seq, inst, rid, stream, outcome, segments, reserved, live)
+
+    def _once(self, seq: SequenceState, inst: Instance, on_tokens: Callable[[SequenceState], None] | None) -> bool:
+        """Whether to ask for one answer rather than a stream: what is left (or one piece of it,
+        ``rollout.pieces``) fits in one chunk interval and nobody watches it stream. A failure then loses no
+        more than a stream at that interval would (<= interval tokens). Not on a local instance: the local
+        window takes those back every step, routinely."""
+        interval, limit = self.settings.engine_stream_interval, seq.limit
+        return (on_tokens is None and interval > 0 and limit is not None and limit <= interval
+                and inst.kind == Kind.REMOTE)
+
+    def _body(self, seq: SequenceState, rid: str, once: bool,
+              on_tokens: Callable[[SequenceState], None] | None) -> SequenceBody:
+        """The engine request that continues the sequence from the tokens it has."""
+        interval = self.settings.engine_stream_interval
+        return continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
+                            keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed,
+                            experts_from=None if seq.experts is None else seq.experts.end, piece=seq.piece)
+
+    def _progress(self, seq: SequenceState, inst: Instance) -> SequenceProgress:
+        """The checker of this attempt's chunks. The engine's tokens are appended to the sequence's own lists
+        as they come (no copy per chunk), each chunk checked first, so the lists hold only tokens it vouches
+        for."""
+        return SequenceProgress(
+            seq.output_ids, seq.logprobs, limit=seq.limit, per_token=seq.per_token,
+            vocab_size=inst.engine.vocab_size or self.settings.vocab_size or TOKEN_ID_BOUND,
+            version_ok=version_check(inst, seq.versions[-1] if seq.versions else inst.weight_version),
+            experts=seq.experts, prompt=len(seq.body.input_ids))
+
+    def _settle(self, outcome: Outcome, seq: SequenceState, inst: Instance, segments: AttemptSegments,
+                progress: SequenceProgress, on_tokens: Callable[[SequenceState], None] | None) -> None:
+        """What the call came to, carried out on the sequence and the instance (:meth:`_carry_out`)."""
+        self._carry_out(outcome, seq, inst, segments, progress)
+        if segments.made:  # it prefilled the prompt and what came before: ids it takes (the probe's)
+            note_served(inst, seq.body.input_ids, seq.output_ids)
+        if seq.at_boundary and on_tokens is not None:
+            on_tokens(seq)  # the piece's last chunk (a final one) was not streamed yet
+
+    async def _leave(self, seq: SequenceState, inst: Instance, rid: str, stream: asyncio.Future[None] | None,
+                     outcome: Outcome, segments: AttemptSegments, reserved: int, live: int) -> None:
+        """The attempt's end, however it ended: the local task stopped, the instance's reservation and the
+        migrator's record released, and the engine told to abort a request it still runs."""
+        if stream is not None and not stream.done():
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+        self.dispatcher.release(inst, max(reserved - segments.made, 0))
+        self.migrator.leave(live, seq, segments.current)
+        if isinstance(outcome, (Cancelled, Preempted)):  # the engine still runs it
+            if isinstance(outcome, Cancelled):
+                segments.current.outcome = "cancelled"
+            await asyncio.shield(self.client.abort(inst.url, rid))
 
     async def _consume(self, seq: SequenceState, inst: Instance, body: SequenceBody, progress: SequenceProgress,
                        segments: AttemptSegments, on_tokens: Callable[[SequenceState], None] | None) -> None:
