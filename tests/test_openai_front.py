@@ -286,3 +286,32 @@ async def test_a_tool_calling_loop_through_the_sdk_extends_the_ledger_exactly(
     status, replay = await m.post("/generate", {"input_ids": p2, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
     assert status == 200 and replay["output_ids"] == r2
+
+
+async def test_top_logprobs_come_through_the_rollout_path_in_openais_shape(front: Any) -> None:
+    """SGLang's ``output_top_logprobs`` (asked with ``top_logprobs_num``), gathered by the manager, as OpenAI's
+    ``top_logprobs``: greedy, each sampled token is its own most likely one, with the same log-prob."""
+    m, client = front
+    turn = dict(model=MODEL, messages=[{"role": "user", "content": "what is the answer"}], max_tokens=6,
+                temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole = await client.chat.completions.create(**turn)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    streamed = []
+    async for chunk in await client.chat.completions.create(**turn, stream=True):
+        for c in chunk.choices:
+            streamed += c.logprobs.content if c.logprobs else []
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in streamed] == [
+        [(t.token, t.logprob) for t in e.top_logprobs] for e in content]
+    text = await client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=3, temperature=0, logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    lp = text.choices[0].logprobs
+    assert len(lp.top_logprobs) == 3 and all(len(row) == 2 for row in lp.top_logprobs)
+    assert all(max(row.values()) == pytest.approx(sampled) for row, sampled in zip(lp.top_logprobs, lp.token_logprobs))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(**{**turn, "logprobs": False})
+    assert caught.value.param == "top_logprobs"

@@ -28,6 +28,7 @@ def output_chunk(
     text: str | None = None,
     index: int | None = None,
     e2e_latency: float | None = None,
+    top_logprobs: list[list[list[Any]]] | None = None,
 ) -> dict[str, Any]:
     """One ``/generate`` output object (a stream chunk, or the whole non-streaming answer)."""
     meta: dict[str, Any] = {
@@ -42,6 +43,8 @@ def output_chunk(
         meta["output_token_logprobs"] = logprobs
     if input_logprobs is not None:
         meta["input_token_logprobs"] = input_logprobs
+    if top_logprobs is not None:  # SGLang's output_top_logprobs: per output token, [[logprob, id, null], ...]
+        meta["output_top_logprobs"] = top_logprobs
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     out: dict[str, Any] = {"text": text, "output_ids": output_ids, "meta_info": meta}

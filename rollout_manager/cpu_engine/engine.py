@@ -73,8 +73,11 @@ class EngineConfig:
 
 # One sequence's part of a decoding round: its tokens, sampling, generator, the position its routed experts are
 # wanted from (None: not wanted) and the position its input log-probs are wanted from (None: not, or had).
-# (tokens, sampling, generator, routes from, prompt log-probs from, the scripted id or None: see Faults)
-Work = tuple[list[int], EngineSampling, torch.Generator | None, int | None, int | None, int | None]
+# (tokens, sampling, generator, routes from, prompt log-probs from, the scripted id or None: see Faults, top
+# log-probs wanted)
+Work = tuple[list[int], EngineSampling, torch.Generator | None, int | None, int | None, int | None, int]
+# (token, its log-prob, routed-expert rows, prompt log-probs, the most likely tokens as (log-prob, id))
+Made = tuple[int, float, bytes | None, list[float | None] | None, list[tuple[float, int]] | None]
 
 
 class CallGroup:
@@ -98,6 +101,7 @@ class Sequence:
         self.internal = internal
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []  # per output token, when spec.top_logprobs_num
         self.input_logprobs: list[float | None] | None = None  # from spec.logprob_start_len, at its first round
         self.versions: list[tuple[str, int]] = []  # (weight version, first output position it made)
         self.finish: FinishReason | None = None
@@ -368,12 +372,12 @@ class Engine:
     def _can_run(self) -> bool:
         return not self.paused and not self.faults.stalled and bool(self.running or self.waiting)
 
-    def _compute_round(self, work: list[Work]) -> list[tuple[int, float, bytes | None, list[float | None] | None]]:
+    def _compute_round(self, work: list[Work]) -> list[Made]:
         """Each sequence's next token and log-prob, (when ``routes_from`` is set) the little-endian int32
         experts of its positions from ``routes_from`` on, and (when ``prompt_from`` is set) its input
         tokens' log-probs from that position on."""
         out = []
-        for tokens, params, gen, routes_from, prompt_from, scripted in work:
+        for tokens, params, gen, routes_from, prompt_from, scripted, top_n in work:
             self.faults.perturb_due(self.model.named_tensors())  # in the compute thread: between two forwards
             logits, routes = self.model.logits_and_routes(tokens)
             token, lp = choose_token(logits, params, gen)
@@ -383,7 +387,11 @@ class Engine:
             if routes_from is not None and routes is not None:
                 rows = routes[routes_from:].numpy().astype("<i4", copy=False).tobytes()
             prompt = self.model.input_logprobs(tokens, prompt_from) if prompt_from is not None else None
-            out.append((token, lp, rows, prompt))
+            tops = None
+            if top_n:
+                values, ids = torch.topk(torch.log_softmax(logits, dim=-1), min(top_n, logits.numel()))
+                tops = [(float(v), int(i)) for v, i in zip(values.tolist(), ids.tolist())]
+            out.append((token, lp, rows, prompt, tops))
         return out
 
     async def _loop(self) -> None:
@@ -413,7 +421,8 @@ class Engine:
                 continue
             work = [(s.tokens, s.spec.params, s.generator, None if s.routes is None else s.routes_next,
                      s.spec.logprob_start_len if s.input_logprobs is None else None,
-                     None if s.internal else self.faults.scripted(len(s.output_ids))) for s in batch]
+                     None if s.internal else self.faults.scripted(len(s.output_ids)), s.spec.top_logprobs_num)
+                    for s in batch]
             t0 = time.perf_counter()
             self._idle.clear()
             try:
@@ -430,7 +439,7 @@ class Engine:
                 raise
             elapsed = time.perf_counter() - t0
             made = 0
-            for s, (token, lp, rows, prompt) in zip(batch, results):
+            for s, (token, lp, rows, prompt, tops) in zip(batch, results):
                 if s.finish is not None:  # aborted while the round ran
                     continue
                 if prompt is not None:
@@ -442,6 +451,8 @@ class Engine:
                     s.set_finish(wire.LENGTH, length=0)
                     s.group.changed.set()
                     continue
+                if tops is not None:
+                    s.top_logprobs.append(tops)
                 self._append(s, token, lp)
                 made += 1
                 if not s.internal:
@@ -502,9 +513,11 @@ class Engine:
         if since:
             before = self._text(s, since, final=False)
             text = text[len(before):] if text.startswith(before) else decode_text(ids)
-        lps = None
+        lps = tops = None
         if s.spec.return_logprob:
             lps = [logprob_entry(lp, t) for lp, t in zip(s.logprobs[since:upto], ids)]
+            if s.spec.top_logprobs_num:
+                tops = [[logprob_entry(lp, t) for lp, t in row] for row in s.top_logprobs[since:upto]]
         prompt_lps = None
         if s.input_logprobs is not None and not since:  # with the first (or every cumulative) chunk
             start = s.spec.logprob_start_len or 0
@@ -521,6 +534,7 @@ class Engine:
             text=text,
             index=s.spec.index if s.group.stream else None,  # streamed batch items carry index
             e2e_latency=(s.finished_at or time.monotonic()) - s.created if final else None,
+            top_logprobs=tops,
         )
         if final:  # SGLang 0.5.23: which weight version made which output tokens, on the final output
             out["meta_info"]["weight_versions"] = self.version_spans(s)

@@ -71,6 +71,7 @@ class SequenceSpec:
     # SGLang's logprob_start_len: with return_logprob, the prompt position from which input_token_logprobs
     # are returned (None: SGLang's -1 default, none)
     logprob_start_len: int | None = None
+    top_logprobs_num: int = 0  # with return_logprob: the most likely tokens reported beside each output token
 
 
 @dataclass
@@ -205,10 +206,14 @@ def parse_generate_body(body: Any, *, vocab_size: int, context_len: int) -> Engi
         if rid in seen:
             raise RequestRefused(f"duplicate rid {rid!r} in the batch")
         seen.add(rid)
+        top = part.get("top_logprobs_num") or 0
+        if not _is_int(top) or top < 0:
+            raise RequestRefused(f"{where}top_logprobs_num must be a non-negative integer")
         raw_params = part.get("sampling_params") or {}
         specs.append(SequenceSpec(rid, list(seq), params, rlp, i if batched else None,
                                   stream_interval=raw_params.get("stream_interval"),
                                   return_routed_experts=wants_experts, routed_experts_start_len=experts_start,
-                                  logprob_start_len=start if rlp and start is not None and start >= 0 else None))
+                                  logprob_start_len=start if rlp and start is not None and start >= 0 else None,
+                                  top_logprobs_num=top if rlp else 0))
     return EngineRequest(specs, stream, batched)
 

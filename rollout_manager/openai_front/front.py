@@ -99,7 +99,7 @@ class Front:
     def _sampling(self, body: ChatRequest | CompletionRequest, budget: int | None, choice: int) -> TurnSampling:
         seed = None if body.seed is None else body.seed + choice  # n choices from one seed: not n copies
         return TurnSampling(budget, body.temperature, body.top_p, seed, body.stops, body.stop_token_ids,
-                            body.top_k, body.min_p, body.ignore_eos)
+                            body.top_k, body.min_p, body.ignore_eos, body.top_count)
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         try:
@@ -186,12 +186,19 @@ class Front:
     def _tokens(self, p: Prepared, ids: list[int]) -> list[str]:
         return [p.renderer.token_text(t) for t in ids] if p.renderer is not None else [str(t) for t in ids]
 
-    def _logprobs(self, p: Prepared, result: TurnResult, ids: list[int], lps: list[float | None],
-                  offset: int = 0) -> dict[str, Any] | None:
+    def _logprobs(self, p: Prepared, ids: list[int], lps: list[float | None],
+                  tops: list[list[tuple[int, float]]] | None, offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's log-probs of ``ids`` (``tops``: their most likely alternatives, when asked for)."""
         if not p.want_logprobs:
             return None
         tokens = self._tokens(p, ids)
-        return responses.chat_logprobs(tokens, lps) if p.chat else responses.completion_logprobs(tokens, lps, offset)
+        named = None
+        if tops is not None:
+            named = [[(p.renderer.token_text(t) if p.renderer is not None else str(t), lp) for t, lp in row]
+                     for row in tops]
+        if p.chat:
+            return responses.chat_logprobs(tokens, lps, named)
+        return responses.completion_logprobs(tokens, lps, offset, named)
 
     def _record(self, p: Prepared, result: TurnResult, answer: dict[str, Any] | None) -> None:
         if p.session is not None and p.plan is not None:
@@ -215,7 +222,7 @@ class Front:
                 assert answer is not None
                 result = read_answer(answer)
                 text = self._text(p, answer, result.output_ids)
-                lp = self._logprobs(p, result, result.output_ids, result.logprobs)
+                lp = self._logprobs(p, result.output_ids, result.logprobs, result.top_logprobs)
                 message = None
                 if p.chat:
                     message, finish = p.answer(text, result.finish_reason)
@@ -259,7 +266,8 @@ class Front:
                         text = sent_text[i]  # a character cut between tokens: wait for its other bytes
                     new_ids, new_lps = ids[sent_ids[i]:], result.logprobs[sent_ids[i]:]
                     delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else text
-                    lp = self._logprobs(p, result, new_ids, new_lps, len(sent_text[i])) if new_ids else None
+                    new_tops = None if result.top_logprobs is None else result.top_logprobs[sent_ids[i]:]
+                    lp = self._logprobs(p, new_ids, new_lps, new_tops, len(sent_text[i])) if new_ids else None
                     choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": result.finish_reason,
                                               "token_ids": new_ids}
                     if p.chat:

@@ -30,17 +30,26 @@ def rollout_info(result: TurnResult) -> dict[str, Any]:
             "segments": result.segments}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float | None]) -> dict[str, Any]:
+Tops = list[list[tuple[str, float]]]  # per sampled token: the most likely tokens' texts and log-probs
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float | None], tops: Tops | None = None) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a chat answer; ``tops`` fills each token's ``top_logprobs``."""
+    rows = tops if tops is not None else [[] for _ in tokens]
     return {"content": [{"token": t, "logprob": -9999.0 if lp is None else lp, "bytes": list(t.encode()),
-                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
+                         "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in row]}
+                        for t, lp, row in zip(tokens, logprobs, rows)]}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset: int = 0,
+                        tops: Tops | None = None) -> dict[str, Any]:
+    """``choices[i].logprobs`` of a text completion (``top_logprobs``: a dict per token, text -> log-prob)."""
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+    top = None if tops is None else [dict(row) for row in tops]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_choice(index: int, message: dict[str, Any], finish_reason: str | None, result: TurnResult,

@@ -72,6 +72,11 @@ class ChatRequest(_Common, kw_only=True):
         """``max_completion_tokens`` is OpenAI's newer name; given both, it wins (as SGLang does)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def top_count(self) -> int:
+        """How many most likely tokens to report beside each sampled one."""
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
 
 class CompletionRequest(_Common, kw_only=True):
     """``POST /v1/completions``: ``prompt`` is text, a list of texts, token ids or a list of id lists."""
@@ -85,6 +90,11 @@ class CompletionRequest(_Common, kw_only=True):
     @property
     def budget(self) -> int:
         return 16 if self.max_tokens is None else self.max_tokens  # SGLang's (and OpenAI's) default
+
+    @property
+    def top_count(self) -> int:
+        """``logprobs`` N on a completion: the N most likely tokens beside each sampled one (0: its own only)."""
+        return self.logprobs or 0
 
 
 def prompts(prompt: str | list[Any]) -> list[str] | list[list[int]]:
@@ -197,8 +207,8 @@ def check_unsupported(body: ChatRequest | CompletionRequest) -> None:
     if body.logit_bias:
         raise invalid("logit_bias", "logit_bias is not supported by this front yet", "unsupported")
     if isinstance(body, ChatRequest):
-        if body.top_logprobs:
-            raise invalid("top_logprobs", "top_logprobs is not supported by this front yet", "unsupported")
+        if body.top_logprobs and not body.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
         if body.tool_choice not in (None, "auto", "none"):
             raise invalid("tool_choice", "only tool_choice 'auto' and 'none' are supported: a call is not forced "
                           "(the grammar that would force one is not sent to the boxes yet)", "unsupported")
@@ -209,8 +219,6 @@ def check_unsupported(body: ChatRequest | CompletionRequest) -> None:
             raise invalid("suffix", "suffix is not supported", "unsupported")
         if body.best_of not in (None, 1, body.n):
             raise invalid("best_of", "best_of other than n is not supported", "unsupported")
-        if body.logprobs:
-            raise invalid("logprobs", "only logprobs 0 (the sampled tokens' own) is supported yet", "unsupported")
 
 
 def not_found_model(name: str, served: str) -> OpenAIError:

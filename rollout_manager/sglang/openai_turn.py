@@ -11,7 +11,7 @@ from typing import Any
 
 from msgspec import UNSET
 
-from rollout_manager.sglang.answer import GenerateAnswer
+from rollout_manager.sglang.answer import AnswerMeta, GenerateAnswer
 from rollout_manager.sglang.generate_request import Sampling, SequenceBody
 
 
@@ -28,11 +28,13 @@ class TurnSampling:
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
+    top_logprobs: int = 0  # the most likely tokens to report beside each sampled one (0: none)
 
 
 def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> SequenceBody:
     """One sequence's ``/generate`` body: the prompt ids, the sampling, log-probs always asked for (the
-    ledger keeps them; SGLang computes them at no extra forward pass)."""
+    ledger keeps them; SGLang computes them at no extra forward pass), and SGLang's ``top_logprobs_num``
+    when the caller wants the most likely tokens too."""
     rest: dict[str, Any] = {}
     if sampling.temperature is not None:
         rest["temperature"] = sampling.temperature
@@ -49,7 +51,24 @@ def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> Sequen
     if sampling.ignore_eos:
         rest["ignore_eos"] = True
     params = Sampling(max_new_tokens=sampling.max_tokens, sampling_seed=sampling.seed, rest=rest)
-    return SequenceBody(list(ids), params, stream=stream, return_logprob=True)
+    extra = {TOP_LOGPROBS_NUM: sampling.top_logprobs} if sampling.top_logprobs else {}
+    return SequenceBody(list(ids), params, stream=stream, return_logprob=True, rest=extra)
+
+
+TOP_LOGPROBS_NUM = "top_logprobs_num"  # the /generate field asking for them
+TOP_LOGPROBS = "output_top_logprobs"  # meta_info's per-token list: [[logprob, token_id, text or null], ...] or null
+
+
+def _tops(meta: AnswerMeta, n: int) -> list[list[tuple[int, float]]] | None:
+    """The last ``n`` tokens' most likely alternatives as (id, log-prob), from SGLang's per-token list
+    (gathered by the manager over every chunk and box); None when the answer has none."""
+    per_token = meta.per_token
+    rows = None if per_token is UNSET else per_token.get(TOP_LOGPROBS)
+    if rows is None:
+        return None
+    rows = rows[-n:] if n else []
+    out = [[(int(e[1]), float(e[0])) for e in row if e and e[0] is not None] if row else [] for row in rows]
+    return [[] for _ in range(n - len(out))] + out
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,7 @@ class TurnResult:
     weight_version: Any
     weight_versions: list[dict[str, Any]]
     segments: list[dict[str, Any]]
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output id: (id, log-prob), most likely first
 
 
 def read_answer(answer: GenerateAnswer) -> TurnResult:
@@ -84,4 +104,5 @@ def read_answer(answer: GenerateAnswer) -> TurnResult:
     versions = [] if meta.weight_versions is UNSET else [
         {"version": v.version, "start": v.start, "end": v.end} for v in meta.weight_versions]
     segments = [] if meta.segments is UNSET else [s.to_dict() for s in meta.segments]
-    return TurnResult(ids, lps, kind, matched, meta.prompt_tokens, meta.weight_version, versions, segments)
+    return TurnResult(ids, lps, kind, matched, meta.prompt_tokens, meta.weight_version, versions, segments,
+                      _tops(meta, len(ids)))
