@@ -106,3 +106,11 @@ def test_a_box_measured_on_its_own_uses_its_own_curve() -> None:
 def test_a_target_that_is_not_a_positive_number_is_refused(target: float) -> None:
     with pytest.raises(ValueError, match="target_s"):
         fleet_demand(target, [FAST], [], [])
+
+
+def test_an_upper_quantile_stands_for_a_waiting_sequence_in_its_boxs_longest_term() -> None:
+    """As placement counts it: a sequence predicted 100 tokens whose upper quantile is 3,000 needs a kind that
+    makes 3,000 within the target (CHEAP takes 52 s for that alone), though its volume stays 100 tokens."""
+    assert wanted(fleet_demand(30.0, [FAST, CHEAP], [], [100.0]), CHEAP) == 1
+    demand = fleet_demand(30.0, [FAST, CHEAP], [], [100.0, 100.0], high=[3000.0, None])
+    assert wanted(demand, FAST) == 1 and wanted(demand, CHEAP) == 0 and demand.waiting_tokens == 200.0

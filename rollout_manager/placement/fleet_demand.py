@@ -149,10 +149,13 @@ def _rank(kinds: Sequence[BoxKind]) -> list[BoxKind]:
 
 
 def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxNow],
-                 waiting: Sequence[float]) -> FleetDemand:
+                 waiting: Sequence[float], high: Sequence[float | None] | None = None) -> FleetDemand:
     """The boxes of each of ``kinds`` the rest of the step needs to end within ``target_s`` seconds, given the
     ``boxes`` there are (a box whose kind is not among ``kinds`` is left out) and the predicted tokens of each
-    waiting sequence (``waiting``). Raises ValueError for a target that is not positive."""
+    waiting sequence (``waiting``). ``high``: beside each, an upper quantile of it where the length model has
+    one (``LengthModel.high``), which stands for the sequence in its box's longest term, as placement counts it
+    (``Makespan.place``): a box ends with its longest sequence, and the longest of several alike in their median
+    is nearer their upper quantile. Raises ValueError for a target that is not positive."""
     if not target_s > 0 or not math.isfinite(target_s):
         raise ValueError("target_s must be a positive number of seconds")
     by_name = {k.name: k for k in kinds}
@@ -167,6 +170,7 @@ def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxN
         plan.append(o)
     running_tokens = sum(o.tokens for o in plan)
     waits = [max(float(w), 1.0) for w in waiting]
+    tops = waits if high is None else [w if h is None else max(w, float(h)) for w, h in zip(waits, high)]
     heap = [(-o.room(target_s), k) for k, o in enumerate(plan)]  # most room first
     heapq.heapify(heap)
 
@@ -181,22 +185,23 @@ def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxN
         plan.append(o)
         return o
 
-    exact = heapq.nlargest(EXACT, waits) if len(waits) > EXACT else sorted(waits, reverse=True)
-    for r in exact:
+    pairs = list(zip(tops, waits))
+    exact = heapq.nlargest(EXACT, pairs) if len(pairs) > EXACT else sorted(pairs, reverse=True)
+    for top, r in exact:
         target: _Open | None = None
         if heap:
             _, k = heap[0]
-            if plan[k].room(target_s, r) >= r:
+            if plan[k].room(target_s, top) >= r:
                 target = plan[k]
                 heapq.heappop(heap)
         if target is None:
-            target = open_for(r)
+            target = open_for(top)
             if target is None:
                 break
             k = len(plan) - 1
-        target.take(r, r)
+        target.take(r, top)
         heapq.heappush(heap, (-target.room(target_s), k))
-    volume = sum(waits) - sum(exact)
+    volume = sum(waits) - sum(r for _, r in exact)
     if volume > 0 and plan:
         for o in sorted(plan, key=lambda o: -o.room(target_s)):
             if volume <= 0:

@@ -99,12 +99,14 @@ class FleetSignal:
                 longest = float(min(tokens, UNKNOWN_TOKENS))
             now_boxes.append(BoxNow(name, models.get(inst.id), d.bound_of(inst), n, tokens if n else 0.0,
                                     longest if n else 0.0))
-        waiting = [w.predicted if w.predicted is not None else float(min(w.tokens, UNKNOWN_TOKENS))
-                   for w in d.waiters()]
+        waiters = d.waiters()
+        waiting = [w.predicted if w.predicted is not None else float(min(w.tokens, UNKNOWN_TOKENS)) for w in waiters]
+        high: list[float | None] = [w.high for w in waiters]
         held = d.last_predicted if d.last_predicted is not None else float(UNKNOWN_TOKENS)
         waiting += [held] * d.held_by_batches
+        high += [None] * d.held_by_batches
         if self.kinds:
-            return fleet_demand(self.target_s, list(self.kinds.values()), now_boxes, waiting)
+            return fleet_demand(self.target_s, list(self.kinds.values()), now_boxes, waiting, high)
         return _held(self.target_s, list(self.unmeasured.values()), now_boxes, waiting)
 
     def status(self) -> dict[str, Any]:
