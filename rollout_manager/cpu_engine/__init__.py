@@ -2,7 +2,7 @@
 
 It serves the manager's tests, demo and benchmarks where no GPU is available, computes every step
 batch-invariantly (so a sequence continued elsewhere equals the uninterrupted one; see
-docs/architecture.md, "Exactness") and can inject faults.
+docs/rollout.md, "Exactness") and can inject faults.
 
     python -m rollout_manager.cpu_engine --port 30000 --seed 0 [--incremental-streaming-output] [faults]
 """

@@ -6,7 +6,7 @@ a pure function of (weights, tokens so far): a prefix gives the same next token 
 prompt or was generated here, and whatever else the engine is running. That is what exact continuation
 needs: a KV-cached decode step and a prefill over the same tokens give slightly different floats, as
 does batching with other neighbours, and on a tiny random model a near-tie then flips the argmax
-(docs/architecture.md, "Exactness").
+(docs/rollout.md, "Exactness").
 
 Parameter names follow Hugging Face Llama/Qwen (``model.layers.0.self_attn.q_proj.weight``, ...) so
 that weight pushes address tensors by the same names as for a real model. With ``num_experts`` > 0 every

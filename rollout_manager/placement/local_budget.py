@@ -1,6 +1,6 @@
 """How long trainer-side ("local") instances generate each step before the trainer takes its GPUs back.
 
-The rule (docs/architecture.md, "Local + remote"): after each step the trainer reports how long it sat idle waiting
+The rule (docs/placement.md, "Local + remote"): after each step the trainer reports how long it sat idle waiting
 for rollouts (its bubble) and the manager measures how long remote instances sat idle. A bubble means
 the trainer took its GPUs back too early, so local generation should last longer; idle remote
 instances mean local instances took work the remote ones could have done, so it should last less.

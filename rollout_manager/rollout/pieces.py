@@ -7,7 +7,7 @@ failed: the generator asks the dispatcher again, preferring the instance the seq
 cache holds it: no prefill), with the tokens still expected. The sizes are this module's
 (:meth:`PieceSettings.size`); what the pieces' engines said that the answer counts over the whole sequence
 is :class:`~rollout_manager.sglang.piece_meta.PieceTally`'s (SGLang's meta_info keys are the sglang
-package's). docs/architecture.md, "Divided rollouts", says why each choice.
+package's). docs/rollout.md, "Divided rollouts", says why each choice.
 """
 
 from __future__ import annotations
