@@ -159,6 +159,14 @@ def build_micro_batch(
         raise ValueError("a micro-batch needs at least one sample")
     P = prompt_length if prompt_length is not None else max(len(s.prompt_ids) for s in samples)
     R = response_length if response_length is not None else max(max(len(s.output_ids) for s in samples), 1)
+    tensors = _padded_tensors(samples, P, R, pad_token_id, with_logprobs)
+    return MicroBatch(tensors, _non_tensors(samples, uids, per_prompt), dict(meta_info or {}))
+
+
+def _padded_tensors(samples: Sequence[Sample], P: int, R: int, pad_token_id: int,
+                    with_logprobs: bool) -> dict[str, torch.Tensor]:
+    """The batch's tensors: prompts left-padded to ``P``, responses right-padded to ``R``, their masks and
+    positions (and the rollout's log-probs where asked for)."""
     B = len(samples)
     prompts = torch.full((B, P), pad_token_id, dtype=torch.int64)
     responses = torch.full((B, R), pad_token_id, dtype=torch.int64)
@@ -194,26 +202,33 @@ def build_micro_batch(
     }
     if logprobs is not None:
         tensors["rollout_log_probs"] = logprobs
+    return tensors
 
-    def obj(values: Sequence[Any]) -> np.ndarray:
-        arr = np.empty(len(values), dtype=object)
-        arr[:] = list(values)
-        return arr
 
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = list(values)
+    return arr
+
+
+def _non_tensors(samples: Sequence[Sample], uids: Sequence[str],
+                 per_prompt: Mapping[str, Sequence[Any]] | None) -> dict[str, np.ndarray]:
+    """What verl keeps beside the tensors, one entry per sample: ids, versions and step numbers, lengths, and
+    the caller's per-prompt values."""
     # Step numbers per sample, None unless every segment's version is one.
     steps: list[list[int] | None] = []
     for s in samples:
         known = [v for v in map(_as_int_version, s.weight_versions) if v is not None]
         steps.append(known if known and len(known) == len(s.weight_versions) else None)
     non_tensors: dict[str, np.ndarray] = {
-        "uid": obj([uids[s.group] for s in samples]),
-        "__num_turns__": np.full(B, 2, dtype=np.int32),
-        "weight_version": obj([s.weight_version for s in samples]),
-        "weight_versions": obj([list(s.weight_versions) for s in samples]),
-        "min_global_steps": obj([min(x) if x else None for x in steps]),
-        "max_global_steps": obj([max(x) if x else None for x in steps]),
-        "request_id": obj([s.request_id for s in samples]),
-        "finish_reason": obj([s.finish_reason for s in samples]),
+        "uid": _objects([uids[s.group] for s in samples]),
+        "__num_turns__": np.full(len(samples), 2, dtype=np.int32),
+        "weight_version": _objects([s.weight_version for s in samples]),
+        "weight_versions": _objects([list(s.weight_versions) for s in samples]),
+        "min_global_steps": _objects([min(x) if x else None for x in steps]),
+        "max_global_steps": _objects([max(x) if x else None for x in steps]),
+        "request_id": _objects([s.request_id for s in samples]),
+        "finish_reason": _objects([s.finish_reason for s in samples]),
         "prompt_index": np.array([s.group for s in samples], dtype=np.int64),
         "rollout_n": np.array([s.index for s in samples], dtype=np.int64),
         "prompt_len": np.array([len(s.prompt_ids) for s in samples], dtype=np.int64),
@@ -222,8 +237,8 @@ def build_micro_batch(
     for key, values in (per_prompt or {}).items():
         if key in non_tensors:
             raise ValueError(f"per-prompt key {key!r} collides with a key the stream sets itself")
-        non_tensors[key] = obj([values[s.group] for s in samples])
-    return MicroBatch(tensors, non_tensors, dict(meta_info or {}))
+        non_tensors[key] = _objects([values[s.group] for s in samples])
+    return non_tensors
 
 
 def parse_result(line: dict[str, Any], group: int, index: int, prompt_ids: list[int],
