@@ -111,6 +111,12 @@ class Config(BaseModel):
     trust_probe_tolerance: float = Field(default=0.0, ge=0)  # 0: by each box's dtype, quantization and TP size
     drain_timeout_s: float = Field(default=120.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Evacuation of a box with a preemption notice (rollout.evacuation).
+    evacuation_stay_share: float = Field(default=0.5, ge=0, le=1)
+    evacuation_margin_s: float = Field(default=3.0, ge=0)
+    evacuation_tick_s: float = Field(default=0.5, gt=0, le=10)
+    # Sequences predicted at least this long go to non-preemptible boxes when one has room (placement.preemptible).
+    preemptible_long_tokens: int = Field(default=1024, ge=0)
 
     # Generation.
     scheduler_policy: Literal["throughput_aware", "least_in_flight", "round_robin", "makespan"] = "makespan"

@@ -48,6 +48,11 @@ class TooLarge(ManagerError):
     reason = "too_large"
 
 
+class NotFound(ManagerError):
+    status = 404
+    reason = "not_found"
+
+
 class Conflict(ManagerError):
     status = 409
     reason = "conflict"

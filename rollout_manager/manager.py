@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from rollout_manager.config import Config
-from rollout_manager.errors import BadRequest, Conflict, Forbidden
+from rollout_manager.errors import BadRequest, Conflict, Forbidden, NotFound
 from rollout_manager.instances.admission import Admission
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
@@ -38,12 +38,14 @@ from rollout_manager.instances.served_ids import safe_id_limit
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
 from rollout_manager.osutil import open_file_limit
+from rollout_manager.placement import preemptible
 from rollout_manager.placement.affinity import AffinitySettings
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.fleet_signal import FleetSignal
 from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.placement.policy_registry import make_policy
 from rollout_manager.placement.scheduler_state import StateFile
+from rollout_manager.rollout.evacuation import EvacuationSettings, Evacuator
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.generation_settings import GenerationSettings
 from rollout_manager.sglang import relay
@@ -90,6 +92,9 @@ class Manager:
                                      max_in_flight_per_instance=cfg.max_in_flight_per_instance,
                                      max_in_flight_total=cfg.max_in_flight_total,
                                      gather_s=cfg.placement_gather_s)
+        if cfg.preemptible_long_tokens:  # the step's tail off preemptible boxes
+            self.dispatcher.narrow_remote = lambda boxes, tokens: preemptible.steady_first(
+                boxes, tokens, cfg.preemptible_long_tokens)
         self.health.recovery_listeners.append(self.dispatcher.recovered)
         if cfg.affinity:
             self.dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,
@@ -118,9 +123,13 @@ class Manager:
         self.quarantine = Quarantine(self.registry, self.probes, self.mismatch, QuarantineSettings.from_config(cfg),
                                      self.generator.evict, self.generator.migrator.mark,
                                      self.generator.migrator.provisional)
+        # Boxes with a preemption notice: their sequences finish there or move before the deadline.
+        self.evacuations = Evacuator(self.registry, self.version, self.dispatcher, self.generator.migrator,
+                                     self.generator.lengths, EvacuationSettings.from_config(cfg))
         self.metrics = ManagerMetrics(self.registry, self.version, self.dispatcher, self.generator, self.weights,
                                       self.local_budget, self.sglang.limits, self.started_at, self.mismatch,
                                       self.quarantine)
+        self.metrics.evacuations = self.evacuations
 
         # The scaling signal: boxes of each kind the rest of the step needs (read at scrape and status).
         self.fleet_signal = FleetSignal(self.registry, self.dispatcher, cfg.scale_target_step_s)
@@ -162,6 +171,7 @@ class Manager:
         await self.health.close()
         await self.probes.close()
         await self.quarantine.close()
+        await self.evacuations.close()
         self.relay.close()
         await self.session.close()
 
@@ -172,13 +182,15 @@ class Manager:
 
     def register_remote(self, host: str, port: int, handshake_port: int | None,
                         receiver_port: int | None = None, vocab_size: int | None = None, *,
-                        vocab_from_config: bool = False) -> dict[str, Any]:
+                        vocab_from_config: bool = False, preemptible: bool = False,
+                        price_per_hour: float | None = None) -> dict[str, Any]:
         # The box's own credential: with it (and without the shared token) its launcher can remove
         # this instance and nothing else. Only its digest is kept; it is never shown again.
         box_token = secrets.token_urlsafe(32)
         inst = self.registry.add(host, port, Kind.REMOTE, handshake_port, receiver_port,
                                  declared_vocab_size=vocab_size, vocab_from_config=vocab_from_config,
-                                 box_token_digest=token_digest(box_token))
+                                 box_token_digest=token_digest(box_token), preemptible=preemptible,
+                                 price_per_hour=price_per_hour)
         return {
             "id": inst.id,
             "endpoint": inst.endpoint,
@@ -218,10 +230,14 @@ class Manager:
             "weight_version": self.version.current,
             "counts": self.registry.counts(),
             "instances": [{**i.to_dict(now), "weight_versions": i.versions.to_dict(i.weight_version),
-                           "mismatch": self.mismatch.of(i.id, fleet), "decode_step": self._step_of(i)}
+                           "mismatch": self.mismatch.of(i.id, fleet), "decode_step": self._step_of(i),
+                           "evacuation": self.evacuations.status_of(i)}
                           for i in self.registry],
             "mismatch": self.mismatch.summary(live),
             "quarantine": self.quarantine.status(),
+            "evacuations": {**self.evacuations.totals(), "placement": preemptible.rule_status(
+                self.registry.in_state(State.ACTIVE, kind=Kind.REMOTE), self.config.preemptible_long_tokens,
+                self.dispatcher.makespan is not None)},
             "weight_senders": self.senders.status(),
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
@@ -323,13 +339,7 @@ class Manager:
         before anything is drained).
         """
         if box_token is not None:
-            digest = token_digest(box_token)
-            for ep in endpoints:
-                inst = self.registry.by_endpoint(ep)
-                if inst is None or inst.box_token_digest is None \
-                        or not hmac.compare_digest(inst.box_token_digest, digest):
-                    raise Forbidden(f"a box token removes only the instance it was issued for; {ep} is not "
-                                    f"that instance (the shared auth_token removes any)")
+            self._own_box(box_token, endpoints, "removes")
         removed, not_found, skipped, targets = [], [], [], []
         for ep in dict.fromkeys(endpoints):
             inst = self.registry.by_endpoint(ep)
@@ -348,6 +358,34 @@ class Manager:
             if self.registry.transition(inst, State.DEAD, reason):
                 removed.append(inst.endpoint)
         return {"removed": removed, "not_found": not_found, "skipped": skipped}
+
+    def _own_box(self, box_token: str, endpoints: Sequence[str], what: str) -> None:
+        """A caller holding only a box token names only the instance it was issued for: 403 otherwise."""
+        digest = token_digest(box_token)
+        for ep in endpoints:
+            inst = self.registry.by_endpoint(ep)
+            if inst is None or inst.box_token_digest is None \
+                    or not hmac.compare_digest(inst.box_token_digest, digest):
+                raise Forbidden(f"a box token {what} only the instance it was issued for; {ep} is not "
+                                f"that instance (the shared auth_token {what} any)")
+
+    # ------------------------------------------------------------ preemption notices
+    def evacuate_instance(self, endpoint: str, deadline_s: float, source: str, detail: str | None,
+                          box_token: str | None = None) -> dict[str, Any]:
+        """A preemption notice for ``endpoint`` (``rollout.evacuation``); 404 unknown, 409 not evacuable."""
+        return self.evacuations.start(self._noticed_box(endpoint, box_token, "evacuates"), deadline_s, source, detail)
+
+    def cancel_evacuation(self, endpoint: str, box_token: str | None = None) -> dict[str, Any]:
+        """The notice for ``endpoint`` was cancelled: it serves again; 404 unknown, 409 not evacuating."""
+        return self.evacuations.cancel(self._noticed_box(endpoint, box_token, "cancels the evacuation of"))
+
+    def _noticed_box(self, endpoint: str, box_token: str | None, what: str) -> Instance:
+        if box_token is not None:
+            self._own_box(box_token, [endpoint], what)
+        inst = self.registry.by_endpoint(endpoint)
+        if inst is None:
+            raise NotFound(f"endpoint: {endpoint} is not a registered instance")
+        return inst
 
     async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
         return await self.dispatcher.changed.wait_for(lambda: inst.load.in_flight == 0, timeout_s)

@@ -33,6 +33,7 @@ from rollout_manager.placement.fleet_signal import FleetSignal
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.rollout.counters import GENERATION_COUNTERS
+from rollout_manager.rollout.evacuation import SOURCES, Evacuator
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.sglang.local_limits import LocalLimits
 from rollout_manager.weights.push_record import WeightPush
@@ -83,6 +84,33 @@ class EventHistograms(Collector):
                                        "Completion tokens per finished sequence.")
         self.metrics.completion_tokens.add_to(tokens, [])
         yield tokens
+
+
+class EvacuationCollector(Collector):
+    """Evacuations of boxes with a preemption notice (``rollout.evacuation``), and what failures without one cost."""
+
+    def __init__(self, metrics: ManagerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        evacuator = self.metrics.evacuations
+        if evacuator is None:
+            return
+        started = CounterMetricFamily(PREFIX + "evacuations", "Boxes evacuated after a preemption notice, by the "
+                                      "notice's source.", labels=["source"])
+        for source in SOURCES:
+            started.add_metric([source], evacuator.by_source.get(source, 0))
+        yield started
+        yield CounterMetricFamily(PREFIX + "evacuation_sequences_moved", "Sequences moved off evacuating boxes "
+                                  "(cut at their last streamed token, continued on another box).",
+                                  value=evacuator.sequences_moved)
+        yield CounterMetricFamily(PREFIX + "evacuation_tokens_saved", "Tokens evacuating boxes made after their "
+                                  "notice that were kept (sequences that finished there, and the moved ones up to "
+                                  "their cut).", value=evacuator.tokens_saved)
+        yield CounterMetricFamily(PREFIX + "preemption_tokens_lost", "Tokens made again after a box failed without "
+                                  "notice (estimated: half an engine_stream_interval per sequence it cut; the "
+                                  "manager never saw them).", value=evacuator.preemption_tokens_lost)
+        yield GaugeMetricFamily(PREFIX + "instances_evacuating", "Boxes evacuating now.", value=len(evacuator.active))
 
 
 class MismatchCollector(Collector):
@@ -397,6 +425,8 @@ class ManagerMetrics:
         self.mismatch = mismatch or MismatchLedger()
         self.generator, self.budget, self.started_at = generator, budget, started_at
         self.prometheus = CollectorRegistry(auto_describe=False)
+        self.evacuations: Evacuator | None = None  # the manager sets it (read at scrape)
+        self.prometheus.register(EvacuationCollector(self))
         self.last_gbps: dict[tuple[str, str], float] = {}
         # Per sequence, so not prometheus_client's Histogram (a lock and a loop over the buckets per
         # observation: 2-3% of the manager's CPU on short requests); exported by EventHistograms.

@@ -1,9 +1,12 @@
-"""The evacuation plan (pure): which of a doomed box's sequences stay to finish there, which move, in what order."""
+"""The evacuation plan (pure): which of a doomed box's sequences stay to finish there, which move, in what order;
+and where placement puts the longest sequences in a fleet with preemptible boxes."""
 
 from __future__ import annotations
 
 import pytest
 
+from rollout_manager.instances.registry import Instance, Kind, Registry
+from rollout_manager.placement import preemptible
 from rollout_manager.placement.box_speed import StepModel
 from rollout_manager.placement.evacuation_plan import DoomedSequence, plan_evacuation
 
@@ -47,3 +50,25 @@ def test_stayers_are_judged_together_and_ties_move_the_bigger_prefix_first() -> 
     assert len(plan.stay) == 5 and plan.stay_drain_s <= 7.5
     assert plan.move == ("s0",)  # of equal lengths the one that made least moves
     assert plan_evacuation([], STEP, 15.0).stay == ()
+
+
+# ------------------------------------------------------------ where the longest go (placement.preemptible)
+
+
+def _boxes(*flags: bool) -> list[Instance]:
+    registry = Registry()
+    return [registry.add("127.0.0.1", 9000 + k, Kind.REMOTE, preemptible=p) for k, p in enumerate(flags)]
+
+
+def test_the_longest_go_to_boxes_that_will_not_vanish_when_there_is_the_choice() -> None:
+    spot, steady, spot2 = _boxes(True, False, True)
+    assert preemptible.steady_first([spot, steady, spot2], 5000.0, 1024) == [steady]
+    assert preemptible.steady_first([spot, steady, spot2], 500.0, 1024) == [spot, steady, spot2]  # short: any
+    assert preemptible.steady_first([spot, steady], None, 1024) == [spot, steady]  # no prediction: unchanged
+    assert preemptible.steady_first([spot, spot2], 5000.0, 1024) == [spot, spot2]  # no choice: unchanged
+    assert preemptible.steady_first([spot, steady], 5000.0, 0) == [spot, steady]  # the rule off
+    all_steady = _boxes(False, False)
+    assert preemptible.steady_first(all_steady, 5000.0, 1024) == all_steady  # no preemptible box: unchanged
+    status = preemptible.rule_status([spot, steady], 1024, predicted=True)
+    assert status["applies"] and ">= 1024 tokens go to non-preemptible boxes" in status["rule"]
+    assert not preemptible.rule_status(all_steady, 1024, predicted=True)["applies"]

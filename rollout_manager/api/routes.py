@@ -31,7 +31,9 @@ from rollout_manager.api.http import (
 )
 from rollout_manager.api.openapi import batch_schema, build_openapi, generate_schema
 from rollout_manager.api.schemas import (
+    CancelEvacuation,
     Empty,
+    EvacuateInstance,
     RegisterLocalRolloutInstances,
     RegisterRolloutInstance,
     ShutdownInstances,
@@ -63,8 +65,10 @@ MANAGER: web.AppKey[Manager] = web.AppKey("manager", Manager)
 # Open without the token: liveness, scraping, the status page shell and the API description. /metrics
 # lists every instance endpoint; metrics_require_token closes it for deployments that must hide them.
 OPEN_PATHS = frozenset({("GET", "/health"), ("GET", "/metrics"), ("GET", "/"), ("GET", "/openapi.json")})
-# Where a box token (issued at registration) stands in for the shared token: its launcher deregisters.
-BOX_TOKEN_PATHS = frozenset({("POST", "/shutdown_instances")})
+# Where a box token (issued at registration) stands in for the shared token: its launcher deregisters, and its
+# preemption-notice watcher evacuates it (or cancels that); each for its own endpoint only.
+BOX_TOKEN_PATHS = frozenset({("POST", "/shutdown_instances"), ("POST", "/evacuate_instance"),
+                             ("POST", "/cancel_evacuation")})
 
 
 def manager_of(request: web.Request) -> Manager:
@@ -87,7 +91,8 @@ async def register_rollout_instance(request: web.Request, body: RegisterRolloutI
     await manager_of(request).check_registration_source(request.remote, [body.host])
     result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
                                                  body.weight_receiver_port, body.vocab_size,
-                                                 vocab_from_config=body.vocab_source == "model_config")
+                                                 vocab_from_config=body.vocab_source == "model_config",
+                                                 preemptible=body.preemptible, price_per_hour=body.price_per_hour)
     return json_response(result)
 
 
@@ -123,6 +128,20 @@ async def shutdown_instances(request: web.Request, body: ShutdownInstances, _: A
     result = await manager_of(request).shutdown_instances(body.endpoints, body.check_weight_update,
                                                           request.get(BOX_TOKEN))
     return json_response(result)
+
+
+@accepts(EvacuateInstance)
+async def evacuate_instance(request: web.Request, body: EvacuateInstance, _: Any) -> web.Response:
+    """A preemption notice: no new work goes to the box; its sequences finish there or move before the deadline,
+    then it is removed. With a box token (not the shared one) only the box it was issued for."""
+    return json_response(manager_of(request).evacuate_instance(body.endpoint, body.deadline_s, body.source,
+                                                               body.detail, request.get(BOX_TOKEN)))
+
+
+@accepts(CancelEvacuation)
+async def cancel_evacuation(request: web.Request, body: CancelEvacuation, _: Any) -> web.Response:
+    """The notice was cancelled (or the box outlived it): the box serves again (after the weights it missed)."""
+    return json_response(manager_of(request).cancel_evacuation(body.endpoint, request.get(BOX_TOKEN)))
 
 
 @accepts(UpdateWeightSenders)
@@ -355,6 +374,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/get_instances_status", get_instances_status),
     ("GET", "/distrusted_samples", distrusted_samples),
     ("POST", "/shutdown_instances", shutdown_instances),
+    ("POST", "/evacuate_instance", evacuate_instance),
+    ("POST", "/cancel_evacuation", cancel_evacuation),
     ("PUT", "/update_weight_senders", update_weight_senders),
     ("POST", "/generate", generate),
     ("POST", "/batch_generate_requests", batch_generate_requests),

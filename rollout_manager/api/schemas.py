@@ -105,6 +105,11 @@ class RegisterRolloutInstance(StrictModel):
         "config.json of the files the box serves (scripts/launch_sglang.sh does), so the manager's own requests "
         "(the trust probe) may use ids below it; 'declared' (by hand) only bounds what callers may send, and "
         "the manager's own requests use ids the box has been seen to take")
+    preemptible: bool = Field(default=False, description="its cloud may take the box back (spot, preemptible): "
+                              "placement keeps the sequences predicted longest off it when it has the choice")
+    price_per_hour: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | None = Field(
+        default=None, description="what the box costs per hour (any currency, the same for every box), for the "
+                                  "status and the scaling signal")
 
 
 class RegisterLocalRolloutInstances(RootModel[list[tuple[Host, Port]]]):
@@ -123,6 +128,35 @@ class ShutdownInstances(StrictModel):
 
     endpoints: Annotated[list[Endpoint], Field(min_length=1, max_length=4096)]
     check_weight_update: bool = False
+
+
+def _box_endpoint(value: str) -> str:
+    """``http://host:port`` (as a box names itself) or ``host:port``, as the registry keys it: ``host:port``."""
+    for scheme in ("http://", "https://"):
+        if value.startswith(scheme):
+            value = value[len(scheme):]
+    return _check_endpoint(value.rstrip("/"))
+
+
+BoxEndpoint = Annotated[str, Strict(), Field(min_length=3, max_length=300), AfterValidator(_box_endpoint)]
+
+
+class EvacuateInstance(StrictModel):
+    """A preemption notice for a box: evacuate it before ``deadline_s`` (a second notice only brings it forward)."""
+
+    endpoint: BoxEndpoint = Field(description="the box's SGLang endpoint as registered (http://host:port or "
+                                              "host:port)")
+    deadline_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] = Field(
+        description="seconds from when the manager receives the notice until the box is gone (relative, so the "
+                    "box's and the manager's clocks need not agree)")
+    source: Literal["aws", "gce", "azure", "sigterm", "manual"] = "manual"
+    detail: Annotated[str, Field(max_length=512)] | None = None
+
+
+class CancelEvacuation(StrictModel):
+    """The notice was cancelled, or the box outlived its deadline: it serves again."""
+
+    endpoint: BoxEndpoint
 
 
 class UpdateWeightSenders(StrictModel):

@@ -32,6 +32,9 @@ class State(str, enum.Enum):
     SYNCING = "syncing"  # receiving weights; takes no new requests
     ACTIVE = "active"  # serving
     DRAINING = "draining"  # finishing in-flight work before removal; takes no new requests
+    # Told it will be taken back (a preemption notice): no new work, no migration target, no weight push; its
+    # sequences finish there or move (rollout/evacuation.py) until its deadline removes it, or a cancel returns it.
+    EVACUATING = "evacuating"
     DEAD = "dead"  # failed or removed; gone from the registry
 
 
@@ -108,6 +111,9 @@ class Instance:
     declared_vocab_size: int | None = None
     vocab_from_config: bool = False
     box_token_digest: str | None = None  # sha256 of the box token its registration got (never shown)
+    # What the box said it is: its cloud may take it back (spot, preemptible), and what it costs (None: not said).
+    preemptible: bool = False
+    price_per_hour: float | None = None
     # lifecycle: the registry's
     state: State = State.PENDING
     state_since: float = 0.0
@@ -148,6 +154,8 @@ class Instance:
             "host": self.host,
             "port": self.port,
             "kind": self.kind.value,
+            "preemptible": self.preemptible,
+            "price_per_hour": self.price_per_hour,
             "state": self.state.value,
             "state_for_s": round(now - self.state_since, 3),
             "weight_version": self.weight_version,

@@ -27,9 +27,11 @@ log = logging.getLogger("rollout_manager.instances.registry")
 
 ALLOWED: dict[State, frozenset[State]] = {
     State.PENDING: frozenset({State.ACTIVE, State.SYNCING, State.DRAINING, State.DEAD}),
-    State.SYNCING: frozenset({State.ACTIVE, State.DRAINING, State.DEAD}),
-    State.ACTIVE: frozenset({State.SYNCING, State.DRAINING, State.DEAD}),
+    State.SYNCING: frozenset({State.ACTIVE, State.DRAINING, State.EVACUATING, State.DEAD}),
+    State.ACTIVE: frozenset({State.SYNCING, State.DRAINING, State.EVACUATING, State.DEAD}),
     State.DRAINING: frozenset({State.DEAD}),
+    # A cancelled notice returns the box through syncing when it missed a version (weights/sync.py pushes it).
+    State.EVACUATING: frozenset({State.ACTIVE, State.SYNCING, State.DRAINING, State.DEAD}),
     State.DEAD: frozenset(),
 }
 
@@ -110,7 +112,8 @@ class Registry:
     # ------------------------------------------------------------ changes
     def add_many(self, specs: list[tuple[str, int, Kind, int | None]], receiver_port: int | None = None, *,
                  declared_vocab_size: int | None = None, vocab_from_config: bool = False,
-                 box_token_digest: str | None = None) -> list[Instance]:
+                 box_token_digest: str | None = None, preemptible: bool = False,
+                 price_per_hour: float | None = None) -> list[Instance]:
         """Register several instances at once: all or none (409 names the duplicates)."""
         endpoints = [format_endpoint(h, p) for h, p, _, _ in specs]
         taken = [ep for ep in endpoints if ep in self._by_endpoint]
@@ -127,7 +130,8 @@ class Registry:
                 id=f"inst-{n}", host=host, port=port, kind=kind, order=n,
                 mooncake_handshake_port=hs_port, weight_receiver_port=receiver_port, registered_at=now,
                 declared_vocab_size=declared_vocab_size, vocab_from_config=vocab_from_config,
-                box_token_digest=box_token_digest, state_since=now,  # the engine facts until the engine says more
+                box_token_digest=box_token_digest, preemptible=preemptible, price_per_hour=price_per_hour,
+                state_since=now,  # the engine facts until the engine says more
                 engine=EngineFacts(vocab_size=declared_vocab_size,
                                    vocab_checked=vocab_from_config and declared_vocab_size is not None),
             )
@@ -139,10 +143,12 @@ class Registry:
 
     def add(self, host: str, port: int, kind: Kind, handshake_port: int | None = None,
             receiver_port: int | None = None, *, declared_vocab_size: int | None = None,
-            vocab_from_config: bool = False, box_token_digest: str | None = None) -> Instance:
+            vocab_from_config: bool = False, box_token_digest: str | None = None, preemptible: bool = False,
+            price_per_hour: float | None = None) -> Instance:
         return self.add_many([(host, port, kind, handshake_port)], receiver_port,
                              declared_vocab_size=declared_vocab_size, vocab_from_config=vocab_from_config,
-                             box_token_digest=box_token_digest)[0]
+                             box_token_digest=box_token_digest, preemptible=preemptible,
+                             price_per_hour=price_per_hour)[0]
 
     def transition(self, inst: Instance, new: State, reason: str) -> bool:
         """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed."""

@@ -194,7 +194,7 @@ def fallback_reason(preferred: Instance | None, chosen: Instance) -> str:
     """Why the request went to ``chosen`` rather than ``preferred`` (one of :data:`FALLBACK_REASONS`)."""
     if preferred is None or preferred.state == State.DEAD:
         return "dead"
-    if preferred.state == State.DRAINING:
+    if preferred.state in (State.DRAINING, State.EVACUATING):
         return "draining"
     if preferred.state in (State.SYNCING, State.PENDING):
         return "syncing"

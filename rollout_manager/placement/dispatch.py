@@ -106,6 +106,9 @@ class Dispatcher:
         self.lone_meters: dict[str, TokenRateMeter] = {}
         # Affinity (None: off): which instance holds which trajectory's or prompt's prefix.
         self.affinity: AffinityTable | None = None
+        # Narrows the clean remote boxes with room for a sequence predicted to make the tokens given (None: no
+        # prediction), e.g. the longest onto non-preemptible boxes (placement.preemptible); None: no narrowing.
+        self.narrow_remote: Callable[[list[Instance], float | None], list[Instance]] | None = None
         # Each instance's decode step time by running count, learned from its streams (box_speed), and,
         # under the makespan policy, what its sequences are predicted still to make (makespan.BoxWork).
         self.speeds = BoxSpeeds()
@@ -279,6 +282,8 @@ class Dispatcher:
                     (remote_failing if failures else remote_clean).append(i)
             elif local_ok and i.load.in_flight < bound_of(i):
                 (local_failing if failures else local_clean).append(i)
+        if self.narrow_remote is not None and len(remote_clean) > 1:  # the step's tail off boxes that may vanish
+            remote_clean = self.narrow_remote(remote_clean, predicted if high is None else high)
         now = self.clock()
         groups = ((local_clean, local_failing), (remote_clean, remote_failing))
         for clean, failing in groups if local_clean or local_failing else groups[1:]:

@@ -57,6 +57,8 @@ class Migrator:
         self.provisional = Provisional()
         self._timer: asyncio.Task[None] | None = None  # runs the policy while anything streams
         self._aborts: set[asyncio.Task[None]] = set()
+        # Told of each segment that ended in its instance's failure (rollout.evacuation counts what that cost).
+        self.failed: Callable[[SequenceState, Segment], None] | None = None
         if policy is not None:
             dispatcher.batch_half = policy.batch_half
 
@@ -79,6 +81,8 @@ class Migrator:
     def leave(self, key: int, seq: SequenceState, segment: Segment) -> None:
         """The segment ended (finished, failed, moved or cancelled)."""
         self._live.pop(key, None)
+        if self.failed is not None and segment.outcome.startswith("failed"):
+            self.failed(seq, segment)
         for box in self._listed.pop(key, ()):
             keys = self._by_instance.get(box)
             if keys is not None:
@@ -130,6 +134,28 @@ class Migrator:
             self._start_abort(seq, where, rid)
             moved += 1
         return moved
+
+    def on(self, inst: Instance) -> list[SequenceState]:
+        """The sequences streaming from ``inst`` now that are not finished or leaving already."""
+        return [seq for seq, where, _ in self._live.values()
+                if where is inst and not seq.migration.leaving and seq.finish is None]
+
+    def move(self, seq: SequenceState, target: Instance | None, reason: str) -> bool:
+        """Move ``seq`` off the instance it streams from now, whatever the policy (an evacuation): to ``target``,
+        which the caller reserved for ``seq.reserve`` tokens (None: wherever the dispatcher places it). It is
+        aborted there and continues from the tokens made. False, and nothing done (the caller releases
+        ``target``), when it is not streaming or already leaving."""
+        found = next(((where, rid) for s, where, rid in self._live.values() if s is seq), None)
+        if found is None or seq.migration.leaving or seq.finish is not None:
+            return False
+        part = seq.migration
+        part.leaving, part.reason, part.cut = True, reason, None
+        if target is not None:
+            part.target, part.reserved = target, seq.reserve
+            part.moves += 1
+            part.moved_at = self.dispatcher.clock()
+        self._start_abort(seq, *found)
+        return True
 
     def mark(self, inst: Instance, version: int) -> Callable[[], int]:
         """A probe of ``inst`` at ``version`` is being sent: what it may vouch for is what ``inst`` made so far at
@@ -213,6 +239,8 @@ class Migrator:
         for key, (seq, inst, _) in self._live.items():
             part = seq.migration
             if part.leaving or part.target is not None or seq.finish is not None or inst.kind == Kind.LOCAL:
+                continue
+            if inst.state == State.EVACUATING:  # its evacuation (rollout.evacuation) decides what stays and moves
                 continue
             if seq.body.sampling.output_penalties:  # moved, it would sample differently: it stays unless its
                 continue  # instance dies or leaves (then its answer says the continuation was not exact)

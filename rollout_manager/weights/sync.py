@@ -140,8 +140,9 @@ class WeightSync:
             return len([i for i in self.registry.in_state(State.ACTIVE) if i.kind == Kind.REMOTE and has(i)])
 
         def enough() -> bool:
-            if min_instances is None:
-                return not [i for i in self.registry if i.kind == Kind.REMOTE and not has(i)]
+            if min_instances is None:  # an evacuating box gets no push: it is not waited for
+                return not [i for i in self.registry if i.kind == Kind.REMOTE and i.state != State.EVACUATING
+                            and not has(i)]
             return remote_ready() >= min_instances
 
         t0 = time.monotonic()
@@ -178,7 +179,8 @@ class WeightSync:
     async def _sync(self, inst: Instance) -> None:
         cfg = self.settings
         tries = Tries()
-        while self.registry.get(inst.id) is inst and (inst.weight_version < self.version.current or (
+        while self.registry.get(inst.id) is inst and inst.state != State.EVACUATING and (
+                inst.weight_version < self.version.current or (
                 inst.quarantined is not None and not inst.reloaded_in_quarantine)):  # quarantined: reload in full
             version = self.version.current
             if inst.load.in_flight:
