@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 from support import PY, ROOT, Proc, alive, async_wait_until, descendants, free_port
 
+from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.launch.notice_watch import ManagerReporter, watch
 from rollout_manager.launch.notices import AwsSpot, AzureScheduledEvents, GceMetadata, Provider
 
@@ -463,3 +464,90 @@ async def test_launcher_reports_aws_notice_then_sigterm_with_its_grace_and_serve
         box.stop()
         await runner.cleanup()
 
+
+
+@pytest.mark.slow
+async def test_sigterm_evacuates_the_box_through_the_real_manager_and_its_sequences_finish_elsewhere(
+        start_manager, tmp_path):
+    """Launcher + CPU engine + the real manager, with auth on, and a second box: SIGTERM reaches the manager
+    as a notice (the box's own token authorises it); the manager shows the box evacuating, its sequences
+    continue on the other box and every one equals the uninterrupted greedy run; the box is removed at the
+    deadline and the launcher then stops everything and exits 0."""
+    token = "s3cret"
+    m = await start_manager(auth_token=token)
+    grace = 8
+    env = {**QUIET, "ROLLOUT_MANAGER_AUTH_TOKEN": token}
+
+    def launcher(port: int, *flags: str) -> Proc:
+        args = ["bash", SCRIPT, "--engine", "cpu", "--manager-addr", m.url, "--host", "127.0.0.1",
+                "--port", str(port), "--transfer-agent-handshake-port", str(free_port()), "--python", PY,
+                "--ready-timeout-s", "60", "--stop-timeout-s", "5", *flags,
+                "--", "--seed", "0", "--model-config", json.dumps(MODEL), "--token-delay-s", "0.02"]
+        return Proc(args, tmp_path / f"box-{port}.log", env=env)
+
+    port, other_port = free_port(), free_port()
+    endpoint = f"127.0.0.1:{port}"
+    box = launcher(port, "--preemption-notice", "sigterm", "--sigterm-grace-s", str(grace),
+                   "--preemptible", "true", "--price-per-hour", "0.9")
+    other = launcher(other_port, "--preemption-notice", "off")
+
+    async def instance(ep: str = endpoint) -> dict[str, Any] | None:
+        return next((i for i in (await m.status())["instances"] if i["endpoint"] == ep), None)
+
+    try:
+        async def both_active() -> bool:
+            assert box.popen.poll() is None and other.popen.poll() is None, box.log() + other.log()
+            a, b = await instance(), await instance(f"127.0.0.1:{other_port}")
+            return bool(a and b and a["state"] == b["state"] == "active")
+
+        await async_wait_until(both_active, 90, interval_s=0.2, message="both boxes active")
+        inst = await instance()
+        assert inst and inst["preemptible"] is True and inst["price_per_hour"] == 0.9, inst
+        below = descendants(box.pid)
+
+        # Long greedy sequences (300 tokens, about 6 s each) on both boxes; SIGTERM while some run on this one.
+        prompts = [[1 + i, 2, 3] for i in range(6)]
+        bodies = [{"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 300}} for p in prompts]
+        runs = [asyncio.create_task(m.post("/generate", b)) for b in bodies]
+
+        async def busy() -> bool:
+            inst = await instance()
+            return bool(inst and inst["in_flight"])
+
+        await async_wait_until(busy, 20, interval_s=0.02, message="sequences running on the box")
+        box.signal(signal.SIGTERM)
+        seen: list[dict[str, Any]] = []
+
+        async def evacuating() -> bool:
+            inst = await instance()
+            if inst and inst["state"] == "evacuating":
+                seen.append(inst)
+            return bool(seen)
+
+        await async_wait_until(evacuating, 10, interval_s=0.05, message=f"{endpoint} evacuating")
+        evacuation = seen[0]["evacuation"]
+        assert evacuation["source"] == "sigterm" and 0 < evacuation["deadline_in_s"] <= grace, evacuation
+        assert box.popen.poll() is None  # still serving while the manager moves its work
+
+        model = build_model(0, **MODEL)
+        moved = 0
+        for prompt, run in zip(prompts, runs):
+            status, out = await run
+            assert status == 200, out
+            assert out["output_ids"] == reference_generate(model, prompt, 300)[0]  # exact, across the move
+            where = [seg["instance"] for seg in out["meta_info"]["segments"]]
+            moved += len(where) > 1
+        assert moved, "no sequence moved off the box"
+
+        async def removed() -> bool:
+            inst = await instance()
+            return inst is None or inst["state"] == "dead"
+
+        await async_wait_until(removed, grace + 10, interval_s=0.1, message=f"{endpoint} removed")
+        assert await asyncio.to_thread(box.wait, 15) == 0, box.log()
+        assert not [p for p in below if alive(p)], box.log()
+        # The manager removes the box at the deadline, which is when the grace ends: either line may come first.
+        assert "the manager has removed" in box.log() or f"grace period of {grace}s spent" in box.log()
+    finally:
+        box.stop()
+        other.stop()
