@@ -1,5 +1,5 @@
 """Command line: ``rollout-manager serve | demo | receiver-agent | cpu-engine``, and the operator's
-``status | drain | push-status | watch`` (rollout_manager/ops.py)."""
+``status | drain | evacuate | push-status | watch`` (rollout_manager/ops.py)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the SGLang-compatible CPU engine (tests, demo; extra: cpu-engine)",
         add_help=False,
     )
-    ops.add_subcommands(sub)  # status, drain, push-status, watch: talk to a running manager
+    ops.add_subcommands(sub)  # status, drain, evacuate, push-status, watch: talk to a running manager
     return parser
 
 

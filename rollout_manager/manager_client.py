@@ -28,6 +28,8 @@ RUN_ID_HEADER = "X-Rollout-Manager-Run-Id"
 HEALTH = "/health"
 INSTANCES_STATUS = "/get_instances_status"
 SHUTDOWN_INSTANCES = "/shutdown_instances"
+EVACUATE_INSTANCE = "/evacuate_instance"
+CANCEL_EVACUATION = "/cancel_evacuation"
 REGISTER_INSTANCE = "/register_rollout_instance"
 
 
@@ -253,3 +255,15 @@ class ManagerAPI:
                            timeout_s: float | None | object = _DEFAULT) -> ShutdownResult:
         body = {"endpoints": list(endpoints), "check_weight_update": check_weight_update}
         return ShutdownResult.from_json(self._object("POST", SHUTDOWN_INSTANCES, body, timeout_s=timeout_s))
+
+    def evacuate_instance(self, endpoint: str, deadline_s: float, *, source: str = "manual", detail: str | None = None,
+                          timeout_s: float | None | object = _DEFAULT) -> dict[str, Any]:
+        """``POST /evacuate_instance``: a preemption notice (the box's sequences move before ``deadline_s``)."""
+        body: dict[str, Any] = {"endpoint": endpoint, "deadline_s": deadline_s, "source": source}
+        if detail is not None:
+            body["detail"] = detail
+        return self._object("POST", EVACUATE_INSTANCE, body, timeout_s=timeout_s)
+
+    def cancel_evacuation(self, endpoint: str, *, timeout_s: float | None | object = _DEFAULT) -> dict[str, Any]:
+        """``POST /cancel_evacuation``: the box serves again."""
+        return self._object("POST", CANCEL_EVACUATION, {"endpoint": endpoint}, timeout_s=timeout_s)

@@ -1,4 +1,5 @@
-"""The operator's subcommands: ``status``, ``drain``, ``push-status`` and ``watch`` against a running manager.
+"""The operator's subcommands: ``status``, ``drain``, ``evacuate``, ``push-status`` and ``watch`` against a running
+manager.
 
 They speak the manager's public HTTP API through :mod:`rollout_manager.manager_client` (the standard
 library's ``urllib``), so a call starts in a
@@ -32,12 +33,13 @@ FAILED = 1  # the manager answered, but not as expected (an HTTP error other tha
 USAGE = 2  # bad arguments or an unreadable --config (argparse uses 2 as well)
 UNREACHABLE = 3  # nothing answered at --manager (refused, timed out, unknown host)
 UNAUTHORIZED = 4  # the manager refused the bearer token (HTTP 401)
-UNKNOWN_ENDPOINT = 5  # drain: at least one endpoint is not registered
+UNKNOWN_ENDPOINT = 5  # drain, evacuate: (at least one) endpoint is not registered
 SKIPPED = 6  # drain: at least one endpoint was left alone (a weight push in progress); all were known
 
 EXIT_CODES = {OK: "ok", FAILED: "unexpected answer from the manager", USAGE: "usage or configuration error",
               UNREACHABLE: "manager unreachable", UNAUTHORIZED: "token refused",
-              UNKNOWN_ENDPOINT: "drain: unknown endpoint", SKIPPED: "drain: endpoint skipped (weight push running)"}
+              UNKNOWN_ENDPOINT: "drain, evacuate: unknown endpoint",
+              SKIPPED: "drain: endpoint skipped (weight push running)"}
 
 # Keys under which an instance's status may describe its streaming mode (shown when present).
 STREAMING_KEYS = ("streaming_mode", "stream_mode", "streaming")
@@ -69,8 +71,15 @@ class Client:
         with self._exit_codes():
             return self.api.shutdown_instances(endpoints, check_weight_update=not force, timeout_s=timeout_s)
 
+    def evacuate(self, endpoint: str, deadline_s: float | None, source: str, cancel: bool) -> dict[str, Any]:
+        with self._exit_codes(unknown_endpoint=True):
+            if cancel:
+                return self.api.cancel_evacuation(endpoint)
+            assert deadline_s is not None
+            return self.api.evacuate_instance(endpoint, deadline_s, source=source)
+
     @contextlib.contextmanager
-    def _exit_codes(self) -> Iterator[None]:
+    def _exit_codes(self, unknown_endpoint: bool = False) -> Iterator[None]:
         try:
             yield
         except ManagerAPIError as exc:
@@ -79,6 +88,8 @@ class Client:
             if exc.status == 401:
                 hint = f"set {TOKEN_ENV} or auth_token in --config" if not self.api.token else "the token is wrong"
                 raise OpsError(f"{self.url} refused the token ({hint}): {exc.message}", UNAUTHORIZED) from None
+            if unknown_endpoint and exc.status == 404:
+                raise OpsError(exc.message, UNKNOWN_ENDPOINT) from None
             raise OpsError(str(exc), FAILED) from None
 
 
@@ -152,7 +163,19 @@ def render_status(st: dict[str, Any], url: str) -> str:
             for i in instances]
     out = f"manager {url}  {summary_line(st)}\n"
     out += table(headers, rows) if rows else "no instances registered\n"
-    return out + mismatch_line(st.get("mismatch")) + quarantine_line(st.get("quarantine"))
+    return (out + mismatch_line(st.get("mismatch")) + quarantine_line(st.get("quarantine"))
+            + evacuation_lines(instances))
+
+
+def evacuation_lines(instances: list[dict[str, Any]]) -> str:
+    """One line per box being evacuated (a preemption notice): its deadline and what stays and moved."""
+    out = ""
+    for i in instances:
+        ev = i.get("evacuation")
+        if isinstance(ev, dict):
+            out += (f"evacuating {i.get('endpoint')} ({ev.get('source')} notice): removed in "
+                    f"{ev.get('deadline_in_s')}s, {ev.get('staying')} sequence(s) stay, {ev.get('moved')} moved\n")
+    return out
 
 
 def speed_cell(step: Any) -> str:
@@ -272,6 +295,23 @@ def cmd_drain(args: argparse.Namespace, client: Client) -> int:
     return UNKNOWN_ENDPOINT if not_found else SKIPPED if skipped else OK
 
 
+def cmd_evacuate(args: argparse.Namespace, client: Client) -> int:
+    if args.cancel == (args.deadline_s is not None):
+        raise OpsError("give --deadline-s S (a notice) or --cancel (withdraw it), one of them", USAGE)
+    if args.deadline_s is not None and not 0 < args.deadline_s <= 86400:
+        raise OpsError(f"--deadline-s must be within (0, 86400], not {args.deadline_s:g}", USAGE)
+    answer = client.evacuate(args.endpoint, args.deadline_s, args.source, args.cancel)
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    elif args.cancel:
+        print(f"{answer.get('state', '?'):<11}{answer.get('endpoint')} (evacuation cancelled; "
+              f"{answer.get('moved', 0)} sequence(s) had moved)")
+    else:
+        print(f"evacuating {answer.get('endpoint')}: removed in {answer.get('deadline_s')}s; "
+              f"{answer.get('staying')} sequence(s) stay to finish, {answer.get('moving')} move")
+    return OK
+
+
 def cmd_push_status(args: argparse.Namespace, client: Client) -> int:
     st = client.status()
     pushes, failures = list(st.get("recent_weight_pushes") or []), push_failures(st)
@@ -359,7 +399,8 @@ def frame(st: dict[str, Any] | None, url: str, rate: float | None, error: str | 
     return Panel(Group(cards, inst, pushes, events), title=title)
 
 
-STATE_STYLES = {"active": "green", "pending": "cyan", "syncing": "yellow", "draining": "magenta", "dead": "red"}
+STATE_STYLES = {"active": "green", "pending": "cyan", "syncing": "yellow", "draining": "magenta",
+                "evacuating": "bright_red", "dead": "red"}
 
 
 def watch(client: Client, *, interval_s: float, once: bool) -> int:
@@ -407,7 +448,7 @@ def _run(command: Command) -> Callable[[argparse.Namespace], int]:
 
 
 def add_subcommands(sub: Any) -> None:
-    """Add ``status``, ``drain``, ``push-status`` and ``watch`` to the CLI's subparsers."""
+    """Add ``status``, ``drain``, ``evacuate``, ``push-status`` and ``watch`` to the CLI's subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--manager", metavar="URL",
                         help=f"the manager's address (default ${ADDR_ENV} or {DEFAULT_ADDR})")
@@ -432,6 +473,14 @@ def add_subcommands(sub: Any) -> None:
                 timeout=None, json_help="print the manager's answer (removed, not_found, skipped)")
     drain.add_argument("endpoints", nargs="+", metavar="ENDPOINT", help="HOST:PORT as registered")
     drain.add_argument("--force", action="store_true", help="drain an instance even during its weight push")
+    evacuate = add("evacuate", cmd_evacuate, "evacuate a box before it is taken back (a preemption notice by hand): "
+                   "no new work, its long sequences move now, the rest finish there or move before the deadline, then "
+                   "it is removed", timeout=10.0, json_help="print the manager's answer")
+    evacuate.add_argument("endpoint", metavar="ENDPOINT", help="HOST:PORT (or http://HOST:PORT) as registered")
+    evacuate.add_argument("--deadline-s", type=float, metavar="S", help="seconds until the box is gone")
+    evacuate.add_argument("--source", default="manual", choices=("manual", "aws", "gce", "azure", "sigterm"),
+                          help="who gave the notice (default manual; the metric evacuations_total is by it)")
+    evacuate.add_argument("--cancel", action="store_true", help="withdraw the notice: the box serves again")
     add("push-status", cmd_push_status, "show recent weight pushes (GB/s, seconds) and push failures",
         timeout=10.0, json_help="print pushes and failures as JSON")
     watch = add("watch", cmd_watch, "a live view of the status page in the terminal, until Ctrl-C",

@@ -5,13 +5,15 @@ is made twice; a kill without notice, for comparison; the API's refusals and the
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from typing import Any
 
 import aiohttp
 import pytest
-from support import async_wait_until
+from support import PY, ROOT, async_wait_until
 
+from rollout_manager import ops
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
 pytestmark = pytest.mark.slow  # every test here starts real processes
@@ -254,3 +256,29 @@ async def test_a_box_token_evacuates_only_its_own_box(start_manager, stub_engine
     assert status == 403, body
     status, body = await m.post("/cancel_evacuation", {"endpoint": a.endpoint}, headers=as_a)
     assert status == 200 and body["state"] == "active", body
+
+
+async def test_the_cli_evacuates_and_cancels(start_manager, stub_engine):
+    m = await start_manager(health_check_path="/health")
+    stub = await stub_engine()
+    await register(m, stub)
+
+    async def cli(*args: str) -> tuple[int, str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("ROLLOUT_MANAGER_AUTH_TOKEN", "ROLLOUT_MANAGER_ADDR")}
+        proc = await asyncio.create_subprocess_exec(PY, "-m", "rollout_manager", *args, "--manager", m.url, cwd=ROOT,
+                                                    env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    rc, out, err = await cli("evacuate", stub.endpoint, "--deadline-s", "90", "--source", "gce")
+    assert rc == ops.OK and f"evacuating {stub.endpoint}: removed in" in out, (rc, out, err)
+    rc, out, err = await cli("status")
+    assert rc == ops.OK and f"evacuating {stub.endpoint} (gce notice): removed in" in out, out
+    rc, out, err = await cli("evacuate", "--cancel", stub.endpoint)
+    assert rc == ops.OK and out.startswith("active") and stub.endpoint in out, (rc, out, err)
+    rc, out, err = await cli("evacuate", "127.0.0.1:1", "--deadline-s", "5")
+    assert rc == ops.UNKNOWN_ENDPOINT and "127.0.0.1:1" in err, (rc, out, err)
+    rc, out, err = await cli("evacuate", stub.endpoint)
+    assert rc == ops.USAGE and "--deadline-s" in err, (rc, out, err)
