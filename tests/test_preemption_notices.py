@@ -177,6 +177,7 @@ class FakeManager:
     auth: list[str | None] = field(default_factory=list)
     states: dict[str, str] = field(default_factory=dict)
     fail_next: int = 0  # answer this many /evacuate_instance calls with 503 first
+    refuse: bool = False  # answer /evacuate_instance with 400
 
     def app(self) -> web.Application:
         async def health(request: web.Request) -> web.Response:
@@ -194,6 +195,9 @@ class FakeManager:
             if self.fail_next > 0:
                 self.fail_next -= 1
                 return web.json_response({"error": "busy"}, status=503)
+            if self.refuse:
+                self.evacuations.append({"refused": True})
+                return web.json_response({"error": "deadline_s: must be above 0"}, status=400)
             body = await request.json()
             body["received_at"] = time.time()
             self.evacuations.append(body)
@@ -365,6 +369,25 @@ async def test_outlived_notice_is_cancelled_once_and_a_busy_manager_is_asked_aga
             await until(lambda: aws.polls >= polls + 5, "more polls")
             assert len(fake_manager.evacuations) == 1 and len(fake_manager.cancels) == 1
             assert any("outlived" in line for line in w.lines), w.lines
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_refused_notice_is_said_once_not_sent_again_and_not_cancelled(manager, tmp_path):
+    fake_manager, manager_url = manager
+    fake_manager.refuse = True
+    aws = FakeAws(action={"action": "terminate", "time": iso(time.time() + 120)})
+    runner, url = await serve(aws.app())
+    try:
+        async with Watching(AwsSpot(url, poll_interval_s=0.05), manager_url, tmp_path) as w:
+            await until(lambda: fake_manager.evacuations, "the notice sent")
+            polls = aws.polls
+            await until(lambda: aws.polls >= polls + 3, "three more polls")
+            aws.action = None
+            polls = aws.polls
+            await until(lambda: aws.polls >= polls + 3, "three polls without the notice")
+            assert fake_manager.evacuations == [{"refused": True}] and fake_manager.cancels == []
+            assert [line for line in w.lines if "refused" in line and "deadline_s" in line], w.lines
     finally:
         await runner.cleanup()
 

@@ -101,7 +101,8 @@ def watch(provider: Provider, reporter: Reporter, stop: threading.Event, *,
     """Until ``stop`` is set: poll ``provider``; report a new notice (or one whose deadline moved earlier),
     cancel one that was withdrawn or outlived. A report the manager could not take is tried again at the
     next poll; the metadata service going quiet is said once and waited out."""
-    held: Notice | None = None  # the notice the manager holds
+    held: Notice | None = None  # the notice reported last
+    accepted = False  # whether the manager took it (a refused one has nothing to cancel)
     spent: set[str] = set()  # notices this box outlived: never reported again
     failing: str | None = None  # the last problem said, so it is said once
     quiet = False
@@ -131,15 +132,19 @@ def watch(provider: Provider, reporter: Reporter, stop: threading.Event, *,
             left = max(notice.seconds_left(now), MIN_DEADLINE_S)
             outcome, why = reporter.evacuate(notice, left)
             if outcome is ReportOutcome.DONE:
-                held, failing = notice, None
+                held, accepted, failing = notice, True, None
                 log(f"preemption notice ({notice.detail}): reported to the manager, {left:.1f}s left")
             elif outcome is ReportOutcome.REFUSED:
-                held = notice  # asking again would be refused again
+                held = notice  # asking again would be refused again (an earlier one was taken: still held)
                 log(f"warning: the manager refused the preemption notice ({notice.detail}): {why}")
             else:
                 trouble(f"preemption notice ({notice.detail}) not delivered yet: {why}; retrying")
         elif held is not None and (notice is None or now > held.deadline_at + outlive_s):
             outlived = notice is not None
+            if not accepted:  # the manager never took it: nothing to take back
+                held = None
+                stop.wait(provider.poll_interval_s)
+                continue
             outcome, why = reporter.cancel()
             if outcome is ReportOutcome.RETRY:
                 trouble(f"cancelling the evacuation not delivered yet: {why}; retrying")
@@ -152,7 +157,7 @@ def watch(provider: Provider, reporter: Reporter, stop: threading.Event, *,
                         f"to rejoin")
                 if outlived:
                     spent.add(held.key)
-                held, failing = None, None
+                held, accepted, failing = None, False, None
         stop.wait(provider.poll_interval_s)
 
 
