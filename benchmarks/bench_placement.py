@@ -32,6 +32,7 @@ def measure(instances: int, sequences: int, tokens: int, prefer: bool) -> float:
     """Microseconds per placement, with the package found first on sys.path."""
     from rollout_manager.instances.instance import Kind, State
     from rollout_manager.instances.registry import Registry
+    from rollout_manager.placement.ask import Ask
     from rollout_manager.placement.dispatch import Dispatcher
     from rollout_manager.placement.policy_registry import DEFAULT_POLICY, make_policy
 
@@ -53,7 +54,7 @@ def measure(instances: int, sequences: int, tokens: int, prefer: bool) -> float:
     started = time.perf_counter()
     for k in range(sequences):
         clock[0] += step
-        chosen = dispatcher.try_acquire(tokens, prefer=pool[k % instances].id if prefer else None)
+        chosen = dispatcher.try_acquire(Ask(tokens, prefer=pool[k % instances].id if prefer else None))
         assert chosen is not None, "the pool ran out of room: lower --sequences"
     return 1e6 * (time.perf_counter() - started) / sequences
 

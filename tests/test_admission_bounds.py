@@ -23,6 +23,7 @@ from support import PY, Proc, async_wait_until, free_port, wait_http_ok
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import (
     DEFAULT_INSTANCE_MAX_IN_FLIGHT,
     MAX_IN_FLIGHT_TOTAL_CEILING,
@@ -76,7 +77,7 @@ def test_server_info_max_running_requests_prefers_the_schedulers_value() -> None
 async def test_an_instance_gets_at_most_its_max_running_requests() -> None:
     _, d, (a, b) = pool(2, None)
     assert (a.load.max_in_flight, b.load.max_in_flight) == (2, DEFAULT_INSTANCE_MAX_IN_FLIGHT)
-    placed = [d.try_acquire(1) for _ in range(6)]
+    placed = [d.try_acquire(Ask(1)) for _ in range(6)]
     assert placed.count(a) == 2 and placed.count(b) == 4  # least-in-flight would have given a three
     assert a.load.in_flight == 2 and d.in_flight == 6
 
@@ -84,13 +85,13 @@ async def test_an_instance_gets_at_most_its_max_running_requests() -> None:
 async def test_a_configured_bound_caps_every_instance() -> None:
     _, d, (a, b) = pool(2, None, per_instance=3)
     assert (d.bound_of(a), d.bound_of(b)) == (2, 3)  # never more than the instance's own
-    assert [d.try_acquire(1) for _ in range(6)].count(None) == 1
+    assert [d.try_acquire(Ask(1)) for _ in range(6)].count(None) == 1
 
 
 async def test_the_whole_pool_is_bounded_too() -> None:
     _, d, (a, b) = pool(4, 4, total=5)
     assert d.capacity() == 5
-    assert sum(d.try_acquire(1) is not None for _ in range(8)) == 5
+    assert sum(d.try_acquire(Ask(1)) is not None for _ in range(8)) == 5
     assert not d.claim(a, 1) and not d.claim(b, 1)  # tail migration respects the bounds as well
     d.release(a, 0)
     assert d.in_flight == 4 and d.claim(a, 1) and d.in_flight == 5
@@ -105,8 +106,8 @@ def test_the_default_overall_bound_follows_the_open_file_limit() -> None:
 
 async def test_waiters_are_placed_in_order_as_the_bound_frees() -> None:
     _, d, (a,) = pool(1)
-    assert d.try_acquire(1) is a
-    waiters = [asyncio.ensure_future(d.acquire(1, timeout_s=30)) for _ in range(3)]
+    assert d.try_acquire(Ask(1)) is a
+    waiters = [asyncio.ensure_future(d.acquire(Ask(1), timeout_s=30)) for _ in range(3)]
     await run_pending()
     assert d.waiting == 3 and d.admission_status()["requests_waiting"] == 3
     for k in range(3):
@@ -121,8 +122,8 @@ async def test_waiters_are_placed_in_order_as_the_bound_frees() -> None:
 async def test_waiting_for_a_full_instance_is_not_timed_out() -> None:
     _, d, (a,) = pool(1)
     seen = count_expiries(d)
-    assert d.try_acquire(1) is a
-    waiter = asyncio.ensure_future(d.acquire(1, timeout_s=0.02))
+    assert d.try_acquire(Ask(1)) is a
+    waiter = asyncio.ensure_future(d.acquire(Ask(1), timeout_s=0.02))
     await async_wait_until(lambda: len(seen) >= 5, 10, message="five deadline checks")
     assert not waiter.done()  # five deadlines passed: it waits for the instance's capacity, not failed
     d.release(a, 0)
@@ -132,8 +133,8 @@ async def test_waiting_for_a_full_instance_is_not_timed_out() -> None:
 async def test_the_overall_bound_is_waited_for_too() -> None:
     _, d, (a, b) = pool(4, 4, total=1)
     seen = count_expiries(d)
-    assert d.try_acquire(1) is a
-    waiter = asyncio.ensure_future(d.acquire(1, timeout_s=0.02))
+    assert d.try_acquire(Ask(1)) is a
+    waiter = asyncio.ensure_future(d.acquire(Ask(1), timeout_s=0.02))
     await async_wait_until(lambda: len(seen) >= 3, 10, message="three deadline checks")
     assert not waiter.done()
     d.release(a, 0)
@@ -143,8 +144,8 @@ async def test_the_overall_bound_is_waited_for_too() -> None:
 async def test_once_the_pool_is_empty_the_wait_counts_from_then() -> None:
     registry, d, (a,) = pool(1)
     seen = count_expiries(d)
-    assert d.try_acquire(1) is a
-    waiter = asyncio.ensure_future(d.acquire(1, timeout_s=0.3))
+    assert d.try_acquire(Ask(1)) is a
+    waiter = asyncio.ensure_future(d.acquire(Ask(1), timeout_s=0.3))
     await async_wait_until(lambda: len(seen) >= 1, 10, message="a deadline check")
     assert not waiter.done()
     emptied = time.monotonic()
@@ -163,7 +164,7 @@ async def test_a_request_held_back_since_long_ago_fails_at_once_when_no_instance
     try:
         t0 = time.monotonic()
         with pytest.raises(Unavailable, match=r"within 5s \(0 active\)"):
-            await d.acquire(1, timeout_s=5)
+            await d.acquire(Ask(1), timeout_s=5)
         assert time.monotonic() - t0 < 1
     finally:
         accepted_at.set(None)

@@ -10,6 +10,7 @@ from fakes import FakeClock, run_pending
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.least_in_flight import LeastInFlight
 
@@ -32,8 +33,8 @@ def make(max_in_flight: int | None = None, clock: FakeClock | None = None) -> tu
 async def test_acquire_and_release_account_requests_and_tokens() -> None:
     registry, d = make()
     a, b = active(registry, 2)
-    first = d.try_acquire(100)
-    second = d.try_acquire(50)
+    first = d.try_acquire(Ask(100))
+    second = d.try_acquire(Ask(50))
     assert (first, second) == (a, b)  # least in flight: the second goes to the idle one
     assert (a.load.in_flight, a.load.in_flight_tokens) == (1, 100)
     d.progress(a, 30, 0.0)  # 30 tokens streamed: 70 of the budget still outstanding
@@ -66,22 +67,22 @@ async def test_only_active_instances_take_work() -> None:
     pending = registry.add("127.0.0.1", 29999, Kind.REMOTE)
     (a,) = active(registry, 1)
     assert registry.transition(a, State.SYNCING, "test")
-    assert d.try_acquire(10) is None and pending.load.in_flight == 0
+    assert d.try_acquire(Ask(10)) is None and pending.load.in_flight == 0
     assert registry.transition(a, State.ACTIVE, "test")
-    assert d.try_acquire(10) is a
+    assert d.try_acquire(Ask(10)) is a
 
 
 async def test_local_instances_first_only_while_the_window_is_open() -> None:
     registry, d = make()
     (remote,) = active(registry, 1)
     (local,) = active(registry, 1, Kind.LOCAL, first_port=31000)
-    assert d.try_acquire(10) is remote  # window closed: remote only, even though the local one is idle
+    assert d.try_acquire(Ask(10)) is remote  # window closed: remote only, even though the local one is idle
     assert d.local.open(budget_s=60)
     try:
-        assert d.try_acquire(10) is local
-        assert d.try_acquire(10) is local  # busier than the remote one, but local goes first
+        assert d.try_acquire(Ask(10)) is local
+        assert d.try_acquire(Ask(10)) is local  # busier than the remote one, but local goes first
         assert d.local.close("test")
-        assert d.try_acquire(10) is remote
+        assert d.try_acquire(Ask(10)) is remote
     finally:
         d.local.close("test")
 
@@ -92,9 +93,9 @@ async def test_full_local_instances_spill_to_remote_ones() -> None:
     (local,) = active(registry, 1, Kind.LOCAL, first_port=31000)
     assert d.local.open(budget_s=60)
     try:
-        assert d.try_acquire(10) is local
-        assert d.try_acquire(10) is remote
-        assert d.try_acquire(10) is None
+        assert d.try_acquire(Ask(10)) is local
+        assert d.try_acquire(Ask(10)) is remote
+        assert d.try_acquire(Ask(10)) is None
     finally:
         d.local.close("test")
 
@@ -103,28 +104,28 @@ async def test_an_instance_the_sequence_failed_on_is_avoided_unless_it_recovered
     registry, d = make()
     a, b = active(registry, 2)
     a.health.consecutive_failures = 1
-    assert d.try_acquire(10, avoid={a.id}) is b
+    assert d.try_acquire(Ask(10, avoid=frozenset({a.id}))) is b
     d.release(b, 10)
     assert registry.transition(b, State.DEAD, "test")
-    assert d.try_acquire(10, avoid={a.id}) is None  # the only one left still fails
+    assert d.try_acquire(Ask(10, avoid=frozenset({a.id}))) is None  # the only one left still fails
     a.health.consecutive_failures = 0  # a health check or another request succeeded there
-    assert d.try_acquire(10, avoid={a.id}) is a
+    assert d.try_acquire(Ask(10, avoid=frozenset({a.id}))) is a
 
 
 async def test_instances_with_failures_are_used_only_when_no_clean_one_is_there() -> None:
     registry, d = make()
     a, b = active(registry, 2)
     a.health.consecutive_failures = 1
-    assert [d.try_acquire(10) for _ in range(3)] == [b, b, b]  # b is busier, but clean
+    assert [d.try_acquire(Ask(10)) for _ in range(3)] == [b, b, b]  # b is busier, but clean
     assert registry.transition(b, State.DEAD, "test")
-    assert d.try_acquire(10) is a  # a sequence that never failed there may still use it
+    assert d.try_acquire(Ask(10)) is a  # a sequence that never failed there may still use it
 
 
 async def test_acquire_waits_for_a_release() -> None:
     registry, d = make(max_in_flight=1)
     (a,) = active(registry, 1)
-    assert d.try_acquire(10) is a
-    waiter = asyncio.ensure_future(d.acquire(20, timeout_s=5))
+    assert d.try_acquire(Ask(10)) is a
+    waiter = asyncio.ensure_future(d.acquire(Ask(20), timeout_s=5))
     await run_pending()
     assert not waiter.done()  # parked: the only instance is full
     d.release(a, 10)
@@ -135,7 +136,7 @@ async def test_acquire_waits_for_a_release() -> None:
 async def test_acquire_waits_for_an_instance_to_become_active() -> None:
     registry, d = make()
     inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
-    waiter = asyncio.ensure_future(d.acquire(20, timeout_s=5))
+    waiter = asyncio.ensure_future(d.acquire(Ask(20), timeout_s=5))
     await run_pending()  # the waiter is parked on the dispatcher's signal
     assert not waiter.done()
     assert registry.transition(inst, State.ACTIVE, "test: healthy")
@@ -146,16 +147,16 @@ async def test_acquire_times_out_with_unavailable() -> None:
     """No instance it may use: it fails at the deadline (one that is only full is waited for: test_admission_bounds)."""
     registry, d = make(max_in_flight=1)
     (a,) = active(registry, 1)
-    assert d.try_acquire(10) is a
+    assert d.try_acquire(Ask(10)) is a
     t0 = time.monotonic()
     with pytest.raises(Unavailable, match=r"no rollout instance could take the request within 0.05s \(1 active\)"):
-        await d.acquire(10, timeout_s=0.05, allow=lambda inst: False)
+        await d.acquire(Ask(10, allow=lambda inst: False), timeout_s=0.05)
     assert 0.04 <= time.monotonic() - t0 < 1.0
 
 
 async def test_close_fails_waiters_at_once() -> None:
     registry, d = make()
-    waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=60)) for _ in range(3)]
+    waiters = [asyncio.ensure_future(d.acquire(Ask(10), timeout_s=60)) for _ in range(3)]
     await run_pending()  # the waiter is parked on the dispatcher's signal
     assert not any(w.done() for w in waiters)
     d.close()
@@ -164,14 +165,14 @@ async def test_close_fails_waiters_at_once() -> None:
             await asyncio.wait_for(w, 1)
     active(registry, 1)
     with pytest.raises(Unavailable, match="shutting down"):  # nothing new is placed either
-        await d.acquire(10, timeout_s=60)
+        await d.acquire(Ask(10), timeout_s=60)
 
 
 async def test_streamed_tokens_are_counted_as_they_arrive() -> None:
     """The live tokens/s figure must move while sequences run, not only when they finish."""
     registry, d = make()
     (a,) = active(registry, 1)
-    assert d.try_acquire(100) is a and d.streamed_tokens == 0
+    assert d.try_acquire(Ask(100)) is a and d.streamed_tokens == 0
     d.progress(a, 30, 0.0)
     d.progress(a, 12, 0.0)
     assert d.streamed_tokens == 42  # nothing finished yet
@@ -182,9 +183,9 @@ async def test_streamed_tokens_are_counted_as_they_arrive() -> None:
 async def test_requests_waiting_for_an_instance_are_counted_while_they_wait() -> None:
     registry, d = make(max_in_flight=1)
     (a,) = active(registry, 1)
-    assert d.try_acquire(10) is a and d.waiting == 0  # placed at once: never waiting
-    waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=5)) for _ in range(2)]
-    timing_out = asyncio.ensure_future(d.acquire(10, timeout_s=0.05, allow=lambda inst: False))
+    assert d.try_acquire(Ask(10)) is a and d.waiting == 0  # placed at once: never waiting
+    waiters = [asyncio.ensure_future(d.acquire(Ask(10), timeout_s=5)) for _ in range(2)]
+    timing_out = asyncio.ensure_future(d.acquire(Ask(10, allow=lambda inst: False), timeout_s=0.05))
     await run_pending()
     assert d.waiting == 3
     with pytest.raises(Unavailable):
@@ -204,7 +205,7 @@ async def test_idle_time_is_accounted_per_active_instance() -> None:
     registry, d = make(clock=clock)
     a, b = active(registry, 2)
     clock.advance(4)
-    assert d.try_acquire(10) is a  # a busy from t=4
+    assert d.try_acquire(Ask(10)) is a  # a busy from t=4
     clock.advance(6)
     assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx((4 + 10) / 2)  # mean of a (4) and b (10)
     clock.advance(3)
@@ -239,8 +240,8 @@ async def test_time_spent_syncing_is_not_idle_time() -> None:
 async def test_waiting_requests_are_placed_first_come_first_served_in_one_pass() -> None:
     registry, d = make(max_in_flight=1)
     a, b = active(registry, 2)
-    assert d.try_acquire(10) is a and d.try_acquire(10) is b
-    waiters = [asyncio.ensure_future(d.acquire(10, timeout_s=5)) for _ in range(200)]
+    assert d.try_acquire(Ask(10)) is a and d.try_acquire(Ask(10)) is b
+    waiters = [asyncio.ensure_future(d.acquire(Ask(10), timeout_s=5)) for _ in range(200)]
     await run_pending()
     tries = 0
     real = d.try_acquire
@@ -264,10 +265,10 @@ async def test_waiting_requests_are_placed_first_come_first_served_in_one_pass()
 async def test_a_waiter_that_cannot_use_the_free_instance_does_not_hold_up_the_others() -> None:
     registry, d = make(max_in_flight=1)
     a, b = active(registry, 2)
-    assert d.try_acquire(10) is a and d.try_acquire(10) is b
+    assert d.try_acquire(Ask(10)) is a and d.try_acquire(Ask(10)) is b
     # The first waiter may only run on b (say, a staleness bound): a frees up first.
-    picky = asyncio.ensure_future(d.acquire(10, timeout_s=5, allow=lambda inst: inst is b))
-    other = asyncio.ensure_future(d.acquire(10, timeout_s=5))
+    picky = asyncio.ensure_future(d.acquire(Ask(10, allow=lambda inst: inst is b), timeout_s=5))
+    other = asyncio.ensure_future(d.acquire(Ask(10), timeout_s=5))
     await run_pending()
     d.release(a, 10)
     await run_pending()
@@ -279,11 +280,11 @@ async def test_a_waiter_that_cannot_use_the_free_instance_does_not_hold_up_the_o
 async def test_a_waiter_cancelled_as_it_is_placed_gives_its_instance_back() -> None:
     registry, d = make(max_in_flight=1)
     (a,) = active(registry, 1)
-    assert d.try_acquire(10) is a
-    waiter = asyncio.ensure_future(d.acquire(10, timeout_s=5))
+    assert d.try_acquire(Ask(10)) is a
+    waiter = asyncio.ensure_future(d.acquire(Ask(10), timeout_s=5))
     await run_pending()
     d.release(a, 10)  # placed: the future holds a, but the caller has not run yet
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     assert a.load.in_flight == 0 and a.load.in_flight_tokens == 0 and d.waiting == 0
-    assert d.try_acquire(10) is a
+    assert d.try_acquire(Ask(10)) is a

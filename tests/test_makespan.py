@@ -13,6 +13,7 @@ import pytest
 from fakes import FakeClock, run_pending
 
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.box_speed import StepModel
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.instance_load import InstanceLoad
@@ -139,12 +140,12 @@ def pool(n: int, clock: FakeClock, bound: int = 0) -> tuple[Dispatcher, list[Ins
 async def test_waiting_sequences_are_placed_longest_predicted_first() -> None:
     clock = FakeClock()
     d, (inst,) = pool(1, clock, bound=1)
-    first = d.try_acquire(100, predicted=10)
+    first = d.try_acquire(Ask(100, predicted=10))
     assert first is inst
     order: list[float | None] = []
 
     async def wait(predicted: float | None) -> None:
-        got = await d.acquire(4096, 60.0, predicted=predicted)
+        got = await d.acquire(Ask(4096, predicted=predicted), 60.0)
         order.append(predicted)
         await asyncio.sleep(0)
         d.release(got, 0)
@@ -161,8 +162,8 @@ async def test_waiting_sequences_are_placed_longest_predicted_first() -> None:
 async def test_the_dispatcher_learns_box_speed_from_progress_and_counts_predicted_work() -> None:
     clock = FakeClock()
     d, (a, b) = pool(2, clock)
-    assert d.try_acquire(4096, predicted=2000) is a  # nothing measured: least predicted work, then id
-    assert d.try_acquire(4096, predicted=100) is b
+    assert d.try_acquire(Ask(4096, predicted=2000)) is a  # nothing measured: least predicted work, then id
+    assert d.try_acquire(Ask(4096, predicted=100)) is b
     assert (d.work[a.id].tokens, d.work[b.id].longest) == (2000, 100)
     for _ in range(200):  # a streams a token every 20 ms
         clock.now += 0.02
@@ -182,12 +183,12 @@ async def test_the_dispatcher_counts_the_upper_quantile_as_a_boxs_longest() -> N
     clock = FakeClock()
     d, (a, b) = pool(2, clock)
     for inst in (a, b):  # both measured alike: 10 ms a token
-        d.try_acquire(4096, predicted=10)
+        d.try_acquire(Ask(4096, predicted=10))
         for _ in range(50):
             clock.now += 0.01
             d.progress(inst, 1, clock.now)
         d.release(inst, 0)
-    first = d.try_acquire(4096, predicted=1000, high=2500)
+    first = d.try_acquire(Ask(4096, predicted=1000, high=2500))
     assert first is not None and (d.work[first.id].tokens, d.work[first.id].longest) == (1000, 2500)
     assert d.load_of(first, clock.now).longest_tokens == 2500
 
@@ -197,7 +198,7 @@ async def test_a_burst_is_placed_longest_predicted_first_even_with_room() -> Non
     longest get it, whatever the order they came in."""
     clock = FakeClock()
     d, (inst,) = pool(1, clock, bound=2)
-    tasks = [asyncio.create_task(d.acquire(4096, 60.0, predicted=p)) for p in (100.0, 3000.0, 50.0, 700.0)]
+    tasks = [asyncio.create_task(d.acquire(Ask(4096, predicted=p), 60.0)) for p in (100.0, 3000.0, 50.0, 700.0)]
     await run_pending()
     placed = [p for p, t in zip((100.0, 3000.0, 50.0, 700.0), tasks) if t.done()]
     assert sorted(placed) == [700.0, 3000.0] and inst.load.in_flight == 2
@@ -214,9 +215,9 @@ async def test_a_burst_over_several_turns_is_gathered_when_asked() -> None:
         d = Dispatcher(registry, Makespan(), max_in_flight_per_instance=1, gather_s=gather_s)
         inst = registry.add("127.0.0.1", 30000, Kind.REMOTE)
         assert registry.transition(inst, State.ACTIVE, "test: healthy")
-        early = asyncio.create_task(d.acquire(4096, 60.0, predicted=100.0))
+        early = asyncio.create_task(d.acquire(Ask(4096, predicted=100.0), 60.0))
         await run_pending()  # the next request comes a turn later
-        late = asyncio.create_task(d.acquire(4096, 60.0, predicted=3000.0))
+        late = asyncio.create_task(d.acquire(Ask(4096, predicted=3000.0), 60.0))
         done, _ = await asyncio.wait([early, late], timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
         assert [100.0 if t is early else 3000.0 for t in done] == [first], gather_s
         for t in (early, late):
@@ -245,9 +246,9 @@ async def test_at_a_piece_boundary_the_dispatcher_keeps_it_where_its_prefix_is_u
             d.work.setdefault(a.id, BoxWork()).placed(predicted)
 
     load_a(3, 300)
-    placed = await d.acquire(4096, 60.0, prefer=a.id, predicted=500, context=20000)
+    placed = await d.acquire(Ask(4096, prefer=a.id, predicted=500, context=20000), 60.0)
     assert placed is a  # b would end ~0.3 s sooner; a 20,000-token prefill costs 2 s
     d.release(placed, 0)
     load_a(40, 2000)
-    placed = await d.acquire(4096, 60.0, prefer=a.id, predicted=500, context=20000)
+    placed = await d.acquire(Ask(4096, prefer=a.id, predicted=500, context=20000), 60.0)
     assert placed is b  # now a would end far later: the move pays

@@ -23,6 +23,7 @@ from test_routed_experts import body as r3_body
 from test_routed_experts import rig as r3_rig  # noqa: F401  (the R3 tests' fixture: CPU engines in process)
 
 from rollout_manager.instances.registry import Instance, Registry, State
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.lengths import LengthModel
@@ -260,20 +261,20 @@ async def test_each_sequence_of_a_batch_is_divided_on_its_own(rig: Rig) -> None:
 async def test_each_boundary_asks_for_the_instance_it_is_on_with_what_is_still_expected(rig: Rig) -> None:
     rig.generator.lengths = LengthModel()
     a, _ = register_active(rig.registry, rig.fakes)
-    asked: list[dict[str, Any]] = []
+    asked: list[Ask] = []
     acquire = rig.dispatcher.acquire
 
-    async def recording(tokens: int, timeout_s: float, **kw: Any) -> Instance:
-        asked.append({"tokens": tokens, **kw})
-        return await acquire(tokens, timeout_s, **kw)
+    async def recording(ask: Ask, timeout_s: float) -> Instance:
+        asked.append(ask)
+        return await acquire(ask, timeout_s)
 
     rig.dispatcher.acquire = recording  # type: ignore[method-assign]
     out = await generate_one(rig.generator, body(40))
     assert out["output_ids"] == reference(PROMPT, 40)
-    assert [q["prefer"] for q in asked] == [None, a.id, a.id]
+    assert [q.prefer for q in asked] == [None, a.id, a.id]
     # the first piece is the predicted median (the fleet's prior, within the budget: 40), so the largest piece
-    assert [q["tokens"] for q in asked] == [16, 16, 8]  # what each placement may make
-    predicted = [q["predicted"] for q in asked]
+    assert [q.tokens for q in asked] == [16, 16, 8]  # what each placement may make
+    predicted = [q.predicted for q in asked]
     assert all(isinstance(p, float) and 0 <= p <= 40 - made for p, made in zip(predicted, (0, 16, 32)))
 
 
@@ -351,10 +352,10 @@ async def test_a_boundary_leaves_a_box_rolled_back_below_the_sequences_version(r
 
     acquire = rig.dispatcher.acquire
 
-    async def roll_a_back_at_the_first_boundary(tokens: int, timeout_s: float, **kw: Any) -> Instance:
-        if kw["prefer"] == a.id:
+    async def roll_a_back_at_the_first_boundary(ask: Ask, timeout_s: float) -> Instance:
+        if ask.prefer == a.id:
             rig.registry.set_weight_version(a, 1)
-        return await acquire(tokens, timeout_s, **kw)
+        return await acquire(ask, timeout_s)
 
     rig.dispatcher.acquire = roll_a_back_at_the_first_boundary  # type: ignore[method-assign]
     out = await generate_one(rig.generator, {**body(40), "min_weight_version": 2})

@@ -25,6 +25,7 @@ from rollout_manager.errors import Unavailable
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.placement.local_budget import LocalBudget
@@ -222,7 +223,7 @@ async def test_the_dispatcher_places_on_a_recovered_instance_within_the_wait_and
     a = registry.add("127.0.0.1", 30000, Kind.REMOTE)
     assert registry.transition(a, State.ACTIVE, "test: healthy")
     a.health.consecutive_failures = 1  # the sequence just failed there
-    waiter = asyncio.ensure_future(d.acquire(1, timeout_s=5, avoid={a.id}, since=d.clock()))
+    waiter = asyncio.ensure_future(d.acquire(Ask(1, avoid=frozenset({a.id}), since=d.clock()), timeout_s=5))
     await asyncio.sleep(0)
     assert not waiter.done() and d.waiting == 1
     a.health.consecutive_failures = 0
@@ -231,5 +232,5 @@ async def test_the_dispatcher_places_on_a_recovered_instance_within_the_wait_and
     d.release(a, 1)
     # Its wait is over and only the instance that failed it is left, recovered or not: no more tries.
     with pytest.raises(Unavailable, match="within 5s"):
-        await d.acquire(1, timeout_s=5, avoid={a.id}, since=d.clock() - 5)
+        await d.acquire(Ask(1, avoid=frozenset({a.id}), since=d.clock() - 5), timeout_s=5)
     assert d.waiting == 0 and a.load.in_flight == 0

@@ -16,6 +16,7 @@ from rollout_manager.errors import BadRequest, Conflict
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.rollout.sequence import version_check
@@ -72,7 +73,7 @@ async def test_bump_syncs_active_remote_instances_and_returns_them_at_the_new_ve
     rig.agents.staged = 1
     assert rig.sync.bump(None) == 1 and rig.version.current == 1
     assert a.state == State.SYNCING and b.state == State.SYNCING  # out of service at once
-    assert rig.dispatcher.try_acquire(10) is None
+    assert rig.dispatcher.try_acquire(Ask(10)) is None
     await rig.settled(a, b)
     assert a.weight_version == b.weight_version == 1
     assert sorted(rig.agents.pushed_to()) == [f"http://127.0.0.1:{i.weight_receiver_port}" for i in (a, b)]
@@ -84,7 +85,7 @@ async def test_bump_syncs_active_remote_instances_and_returns_them_at_the_new_ve
 
 async def test_a_sync_waits_for_in_flight_requests_to_finish(rig: Rig) -> None:
     a = rig.add()
-    assert rig.dispatcher.try_acquire(10) is a
+    assert rig.dispatcher.try_acquire(Ask(10)) is a
     rig.agents.staged = 1
     rig.sync.bump(1)
     await run_pending()
@@ -286,7 +287,7 @@ async def test_a_bump_no_sender_can_deliver_is_refused_and_changes_nothing() -> 
         with pytest.raises(Conflict):
             sync.bump(3)
         assert version.current == 0 and inst.state == State.ACTIVE and len(registry.events) == events
-        assert inst.waiting_for is None and dispatcher.try_acquire(10) is inst
+        assert inst.waiting_for is None and dispatcher.try_acquire(Ask(10)) is inst
     finally:
         await sync.close()
 
@@ -306,7 +307,7 @@ async def test_a_bump_with_only_local_instances_needs_no_sender() -> None:
 async def test_a_syncing_instance_says_what_it_waits_for(rig: Rig) -> None:
     a = rig.add()
     assert a.waiting_for is None and a.to_dict(0.0)["waiting_for"] is None
-    assert rig.dispatcher.try_acquire(10) is a
+    assert rig.dispatcher.try_acquire(Ask(10)) is a
     rig.agents.staged = 0  # the sender still stages version 1
     rig.sync.bump(1)
     await run_pending()
@@ -361,7 +362,7 @@ async def test_staged_instances_keep_serving_while_they_stage_and_load_in_a_paus
     rig.sync.bump(1)
     await yield_until(lambda: rig.agents.count("push") == 1)
     assert a.state == State.ACTIVE and a.versions.staging == 1  # still serving version 0
-    assert rig.dispatcher.try_acquire(10) is a
+    assert rig.dispatcher.try_acquire(Ask(10)) is a
     rig.dispatcher.release(a, 10)
     rig.agents.hold.set()
     await async_wait_until(lambda: a.weight_version == 1, 2, interval_s=0.005, message="version 1 active")

@@ -30,6 +30,7 @@ from rollout_manager.instances.registry import Event, Instance, Kind, Registry, 
 from rollout_manager.notify import Signal
 from rollout_manager.osutil import open_file_limit
 from rollout_manager.placement.affinity import AffinitySettings, AffinityTable, overloaded
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.box_speed import BoxCurve, BoxSpeeds, StepModel
 from rollout_manager.placement.instance_load import InstanceLoad
 from rollout_manager.placement.local_budget import LocalWindow
@@ -247,24 +248,20 @@ class Dispatcher:
             out.append(load)
         return out
 
-    def try_acquire(self, tokens: int, avoid: Collection[str] = (), prefer: str | None = None,
-                    allow: Callable[[Instance], bool] | None = None,
-                    predicted: float | None = None, context: int | None = None,
-                    high: float | None = None) -> Instance | None:
-        """Pick an instance now, or None. Local (trainer-side) instances are offered the work first.
+    def try_acquire(self, ask: Ask) -> Instance | None:
+        """Pick an instance for ``ask`` now, or None. Local (trainer-side) instances are offered the work first.
 
-        An instance this sequence already failed on is used again only once it has recovered (a
+        An instance this sequence already failed on (``ask.avoid``) is used again only once it has recovered (a
         health check or another request succeeded there); instances with recent failures get work
-        only when no clean instance is there. ``prefer`` (affinity: it holds the request's prefix)
-        wins while it is clean and not overloaded; ``allow`` restricts the candidates (the staleness
-        bound); ``predicted`` is how many tokens the sequence is expected to make on this placement
-        (the length model's figure; None where there is none); ``context`` how many a move would prefill
-        (prompt and tokens made); ``high`` an upper quantile of ``predicted`` where the length model has one
-        (``Makespan.place``). Under the makespan policy the policy itself weighs ``prefer`` (staying where
-        the prefix is cached) against moving, priced at one prefill of ``context``.
+        only when no clean instance is there. ``ask.prefer`` (affinity: it holds the request's prefix)
+        wins while it is clean and not overloaded; ``ask.allow`` restricts the candidates. Under the makespan
+        policy the policy itself weighs ``prefer`` (staying where the prefix is cached) against moving, priced
+        at one prefill of ``ask.context``, and places by ``ask.predicted`` and ``ask.high``.
         """
         if self.in_flight >= self.max_in_flight_total:
             return None
+        tokens, avoid, prefer, allow = ask.tokens, ask.avoid, ask.prefer, ask.allow
+        predicted, context, high = ask.predicted, ask.context, ask.high
         local_ok = self.local.is_open
         bound_of, remote_kind, active = self.bound_of, Kind.REMOTE, State.ACTIVE
         # One pass over the pool (this runs for every sequence): what _usable admits, less the full ones,
@@ -343,17 +340,14 @@ class Dispatcher:
         self.in_flight += 1
         self._busy_changed(inst, now)
 
-    async def acquire(self, tokens: int, timeout_s: float, avoid: Collection[str] = (), prefer: str | None = None,
-                      allow: Callable[[Instance], bool] | None = None, since: float | None = None,
-                      predicted: float | None = None, context: int | None = None,
-                      high: float | None = None) -> Instance:
+    async def acquire(self, ask: Ask, timeout_s: float) -> Instance:
         """Wait until the policy places this sequence, within the bounds; raises Unavailable when no
         instance could serve it for ``timeout_s``.
 
-        The wait counts from ``since`` (a sequence's first failure in a row: its retries share one
+        The wait counts from ``ask.since`` (a sequence's first failure in a row: its retries share one
         wait), else :data:`accepted_at`, else now, and only while no instance could take the request at
         all: while some could but are full, it waits for their capacity, however long (see
-        :meth:`_expire`). Instances in ``avoid`` (it failed there) may take it again once they recovered,
+        :meth:`_expire`). Instances in ``ask.avoid`` (it failed there) may take it again once they recovered,
         but never count as ones that could: past the wait it fails rather than try them again.
 
         Requests that cannot be placed at once wait in ``placement.waiting.WaitQueue`` (arrival order; under
@@ -363,20 +357,21 @@ class Dispatcher:
         if self.closing:
             raise Unavailable("rollout manager is shutting down; no new work is placed")
         now = self.clock()
+        since = ask.since
         if since is None:
             since = accepted_at.get()
         since = now if since is None else min(since, now)
-        if self._left(since, timeout_s, now) <= 0 and not self._fresh(avoid, allow):
+        if self._left(since, timeout_s, now) <= 0 and not self._fresh(ask.avoid, ask.allow):
             raise self._unavailable(timeout_s)  # its wait is over, and only instances that failed it are left
         # Under the makespan policy a predicted request always queues and the queue is placed at the end of
         # this event-loop turn: a step's requests arrive together, and so are placed longest predicted first.
-        burst = self.makespan is not None and predicted is not None
+        burst = self.makespan is not None and ask.predicted is not None
         if not self._queue and not burst:  # nobody is waiting ahead of it
-            inst = self.try_acquire(tokens, avoid, prefer, allow, predicted, context, high)
+            inst = self.try_acquire(ask)
             if inst is not None:
                 return inst
         loop = asyncio.get_running_loop()
-        waiter = Waiter(tokens, avoid, prefer, allow, loop.create_future(), since, predicted, context, high=high)
+        waiter = Waiter(ask, loop.create_future(), since)
         self._queue.add(waiter)
         self.waiting += 1
         self._arm(waiter, waiter.since + timeout_s - now, timeout_s)
@@ -393,7 +388,7 @@ class Dispatcher:
             return await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self.release(waiter.future.result(), tokens)  # placed just as its caller went away
+                self.release(waiter.future.result(), ask.tokens)  # placed just as its caller went away
             raise
         finally:
             if waiter.timer is not None:
@@ -422,7 +417,7 @@ class Dispatcher:
         """
         if waiter.future.done():
             return
-        if self._fresh(waiter.avoid, waiter.allow):
+        if self._fresh(waiter.ask.avoid, waiter.ask.allow):
             self._place_waiting()  # room may have come without a change the queue was told of
             if not waiter.future.done():
                 self._arm(waiter, timeout_s, timeout_s)  # waiting for capacity: look again a timeout later
@@ -452,7 +447,7 @@ class Dispatcher:
         self._queue.place(self._try_waiter, self._closed)
 
     def _try_waiter(self, w: Waiter) -> Instance | None:
-        return self.try_acquire(w.tokens, w.avoid, w.prefer, w.allow, w.predicted, w.context, w.high)
+        return self.try_acquire(w.ask)
 
     def _closed(self) -> Exception | None:
         return Unavailable("rollout manager is shutting down; no new work is placed") if self.closing else None

@@ -178,15 +178,9 @@ class TailMigration:
         if not running or self.max_moves == 0:
             return []
         if waiting > 0:
-            if not self.swap_queue:
-                return []
-            return self._swaps(instances, running, now, draining, predict, waiting_left)
+            return self._swaps(instances, running, now, draining, predict, waiting_left) if self.swap_queue else []
         n: dict[str, int] = {c.instance_id: c.in_flight_requests for c in instances}
-        steps: dict[str, StepModel] = {}
-        for c in instances:
-            st = self._step_of(c)
-            if st is not None:
-                steps[c.instance_id] = st
+        steps = self._steps(instances)
         cap = self.max_target_in_flight
         # Min-heap of targets by the step one more sequence would get there (the fastest first).
         heap = [(st.step_s(n[i] + 1), i) for i, st in steps.items()
@@ -194,16 +188,60 @@ class TailMigration:
         if not heap:
             return []
         heapq.heapify(heap)
-        best_step = heap[0][0]
         # The step's predicted end without each box: the latest drain of the others (a sequence on the box that
         # ends last is the tail whatever that box's estimate of it says).
         ends = self._ends(instances, steps) if predict is not None and self.tail_share else None
+        moves: list[Move] = []
+        for left, s, informed in self._tail_candidates(running, n, steps, heap[0][0], now, draining, predict, ends):
+            drain = s.instance_id in draining
+            src = steps.get(s.instance_id)
+            here = src.step_s(n.get(s.instance_id, 1)) if src is not None else math.inf  # earlier moves sped it up
+            gain = self._tail_gain(s, left, left * here, n, steps, informed and not drain)
+            chosen = self._search(heap, s, here, gain, drain)
+            if chosen is None:
+                continue
+            tid, gained = chosen
+            moves.append(Move(s.seq_id, s.instance_id, tid, gained))
+            n[tid] += 1
+            if s.instance_id in n:
+                n[s.instance_id] = max(n[s.instance_id] - 1, 0)
+            if cap is None or n[tid] < cap:
+                heapq.heappush(heap, (steps[tid].step_s(n[tid] + 1), tid))
+        return moves
 
+    def _steps(self, instances: Sequence[InstanceLoad]) -> dict[str, StepModel]:
+        """Each instance's step by running count, where one is known (:meth:`_step_of`)."""
+        steps: dict[str, StepModel] = {}
+        for c in instances:
+            st = self._step_of(c)
+            if st is not None:
+                steps[c.instance_id] = st
+        return steps
+
+    def _may_move(self, s: RunningSequence, now: float) -> bool:
+        """Whether ``s`` may move at all now: moves left, budget left, and its cool-down over."""
+        if s.moves >= self.max_moves or s.budget_left == 0:
+            return False
+        return s.last_moved_at is None or now - s.last_moved_at >= self.cooldown_s
+
+    def _tail_candidates(
+        self,
+        running: Sequence[RunningSequence],
+        n: dict[str, int],
+        steps: dict[str, StepModel],
+        best_step: float,
+        now: float,
+        draining: Collection[str],
+        predict: Callable[[RunningSequence], Rest | None] | None,
+        ends: Callable[[str], float] | None,
+    ) -> list[tuple[float, RunningSequence, bool]]:
+        """The sequences :meth:`plan` tries to move, latest expected finish where they run first: each with its
+        tokens left and whether evidence informs its prediction. Left out: those no target is fast enough for
+        (``best_step``: the fastest target's), and, where ``ends`` is given, those predicted to end where they
+        run before ``tail_share`` of the step's end without their box (not the tail)."""
         cands: list[tuple[float, float, RunningSequence, bool]] = []
         for s in running:
-            if s.moves >= self.max_moves or s.budget_left == 0:
-                continue
-            if s.last_moved_at is not None and now - s.last_moved_at < self.cooldown_s:
+            if not self._may_move(s, now):
                 continue
             drain = s.instance_id in draining
             src = steps.get(s.instance_id)
@@ -219,44 +257,43 @@ class TailMigration:
                 continue  # it ends where it is before the step does: not the tail
             cands.append((left * here, left, s, rest is not None and rest.informed))
         cands.sort(key=lambda c: (-c[0], c[2].seq_id))
+        return [(left, s, informed) for _, left, s, informed in cands]
 
-        moves: list[Move] = []
-        for t_here, left, s, informed in cands:
-            drain = s.instance_id in draining
-            src = steps.get(s.instance_id)
-            here = src.step_s(n.get(s.instance_id, 1)) if src is not None else math.inf
-            t_here = left * here  # earlier moves off its instance sped it up
-            skipped: list[tuple[float, str]] = []
-            chosen: tuple[str, float] | None = None
-            while heap and len(skipped) < self.MAX_TRIES:
-                key, tid = heapq.heappop(heap)
-                if not drain and key * self.min_speedup > here:
-                    heapq.heappush(heap, (key, tid))  # this and every later target: too slow for it
-                    break
-                skipped.append((key, tid))
-                if tid in s.visited or tid == s.instance_id:
-                    continue
-                st = steps[tid]
-                if informed and not drain and self._crowded(st, n[tid]):
-                    continue
-                cost = self._move_cost(s.prompt_tokens + s.made, st)
-                gain = t_here - (cost + left * key)
-                if drain or gain >= self.min_gain_s:
-                    skipped.pop()
-                    chosen = (tid, gain)
-                    break
-            for item in skipped:
-                heapq.heappush(heap, item)
-            if chosen is None:
+    def _tail_gain(self, s: RunningSequence, left: float, t_here: float, n: dict[str, int],
+                   steps: dict[str, StepModel], guard: bool) -> Callable[[float, str], float | None]:
+        """What moving ``s`` (``left`` tokens, ``t_here`` seconds where it is) to a target whose step with it is
+        ``key`` saves, after the re-prefill; None for a crowded target where ``guard`` (the predicted tail)."""
+        def gain(key: float, tid: str) -> float | None:
+            st = steps[tid]
+            if guard and self._crowded(st, n[tid]):
+                return None
+            return t_here - (self._move_cost(s.prompt_tokens + s.made, st) + left * key)
+        return gain
+
+    def _search(self, heap: list[tuple[float, str]], s: RunningSequence, here: float,
+                gain: Callable[[float, str], float | None], drain: bool = False) -> tuple[str, float] | None:
+        """The first target on ``heap`` (fastest first, at most ``MAX_TRIES`` looked at) that takes ``s``, whose
+        step where it runs is ``here``: fast enough by ``min_speedup`` (any target for a sequence on a draining
+        box), not one it ran on, and ``gain`` (None: passed over) at least ``min_gain_s`` (any for a draining
+        one). The chosen target is taken off the heap; those looked at and passed over go back."""
+        skipped: list[tuple[float, str]] = []
+        chosen: tuple[str, float] | None = None
+        while heap and len(skipped) < self.MAX_TRIES:
+            key, tid = heapq.heappop(heap)
+            if not drain and key * self.min_speedup > here:
+                heapq.heappush(heap, (key, tid))  # this and every later target: too slow for it
+                break
+            skipped.append((key, tid))
+            if tid in s.visited or tid == s.instance_id:
                 continue
-            tid, gain = chosen
-            moves.append(Move(s.seq_id, s.instance_id, tid, gain))
-            n[tid] += 1
-            if s.instance_id in n:
-                n[s.instance_id] = max(n[s.instance_id] - 1, 0)
-            if cap is None or n[tid] < cap:
-                heapq.heappush(heap, (steps[tid].step_s(n[tid] + 1), tid))
-        return moves
+            gained = gain(key, tid)
+            if gained is not None and (drain or gained >= self.min_gain_s):
+                skipped.pop()
+                chosen = (tid, gained)
+                break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return chosen
 
     def _swaps(
         self,
@@ -279,16 +316,9 @@ class TailMigration:
         there`` and ``waiting_left x here``. Without it nothing moves until the queue is empty, and a long
         sequence that began on a slow full box spends the first epoch's start there (issue 46)."""
         n: dict[str, int] = {c.instance_id: c.in_flight_requests for c in instances}
-        room: dict[str, int] = {}
-        steps: dict[str, StepModel] = {}
-        for c in instances:
-            st = self._step_of(c)
-            if st is None:
-                continue
-            iid = c.instance_id
-            steps[iid] = st
-            cap = c.max_in_flight
-            room[iid] = (1 << 30) if cap is None else cap + self.swap_queue - n[iid]
+        steps = self._steps(instances)
+        room = {c.instance_id: (1 << 30) if c.max_in_flight is None else c.max_in_flight + self.swap_queue
+                - n[c.instance_id] for c in instances if c.instance_id in steps}
         # Targets by the step they run at once full (a swap leaves every box's count as it is).
         full = {c.instance_id: (n[c.instance_id] if c.max_in_flight is None else max(c.max_in_flight, 1))
                 for c in instances}
@@ -297,13 +327,38 @@ class TailMigration:
         if not heap:
             return []
         heapq.heapify(heap)
-        best_step = heap[0][0]
         other = float(self.min_tokens) if waiting_left is None else waiting_left
+        moves: list[Move] = []
+        for left, here, s in self._swap_candidates(running, n, steps, heap[0][0], now, draining, predict, other):
+            if not heap:
+                break
+            chosen = self._search(heap, s, here, self._swap_gain(s, left, here, other, steps))
+            if chosen is None:
+                continue
+            tid, gained = chosen
+            moves.append(Move(s.seq_id, s.instance_id, tid, gained, swap=True))
+            room[tid] -= 1
+            if room[tid] > 0:
+                heapq.heappush(heap, (steps[tid].step_s(min(n[tid] + 1, full[tid])), tid))
+        return moves
+
+    def _swap_candidates(
+        self,
+        running: Sequence[RunningSequence],
+        n: dict[str, int],
+        steps: dict[str, StepModel],
+        best_step: float,
+        now: float,
+        draining: Collection[str],
+        predict: Callable[[RunningSequence], Rest | None] | None,
+        other: float,
+    ) -> list[tuple[float, float, RunningSequence]]:
+        """The sequences :meth:`_swaps` tries to move, latest expected finish first: each with its tokens left and
+        its step where it runs. Left out: those on draining boxes, those no target is fast enough for, and those
+        not expected to run longer than the waiting request (``other``): the faster slot is as well its."""
         cands: list[tuple[float, float, float, RunningSequence]] = []
         for s in running:
-            if s.moves >= self.max_moves or s.budget_left == 0 or s.instance_id in draining:
-                continue
-            if s.last_moved_at is not None and now - s.last_moved_at < self.cooldown_s:
+            if s.instance_id in draining or not self._may_move(s, now):
                 continue
             src = steps.get(s.instance_id)
             if src is None:
@@ -313,39 +368,18 @@ class TailMigration:
                 continue
             left = self._left(s, predict(s) if predict is not None else None)
             if left <= other:
-                continue  # the waiting request is expected to run as long: the faster slot is as well its
+                continue
             cands.append((left * here, left, here, s))
         cands.sort(key=lambda c: (-c[0], c[3].seq_id))
-        moves: list[Move] = []
-        for t_here, left, here, s in cands:
-            if not heap:
-                break
-            skipped: list[tuple[float, str]] = []
-            chosen: tuple[str, float] | None = None
-            while heap and len(skipped) < self.MAX_TRIES:
-                key, tid = heapq.heappop(heap)
-                if key * self.min_speedup > here:
-                    heapq.heappush(heap, (key, tid))
-                    break
-                skipped.append((key, tid))
-                if tid in s.visited or tid == s.instance_id:
-                    continue
-                cost = self._move_cost(s.prompt_tokens + s.made, steps[tid])
-                gain = t_here - max(cost + left * key, other * here)
-                if gain >= self.min_gain_s:
-                    skipped.pop()
-                    chosen = (tid, gain)
-                    break
-            for item in skipped:
-                heapq.heappush(heap, item)
-            if chosen is None:
-                continue
-            tid, gain = chosen
-            moves.append(Move(s.seq_id, s.instance_id, tid, gain, swap=True))
-            room[tid] -= 1
-            if room[tid] > 0:
-                heapq.heappush(heap, (steps[tid].step_s(min(n[tid] + 1, full[tid])), tid))
-        return moves
+        return [(left, here, s) for _, left, here, s in cands]
+
+    def _swap_gain(self, s: RunningSequence, left: float, here: float, other: float,
+                   steps: dict[str, StepModel]) -> Callable[[float, str], float | None]:
+        """What swapping ``s`` to a target whose step is ``key`` saves: the later of its finish there (after the
+        re-prefill) and the waiting request's where ``s`` was, against ``s``'s finish where it is."""
+        def gain(key: float, tid: str) -> float:
+            return left * here - max(self._move_cost(s.prompt_tokens + s.made, steps[tid]) + left * key, other * here)
+        return gain
 
     def _left(self, s: RunningSequence, rest: Rest | None) -> float:
         """Tokens ``s`` is taken to make still: the length model's figure where it gives one, else its age (a

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollout_manager.instances.registry import Instance
+from rollout_manager.placement.ask import Ask
 
 __all__ = ["Waiter", "WaitQueue", "MAX_SKIPPED"]
 
@@ -23,23 +24,30 @@ MAX_SKIPPED = 32  # constrained requests one placing pass may step over
 
 @dataclass(eq=False)
 class Waiter:
-    """A request waiting in the manager for an instance."""
+    """A request waiting in the manager for an instance: what it asks, and its wait."""
 
-    tokens: int
-    avoid: Collection[str]
-    prefer: str | None
-    allow: Callable[[Instance], bool] | None
+    ask: Ask
     future: asyncio.Future[Instance]
-    since: float  # when its wait for an instance began (see dispatch.accepted_at)
-    predicted: float | None = None  # tokens it is predicted to make on this placement (None: no prediction)
-    context: int | None = None  # tokens a move would prefill (prompt and tokens made; None: unknown)
-    high: float | None = None  # an upper quantile of what it makes, where one is informed (makespan.Makespan.place)
+    since: float  # when its wait for an instance began (``ask.since``, else dispatch.accepted_at, else its ask)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
+    def tokens(self) -> int:
+        return self.ask.tokens
+
+    @property
+    def predicted(self) -> float | None:
+        """Tokens it is predicted to make on this placement (None: no prediction)."""
+        return self.ask.predicted
+
+    @property
+    def high(self) -> float | None:
+        """An upper quantile of what it makes, where the length model has evidence for one."""
+        return self.ask.high
+
+    @property
     def constrained(self) -> bool:
-        """It may be unplaceable where others are not (instances it must avoid, a version bound)."""
-        return bool(self.avoid) or self.allow is not None
+        return self.ask.constrained
 
 
 class WaitQueue:

@@ -18,11 +18,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.placement import affinity as aff
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.lengths import LengthModel, Prediction, Track
 from rollout_manager.placement.local_budget import LocalBudget
@@ -210,118 +212,41 @@ class Generator:
         """Run one sequence to its end and tell ``finished_listeners`` (a cancelled one is not told).
 
         One coroutine for the sequence's whole life, and one per attempt (:meth:`.attempt.Attempts.run`): a
-        sequence in flight holds every frame of its call chain, so the chain is kept short. ``guarded``: the
-        task is a caller's request, failed with 503 when the shutdown grace ends (:meth:`stop`).
+        sequence in flight holds every frame of its call chain, so the chain is kept short (the steps below
+        that do not wait are plain calls). ``guarded``: the task is a caller's request, failed with 503 when
+        the shutdown grace ends (:meth:`stop`).
         """
         started = time.monotonic()
         me = self._enter() if guarded else None
-        body = item.body
-        table = self.dispatcher.affinity
-        keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
-        own = f"rm-{self._rid_prefix}{next(self._rid_counter)}"
-        seq = SequenceState(body=body, rid=body.rid or own, engine_rid=own, min_version=item.min_version)
-        self.stats["sequences"] += 1
-        # A sequence short enough for one chunk interval cannot set a step's tail: the length model (and the
-        # makespan policy's gathering, which needs its figure) would cost it more than placement gains.
-        lengths = None if _short(seq.budget, self.settings.engine_stream_interval) else self.lengths
-        track = None if lengths is None else \
-            lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
-        seq.track = track
-        divided = self.settings.pieces.applies(seq.budget) and body.divisible
+        seq, keys = self._start(item)
+        track = seq.track
         try:
-            if seq.experts is not None:
-                self.check_routed_experts()
-            tried: list[Instance] = []
-            # Since when the sequence fails without making progress (None: it is not failing): its retries
-            # share one wait for an instance, so one that fails everywhere it may go ends within that wait.
-            failing_since: float | None = None
-            if seq.budget == 0:
-                # Answered here: SGLang would run a prefill and report a log-prob for a token it never
-                # returns. Nothing to generate, so no instance is needed.
-                seq.finish = FinishReason.of(wire.LENGTH, length=0)
-                seq.texts.append("")
-                seq.meta = FinalMeta(weight_version=self._current_version())
-            while seq.finish is None:
-                self._cut_distrusted(seq)  # its box was caught while it was between two attempts
-                if seq.remaining == 0:  # the budget was used up just as an instance died
-                    seq.finish = FinishReason.of(wire.LENGTH, length=seq.budget)
-                    break
-                if len(seq.failures) >= self.settings.max_attempts:
-                    self.stats["failed"] += 1
-                    raise GenerationFailed(
-                        502,
-                        f"sequence {seq.rid} failed on {len(seq.failures)} attempt(s) "
-                        f"(limit {self.settings.max_attempts}); "
-                        f"instances tried: {', '.join(i.endpoint for i in tried)}; "
-                        f"last error: {seq.failures[-1] if seq.failures else 'none'}",
-                    )
+            self._before_first_attempt(seq)
+            tries = _RunState(divided=self.settings.pieces.applies(seq.budget) and item.body.divisible)
+            while seq.finish is None and self._may_try(seq, tries):
                 # The last attempt made its piece: the next one is placed again, preferably where it ran.
-                here = tried[-1] if seq.at_boundary and tried else None
-                expected = None if track is None else self._expected(track, seq)
-                if divided:
-                    assert seq.remaining is not None  # a divided sequence has a budget
-                    seq.piece = self.settings.pieces.size(len(seq.output_ids), seq.remaining,
-                                                          None if expected is None else expected.median)
-                if here is not None:  # never a staleness restart at a boundary: it would make tokens again
-                    allow = _or_here(here, self._allowed(seq, restart=False), max(seq.versions, default=0))
-                else:
-                    allow = self._allowed(seq)
-                if seq.refused is not None:  # a second opinion: anywhere but the instance that refused
-                    allow = _excluding(seq.refused.instance, allow)
+                here = tries.tried[-1] if seq.at_boundary and tries.tried else None
+                expected = self._next_piece(seq, tries.divided)
+                allow = self._allow_next(seq, here)
                 reserved = seq.reserve  # what placing it reserves on the instance
                 inst = self.migrator.take_handoff(seq, allow)
                 if inst is None:
-                    first = keys is not None and not seq.versions and not seq.discarded
-                    prefer = here.id if here is not None else \
-                        table.lookup(keys) if table is not None and keys is not None and first else None
-                    predicted = high = None
-                    if expected is not None and track is not None and self.lengths is not None:
-                        made = len(seq.output_ids)
-                        predicted = _still_expected(expected.median, made, seq.remaining)
-                        high = self.lengths.high(track, made)
-                        if high is not None and seq.remaining is not None:
-                            high = min(high, float(seq.remaining))
+                    ask = self._ask(seq, tries, self._prefer(seq, here, keys), allow, expected)
                     try:
-                        inst = await self.dispatcher.acquire(seq.reserve, self.settings.wait_timeout_s,
-                                                             avoid={i.id for i in tried}, prefer=prefer, allow=allow,
-                                                             since=failing_since, predicted=predicted,
-                                                             context=len(seq.body.input_ids) + len(seq.output_ids),
-                                                             high=high)
+                        inst = await self.dispatcher.acquire(ask, self.settings.wait_timeout_s)
                     except Unavailable as exc:
-                        self.stats["failed"] += 1
-                        if seq.refused is not None:  # nobody could check the refusal: it stands
-                            refused = seq.refused.error
-                            raise GenerationFailed(refused.status, refused.message) from None
-                        raise GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq)) from None
-                    if table is not None and keys is not None and first:
-                        self._count_affinity(prefer, inst)
-                        table.placed(keys, inst.id)
+                        raise self._unplaced(seq, exc) from None
+                    if keys is not None and _first_placement(seq):
+                        self._placed_by_affinity(keys, ask.prefer, inst)
                 if inst.quarantined is not None or self._cut_distrusted(seq):  # caught while it waited for inst
                     self.dispatcher.release(inst, reserved)
                     continue
-                if inst is not here:
-                    tried.append(inst)
-                seq.versions.append(inst.weight_version)
-                if here is not None:
-                    log.debug("piece %d of %s on %s from token %d", seq.pieces + 1, seq.rid, inst.endpoint,
-                              len(seq.output_ids))
-                elif seq.segments:
-                    self.stats["continuations"] += 1
-                    log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
-                             len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
-                seq.at_boundary = False
+                self._begin_attempt(seq, inst, here, tries)
                 failures = len(seq.failures)
                 # the attempt's index names its engine request: one more per piece, even on the same segment
                 await self.attempts.run(seq, inst, len(seq.segments) + len(seq.discarded) + seq.pieces, on_tokens)
-                if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
-                    failing_since = None  # it made progress: a failure from here starts a new wait
-                if len(seq.failures) > failures and failing_since is None:
-                    failing_since = self.dispatcher.clock()
-            self.stats["tokens"] += len(seq.output_ids)
-            if lengths is not None and track is not None:
-                lengths.finish(track, len(seq.output_ids))
-            if table is not None and keys is not None and seq.segments:
-                table.finished(keys, seq.output_ids, seq.segments[-1].instance)
+                tries.after_attempt(seq, failures, self.dispatcher.clock)
+            self._finished(seq, keys)
         except GenerationFailed:
             for listener in self.finished_listeners:
                 listener(time.monotonic() - started, 0, False)
@@ -331,15 +256,146 @@ class Generator:
                 self._stopped(me)
             raise
         finally:
-            if lengths is not None and track is not None:
-                lengths.drop(track)  # failed or cancelled (a finished one is closed already)
+            if track is not None and self.lengths is not None:
+                self.lengths.drop(track)  # failed or cancelled (a finished one is closed already)
             if me is not None:
                 self._requests.discard(me)
+        return self._deliver(seq, index, started, answer)
+
+    # ------------------------------------------------------------ one sequence's steps (run_sequence)
+    def _start(self, item: SequenceRequest) -> tuple[SequenceState, aff.AffinityKeys | None]:
+        """The sequence's state, its place in the length model, and its affinity keys (None: affinity is off)."""
+        body = item.body
+        table = self.dispatcher.affinity
+        keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
+        own = f"rm-{self._rid_prefix}{next(self._rid_counter)}"
+        seq = SequenceState(body=body, rid=body.rid or own, engine_rid=own, min_version=item.min_version)
+        self.stats["sequences"] += 1
+        # A sequence short enough for one chunk interval cannot set a step's tail: the length model (and the
+        # makespan policy's gathering, which needs its figure) would cost it more than placement gains.
+        lengths = None if _short(seq.budget, self.settings.engine_stream_interval) else self.lengths
+        seq.track = None if lengths is None else \
+            lengths.start(item.group_key, body.input_ids, seq.rid, lambda: len(seq.output_ids), seq.budget)
+        return seq, keys
+
+    def _before_first_attempt(self, seq: SequenceState) -> None:
+        """Refuse routed experts no instance returns; answer a sequence with nothing to make here: SGLang would
+        run a prefill and report a log-prob for a token it never returns, and no instance is needed."""
+        if seq.experts is not None:
+            self.check_routed_experts()
+        if seq.budget == 0:
+            seq.finish = FinishReason.of(wire.LENGTH, length=0)
+            seq.texts.append("")
+            seq.meta = FinalMeta(weight_version=self._current_version())
+
+    def _may_try(self, seq: SequenceState, tries: _RunState) -> bool:
+        """Whether ``seq`` gets another attempt: not once its budget is used up (it ends there, as it would have
+        had the instance not died just then); past ``max_attempts`` failures it fails with 502."""
+        self._cut_distrusted(seq)  # its box was caught while it was between two attempts
+        if seq.remaining == 0:
+            seq.finish = FinishReason.of(wire.LENGTH, length=seq.budget)
+            return False
+        if len(seq.failures) >= self.settings.max_attempts:
+            self.stats["failed"] += 1
+            raise GenerationFailed(
+                502,
+                f"sequence {seq.rid} failed on {len(seq.failures)} attempt(s) "
+                f"(limit {self.settings.max_attempts}); "
+                f"instances tried: {', '.join(i.endpoint for i in tries.tried)}; "
+                f"last error: {seq.failures[-1] if seq.failures else 'none'}",
+            )
+        return True
+
+    def _next_piece(self, seq: SequenceState, divided: bool) -> Prediction | None:
+        """The length model's figure for ``seq`` as it stands (None: not predicted), and for a divided rollout the
+        size of its next piece from it."""
+        expected = None if seq.track is None else self._expected(seq.track, seq)
+        if divided:
+            assert seq.remaining is not None  # a divided sequence has a budget
+            seq.piece = self.settings.pieces.size(len(seq.output_ids), seq.remaining,
+                                                  None if expected is None else expected.median)
+        return expected
+
+    def _allow_next(self, seq: SequenceState, here: Instance | None) -> Callable[[Instance], bool] | None:
+        """Which instances may take ``seq``'s next attempt (None: any). At a piece boundary (``here``: where the last
+        piece ran) never a staleness restart: it would make tokens again. After a refusal, a second opinion:
+        anywhere but the instance that refused."""
+        if here is not None:
+            allow = _or_here(here, self._allowed(seq, restart=False), max(seq.versions, default=0))
+        else:
+            allow = self._allowed(seq)
+        if seq.refused is not None:
+            allow = _excluding(seq.refused.instance, allow)
+        return allow
+
+    def _prefer(self, seq: SequenceState, here: Instance | None, keys: aff.AffinityKeys | None) -> str | None:
+        """The instance whose prefix cache holds ``seq``: where its last piece ran, else (its first placement) the
+        one affinity remembers for its keys."""
+        if here is not None:
+            return here.id
+        table = self.dispatcher.affinity
+        return table.lookup(keys) if table is not None and keys is not None and _first_placement(seq) else None
+
+    def _ask(self, seq: SequenceState, tries: _RunState, prefer: str | None, allow: Callable[[Instance], bool] | None,
+             expected: Prediction | None) -> Ask:
+        """What ``seq`` asks of the dispatcher now: the one place its state becomes an :class:`Ask`."""
+        predicted = high = None
+        track, lengths = seq.track, self.lengths
+        if expected is not None and track is not None and lengths is not None:
+            made = len(seq.output_ids)
+            predicted = _still_expected(expected.median, made, seq.remaining)
+            high = lengths.high(track, made)
+            if high is not None and seq.remaining is not None:
+                high = min(high, float(seq.remaining))
+        return Ask(seq.reserve, frozenset(i.id for i in tries.tried), prefer, allow, tries.failing_since, predicted,
+                   len(seq.body.input_ids) + len(seq.output_ids), high)
+
+    def _unplaced(self, seq: SequenceState, exc: Unavailable) -> GenerationFailed:
+        """What the caller gets when no instance could take ``seq``: a refusal nobody could check stands as is."""
+        self.stats["failed"] += 1
+        if seq.refused is not None:
+            refused = seq.refused.error
+            return GenerationFailed(refused.status, refused.message)
+        return GenerationFailed(503, with_failures(with_floor(str(exc), seq), seq))
+
+    def _placed_by_affinity(self, keys: aff.AffinityKeys, prefer: str | None, inst: Instance) -> None:
+        table = self.dispatcher.affinity
+        if table is not None:
+            self._count_affinity(prefer, inst)
+            table.placed(keys, inst.id)
+
+    def _begin_attempt(self, seq: SequenceState, inst: Instance, here: Instance | None, tries: _RunState) -> None:
+        """``seq``'s next attempt runs on ``inst``: a new instance tried, a piece where the last ran, or a
+        continuation."""
+        if inst is not here:
+            tries.tried.append(inst)
+        seq.versions.append(inst.weight_version)
+        if here is not None:
+            log.debug("piece %d of %s on %s from token %d", seq.pieces + 1, seq.rid, inst.endpoint,
+                      len(seq.output_ids))
+        elif seq.segments:
+            self.stats["continuations"] += 1
+            log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
+                     len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
+        seq.at_boundary = False
+
+    def _finished(self, seq: SequenceState, keys: aff.AffinityKeys | None) -> None:
+        """``seq`` ended: its length to the length model, its context to affinity."""
+        self.stats["tokens"] += len(seq.output_ids)
+        if self.lengths is not None and seq.track is not None:
+            self.lengths.finish(seq.track, len(seq.output_ids))
+        table = self.dispatcher.affinity
+        if table is not None and keys is not None and seq.segments:
+            table.finished(keys, seq.output_ids, seq.segments[-1].instance)
+
+    def _deliver(self, seq: SequenceState, index: int | None, started: float,
+                 answer: Callable[[GenerateAnswer], None] | None) -> GenerateAnswer | None:
+        """``seq``'s answer, handed to ``answer`` in the step that builds it (then None; see :meth:`generate`)."""
         latency = round(time.monotonic() - started, 6)
         out = final_answer(seq, index, latency)
         for listener in self.finished_listeners:
             listener(latency, len(seq.output_ids), True)
-        if answer is not None:  # handed over now (see generate)
+        if answer is not None:
             answer(out)
             return None
         return out
@@ -436,6 +492,28 @@ class Generator:
         seq.restart()
         self.stats["stale_restarts"] += 1
         return None
+
+
+@dataclass(slots=True)
+class _RunState:
+    """One sequence's attempts so far (``run_sequence``): the instances tried, and since when it fails without
+    progress (None: it is not failing; its retries share one wait for an instance, so one that fails everywhere
+    it may go ends within that wait). ``divided``: it is generated in pieces."""
+
+    divided: bool
+    tried: list[Instance] = field(default_factory=list)
+    failing_since: float | None = None
+
+    def after_attempt(self, seq: SequenceState, failures_before: int, clock: Callable[[], float]) -> None:
+        if seq.segments and seq.segments[-1].end > seq.segments[-1].start:
+            self.failing_since = None  # it made progress: a failure from here starts a new wait
+        if len(seq.failures) > failures_before and self.failing_since is None:
+            self.failing_since = clock()
+
+
+def _first_placement(seq: SequenceState) -> bool:
+    """Whether ``seq`` is being placed for the first time (affinity looks it up and remembers where it went)."""
+    return not seq.versions and not seq.discarded
 
 
 def _still_expected(median: float, made: int, remaining: int | None) -> float:
