@@ -29,8 +29,10 @@ what a step that is hit costs, not what preemption costs an average step.
 ``--scale``: the scaling signal on the same fleet. The step starts on one box of each speed; every ``--poll`` seconds
 the simulator asks ``fleet_demand`` (the boxes' learned curves, their predicted work, the queue's predictions) how
 many boxes of each speed the rest of the step needs to end within the target and starts the ones it asks for (at
-once, the learned curve of their speed known); the target is ``--targets`` times the full fleet's step. It prints
-the step against the target and asserts that the signal asks for none once the step is over.
+once; each speed a kind priced at its speed, so every kind's token costs about the same and the fastest is opened
+first); the target is ``--targets`` times the full fleet's step. It prints the step against the target, the boxes
+started and their cost (box-seconds times price) against the full fleet's, and asserts that the signal asks for
+none once the step is over.
 
     .venv/bin/python benchmarks/sim_preemption.py                # 8 seeds, 3 preemptions per box-hour, 30 s notices
     .venv/bin/python benchmarks/sim_preemption.py --notice 120   # AWS's two minutes
@@ -89,7 +91,7 @@ class Outcome:
     moved: int  # sequences cut off a box taken back
     stayed: int  # sequences that finished on a box with a notice after it
     boxes: int = 0  # boxes started (scale runs)
-    box_s: float = 0.0  # box-seconds the step held (scale runs)
+    box_s: float = 0.0  # box-seconds the step held, each weighted by its box's price (its speed; scale runs)
     wanted_after: int = -1  # boxes the signal asked for once the step was over (scale runs)
 
 
@@ -464,7 +466,7 @@ class Sim:
             if self.held and not any(i.alive and i.in_flight() for i in self.insts) and not self.delayed \
                     and not self.serving():
                 raise RuntimeError("work is held while no box is left")
-        box_s = sum(self.now - t for t in self.started_at.values())
+        box_s = sum((self.now - t) * self.speed[iid] for iid, t in self.started_at.items())
         wanted_after = self.demand(run.scale_target_s).wanted if run.scale_target_s is not None else -1
         return Outcome(self.now, sum(r.length for r in self.reqs), self.remade, self.reprefill,
                        self.migration_prefill, self.moved,
@@ -592,7 +594,7 @@ def scaling(own: argparse.Namespace, shape: Shape) -> int:
             rows[t].append((out.makespan / target, out.boxes, out.box_s / full.box_s, out.wanted_after))
             print(f"- seed {seed}, target {t:g} x {full.makespan:.0f}s: step {out.makespan:.0f}s "
                   f"({out.makespan / target:.3f} of the target) on {out.boxes} boxes (the full fleet: "
-                  f"{len(shape.speeds)}), box-seconds x{out.box_s / full.box_s:.2f}; wanted after the step: "
+                  f"{len(shape.speeds)}), cost x{out.box_s / full.box_s:.2f}; wanted after the step: "
                   f"{out.wanted_after}")
     worst = 0.0
     for t, rs in rows.items():
@@ -600,7 +602,8 @@ def scaling(own: argparse.Namespace, shape: Shape) -> int:
         worst = max(worst, max(ends))
         print(f"target {t:g} x the full fleet's step: step / target median {statistics.median(ends):.3f} (worst "
               f"{max(ends):.3f}); boxes started median {statistics.median(r[1] for r in rs):g} (most "
-              f"{max(r[1] for r in rs)}); box-seconds x{statistics.median(r[2] for r in rs):.2f} of the full fleet's")
+              f"{max(r[1] for r in rs)}); cost x{statistics.median(r[2] for r in rs):.2f} of the full fleet's (worst "
+              f"x{max(r[2] for r in rs):.2f})")
     after = max(r[3] for rs in rows.values() for r in rs)
     assert after == 0, f"the signal asked for {after} box(es) once the step was over"
     print(f"sim scale: the step ended within {worst:.3f} of the target at worst over {own.seeds} seeds x "

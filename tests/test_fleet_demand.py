@@ -26,8 +26,9 @@ def wanted(demand, kind: BoxKind) -> int:
 
 def test_room_is_where_the_drain_reaches_the_target() -> None:
     for longest in (0.0, 100.0, 2000.0, 4500.0):
-        w = room(STEP, BOUND, longest, 30.0)
-        assert drain_s(STEP, BOUND, w, longest) == pytest.approx(30.0, rel=1e-9)
+        for ramp in (0.0, 300.0):
+            w = room(STEP, BOUND, longest, 30.0, ramp)
+            assert drain_s(STEP, BOUND, w, longest, ramp) == pytest.approx(30.0, rel=1e-9)
     assert room(STEP, BOUND, 6000.0, 30.0) == 0.0  # one sequence of 6000 tokens takes 36 s alone
 
 
@@ -54,7 +55,7 @@ def test_waiting_work_asks_for_the_fewest_boxes_that_end_within_the_target() -> 
     demand = fleet_demand(target, [FAST], idle(FAST, 2), waiting)
     n = wanted(demand, FAST)
     assert demand.within_target and demand.predicted_end_s <= target
-    per_box = room(STEP, BOUND, 400.0, target)
+    per_box = room(STEP, BOUND, 400.0, target, ramp=200.0)  # the last batch drains over half a length more
     assert (n - 1) * per_box < sum(waiting) <= n * per_box + 400.0
     assert demand.kinds[0].more == n - 2 and demand.waiting_sequences == 2000
 
@@ -92,7 +93,8 @@ def test_a_long_queue_is_counted_as_a_volume_past_the_longest() -> None:
     demand = fleet_demand(target, [FAST], [], waiting)
     n = wanted(demand, FAST)
     assert demand.within_target
-    assert n <= math.ceil(sum(waiting) / room(STEP, BOUND, 0.0, target)) + 2
+    ramp = 0.5 * sum(waiting) / len(waiting)
+    assert n <= math.ceil(sum(waiting) / room(STEP, BOUND, 0.0, target, ramp)) + 2
 
 
 def test_a_box_measured_on_its_own_uses_its_own_curve() -> None:
@@ -110,7 +112,16 @@ def test_a_target_that_is_not_a_positive_number_is_refused(target: float) -> Non
 
 def test_an_upper_quantile_stands_for_a_waiting_sequence_in_its_boxs_longest_term() -> None:
     """As placement counts it: a sequence predicted 100 tokens whose upper quantile is 3,000 needs a kind that
-    makes 3,000 within the target (CHEAP takes 52 s for that alone), though its volume stays 100 tokens."""
+    makes 3,000 within the target (CHEAP takes 52 s for that alone)."""
     assert wanted(fleet_demand(30.0, [FAST, CHEAP], [], [100.0]), CHEAP) == 1
     demand = fleet_demand(30.0, [FAST, CHEAP], [], [100.0, 100.0], high=[3000.0, None])
-    assert wanted(demand, FAST) == 1 and wanted(demand, CHEAP) == 0 and demand.waiting_tokens == 200.0
+    assert wanted(demand, FAST) == 1 and wanted(demand, CHEAP) == 0
+
+
+def test_a_waiting_sequence_counts_its_mean_where_its_spread_is_known() -> None:
+    """Median 400 and 0.9-quantile 800: a lognormal of sigma ln 2 / 1.2816, whose mean is 400 exp(sigma^2 / 2);
+    without a quantile the median is all there is. A wild quantile is read at sigma 1.5 at most."""
+    sigma = math.log(2.0) / 1.2815515655446004
+    demand = fleet_demand(60.0, [FAST], [], [400.0, 400.0, 400.0], high=[800.0, None, 1e9])
+    assert demand.waiting_tokens == pytest.approx(400 * math.exp(sigma ** 2 / 2) + 400 + 400 * math.exp(1.125),
+                                                  abs=0.1)

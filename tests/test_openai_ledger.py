@@ -11,7 +11,7 @@ from openai_tokenizer import DROPS_REASONING, make
 
 from rollout_manager.openai_front.errors import OpenAIError
 from rollout_manager.openai_front.ledger import Ledger
-from rollout_manager.openai_front.prompt import plan_chat, plan_ids
+from rollout_manager.openai_front.prompt import plan_chat, plan_ids, retokenized
 from rollout_manager.openai_front.render import Renderer
 from rollout_manager.sglang.openai_turn import TurnResult
 
@@ -47,8 +47,11 @@ def test_a_reply_whose_rendering_does_not_give_back_its_ids_keeps_the_ids_and_co
     # the template's closing of the answer (the model did not sample <|im_end|>) and the new message, alone
     assert second.ids[len(first.ids) + 3:] == renderer.encode("<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
                                                               "<|im_start|>assistant\n")
-    assert second.divergence is not None and second.divergence.kind == "retokenized"
-    assert second.divergence.position == len(first.ids) + 1 and second.divergence.tokens == 2
+    assert second.divergence is None  # not looked for per turn: once, when the trajectory is read
+    ledger.record(session, second, messages, result([30]), answer(renderer.decode([30])))
+    found = retokenized(renderer, session.branch)  # type: ignore[arg-type]
+    assert found is not None and found.kind == "retokenized" and found.turn == 0  # in the first turn's answer
+    assert found.position == len(first.ids) + 1 and found.tokens == len(second.ids) + 1 - found.position
 
 
 def test_an_answer_that_sampled_the_end_token_is_not_closed_twice(renderer: Renderer) -> None:
@@ -63,9 +66,9 @@ def test_an_answer_that_sampled_the_end_token_is_not_closed_twice(renderer: Rend
     second = plan_chat(renderer, session.branch, 1, messages, None)
     assert second.ids[len(first.ids) + 3:] == renderer.encode("\n<|im_start|>user\nagain<|im_end|>\n"
                                                               "<|im_start|>assistant\n")
-    assert second.divergence is None  # this rendering tokenizes back to exactly the ledger's ids
     ledger.record(session, second, messages, result([30]), answer(renderer.decode([30])))
     branch = session.branch
+    assert branch is not None and retokenized(renderer, branch) is None  # tokenizes back to the ledger's ids
     assert branch is not None and branch.mask == [1, 1, 1] + [0] * (len(second.ids) - len(first.ids) - 3) + [1]
     assert branch.logprobs.count(-0.5) == 4 and len(branch.logprobs) == len(branch.mask)
 
@@ -106,14 +109,19 @@ def test_a_template_that_drops_earlier_reasoning_cannot_change_the_history(tmp_p
     messages = [{"role": "user", "content": "hello"}]
     first = plan_chat(renderer, None, 0, messages, None)
     think, end_think = renderer.encode("<think> </think>")
-    sampled = [think, 20, end_think, 21]
+    sampled = [think, 200, end_think, 201]
     text = renderer.decode(sampled)
     ledger.record(session, first, messages, result(sampled), answer(text))
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
-    assert "w20" not in renderer.chat_text(messages, None, True)  # the template drops it on re-rendering
+    reasoning = renderer.decode([200])
+    assert reasoning in text and reasoning not in renderer.chat_text(messages, None, True)  # dropped on rendering
     second = plan_chat(renderer, session.branch, 1, messages, None)
     assert second.extends and second.ids[:len(first.ids) + 4] == first.ids + sampled  # the ledger's ids kept
     assert second.ids[len(first.ids) + 4:] == renderer.encode("<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
                                                               "<|im_start|>assistant\n")
-    assert second.divergence is not None and second.divergence.kind == "retokenized"
-    assert second.divergence.position == len(first.ids) and second.divergence.tokens == 4
+    ledger.record(session, second, messages, result([30]), answer(renderer.decode([30])))
+    found = retokenized(renderer, session.branch)  # type: ignore[arg-type]
+    assert found is not None and found.kind == "retokenized" and found.turn == 0
+    assert found.position == len(first.ids) and found.tokens == len(second.ids) + 1 - len(first.ids)
+    ledger.checked(session.branch, found)  # type: ignore[arg-type]
+    assert session.to_json()["divergences"] == [found.to_json()] and ledger.status()["divergences"] == 1

@@ -14,7 +14,7 @@ from openai_tokenizer import make
 from rollout_manager.openai_front import tool_calls
 from rollout_manager.openai_front.errors import OpenAIError
 from rollout_manager.openai_front.ledger import Ledger
-from rollout_manager.openai_front.prompt import plan_chat
+from rollout_manager.openai_front.prompt import plan_chat, retokenized
 from rollout_manager.openai_front.render import Renderer
 from rollout_manager.openai_front.schemas import check_messages, check_tools
 from rollout_manager.sglang.openai_turn import TurnResult
@@ -112,8 +112,8 @@ def test_a_tool_conversations_next_turn_extends_the_ledger(renderer: Renderer) -
                                              "<tool_response>\nrainy\n</tool_response><|im_end|>\n"
                                              "<|im_start|>assistant\n")
     ledger.record(session, second, messages, TurnResult([7], [-0.1], "length", None, 0, "v1", [], []),
-                  {"role": "assistant", "content": "a"})
+                  {"role": "assistant", "content": renderer.decode([7])})
     branch = session.branch
     assert branch is not None and branch.mask == [1] * len(sampled) + [0] * (len(second.ids) - n) + [1]
     # the template writes the calls back as the model wrote them (a word per JSON piece): nothing diverged
-    assert second.divergence is None and len(session.branches) == 1
+    assert retokenized(renderer, branch) is None and len(session.branches) == 1

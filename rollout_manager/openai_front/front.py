@@ -17,7 +17,7 @@ from rollout_manager.manager import Manager
 from rollout_manager.openai_front import responses, tool_calls
 from rollout_manager.openai_front.errors import OpenAIError, invalid
 from rollout_manager.openai_front.ledger import Ledger, PromptPlan, Session
-from rollout_manager.openai_front.prompt import plan_chat, plan_ids
+from rollout_manager.openai_front.prompt import plan_chat, plan_ids, retokenized
 from rollout_manager.openai_front.render import Renderer
 from rollout_manager.openai_front.schemas import ChatRequest, CompletionRequest, not_found_model
 from rollout_manager.openai_front.schemas import prompts as prompts_of
@@ -134,7 +134,8 @@ class Front:
             turn = 0 if session is None else session.turn_count
             tools = body.tools if body.tool_choice != "none" else None  # as SGLang: "none" hides them
             plan = plan_chat(renderer, branch, turn, body.messages, tools)
-            self._check_ids(plan.ids, "messages")
+            held = len(branch.ids) if branch is not None and plan.extends else 0
+            self._check_ids(plan.ids[held:], "messages")  # the ledger's own ids were checked when they came
             if session is not None:
                 self.ledger.check_room(session, plan)
             request = self._request(body, [plan.ids], body.budget, session_id)
@@ -203,6 +204,17 @@ class Front:
     def _record(self, p: Prepared, result: TurnResult, answer: dict[str, Any] | None) -> None:
         if p.session is not None and p.plan is not None:
             self.ledger.record(p.session, p.plan, p.messages, result, answer)
+
+    async def check(self, session: Session) -> None:
+        """Each branch's re-tokenization divergence (:func:`.prompt.retokenized`), found when its trajectory
+        is read and again only once it grew: one rendering of the history per read, off the event loop,
+        where checking every turn would cost every turn the whole history."""
+        renderer = self._renderer
+        if renderer is None:
+            return
+        for branch in session.branches:
+            if branch.messages and branch.checked != len(branch.ids):
+                self.ledger.checked(branch, await asyncio.to_thread(retokenized, renderer, branch))
 
     def close(self, p: Prepared) -> None:
         """The turn is over (answered, failed or abandoned): its session takes the next turn."""

@@ -36,8 +36,10 @@ class Divergence:
 
 @dataclass
 class Turn:
-    """One turn of a branch: its prompt is ``ids[:prompt_len]``, its answer the ``made`` ids after it."""
+    """One turn of a branch: its prompt is ``ids[:prompt_len]``, its answer the ``made`` ids after it;
+    ``number``: the session's turn (0-based, over every branch)."""
 
+    number: int
     prompt_len: int
     made: int
     finish_reason: str | None
@@ -57,7 +59,12 @@ class Branch:
     mask: list[int] = field(default_factory=list)  # for ids[prompt_len:]
     logprobs: list[float] = field(default_factory=list)  # for ids[prompt_len:]; 0.0 where mask is 0
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation the ids hold
+    tools: list[dict[str, Any]] | None = None  # the tools its last turn was rendered with
     turns: list[Turn] = field(default_factory=list)
+    # where a fresh rendering of the conversation would part from ``ids`` (prompt.retokenized), as of when
+    # ``ids`` had ``checked`` tokens (-1: never checked)
+    retokenized: Divergence | None = None
+    checked: int = -1
 
     def to_json(self) -> dict[str, Any]:
         return {"prompt_ids": self.ids[:self.prompt_len], "response_ids": self.ids[self.prompt_len:],
@@ -86,10 +93,12 @@ class Session:
         return sum(len(b.turns) for b in self.branches)
 
     def to_json(self) -> dict[str, Any]:
-        """The trajectory: the current branch's ids at the top, every branch and divergence beside it."""
+        """The trajectory: the current branch's ids at the top, every branch and divergence beside it
+        (``rewritten`` ones as the turns made them, then each branch's ``retokenized`` one, if checked)."""
         current = self.branch
+        found = [*self.divergences, *(b.retokenized for b in self.branches if b.retokenized is not None)]
         out: dict[str, Any] = {"session_id": self.id, "turn_count": self.turn_count,
-                               "divergences": [d.to_json() for d in self.divergences],
+                               "divergences": [d.to_json() for d in found],
                                "branch": len(self.branches) - 1, "branches": [b.to_json() for b in self.branches]}
         if current is not None:
             out.update(current.to_json())
@@ -104,6 +113,7 @@ class PromptPlan:
     ids: list[int]
     extends: bool
     divergence: Divergence | None = None
+    tools: list[dict[str, Any]] | None = None  # what the template was given (chat turns)
 
 
 class Ledger:
@@ -188,8 +198,16 @@ class Ledger:
         branch.logprobs.extend(0.0 if lp is None else lp for lp in result.logprobs)
         if messages is not None:
             branch.messages = [*messages, answer or {"role": "assistant", "content": ""}]
-        branch.turns.append(Turn(len(plan.ids), len(result.output_ids), result.finish_reason, result.matched_stop,
-                                 result.weight_version, result.weight_versions))
+            branch.tools = plan.tools
+        branch.turns.append(Turn(session.turn_count, len(plan.ids), len(result.output_ids), result.finish_reason,
+                                 result.matched_stop, result.weight_version, result.weight_versions))
+
+    def checked(self, branch: Branch, divergence: Divergence | None) -> None:
+        """A branch's re-tokenization check (prompt.retokenized) as of its current ids; counted in the
+        ledger's figures the first time a check of the branch finds one."""
+        if divergence is not None and branch.retokenized is None:
+            self.divergences += 1
+        branch.retokenized, branch.checked = divergence, len(branch.ids)
 
     def release(self, session_id: str) -> Session | None:
         session = self.sessions.get(session_id)

@@ -4,9 +4,9 @@ Re-rendering and re-tokenizing a conversation does not give back the ids a model
 reasoning, tokenizers merge across message boundaries), so a session's history is never re-tokenized
 into the prompt: the new ids are the ledger's, then the template's closing of the last answer and the new
 messages, rendered after a stand-in answer (:meth:`.Renderer.after_answer`) and tokenized alone, so a
-template that rewrites earlier turns (drops their reasoning) cannot change the history. The fresh full
-rendering is still tokenized once per turn to count where it would have diverged (the ``retokenized``
-divergences of the trajectory).
+template that rewrites earlier turns (drops their reasoning) cannot change the history, and a turn costs
+its new messages, not the history. Where a fresh rendering of the whole conversation would have departed
+from the ledger's ids is found once, when the trajectory is read (:func:`retokenized`), not every turn.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def same_message(sent: dict[str, Any], held: dict[str, Any]) -> bool:
 
 def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: list[dict[str, Any]],
               tools: list[dict[str, Any]] | None) -> PromptPlan:
-    """The prompt for ``messages`` given the session's current branch (None: a fresh session)."""
-    full = renderer.chat_text(messages, tools, True)
+    """The prompt for ``messages`` given the session's current branch (None: a fresh session). Only a new
+    session or branch renders and tokenizes the whole conversation."""
     if branch is None or not branch.messages:
-        return PromptPlan(renderer.encode(full), extends=False)
+        return PromptPlan(renderer.encode(renderer.chat_text(messages, tools, True)), extends=False)
     held = branch.messages
     first_change = next((i for i, (a, b) in enumerate(zip(messages, held)) if not same_message(a, b)), None)
     if first_change is None and len(messages) > len(held):
@@ -66,16 +66,27 @@ def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: li
                 written = renderer.token_text(last.matched_stop)
                 if tail.startswith(written):
                     tail = tail[len(written):]
-            ids = [*branch.ids, *renderer.encode(tail)]
-            fresh = renderer.encode(full)
-            n = len(branch.ids)
-            at = next((i for i, (a, b) in enumerate(zip(fresh, branch.ids)) if a != b), min(len(fresh), n))
-            divergence = Divergence(turn, at, n - at, "retokenized") if at < n else None
-            return PromptPlan(ids, extends=True, divergence=divergence)
+            return PromptPlan([*branch.ids, *renderer.encode(tail)], extends=True, tools=tools)
         first_change = len(held)  # the template hides the answer's text: no place to join at
     at = len(held) if first_change is None else first_change
-    return PromptPlan(renderer.encode(full), extends=False,
-                      divergence=Divergence(turn, at, len(branch.ids), "rewritten"))
+    return PromptPlan(renderer.encode(renderer.chat_text(messages, tools, True)), extends=False,
+                      divergence=Divergence(turn, at, len(branch.ids), "rewritten"), tools=tools)
+
+
+def retokenized(renderer: Renderer, branch: Branch) -> Divergence | None:
+    """Where rendering and tokenizing the branch's whole conversation afresh would first part from the ids
+    the ledger holds (the ids each turn was sent and sampled), and how many of the ledger's would have
+    changed; None where it gives them back. ``turn``: the session's turn whose prompt or answer holds that
+    position. One rendering of the history: called when the trajectory is read, not per turn."""
+    if not branch.messages or not branch.turns:
+        return None
+    fresh = renderer.encode(renderer.chat_text(branch.messages, branch.tools, False))
+    held, n = branch.ids, len(branch.ids)
+    at = next((i for i, (a, b) in enumerate(zip(fresh, held)) if a != b), min(len(fresh), n))
+    if at >= n:
+        return None
+    turn = next((t for t in branch.turns if at < t.prompt_len + t.made), branch.turns[-1])
+    return Divergence(turn.number, at, n - at, "retokenized")
 
 
 def plan_ids(branch: Branch | None, turn: int, ids: list[int]) -> PromptPlan:

@@ -130,9 +130,11 @@ def _unknown_session(session_id: str) -> OpenAIError:
 async def trajectory(request: web.Request) -> web.StreamResponse:
     """A session's trajectory, kept (``DELETE /v1/sessions/{id}`` returns it and frees it)."""
     session_id = request.match_info["session_id"]
-    session = request.app[FRONT].ledger.get(session_id)
+    front = request.app[FRONT]
+    session = front.ledger.get(session_id)
     if session is None:
         raise _unknown_session(session_id)
+    await front.check(session)
     return json_response(session.to_json())
 
 
@@ -146,6 +148,7 @@ async def free_session(request: web.Request) -> web.StreamResponse:
     session = ledger.release(session_id)
     if session is None:
         raise _unknown_session(session_id)
+    await request.app[FRONT].check(session)
     return json_response(session.to_json())
 
 

@@ -5,8 +5,12 @@ already knows: each box's decode step ``a + b * n`` (``box_speed.StepModel``) an
 running sequences are still predicted to make (``W``, the longest of them ``L``: ``makespan.BoxWork``), and
 the predicted tokens of each sequence still waiting. Under continuous batching a box that makes ``W`` tokens
 with ``L`` the longest needs at least ``max(L, W / B)`` decode steps, and pays ``b`` for every token, so it
-drains in ``a * max(L, W / B) + b * W`` seconds (``makespan``'s closed form with the batch bound). Within
-``target_s`` a box therefore holds at most the ``W`` that keeps this at ``target_s``: its room.
+drains in ``a * max(L, W / B) + b * W`` seconds (``makespan``'s closed form with the batch bound). That is a
+box full to the end; once nothing waits, its last batch drains with ever fewer running, about half full over
+the last sequence's length, so the batch term counts ``W / B + m / 2`` steps (``m``: the step's mean predicted
+length; in ``benchmarks/sim_preemption.py --scale``, without it three boxes the signal found enough ended 4%
+past a target). Within ``target_s`` a box therefore holds at most the ``W`` that keeps this at ``target_s``:
+its room.
 
 :func:`fleet_demand` places the waiting sequences longest first into the room of the boxes there are (they are
 paid for already), and where none has room, opens a box of the kind that makes a token cheapest (its price
@@ -26,12 +30,14 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from rollout_manager.placement.box_speed import StepModel
 
 __all__ = ["BoxKind", "BoxNow", "KindDemand", "FleetDemand", "fleet_demand", "room", "drain_s", "EXACT"]
 
 EXACT = 256  # waiting sequences placed one by one, longest first; the rest as a volume of tokens
+MAX_SIGMA = 1.5  # log-space spread a mean is read from at most (a wild upper quantile must not swamp the volume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,21 +108,22 @@ class FleetDemand:
         return sum(k.wanted for k in self.kinds)
 
 
-def drain_s(step: StepModel, bound: int, tokens: float, longest: float) -> float:
-    """Seconds a box of ``step`` and ``bound`` needs to make ``tokens``, the longest sequence ``longest``."""
+def drain_s(step: StepModel, bound: int, tokens: float, longest: float, ramp: float = 0.0) -> float:
+    """Seconds a box of ``step`` and ``bound`` needs to make ``tokens``, the longest sequence ``longest``, its last
+    batch draining over ``ramp`` more steps than a full one would take."""
     if tokens <= 0:
         return 0.0
-    return step.a * max(longest, tokens / max(bound, 1)) + step.b * tokens
+    return step.a * max(longest, tokens / max(bound, 1) + ramp) + step.b * tokens
 
 
-def room(step: StepModel, bound: int, longest: float, target_s: float) -> float:
+def room(step: StepModel, bound: int, longest: float, target_s: float, ramp: float = 0.0) -> float:
     """The most tokens a box of ``step`` and ``bound`` whose longest sequence makes ``longest`` can make in
     ``target_s`` (0 when even that sequence cannot: :func:`drain_s` grows with the tokens, so this is where
     it reaches the target)."""
     a, b, bound = step.a, step.b, max(bound, 1)
-    full = target_s / (a / bound + b)  # tokens when the batch bound, not the longest, sets the steps
-    if full >= longest * bound:
-        return full
+    full = (target_s - a * ramp) / (a / bound + b)  # tokens when the batch bound, not the longest, sets the steps
+    if full >= (longest - ramp) * bound:
+        return max(full, 0.0)
     if b <= 0:
         return longest * bound if a * longest <= target_s else 0.0
     return max((target_s - a * longest) / b, 0.0)
@@ -125,15 +132,16 @@ def room(step: StepModel, bound: int, longest: float, target_s: float) -> float:
 class _Open:
     """A box in the plan: there now or opened by it, and the work it is given."""
 
-    __slots__ = ("kind", "step", "bound", "tokens", "longest", "given")
+    __slots__ = ("kind", "step", "bound", "tokens", "longest", "given", "ramp")
 
-    def __init__(self, kind: str, step: StepModel, bound: int, tokens: float, longest: float) -> None:
+    def __init__(self, kind: str, step: StepModel, bound: int, tokens: float, longest: float, ramp: float) -> None:
         self.kind, self.step, self.bound = kind, step, bound
         self.tokens, self.longest = tokens, longest
         self.given = False
+        self.ramp = ramp
 
     def room(self, target_s: float, longest: float = 0.0) -> float:
-        return room(self.step, self.bound, max(self.longest, longest), target_s) - self.tokens
+        return room(self.step, self.bound, max(self.longest, longest), target_s, self.ramp) - self.tokens
 
     def take(self, tokens: float, longest: float) -> None:
         self.tokens += tokens
@@ -142,34 +150,53 @@ class _Open:
 
 
 def _rank(kinds: Sequence[BoxKind]) -> list[BoxKind]:
-    """Kinds in the order boxes are opened: cheapest token first where priced, then fastest."""
-    return sorted(kinds, key=lambda k: (k.price_per_hour is None,
-                                        k.price_per_hour / k.tokens_per_hour() if k.price_per_hour is not None
-                                        else -k.tokens_per_hour(), k.name))
+    """Kinds in the order boxes are opened: cheapest token first where priced (to three digits: kinds whose
+    tokens cost about the same go fastest first, fewer boxes to start), then the unpriced, fastest first."""
+    def key(k: BoxKind) -> tuple[bool, float, float, str]:
+        rate = k.tokens_per_hour()
+        cost = float(f"{k.price_per_hour / rate:.3g}") if k.price_per_hour is not None and rate > 0 else 0.0
+        return (k.price_per_hour is None, cost, -rate, k.name)
+
+    return sorted(kinds, key=key)
+
+
+def _mean(median: float, high: float, quantile: float) -> float:
+    """The mean of a lognormal length with this median and ``quantile``-quantile ``high``."""
+    if high <= median:
+        return median
+    sigma = min(math.log(high / median) / NormalDist().inv_cdf(quantile), MAX_SIGMA)
+    return median * math.exp(0.5 * sigma * sigma)
 
 
 def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxNow],
-                 waiting: Sequence[float], high: Sequence[float | None] | None = None) -> FleetDemand:
+                 waiting: Sequence[float], high: Sequence[float | None] | None = None,
+                 quantile: float = 0.9) -> FleetDemand:
     """The boxes of each of ``kinds`` the rest of the step needs to end within ``target_s`` seconds, given the
     ``boxes`` there are (a box whose kind is not among ``kinds`` is left out) and the predicted tokens of each
-    waiting sequence (``waiting``). ``high``: beside each, an upper quantile of it where the length model has
-    one (``LengthModel.high``), which stands for the sequence in its box's longest term, as placement counts it
-    (``Makespan.place``): a box ends with its longest sequence, and the longest of several alike in their median
-    is nearer their upper quantile. Raises ValueError for a target that is not positive."""
+    waiting sequence (``waiting``: the length model's median). ``high``: beside each, its ``quantile``-quantile
+    where the length model has one (``LengthModel.high``). It stands for the sequence in its box's longest term,
+    as placement counts it (``Makespan.place``): a box ends with its longest sequence, and the longest of several
+    alike in their median is nearer their upper quantile. With the median it also gives the sequence's mean
+    (lognormal), which is what it counts for in a box's tokens: a thousand sequences make a thousand means,
+    more than their medians by a seventh at the spread of a group's samples (in the simulator, a target 4% missed
+    on the medians). Raises ValueError for a target that is not positive."""
     if not target_s > 0 or not math.isfinite(target_s):
         raise ValueError("target_s must be a positive number of seconds")
     by_name = {k.name: k for k in kinds}
     ranked = _rank(kinds)
     plan: list[_Open] = []
-    for box in boxes:
-        kind = by_name.get(box.kind)
-        if kind is None:
-            continue
-        o = _Open(box.kind, box.step or kind.step, box.bound, max(box.tokens, 0.0), max(box.longest, 0.0))
+    waits = [max(float(w), 1.0) for w in waiting]
+    if high is not None:  # many sequences make their mean in all, not their median
+        waits = [w if h is None else _mean(w, float(h), quantile) for w, h in zip(waits, high)]
+    counted = [b for b in boxes if b.kind in by_name]
+    sequences = sum(b.running for b in counted) + len(waits)
+    ramp = 0.5 * (sum(max(b.tokens, 0.0) for b in counted) + sum(waits)) / sequences if sequences else 0.0
+    for box in counted:
+        kind = by_name[box.kind]
+        o = _Open(box.kind, box.step or kind.step, box.bound, max(box.tokens, 0.0), max(box.longest, 0.0), ramp)
         o.given = box.running > 0 or box.tokens > 0
         plan.append(o)
     running_tokens = sum(o.tokens for o in plan)
-    waits = [max(float(w), 1.0) for w in waiting]
     tops = waits if high is None else [w if h is None else max(w, float(h)) for w, h in zip(waits, high)]
     heap = [(-o.room(target_s), k) for k, o in enumerate(plan)]  # most room first
     heapq.heapify(heap)
@@ -178,10 +205,10 @@ def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxN
         """A new box of the first-ranked kind that makes ``longest`` within the target (else the fastest)."""
         if not ranked:
             return None
-        fit = next((k for k in ranked if room(k.step, k.bound, longest, target_s) >= longest), None)
+        fit = next((k for k in ranked if room(k.step, k.bound, longest, target_s, ramp) >= longest), None)
         if fit is None:
             fit = min(ranked, key=lambda k: (k.step.a + k.step.b, k.name))
-        o = _Open(fit.name, fit.step, fit.bound, 0.0, 0.0)
+        o = _Open(fit.name, fit.step, fit.bound, 0.0, 0.0, ramp)
         plan.append(o)
         return o
 
@@ -220,7 +247,7 @@ def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxN
                 break
             new.take(min(free, volume), 0.0)
             volume -= free
-    end = max((drain_s(o.step, o.bound, o.tokens, o.longest) for o in plan), default=0.0)
+    end = max((drain_s(o.step, o.bound, o.tokens, o.longest, ramp) for o in plan), default=0.0)
     wanted: dict[str, int] = {}
     for o in plan:
         if o.given:
