@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import async_wait_until
 
 WANTED = "rollout_manager_fleet_boxes_wanted"
+KIND = "preemptible_1.5_per_hour"  # what the box registered: preemptible, and its price
 
 
 async def gauges(m) -> dict[tuple[str, str], float]:
@@ -25,7 +26,10 @@ async def test_boxes_wanted_appear_while_a_step_runs_and_go_to_zero_after_it(sta
     m = await start_manager(scale_target_step_s="120")
     # Two sequences at a time on the box: the other six wait in the manager, as a step's queue does.
     (engine,) = await start_engines(["--max-running-requests", "2", "--token-delay-s", "0.01"])
-    await m.register(engine)
+    status, answer = await m.post("/register_rollout_instance", {"host": "127.0.0.1", "port": engine.port,
+                                                                 "preemptible": True, "price_per_hour": 1.5})
+    assert status == 200, answer
+    await async_wait_until(lambda: m._is_active(engine.endpoint), message="the box active")
     params = {"max_new_tokens": 80, "temperature": 0.0, "ignore_eos": True}
     step = asyncio.gather(*(m.post("/generate", {"input_ids": [5 + k, 6, 7], "sampling_params": params})
                             for k in range(8)))
@@ -36,15 +40,16 @@ async def test_boxes_wanted_appear_while_a_step_runs_and_go_to_zero_after_it(sta
             g = await gauges(m)
             st = (await m.get("/get_instances_status"))[1]["fleet_demand"]
             seen.update(g=g, st=st)
-            return g.get((WANTED, "on_demand"), 0) >= 1 and st["waiting_sequences"] > 0
+            return g.get((WANTED, KIND), 0) >= 1 and st["waiting_sequences"] > 0
 
         await async_wait_until(busy, 30.0, message=lambda: f"the step's demand never showed: {seen}")
         g, st = seen["g"], seen["st"]
-        assert g[("rollout_manager_fleet_boxes", "on_demand")] == 1  # type: ignore[index]
+        assert g[("rollout_manager_fleet_boxes", KIND)] == 1  # type: ignore[index]
         assert g[("rollout_manager_fleet_target_seconds", "")] == 120  # type: ignore[index]
         assert g[("rollout_manager_fleet_predicted_tokens", "waiting")] > 0  # type: ignore[index]
         (kind,) = st["kinds"]  # type: ignore[index]
-        assert kind["kind"] == "on_demand" and not kind["preemptible"] and kind["boxes"] == 1 and kind["wanted"] >= 1
+        assert kind["kind"] == KIND and kind["preemptible"] and kind["price_per_hour"] == 1.5
+        assert kind["boxes"] == 1 and kind["wanted"] >= 1
         assert st["target_s"] == 120 and st["wanted_boxes"] >= 1  # type: ignore[index]
     finally:
         answers = await step
@@ -54,7 +59,7 @@ async def test_boxes_wanted_appear_while_a_step_runs_and_go_to_zero_after_it(sta
         g = await gauges(m)
         st = (await m.get("/get_instances_status"))[1]["fleet_demand"]
         seen.update(g=g, st=st)
-        return g.get((WANTED, "on_demand")) == 0 and st["wanted_boxes"] == 0 and st["waiting_sequences"] == 0
+        return g.get((WANTED, KIND)) == 0 and st["wanted_boxes"] == 0 and st["waiting_sequences"] == 0
 
     await async_wait_until(drained, 10.0, message=lambda: f"the demand did not go to zero: {seen}")
     assert seen["st"]["kinds"][0]["boxes"] == 1  # type: ignore[index]  # the box is still there, just not wanted

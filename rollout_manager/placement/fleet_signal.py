@@ -34,13 +34,6 @@ def kind_name(preemptible: bool, price_per_hour: float | None) -> str:
     return head if price_per_hour is None else f"{head}_{price_per_hour:g}_per_hour"
 
 
-def _traits(inst: Instance) -> tuple[bool, float | None]:
-    """What the box said of itself at registration (absent on a registry without those fields: on demand,
-    unpriced)."""
-    price = getattr(inst, "price_per_hour", None)
-    return bool(getattr(inst, "preemptible", False)), None if price is None else float(price)
-
-
 class FleetSignal:
     """The scaling signal of one manager (``scale_target_step_s``)."""
 
@@ -74,7 +67,7 @@ class FleetSignal:
         for inst in self.registry.in_state(*COUNTED, kind=Kind.REMOTE):
             if self.counted is not None and not self.counted(inst):
                 continue
-            preemptible, price = _traits(inst)
+            preemptible, price = inst.preemptible, inst.price_per_hour  # what it said at registration
             name = kind_name(preemptible, price)
             traits[name] = (preemptible, price)
             members.setdefault(name, []).append(inst)
