@@ -30,10 +30,13 @@ ALLOWED: dict[State, frozenset[State]] = {
     State.SYNCING: frozenset({State.ACTIVE, State.DRAINING, State.EVACUATING, State.DEAD}),
     State.ACTIVE: frozenset({State.SYNCING, State.DRAINING, State.EVACUATING, State.DEAD}),
     State.DRAINING: frozenset({State.DEAD}),
-    # A cancelled notice returns the box through syncing when it missed a version (weights/sync.py pushes it).
-    State.EVACUATING: frozenset({State.ACTIVE, State.SYNCING, State.DRAINING, State.DEAD}),
+    # Only its evacuation returns it to service (a cancelled notice: ``transition(..., notice_cancelled=True)``);
+    # a weight push that ends, or an activation that fails, leaves it evacuating.
+    State.EVACUATING: frozenset({State.DRAINING, State.DEAD}),
     State.DEAD: frozenset(),
 }
+# Where a box whose preemption notice was cancelled goes: syncing when it missed a version (weights/sync.py).
+AFTER_CANCELLED_NOTICE = frozenset({State.ACTIVE, State.SYNCING})
 
 
 @dataclass(frozen=True)
@@ -150,9 +153,11 @@ class Registry:
                              box_token_digest=box_token_digest, preemptible=preemptible,
                              price_per_hour=price_per_hour)[0]
 
-    def transition(self, inst: Instance, new: State, reason: str) -> bool:
-        """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed."""
-        if inst.id not in self._instances or new not in ALLOWED[inst.state]:
+    def transition(self, inst: Instance, new: State, reason: str, *, notice_cancelled: bool = False) -> bool:
+        """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed. ``notice_cancelled``:
+        the evacuation returns an evacuating box to service (``AFTER_CANCELLED_NOTICE``)."""
+        allowed = AFTER_CANCELLED_NOTICE if notice_cancelled and inst.state == State.EVACUATING else ALLOWED[inst.state]
+        if inst.id not in self._instances or new not in allowed:
             return False
         if new == State.ACTIVE and inst.quarantined is not None:
             inst.reloaded_in_quarantine = True  # a push ended here: it is reloaded, the probe decides

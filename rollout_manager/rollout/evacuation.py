@@ -135,9 +135,11 @@ class Evacuator:
             raise Conflict(f"endpoint: {inst.endpoint} is {inst.state.value}, not evacuating")
         self._end(ev)
         behind = self.version.behind(inst)
-        target = State.SYNCING if behind else State.ACTIVE
+        # quarantined (it was syncing for a reload when the notice came): back to that, its probe decides the rest
+        target = State.SYNCING if behind or inst.quarantined is not None else State.ACTIVE
         self.registry.transition(inst, target, f"evacuation cancelled ({ev.source} notice)" +
-                                 (f"; needs weight version {self.version.current}" if behind else ""))
+                                 (f"; needs weight version {self.version.current}" if behind else ""),
+                                 notice_cancelled=True)
         return {"endpoint": inst.endpoint, "state": inst.state.value, "moved": ev.moved}
 
     def status_of(self, inst: Instance) -> dict[str, Any] | None:
