@@ -74,7 +74,9 @@ def test_identity_is_set_at_registration_and_the_status_shape_is_unchanged() -> 
     assert (inst.last_error, inst.last_error_at) == ("boom", 1000.0)
     status = inst.to_dict(7.5)
     assert list(status) == [
-        "id", "endpoint", "host", "port", "kind", "state", "state_for_s", "weight_version", "sender", "group",
+        "id", "endpoint", "host", "port", "kind",
+        "preemptible", "price_per_hour",  # what the box said it is at registration (issue 50)
+        "state", "state_for_s", "weight_version", "sender", "group",
         "mooncake_handshake_port", "weight_receiver_port", "in_flight", "in_flight_tokens",
         "consecutive_failures", "failures_total", "last_error", "last_error_at", "waiting_for",
         "quarantined",  # taken out of service by the quarantine (issue 39)
