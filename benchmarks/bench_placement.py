@@ -45,7 +45,7 @@ def measure(instances: int, sequences: int, tokens: int, prefer: bool) -> float:
                             max_in_flight_total=10 * sequences)
     dispatcher.enable_affinity()
     for k, inst in enumerate(pool[::2]):  # half the pool measured (2 s busy), the rest still probes
-        meter = dispatcher.meter(inst)
+        meter = dispatcher.fleet.meter(inst)
         meter.set_in_flight(1, 0.0)
         meter.observe(20_000.0 + k, 2.0)  # about 10,000 tokens/s: room for hundreds each
         meter.set_in_flight(0, 2.0)

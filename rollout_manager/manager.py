@@ -111,7 +111,7 @@ class Manager:
         self.scheduler_state: StateFile | None = None
         if cfg.scheduler_state_file:
             self.scheduler_state = StateFile(cfg.scheduler_state_file, self.generator.lengths,
-                                             self.dispatcher.speed_curves, self.dispatcher.remember_speeds,
+                                             self.dispatcher.fleet.speed_curves, self.dispatcher.fleet.remember_speeds,
                                              cfg.scheduler_state_save_s)
             self.scheduler_state.load()
         # weights
@@ -241,12 +241,12 @@ class Manager:
             "weight_senders": self.senders.status(),
             "local": {**self.dispatcher.local.to_dict(), "budget_s": self.local_budget.budget_s,
                       "last_metrics": self.last_metrics},
-            "generation": {**self.generator.stats, "streamed_tokens": self.dispatcher.streamed_tokens},
+            "generation": {**self.generator.stats, "streamed_tokens": self.dispatcher.fleet.streamed_tokens},
             "lengths": None if self.generator.lengths is None else msgspec.to_builtins(self.generator.lengths.status()),
             "scheduler_state": None if self.scheduler_state is None
             else msgspec.to_builtins(self.scheduler_state.status()),
-            "requests_waiting_for_instance": self.dispatcher.waiting,
-            "admission": self.dispatcher.admission_status(),
+            "requests_waiting_for_instance": self.dispatcher.capacity.waiting,
+            "admission": self.dispatcher.capacity.admission_status(),
             "fleet_demand": self.fleet_signal.status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
             "recent_weight_pushes": [push.to_json() for push in self.weights.pushes[-10:]],
@@ -256,7 +256,7 @@ class Manager:
 
     def _step_of(self, inst: Instance) -> dict[str, Any] | None:
         """``inst``'s learned decode step curve (box_speed), None while no box is measured."""
-        step = self.dispatcher.speeds.describe(inst.id, self.dispatcher.bound_of(inst))
+        step = self.dispatcher.fleet.speeds.describe(inst.id, self.dispatcher.capacity.bound_of(inst))
         return None if step is None else msgspec.to_builtins(step)
 
     # ------------------------------------------------------------ local + remote balance
@@ -269,7 +269,7 @@ class Manager:
     def update_metrics(self, step_time_s: float, bubble_s: float, throughput: float) -> dict[str, Any]:
         """A step ended: adapt the local budget from the trainer's bubble and the remote idle time."""
         self.dispatcher.local.close("step ended")
-        remote_idle = self.dispatcher.take_idle_seconds(Kind.REMOTE)
+        remote_idle = self.dispatcher.fleet.take_idle_seconds(Kind.REMOTE)
         before = self.local_budget.budget_s
         after = self.local_budget.update(bubble_s, remote_idle)
         self.dispatcher.local.rearm()

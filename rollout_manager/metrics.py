@@ -279,7 +279,7 @@ class StateCollector(Collector):
                                  "The instance's decode step time learned from its streams: base (part=base) plus "
                                  "per_sequence times the sequences running (absent until it is measured).",
                                  labels=["endpoint", "part"])
-        models, _ = m.dispatcher.speeds.models()
+        models, _ = m.dispatcher.fleet.speeds.models()
         for inst in instances:
             ep = [inst.endpoint]
             own = models.get(inst.id)
@@ -302,8 +302,8 @@ class StateCollector(Collector):
                 activating.add_metric(ep, bv.activating)
             for v, seconds in bv.paused_s.items():
                 paused.add_metric([inst.endpoint, str(v)], seconds)
-            bound.add_metric(ep, m.dispatcher.bound_of(inst))
-            meter = m.dispatcher.meters.get(inst.id)
+            bound.add_metric(ep, m.dispatcher.capacity.bound_of(inst))
+            meter = m.dispatcher.fleet.meters.get(inst.id)
             measured = meter.rate(now) if meter is not None else None
             if measured is not None:
                 rate.add_metric(ep, measured)
@@ -328,23 +328,23 @@ class StateCollector(Collector):
                                 value=m.limits.waiting)
         yield GaugeMetricFamily(PREFIX + "requests_waiting_for_instance",
                                 "Requests waiting inside the manager because no instance can take them now "
-                                "(none active, or all full).", value=m.dispatcher.waiting)
+                                "(none active, or all full).", value=m.dispatcher.capacity.waiting)
         yield GaugeMetricFamily(PREFIX + "requests_held_by_batches",
                                 "Requests of /batch_generate_requests batches not started yet: beyond what the "
                                 "pool can run now, or behind a caller that does not read its results.",
-                                value=m.dispatcher.held_by_batches)
+                                value=m.dispatcher.capacity.held_by_batches)
         yield GaugeMetricFamily(PREFIX + "requests_waiting",
                                 "Requests accepted and waiting in the manager for room on an instance "
                                 "(requests_waiting_for_instance + requests_held_by_batches).",
-                                value=m.dispatcher.waiting + m.dispatcher.held_by_batches)
+                                value=m.dispatcher.capacity.requests_waiting())
         yield GaugeMetricFamily(PREFIX + "in_flight_requests", "Sequences in flight on instances, over all of them.",
-                                value=m.dispatcher.in_flight)
+                                value=m.dispatcher.capacity.in_flight)
         yield GaugeMetricFamily(PREFIX + "max_in_flight_requests",
                                 "Most sequences in flight at once over all instances (max_in_flight_total).",
-                                value=m.dispatcher.max_in_flight_total)
+                                value=m.dispatcher.capacity.max_in_flight_total)
         yield CounterMetricFamily(PREFIX + "streamed_tokens",
                                   "Tokens relayed from instances as they stream, finished or not; a live "
-                                  "tokens/s is rate() of this.", value=m.dispatcher.streamed_tokens)
+                                  "tokens/s is rate() of this.", value=m.dispatcher.fleet.streamed_tokens)
         yield CounterMetricFamily(PREFIX + "event_loop_blocked_seconds",
                                   "Seconds the manager's event loop was blocked by its own work (a 250 ms "
                                   "timer's lateness, from 50 ms): nothing else ran, and timeouts in that time "

@@ -24,13 +24,12 @@ from support import PY, Proc, async_wait_until, free_port, wait_http_ok
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.placement.ask import Ask
-from rollout_manager.placement.dispatch import (
+from rollout_manager.placement.capacity import (
     DEFAULT_INSTANCE_MAX_IN_FLIGHT,
     MAX_IN_FLIGHT_TOTAL_CEILING,
-    Dispatcher,
-    accepted_at,
     default_max_in_flight_total,
 )
+from rollout_manager.placement.dispatch import Dispatcher, accepted_at
 from rollout_manager.placement.least_in_flight import LeastInFlight
 from rollout_manager.sglang import wire
 
@@ -79,22 +78,22 @@ async def test_an_instance_gets_at_most_its_max_running_requests() -> None:
     assert (a.load.max_in_flight, b.load.max_in_flight) == (2, DEFAULT_INSTANCE_MAX_IN_FLIGHT)
     placed = [d.try_acquire(Ask(1)) for _ in range(6)]
     assert placed.count(a) == 2 and placed.count(b) == 4  # least-in-flight would have given a three
-    assert a.load.in_flight == 2 and d.in_flight == 6
+    assert a.load.in_flight == 2 and d.capacity.in_flight == 6
 
 
 async def test_a_configured_bound_caps_every_instance() -> None:
     _, d, (a, b) = pool(2, None, per_instance=3)
-    assert (d.bound_of(a), d.bound_of(b)) == (2, 3)  # never more than the instance's own
+    assert (d.capacity.bound_of(a), d.capacity.bound_of(b)) == (2, 3)  # never more than the instance's own
     assert [d.try_acquire(Ask(1)) for _ in range(6)].count(None) == 1
 
 
 async def test_the_whole_pool_is_bounded_too() -> None:
     _, d, (a, b) = pool(4, 4, total=5)
-    assert d.capacity() == 5
+    assert d.capacity.pool_bound() == 5
     assert sum(d.try_acquire(Ask(1)) is not None for _ in range(8)) == 5
     assert not d.claim(a, 1) and not d.claim(b, 1)  # tail migration respects the bounds as well
     d.release(a, 0)
-    assert d.in_flight == 4 and d.claim(a, 1) and d.in_flight == 5
+    assert d.capacity.in_flight == 4 and d.claim(a, 1) and d.capacity.in_flight == 5
 
 
 def test_the_default_overall_bound_follows_the_open_file_limit() -> None:
@@ -109,13 +108,13 @@ async def test_waiters_are_placed_in_order_as_the_bound_frees() -> None:
     assert d.try_acquire(Ask(1)) is a
     waiters = [asyncio.ensure_future(d.acquire(Ask(1), timeout_s=30)) for _ in range(3)]
     await run_pending()
-    assert d.waiting == 3 and d.admission_status()["requests_waiting"] == 3
+    assert d.capacity.waiting == 3 and d.capacity.admission_status()["requests_waiting"] == 3
     for k in range(3):
         d.release(a, 0)
         await run_pending()
         assert [w.done() for w in waiters] == [j <= k for j in range(3)]
         assert a.load.in_flight == 1
-    assert d.waiting == 0
+    assert d.capacity.waiting == 0
 
 
 # ------------------------------------------------------------------ what the wait timeout counts

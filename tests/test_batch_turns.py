@@ -96,7 +96,7 @@ async def test_a_big_batch_starts_its_requests_over_several_turns_answering_each
     d = pool()
     g = generator(d)
     counted: list[tuple[int, int]] = []
-    turns = Turns(lambda: counted.append((d.held_by_batches, len(stub.created))))
+    turns = Turns(lambda: counted.append((d.capacity.held_by_batches, len(stub.created))))
     stub = Stub(turns)
     g.generate = stub.generate  # type: ignore[method-assign]
     items = [(f"r{k}", decode({"input_ids": [k + 1, 2]})) for k in range(N)]
@@ -117,7 +117,7 @@ async def test_a_big_batch_starts_its_requests_over_several_turns_answering_each
     assert all(line.success and line.data == int(line.id[1:]) + 1 for line in lines)
     # held_by_batches is exact in every turn: what the batch holds is what it has not started yet
     assert all(held in (0, N - created) for held, created in counted), counted[:5]
-    assert d.held_by_batches == 0
+    assert d.capacity.held_by_batches == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -141,11 +141,11 @@ async def test_a_big_batched_generate_starts_its_sequences_over_several_turns(st
     task = asyncio.ensure_future(run())
     await turns.until(lambda: len(stub.stepped) == N)
     stub.assert_paced()
-    assert d.held_by_batches == 0 and d.windowed == N
+    assert d.capacity.held_by_batches == 0 and d.capacity.windowed == N
     stub.release.set()
     out = await asyncio.wait_for(task, 10)
     assert sorted(out) == list(range(N)) and (stream or out == list(range(N)))
-    assert d.held_by_batches == 0 and d.windowed == 0
+    assert d.capacity.held_by_batches == 0 and d.capacity.windowed == 0
 
 
 async def test_a_batch_whose_caller_goes_between_turns_starts_nothing_after() -> None:
@@ -161,9 +161,9 @@ async def test_a_batch_whose_caller_goes_between_turns_starts_nothing_after() ->
     await asyncio.gather(first, return_exceptions=True)
     await results.aclose()
     started, at = len(stub.created), turns.n
-    assert started < N and d.held_by_batches == 0
+    assert started < N and d.capacity.held_by_batches == 0
     await turns.until(lambda: turns.n >= at + 20)
-    assert len(stub.created) == started and d.held_by_batches == 0
+    assert len(stub.created) == started and d.capacity.held_by_batches == 0
     assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
 

@@ -55,10 +55,11 @@ async def test_a_huge_batch_waits_as_a_body_not_as_a_task_per_prompt(stream: boo
     else:
         task = asyncio.ensure_future(g.generate(decode(batch(n))))
     await settle()
-    assert d.waiting == LOOKAHEAD and d.held_by_batches == n - LOOKAHEAD
+    assert d.capacity.waiting == LOOKAHEAD and d.capacity.held_by_batches == n - LOOKAHEAD
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert d.waiting == 0 and d.held_by_batches == 0 and d.windowed == 0  # the caller went away: nothing is left
+    c = d.capacity
+    assert c.waiting == 0 and c.held_by_batches == 0 and c.windowed == 0  # the caller went away: nothing is left
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ async def test_a_batch_beyond_the_pool_runs_within_the_window_and_answers_every_
 
     def watch(*_: Any) -> None:
         nonlocal peak
-        peak = max(peak, d.in_flight + d.waiting)
+        peak = max(peak, d.capacity.in_flight + d.capacity.waiting)
 
     d.changed.notify = watch  # type: ignore[method-assign]  # called on every placement and release
     if stream:
@@ -101,8 +102,9 @@ async def test_a_batch_beyond_the_pool_runs_within_the_window_and_answers_every_
         assert isinstance(result, list)
         outs = as_json(result)
     assert [o["output_ids"] for o in outs] == [reference(p, 3) for p in body["input_ids"]]
-    assert 0 < peak <= d.capacity() + LOOKAHEAD, peak
-    assert d.held_by_batches == 0 and d.in_flight == 0 and d.waiting == 0 and d.windowed == 0
+    assert 0 < peak <= d.capacity.pool_bound() + LOOKAHEAD, peak
+    c = d.capacity
+    assert c.held_by_batches == 0 and c.in_flight == 0 and c.waiting == 0 and c.windowed == 0
 
 
 async def test_batched_requests_inside_a_batch_share_one_window() -> None:
@@ -118,7 +120,8 @@ async def test_batched_requests_inside_a_batch_share_one_window() -> None:
 
     task = asyncio.ensure_future(consume())
     await settle(200)
-    assert 0 < d.waiting <= 2 * LOOKAHEAD, d.waiting  # one window, plus one each for the requests started
+    waiting = d.capacity.waiting
+    assert 0 < waiting <= 2 * LOOKAHEAD, waiting  # one window, plus one each for the requests started
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert d.waiting == 0 and d.held_by_batches == 0 and d.windowed == 0
+    assert d.capacity.waiting == 0 and d.capacity.held_by_batches == 0 and d.capacity.windowed == 0

@@ -209,7 +209,7 @@ async def test_each_boxs_learned_speed_curve_shows_in_status_and_metrics(api) ->
         return {i["endpoint"]: i["decode_step"] for i in (await r.json())["instances"]}
 
     assert await boxes() == {fast.endpoint: None, slow.endpoint: None}  # nothing measured: nothing to show
-    speeds = manager.dispatcher.speeds
+    speeds = manager.dispatcher.fleet.speeds
     for n in (4, 16, 32):  # the fast box seen at several counts: 6 ms + 0.08 ms a sequence
         speeds.add(fast.id, n, 0.006 + 0.00008 * n, 1.0)
     shown = await boxes()
@@ -217,7 +217,7 @@ async def test_each_boxs_learned_speed_curve_shows_in_status_and_metrics(api) ->
     assert mine["measured"] and mine["base_ms"] == pytest.approx(6.0, rel=0.01)
     assert mine["per_sequence_ms"] == pytest.approx(0.08, rel=0.05)
     assert mine["lone_tokens_per_s"] == pytest.approx(1 / 0.00608, rel=0.01) and mine["seen_s"] == 3.0
-    assert mine["full_running"] == manager.dispatcher.bound_of(fast)
+    assert mine["full_running"] == manager.dispatcher.capacity.bound_of(fast)
     assert not fleets["measured"] and fleets["base_ms"] == mine["base_ms"]  # the fleet's median box stands in
     st = await (await client.get("/get_instances_status")).json()
     lines = {line.split()[0]: line for line in render_status(st, "http://m").splitlines()[2:]}

@@ -172,32 +172,32 @@ async def test_streamed_tokens_are_counted_as_they_arrive() -> None:
     """The live tokens/s figure must move while sequences run, not only when they finish."""
     registry, d = make()
     (a,) = active(registry, 1)
-    assert d.try_acquire(Ask(100)) is a and d.streamed_tokens == 0
+    assert d.try_acquire(Ask(100)) is a and d.fleet.streamed_tokens == 0
     d.progress(a, 30, 0.0)
     d.progress(a, 12, 0.0)
-    assert d.streamed_tokens == 42  # nothing finished yet
+    assert d.fleet.streamed_tokens == 42  # nothing finished yet
     d.release(a, 58)
-    assert d.streamed_tokens == 42
+    assert d.fleet.streamed_tokens == 42
 
 
 async def test_requests_waiting_for_an_instance_are_counted_while_they_wait() -> None:
     registry, d = make(max_in_flight=1)
     (a,) = active(registry, 1)
-    assert d.try_acquire(Ask(10)) is a and d.waiting == 0  # placed at once: never waiting
+    assert d.try_acquire(Ask(10)) is a and d.capacity.waiting == 0  # placed at once: never waiting
     waiters = [asyncio.ensure_future(d.acquire(Ask(10), timeout_s=5)) for _ in range(2)]
     timing_out = asyncio.ensure_future(d.acquire(Ask(10, allow=lambda inst: False), timeout_s=0.05))
     await run_pending()
-    assert d.waiting == 3
+    assert d.capacity.waiting == 3
     with pytest.raises(Unavailable):
         await asyncio.wait_for(timing_out, 2)
-    assert d.waiting == 2  # a waiter that gave up is no longer counted
+    assert d.capacity.waiting == 2  # a waiter that gave up is no longer counted
     d.release(a, 10)
     placed = await asyncio.wait_for(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), 2)
-    assert len(placed[0]) == 1 and d.waiting == 1
+    assert len(placed[0]) == 1 and d.capacity.waiting == 1
     d.close()
     with pytest.raises(Unavailable):
         await asyncio.wait_for(placed[1].pop(), 2)
-    assert d.waiting == 0
+    assert d.capacity.waiting == 0
 
 
 async def test_idle_time_is_accounted_per_active_instance() -> None:
@@ -207,12 +207,12 @@ async def test_idle_time_is_accounted_per_active_instance() -> None:
     clock.advance(4)
     assert d.try_acquire(Ask(10)) is a  # a busy from t=4
     clock.advance(6)
-    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx((4 + 10) / 2)  # mean of a (4) and b (10)
+    assert d.fleet.take_idle_seconds(Kind.REMOTE) == pytest.approx((4 + 10) / 2)  # mean of a (4) and b (10)
     clock.advance(3)
     d.release(a, 10)  # a idle again from t=13
     clock.advance(2)
-    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx((2 + 5) / 2)  # counting restarted at t=10
-    assert d.take_idle_seconds(Kind.LOCAL) == 0.0  # no local instances
+    assert d.fleet.take_idle_seconds(Kind.REMOTE) == pytest.approx((2 + 5) / 2)  # counting restarted at t=10
+    assert d.fleet.take_idle_seconds(Kind.LOCAL) == 0.0  # no local instances
 
 
 async def test_idle_time_of_a_removed_instance_is_dropped() -> None:
@@ -221,7 +221,7 @@ async def test_idle_time_of_a_removed_instance_is_dropped() -> None:
     a, b = active(registry, 2)
     clock.advance(10)
     assert registry.transition(b, State.DEAD, "test")
-    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(10)  # a alone
+    assert d.fleet.take_idle_seconds(Kind.REMOTE) == pytest.approx(10)  # a alone
 
 
 async def test_time_spent_syncing_is_not_idle_time() -> None:
@@ -229,12 +229,12 @@ async def test_time_spent_syncing_is_not_idle_time() -> None:
     registry, d = make(clock=clock)
     (a,) = active(registry, 1)
     clock.advance(1)
-    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(1)
+    assert d.fleet.take_idle_seconds(Kind.REMOTE) == pytest.approx(1)
     assert registry.transition(a, State.SYNCING, "test: needs weight version 1")
     clock.advance(30)  # a weight push: the instance could not have taken work
     assert registry.transition(a, State.ACTIVE, "test: weights at version 1")
     clock.advance(2)
-    assert d.take_idle_seconds(Kind.REMOTE) == pytest.approx(2)
+    assert d.fleet.take_idle_seconds(Kind.REMOTE) == pytest.approx(2)
 
 
 async def test_waiting_requests_are_placed_first_come_first_served_in_one_pass() -> None:
@@ -256,10 +256,10 @@ async def test_waiting_requests_are_placed_first_come_first_served_in_one_pass()
     await run_pending()
     # One free slot: the oldest waiter gets it, and the 199 behind it are not each woken to try again.
     assert waiters[0].done() and waiters[0].result() is a
-    assert not any(w.done() for w in waiters[1:]) and tries <= 2 and d.waiting == 199
+    assert not any(w.done() for w in waiters[1:]) and tries <= 2 and d.capacity.waiting == 199
     d.close()
     await asyncio.gather(*waiters, return_exceptions=True)
-    assert d.waiting == 0
+    assert d.capacity.waiting == 0
 
 
 async def test_a_waiter_that_cannot_use_the_free_instance_does_not_hold_up_the_others() -> None:
@@ -286,5 +286,5 @@ async def test_a_waiter_cancelled_as_it_is_placed_gives_its_instance_back() -> N
     d.release(a, 10)  # placed: the future holds a, but the caller has not run yet
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
-    assert a.load.in_flight == 0 and a.load.in_flight_tokens == 0 and d.waiting == 0
+    assert a.load.in_flight == 0 and a.load.in_flight_tokens == 0 and d.capacity.waiting == 0
     assert d.try_acquire(Ask(10)) is a

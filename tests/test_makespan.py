@@ -164,17 +164,17 @@ async def test_the_dispatcher_learns_box_speed_from_progress_and_counts_predicte
     d, (a, b) = pool(2, clock)
     assert d.try_acquire(Ask(4096, predicted=2000)) is a  # nothing measured: least predicted work, then id
     assert d.try_acquire(Ask(4096, predicted=100)) is b
-    assert (d.work[a.id].tokens, d.work[b.id].longest) == (2000, 100)
+    assert (d.fleet.work[a.id].tokens, d.fleet.work[b.id].longest) == (2000, 100)
     for _ in range(200):  # a streams a token every 20 ms
         clock.now += 0.02
         d.progress(a, 1, clock.now)
-    model = d.speeds.model(a.id)
+    model = d.fleet.speeds.model(a.id)
     assert model is not None and model.step_s(1) == pytest.approx(0.02, rel=0.01)
-    assert d.work[a.id].tokens == pytest.approx(1800)
-    assert d.speeds.model(b.id) == model  # b never streamed: it is the fleet's median box, not a slow one
-    assert d.load_of(a, clock.now).step == model
+    assert d.fleet.work[a.id].tokens == pytest.approx(1800)
+    assert d.fleet.speeds.model(b.id) == model  # b never streamed: it is the fleet's median box, not a slow one
+    assert d.fleet.load_of(a, clock.now).step == model
     d.release(a, 0)
-    assert d.work[a.id].tokens == 0
+    assert d.fleet.work[a.id].tokens == 0
 
 
 async def test_the_dispatcher_counts_the_upper_quantile_as_a_boxs_longest() -> None:
@@ -189,8 +189,8 @@ async def test_the_dispatcher_counts_the_upper_quantile_as_a_boxs_longest() -> N
             d.progress(inst, 1, clock.now)
         d.release(inst, 0)
     first = d.try_acquire(Ask(4096, predicted=1000, high=2500))
-    assert first is not None and (d.work[first.id].tokens, d.work[first.id].longest) == (1000, 2500)
-    assert d.load_of(first, clock.now).longest_tokens == 2500
+    assert first is not None and (d.fleet.work[first.id].tokens, d.fleet.work[first.id].longest) == (1000, 2500)
+    assert d.fleet.load_of(first, clock.now).longest_tokens == 2500
 
 
 async def test_a_burst_is_placed_longest_predicted_first_even_with_room() -> None:
@@ -237,13 +237,13 @@ async def test_at_a_piece_boundary_the_dispatcher_keeps_it_where_its_prefix_is_u
     clock = FakeClock()
     d, (a, b) = pool(2, clock)
     for inst in (a, b):  # both measured: 20 ms a step with one running
-        d.speeds.add(inst.id, 1, 0.02, 2.0)
+        d.fleet.speeds.add(inst.id, 1, 0.02, 2.0)
 
     def load_a(sequences: int, predicted: float) -> None:  # what a holds besides the sequence at its boundary
         a.load.in_flight += sequences
-        d.in_flight += sequences
+        d.capacity.in_flight += sequences
         for _ in range(sequences):
-            d.work.setdefault(a.id, BoxWork()).placed(predicted)
+            d.fleet.work.setdefault(a.id, BoxWork()).placed(predicted)
 
     load_a(3, 300)
     placed = await d.acquire(Ask(4096, prefer=a.id, predicted=500, context=20000), 60.0)

@@ -25,7 +25,8 @@ async def test_a_box_still_loading_the_version_does_not_take_a_request_that_need
     inst.weight_version = 1
     task = asyncio.ensure_future(generator.generate(decode(body(4, min_weight_version=1))))
     try:
-        await async_wait_until(lambda: fakes[0].requests or generator.dispatcher.waiting, 10.0, interval_s=0.01,
+        capacity = generator.dispatcher.capacity
+        await async_wait_until(lambda: fakes[0].requests or capacity.waiting, 10.0, interval_s=0.01,
                                message="the request placed or queued")
         assert not fakes[0].requests, "sent to a box that still serves version 0 (its activation has not loaded)"
         fakes[0].weight_version = "1"  # the activation is done: the box serves version 1

@@ -139,12 +139,13 @@ async def test_a_perturbed_box_is_quarantined_and_its_sequence_finishes_elsewher
     reference = as_json(await f.generator.generate(decode(greedy(40))))["output_ids"]
     await f.probes.check_all()
     await post(f.urls[0], "/debug/faults", {"token_delay_s": 0.01})  # slow: the sequence is running on it
-    base = f.generator.dispatcher.streamed_tokens
+    base = f.generator.dispatcher.fleet.streamed_tokens
     running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
-    await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and f.generator.dispatcher.streamed_tokens > base + 5)
+    fleet = f.generator.dispatcher.fleet
+    await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and fleet.streamed_tokens > base + 5)
     assert await f.probes.check(f.boxes[0]) == Trust.CHECKED  # vouches for the tokens made before it was sent
-    vouched = f.generator.dispatcher.streamed_tokens
-    await async_wait_until(lambda: f.generator.dispatcher.streamed_tokens > vouched + 3)
+    vouched = f.generator.dispatcher.fleet.streamed_tokens
+    await async_wait_until(lambda: f.generator.dispatcher.fleet.streamed_tokens > vouched + 3)
     await perturb(f.urls[0])
     await f.probes.check_all()
 
@@ -170,9 +171,10 @@ async def test_a_sequence_that_left_the_box_unvouched_is_cut_back_where_it_runs_
     await f.probes.check_all()  # every box checked: the baselines a perturbation moves away from
     for url in f.urls[:2]:
         await post(url, "/debug/faults", {"token_delay_s": 0.01})
-    base = f.generator.dispatcher.streamed_tokens
+    base = f.generator.dispatcher.fleet.streamed_tokens
     running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
-    await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and f.generator.dispatcher.streamed_tokens > base + 5)
+    fleet = f.generator.dispatcher.fleet
+    await async_wait_until(lambda: f.boxes[0].load.in_flight == 1 and fleet.streamed_tokens > base + 5)
     dispatcher = f.generator.dispatcher
     assert dispatcher.claim(f.boxes[0], 1)  # box 0 looks busy: the move goes to box 1
     assert f.generator.evict(f.boxes[0], "test move") == 1
@@ -323,11 +325,11 @@ async def _caught_between_attempts(f: Fleet, health: HealthRecorder, readmit: bo
         assert f.registry.transition(box, State.SYNCING, "test: busy elsewhere")
     await post(bad.url, "/debug/faults", {"token_delay_s": 0.01, "stall_after_tokens": 14})
     dispatcher = f.generator.dispatcher
-    base = dispatcher.streamed_tokens
+    base = dispatcher.fleet.streamed_tokens
     running = asyncio.ensure_future(f.generator.generate(decode(greedy(40))))
-    await async_wait_until(lambda: dispatcher.streamed_tokens > base + 4)
+    await async_wait_until(lambda: dispatcher.fleet.streamed_tokens > base + 4)
     assert await f.probes.check(bad) == Trust.CHECKED  # vouches for what it made before the probe was sent
-    await async_wait_until(lambda: health.failures and dispatcher.waiting == 1)  # stalled: between attempts
+    await async_wait_until(lambda: health.failures and dispatcher.capacity.waiting == 1)  # stalled: between attempts
     assert f.quarantine.quarantine(bad, "test: caught") and bad.quarantined is not None
     if readmit:
         await post(bad.url, "/debug/faults", {"token_delay_s": 0.0, "stall_after_tokens": None})
@@ -335,7 +337,7 @@ async def _caught_between_attempts(f: Fleet, health: HealthRecorder, readmit: bo
         assert not f.registry.transition(bad, State.ACTIVE, "weights at version 0")
         await f.quarantine.readmit()
         assert bad.state == State.ACTIVE and bad.quarantined is None  # serves again, at the same version
-    assert dispatcher.waiting == 1 and not running.done()
+    assert dispatcher.capacity.waiting == 1 and not running.done()
     for box in others:
         assert f.registry.transition(box, State.ACTIVE, "test: back")
     answer: dict[str, Any] = as_json(await running)

@@ -171,17 +171,17 @@ async def test_a_new_manager_on_the_file_knows_the_boxes_at_their_endpoints(tmp_
     try:
         fast = first.registry.add("127.0.0.1", 31001, Kind.REMOTE)
         for n in (4, 16, 32):  # its streams said: 6 ms + 0.08 ms a sequence
-            first.dispatcher.speeds.add(fast.id, n, 0.006 + 0.00008 * n, 1.0)
+            first.dispatcher.fleet.speeds.add(fast.id, n, 0.006 + 0.00008 * n, 1.0)
     finally:
         await first.close()  # writes the state
     second = Manager(cfg)
     try:
         other = second.registry.add("127.0.0.1", 31002, Kind.REMOTE)  # registered first: ids differ now
         again = second.registry.add("127.0.0.1", 31001, Kind.REMOTE)
-        assert again.id != fast.id and second.dispatcher.speeds.measured(again.id)
-        m = second.dispatcher.speeds.model(again.id)
+        assert again.id != fast.id and second.dispatcher.fleet.speeds.measured(again.id)
+        m = second.dispatcher.fleet.speeds.model(again.id)
         assert m is not None and m.a == pytest.approx(0.006, rel=0.02) and m.b == pytest.approx(0.00008, rel=0.05)
-        assert not second.dispatcher.speeds.measured(other.id)  # a box never measured stays so
+        assert not second.dispatcher.fleet.speeds.measured(other.id)  # a box never measured stays so
         assert second.status()["scheduler_state"]["restored_boxes"] == 1
         assert second.registry.transition(again, State.DEAD, "test: the box left")
     finally:
@@ -189,7 +189,7 @@ async def test_a_new_manager_on_the_file_knows_the_boxes_at_their_endpoints(tmp_
     third = Manager(cfg)
     try:
         late = third.registry.add("127.0.0.1", 31001, Kind.REMOTE)
-        assert third.dispatcher.speeds.measured(late.id)
+        assert third.dispatcher.fleet.speeds.measured(late.id)
     finally:
         await third.close()
 

@@ -149,7 +149,7 @@ async def test_a_sequence_failing_on_the_only_instance_ends_with_a_503_naming_th
     assert took < WAIT_S + 2, took  # the wait, and a little for the attempts
     assert rig.failures and all(f in message for f in rig.failures[-1:])
     assert rig.inst.health.failures_total == len(rig.failures)  # each counted, though every probe passed since
-    assert rig.inst.load.in_flight == 0 and rig.generator.dispatcher.waiting == 0
+    assert rig.inst.load.in_flight == 0 and rig.generator.dispatcher.capacity.waiting == 0
 
 
 async def test_a_sequence_failing_after_progress_each_time_ends_at_the_attempt_limit(rig: Rig) -> None:
@@ -225,7 +225,7 @@ async def test_the_dispatcher_places_on_a_recovered_instance_within_the_wait_and
     a.health.consecutive_failures = 1  # the sequence just failed there
     waiter = asyncio.ensure_future(d.acquire(Ask(1, avoid=frozenset({a.id}), since=d.clock()), timeout_s=5))
     await asyncio.sleep(0)
-    assert not waiter.done() and d.waiting == 1
+    assert not waiter.done() and d.capacity.waiting == 1
     a.health.consecutive_failures = 0
     d.recovered(a)  # a probe passed: it may try there again, at once
     assert await asyncio.wait_for(waiter, 1) is a
@@ -233,4 +233,4 @@ async def test_the_dispatcher_places_on_a_recovered_instance_within_the_wait_and
     # Its wait is over and only the instance that failed it is left, recovered or not: no more tries.
     with pytest.raises(Unavailable, match="within 5s"):
         await d.acquire(Ask(1, avoid=frozenset({a.id}), since=d.clock() - 5), timeout_s=5)
-    assert d.waiting == 0 and a.load.in_flight == 0
+    assert d.capacity.waiting == 0 and a.load.in_flight == 0

@@ -246,7 +246,7 @@ async def make_rig(session: aiohttp.ClientSession, fakes: list[PacedFake],
     def measured(inst: Instance, now: float) -> float | None:
         return lone.get(inst.id)
 
-    dispatcher.lone_rate = measured  # type: ignore[method-assign]
+    dispatcher.fleet.lone_rate = measured  # type: ignore[method-assign]
     return Rig(registry, dispatcher, generator, failures, fakes, lone, a, b)
 
 
@@ -279,7 +279,7 @@ async def test_a_migrated_sequence_is_exact_within_budget_and_not_a_failure(rig:
     slow, fast = rig.fakes
     slow.hold_after = 40  # a goes first (least in flight, ties by id) and stops at 40 tokens
     task = asyncio.ensure_future(rig.generator.generate(decode(body(100, "m"))))
-    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
+    await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 40)
     assert rig.generator.migrate_now() == 1
     assert rig.b.load.in_flight == 1  # reserved for it at once
     out = as_json(await task)
@@ -302,9 +302,9 @@ async def test_a_migrated_sequence_never_moves_back(rig: Rig) -> None:
     slow, fast = rig.fakes
     slow.hold_after = fast.hold_after = 10
     task = asyncio.ensure_future(rig.generator.generate(decode(body(50, "p"))))
-    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 10)
+    await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 10)
     assert rig.generator.migrate_now() == 1
-    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 20)  # now held on b
+    await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 20)  # now held on b
     rig.lone[rig.a.id], rig.lone[rig.b.id] = 400.0, 10.0  # a became much faster than b
     assert rig.generator.migrate_now() == 0
     fast.release.set()
@@ -317,7 +317,7 @@ async def test_a_sequence_that_finishes_before_the_abort_lands_frees_its_reserve
     slow, fast = rig.fakes
     slow.hold_after, slow.ignore_abort = 30, True
     task = asyncio.ensure_future(rig.generator.generate(decode(body(60, "r"))))
-    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 30)
+    await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 30)
     assert rig.generator.migrate_now() == 1 and rig.b.load.in_flight == 1
     await wait_for(lambda: slow.aborted == [slow.requests[0]["rid"]])
     slow.release.set()  # it ends where it was, normally
@@ -332,7 +332,7 @@ async def test_a_reserved_target_that_dies_meanwhile_falls_back_to_the_dispatche
     slow, fast = rig.fakes
     slow.hold_after = 20
     task = asyncio.ensure_future(rig.generator.generate(decode(body(40, "d"))))
-    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 20)
+    await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 20)
     slow.ignore_abort = True  # hold the move until the target is gone
     assert rig.generator.migrate_now() == 1
     rig.registry.transition(rig.b, State.DEAD, "test: gone")
@@ -379,7 +379,7 @@ async def test_no_move_while_the_managers_own_event_loop_lags() -> None:
             rig = await make_rig(session, fakes, settings)
             fakes[0].hold_after = 40
             task = asyncio.ensure_future(rig.generator.generate(decode(body(100, "lag"))))
-            await wait_for(lambda: rig.dispatcher.streamed_tokens >= 40)
+            await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 40)
             watch = rig.generator.client.limits.loop
             watch.ensure_started()
             time.sleep(0.5)  # the manager's loop is blocked (this is what is being tested, not a wait)
@@ -401,7 +401,7 @@ async def test_a_sequence_under_an_output_penalty_is_not_migrated(rig: Rig) -> N
     penalised = body(40, "p")
     penalised["sampling_params"]["repetition_penalty"] = 1.1
     task = asyncio.ensure_future(rig.generator.generate(decode(penalised)))
-    await wait_for(lambda: rig.dispatcher.streamed_tokens >= 20)
+    await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 20)
     assert rig.generator.migrate_now() == 0 and slow.aborted == []
     slow.release.set()
     out = as_json(await task)
@@ -533,16 +533,16 @@ async def test_a_swap_moves_a_slow_boxs_sequence_past_a_full_fast_box_and_the_wa
             settings = replace(SETTINGS, migration=TailMigration(batch_half=1.0, min_gain_s=0.0, cooldown_s=0.0,
                                                                  swap_queue=1))
             rig = await make_rig(session, fakes, settings)
-            rig.dispatcher.max_in_flight_per_instance = 1
+            rig.dispatcher.capacity.max_in_flight_per_instance = 1
             for i in (rig.a, rig.b):
-                i.load.max_in_flight = rig.dispatcher.bound_of(i)
+                i.load.max_in_flight = rig.dispatcher.capacity.bound_of(i)
             slow, fast = fakes
             old = asyncio.ensure_future(rig.generator.generate(decode(body(300, "old"))))
-            await wait_for(lambda: rig.dispatcher.streamed_tokens >= 200)
+            await wait_for(lambda: rig.dispatcher.fleet.streamed_tokens >= 200)
             there = asyncio.ensure_future(rig.generator.generate(decode(body(50, "there"))))
             await wait_for(lambda: rig.b.load.in_flight == 1)
             waiting = asyncio.ensure_future(rig.generator.generate(decode(body(100, "w"))))
-            await wait_for(lambda: rig.dispatcher.waiting == 1)
+            await wait_for(lambda: rig.dispatcher.capacity.waiting == 1)
             assert rig.generator.migrate_now() == 1
             assert rig.b.load.in_flight == 2  # reserved at once, one past its bound
             out = as_json(await waiting)  # placed on the slow box's slot once the old one left it

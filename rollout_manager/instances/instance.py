@@ -6,7 +6,7 @@ Many modules read an instance; each part has one writer, so a field's value has 
   it waits for, its last error, the weight version it is named at, its sender group): the registry's
   (``registry.py``), the only module that assigns them. Weight sync and the sender plan change the
   version and the group through the registry's methods.
-- :class:`Load`: the dispatcher's (``placement/dispatch.py``): sequences and tokens it placed there.
+- :class:`Load`: capacity's (``placement/capacity.py``): sequences and tokens the dispatcher placed there.
 - :class:`Health`: the health monitor's (``health.py``): failures counted towards removal.
 - :class:`EngineFacts`: the health monitor's, frozen: what the engine said about itself when it became
   ready, replaced whole, never edited field by field.

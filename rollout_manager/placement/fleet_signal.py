@@ -60,7 +60,7 @@ class FleetSignal:
 
     def _compute(self) -> FleetDemand:
         d = self.dispatcher
-        models, fleet = d.speeds.models()
+        models, fleet = d.fleet.speeds.models()
         boxes: list[tuple[Instance, str]] = []
         members: dict[str, list[Instance]] = {}
         traits: dict[str, tuple[bool, float | None]] = {}
@@ -76,7 +76,7 @@ class FleetSignal:
             own = [m for i in insts if (m := models.get(i.id)) is not None]
             step = StepModel(median(m.a for m in own), median(m.b for m in own)) if own else fleet
             preemptible, price = traits[name]
-            bound = int(median(d.bound_of(i) for i in insts))
+            bound = int(median(d.capacity.bound_of(i) for i in insts))
             if step is not None:
                 self.kinds[name] = BoxKind(name, step, bound, price, preemptible)
             elif name not in self.kinds:  # nothing measured anywhere yet: a stand-in the counts hold to
@@ -84,20 +84,20 @@ class FleetSignal:
         now_boxes = []
         for inst, name in boxes:
             n = inst.load.in_flight
-            work = d.work.get(inst.id)
+            work = d.fleet.work.get(inst.id)
             if work is not None:
                 tokens, longest = max(work.tokens, n * MIN_LEFT), max(work.longest, MIN_LEFT if n else 0.0)
             else:  # a policy that keeps no predicted work: each sequence counts what an unknown one does
                 tokens = float(min(inst.load.in_flight_tokens, n * UNKNOWN_TOKENS))
                 longest = float(min(tokens, UNKNOWN_TOKENS))
-            now_boxes.append(BoxNow(name, models.get(inst.id), d.bound_of(inst), n, tokens if n else 0.0,
+            now_boxes.append(BoxNow(name, models.get(inst.id), d.capacity.bound_of(inst), n, tokens if n else 0.0,
                                     longest if n else 0.0))
-        waiters = d.waiters()
+        waiters = d.capacity.waiters()
         waiting = [w.predicted if w.predicted is not None else float(min(w.tokens, UNKNOWN_TOKENS)) for w in waiters]
         high: list[float | None] = [w.high for w in waiters]
-        held = d.last_predicted if d.last_predicted is not None else float(UNKNOWN_TOKENS)
-        waiting += [held] * d.held_by_batches
-        high += [None] * d.held_by_batches
+        held = d.fleet.last_predicted if d.fleet.last_predicted is not None else float(UNKNOWN_TOKENS)
+        waiting += [held] * d.capacity.held_by_batches
+        high += [None] * d.capacity.held_by_batches
         if self.kinds:
             return fleet_demand(self.target_s, list(self.kinds.values()), now_boxes, waiting, high)
         return _held(self.target_s, list(self.unmeasured.values()), now_boxes, waiting)

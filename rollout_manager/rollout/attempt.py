@@ -215,13 +215,13 @@ class Attempts:
 
     def _timed(self, inst: Instance, progress: SequenceProgress, tokens: int) -> None:
         """This sequence's tokens of one read, timed from its previous read that brought tokens: a box's step
-        time (``Dispatcher.step_gap``). The first read of an attempt only starts the clock (it waited for a
+        time (``FleetModel.step_gap``). The first read of an attempt only starts the clock (it waited for a
         prefill)."""
         if tokens <= 0:
             return
         now = self._loop.time()
         if progress.tokens_at is not None:
-            self.dispatcher.step_gap(inst, tokens, now - progress.tokens_at)
+            self.dispatcher.fleet.step_gap(inst, tokens, now - progress.tokens_at)
         progress.tokens_at = now
 
     def _take(self, seq: SequenceState, inst: Instance, progress: SequenceProgress, segments: AttemptSegments,

@@ -60,7 +60,7 @@ class _BatchRun(Generic[L]):
     """One batch of requests, started only as they can run and as the caller reads the results.
 
     The requests are not all started at once: the batch holds back those beyond what the pool can run
-    now (``Dispatcher.capacity``, plus :data:`LOOKAHEAD`), counted in ``Dispatcher.held_by_batches``, so a
+    now (``Capacity.pool_bound``, plus :data:`LOOKAHEAD`), counted in ``Capacity.held_by_batches``, so a
     batch of 100,000 costs the manager its body and a window of running requests, not 100,000 waiting
     sequences. New requests start only when the caller asks for more results, and not while the results
     not yet handed to it exceed ``max_unsent`` bytes: a caller that stops reading stops its batch (the
@@ -141,13 +141,13 @@ class _BatchRun(Generic[L]):
         the rest on the next turn (the pacer calls this again), or when a request ends or the caller reads."""
         if self.ended or not self.pending or (self.max_unsent is not None and self.unsent > self.max_unsent):
             return
-        room = self.dispatcher.capacity() + LOOKAHEAD - len(self.tasks)
+        room = self.dispatcher.capacity.pool_bound() + LOOKAHEAD - len(self.tasks)
         paced = pacer()
         allowed = min(room, paced.allowance())
         started = 0
         while self.pending and started < allowed:
             rid, request = self.pending.popleft()
-            self.dispatcher.held_by_batches -= 1
+            self.dispatcher.capacity.unhold(1)
             self._run(rid, request)
             started += 1
         paced.spent(started, self._start if self.pending and started < room else None)
@@ -165,7 +165,7 @@ class _BatchRun(Generic[L]):
 
     async def results(self) -> AsyncGenerator[list[L], None]:
         total = len(self.pending)
-        self.dispatcher.held_by_batches += total
+        self.dispatcher.capacity.hold(total)
         self.generator.begin_rollout()
         try:
             done = 0
@@ -180,7 +180,7 @@ class _BatchRun(Generic[L]):
                 yield lines
         finally:
             self.ended = True
-            self.dispatcher.held_by_batches -= len(self.pending)
+            self.dispatcher.capacity.unhold(len(self.pending))
             self.pending.clear()
             tasks = list(self.tasks)
             for task in tasks:

@@ -195,7 +195,7 @@ class Evacuator:
             plan = EvacuationPlan((), tuple(by_id), 0.0)
         else:
             plan = plan_evacuation([self._doomed(seq) for seq in running],
-                                   self.dispatcher.speeds.model(inst.id), time_left, self.settings.stay_share)
+                                   self.dispatcher.fleet.speeds.model(inst.id), time_left, self.settings.stay_share)
         ev.staying = len(plan.stay)
         reason = f"{ev.source} notice"
         for sid in plan.move:
@@ -225,11 +225,11 @@ class Evacuator:
         placement does that), reserved for it as tail migration reserves its targets (``Dispatcher.claim``)."""
         d, allow = self.dispatcher, self.migrator.bound(seq)
         boxes = [i for i in d.registry.active() if i.state == State.ACTIVE and i is not src and i.kind == Kind.REMOTE
-                 and i.health.consecutive_failures == 0 and i.load.in_flight < d.bound_of(i)
+                 and i.health.consecutive_failures == 0 and i.load.in_flight < d.capacity.bound_of(i)
                  and (allow is None or allow(i))]
         if d.narrow_remote is not None and len(boxes) > 1:
             boxes = d.narrow_remote(boxes, self._doomed(seq).expected())
-        models, fleet = d.speeds.models()
+        models, fleet = d.fleet.speeds.models()
 
         def step(i: Instance) -> float:
             model = models.get(i.id, fleet)

@@ -60,7 +60,7 @@ class Migrator:
         # Told of each segment that ended in its instance's failure (rollout.evacuation counts what that cost).
         self.failed: Callable[[SequenceState, Segment], None] | None = None
         if policy is not None:
-            dispatcher.batch_half = policy.batch_half
+            dispatcher.fleet.use_batch_half(policy.batch_half)
 
     @property
     def running(self) -> bool:
@@ -191,7 +191,7 @@ class Migrator:
             self.dispatcher.release(inst, seq.migration.reserved)
             return None
         # Tokens made between the decision and the abort shrink what the new segment reserves.
-        self.dispatcher.unreserve(inst, max(seq.migration.reserved - seq.reserve, 0))
+        self.dispatcher.capacity.unreserve(inst, max(seq.migration.reserved - seq.reserve, 0))
         return inst
 
     def _drop_handoff(self, seq: SequenceState) -> None:
@@ -231,8 +231,8 @@ class Migrator:
         targets = [i for i in registry.in_state(State.ACTIVE, kind=Kind.REMOTE) if i.health.consecutive_failures == 0]
         loads = []
         for i in targets:
-            load = self.dispatcher.load_of(i, now)
-            load.lone_rate = self.dispatcher.lone_rate(i, now)
+            load = self.dispatcher.fleet.load_of(i, now)
+            load.lone_rate = self.dispatcher.fleet.lone_rate(i, now)
             loads.append(load)
         draining = {i.id for i in registry.in_state(State.DRAINING)}
         running, by_key = [], {}
@@ -253,7 +253,7 @@ class Migrator:
         ask = None if predict is None else (lambda rs: predict(live[by_key[rs.seq_id]][0]))
         # With swaps on, requests a batch holds back wait for a slot as much as those parked in the dispatcher.
         dispatcher = self.dispatcher
-        waiting = dispatcher.requests_waiting() if policy.swap_queue else dispatcher.waiting
+        waiting = dispatcher.capacity.requests_waiting() if policy.swap_queue else dispatcher.capacity.waiting
         moves = policy.plan(loads, running, waiting, now, draining, ask, dispatcher.waiting_predicted())
         started = 0
         for planned in moves:

@@ -5,7 +5,7 @@ Started all at once, every sequence of a batch waits in the manager as a task an
 tens of GB while it waits. As ``/batch_generate_requests`` does (``batch._BatchRun``), a batch starts
 what the dispatcher's capacity allows plus a lookahead, so a slot freed on an instance is taken at
 once; the rest stay the decoded request's items (``rollout.request``), counted in
-``Dispatcher.held_by_batches`` until they start.
+``Capacity.held_by_batches`` until they start.
 
 Nor does a window start all it has room for in one event-loop turn: each start's first step is a
 placement (about 0.65 ms at 1,000 instances), so 8,000 started at once blocked the loop, and with it
@@ -103,18 +103,18 @@ class StartWindow:
         self.wake = asyncio.Event()
         self.error: BaseException | None = None
         self.closed = False
-        dispatcher.held_by_batches += count
+        dispatcher.capacity.hold(count)
 
     def fill(self) -> None:
         """Start what the pool has room for now: its capacity plus :data:`LOOKAHEAD`, less what every
-        batch started and is still running (``Dispatcher.windowed``: this one's and the others', so that
+        batch started and is still running (``Capacity.windowed``: this one's and the others', so that
         batched requests inside a ``/batch_generate_requests`` share one window rather than multiply
         it), and at least one of its own, so that every batch moves; at most what the loop's
         :class:`TurnPacer` allows this turn, and the rest on the next."""
         if self.closed:
             return
-        d = self.dispatcher
-        room = d.capacity() + LOOKAHEAD - d.windowed
+        capacity = self.dispatcher.capacity
+        room = capacity.pool_bound() + LOOKAHEAD - capacity.windowed
         if not self.running:
             room = max(room, 1)
         paced = pacer()
@@ -123,8 +123,7 @@ class StartWindow:
         while self.next < self.count and room > 0 and started < allowed:
             task = asyncio.ensure_future(self.start(self.next))
             self.next += 1
-            d.held_by_batches -= 1
-            d.windowed += 1
+            capacity.start_windowed()
             room -= 1
             started += 1
             self.running.add(task)
@@ -133,7 +132,7 @@ class StartWindow:
 
     def _ended(self, task: asyncio.Future[Any]) -> None:
         self.running.discard(task)
-        self.dispatcher.windowed -= 1
+        self.dispatcher.capacity.end_windowed()
         self.done += 1
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
@@ -143,7 +142,7 @@ class StartWindow:
     async def close(self) -> None:
         """Start nothing more; cancel what runs (which aborts it on its instance) and wait for it."""
         self.closed = True
-        self.dispatcher.held_by_batches -= self.count - self.next
+        self.dispatcher.capacity.unhold(self.count - self.next)
         self.next = self.count
         tasks = list(self.running)
         for task in tasks:
