@@ -19,6 +19,13 @@ the history runs), whose CPU per session is printed too. Printed last: per round
 rounds, a chat turn's CPU over its ``/generate``'s (at turn 2 and at the last turn) and the last turn's
 chat CPU over turn 2's.
 
+Memory per session token, two ways. In the manager: the ledger's own byte count of its token arrays
+(``token_bytes`` over ``tokens`` in ``GET /v1/sessions``, read before the round's sessions are freed). In
+this process: the same sessions' turns planned
+and recorded by the front's own code (``prompt.plan_chat``, ``Ledger.record``; each turn's messages a fresh
+JSON decoding, as a request's are) under ``tracemalloc``: everything the ledger holds per session token,
+the arrays' share, and the rest per session (the conversation's messages, the turns).
+
     .venv/bin/python benchmarks/bench_openai_turns.py --rounds 3 --sessions 16 --turns 50 --words 1300
 """
 
@@ -44,7 +51,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from bench_manager_overhead import PY, register_backends, spawn, spawn_manager, stop_all  # noqa: E402
 from openai_tokenizer import WORDS, make  # noqa: E402
 
+from rollout_manager.openai_front.ledger import Ledger  # noqa: E402
+from rollout_manager.openai_front.prompt import plan_chat  # noqa: E402
+from rollout_manager.openai_front.render import Renderer  # noqa: E402
 from rollout_manager.osutil import free_port  # noqa: E402
+from rollout_manager.sglang.openai_turn import TurnResult  # noqa: E402
 
 MODEL = "bench"
 TEXT_WORDS = [w for w in WORDS if not w.startswith("<")]
@@ -117,6 +128,9 @@ async def one_round(url: str, pid: int, k: int, args: argparse.Namespace) -> dic
                 out[f"chat_{at}"] = 1e3 * chat / len(sessions)
                 out[f"gen_{at}"] = 1e3 * gen / len(sessions)
         out["prompt_tokens"] = float(len(sessions[0].prompt_ids))
+        async with http.get(f"{url}/v1/sessions") as r:
+            ledger = await r.json()
+        out["ledger_b_per_token"] = ledger["token_bytes"] / ledger["tokens"]
         before = cpu_s(pid)
         for s in sessions:
             async with http.delete(f"{url}/v1/sessions/{s.name}") as r:
@@ -124,6 +138,51 @@ async def one_round(url: str, pid: int, k: int, args: argparse.Namespace) -> dic
                 assert r.status == 200 and traj["turn_count"] == args.turns, traj
         out["free"] = 1e3 * (cpu_s(pid) - before) / len(sessions)
     return out
+
+
+def ledger_memory(tokenizer: Path, args: argparse.Namespace, count: int = 4) -> dict[str, float]:
+    """``count`` sessions of ``args.turns`` turns planned and recorded in this process, as the front does
+    (the answer: ``args.answer`` ids of the vocabulary, decoded as the front returns them), under
+    tracemalloc; bytes per session token held by the ledger, the arrays' share, the rest per session."""
+    import tracemalloc
+
+    renderer = Renderer(str(tokenizer))
+    answer_ids = renderer.encode(words(args.answer, 5))[:args.answer]
+    answer_text = renderer.decode(answer_ids)
+    convos = []
+    for i in range(count):
+        s = Session(f"m{i}", args.words)
+        turns = []
+        for turn in range(1, args.turns + 1):
+            if turn > 1:
+                s.messages += [{"role": "assistant", "content": answer_text},
+                               {"role": "user", "content": words(args.words, turn * 31 + i)}]
+            turns.append(json.dumps(s.messages))
+        convos.append(turns)
+    ledger = Ledger(count + 1, 10**9, 1e9)
+
+    def run(name: str, turns: list[str]) -> None:
+        session = ledger.begin(name)
+        for text in turns:
+            messages = json.loads(text)  # a request's own objects, as the manager decodes them
+            plan = plan_chat(renderer, session.branch, session.turn_count, messages, None)
+            result = TurnResult(list(answer_ids), [-0.5] * len(answer_ids), "length", None, len(plan.ids), "v0",
+                                [], [])
+            ledger.record(session, plan, messages, result, {"role": "assistant", "content": answer_text})
+        ledger.end(session)
+
+    run("warm", convos[0][:3])  # the template's and tokenizer's one-time caches, outside the count
+    ledger.release("warm")
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    for i, turns in enumerate(convos):
+        run(f"m{i}", turns)
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    tokens = sum(s.tokens for s in ledger.sessions.values())
+    arrays = sum(s.nbytes for s in ledger.sessions.values())
+    return {"tokens_per_session": tokens / count, "held_b_per_token": held / tokens,
+            "arrays_b_per_token": arrays / tokens, "rest_kib_per_session": (held - arrays) / count / 1024}
 
 
 async def main() -> None:
@@ -156,23 +215,29 @@ async def main() -> None:
                 rounds.append(r)
         finally:
             stop_all(procs)
+        mem = ledger_memory(tok, args)
 
     def ratios(r: dict[str, float]) -> dict[str, float]:
         return {"chat/gen @2": r["chat_2"] / r["gen_2"], "chat/gen @last": r["chat_last"] / r["gen_last"],
-                "chat last/2": r["chat_last"] / r["chat_2"], "gen last/2": r["gen_last"] / r["gen_2"]}
+                "chat last/2": r["chat_last"] / r["chat_2"], "gen last/2": r["gen_last"] / r["gen_2"],
+                "front's own (chat - gen) last/2": (r["chat_last"] - r["gen_last"]) / (r["chat_2"] - r["gen_2"])}
 
     print(f"{args.sessions} sessions x {args.turns} turns per round, {args.words}-token messages, "
           f"{args.answer}-token answers; last turn's prompt: {int(rounds[0]['prompt_tokens'])} tokens")
-    print("round  chat@2 ms  gen@2 ms  chat@last ms  gen@last ms  free ms/session  wall s")
+    print("round  chat@2 ms  gen@2 ms  chat@last ms  gen@last ms  free ms/session  wall s  ledger B/token")
     for k, r in enumerate(rounds):
         print(f"{k:>5}  {r['chat_2']:>9.2f}  {r['gen_2']:>8.2f}  {r['chat_last']:>12.2f}  {r['gen_last']:>11.2f}  "
-              f"{r['free']:>15.1f}  {r['wall_s']:>6.1f}")
+              f"{r['free']:>15.1f}  {r['wall_s']:>6.1f}  {r['ledger_b_per_token']:>14.2f}")
+    print(f"ledger memory (tracemalloc, 4 sessions of {mem['tokens_per_session']:.0f} tokens): "
+          f"{mem['held_b_per_token']:.2f} B per session token, of which the token arrays "
+          f"{mem['arrays_b_per_token']:.2f} (ids 4, mask 1, log-prob 4); the rest (messages, turns) "
+          f"{mem['rest_kib_per_session']:.0f} KiB per session")
     table = [ratios(r) for r in rounds]
-    print("ratios (manager CPU per turn)      " + "  ".join(f"round {k}" for k in range(len(rounds)))
+    print("ratios (manager CPU per turn)     " + "  ".join(f"round {k}" for k in range(len(rounds)))
           + "  median  worst")
     for name in table[0]:
         values = [t[name] for t in table]
-        print(f"{name:<34} " + "  ".join(f"{v:>7.2f}" for v in values)
+        print(f"{name:<33} " + "  ".join(f"{v:>7.2f}" for v in values)
               + f"  {statistics.median(values):>6.2f}  {max(values):>5.2f}")
 
 

@@ -69,7 +69,7 @@ def test_an_answer_that_sampled_the_end_token_is_not_closed_twice(renderer: Rend
     ledger.record(session, second, messages, result([30]), answer(renderer.decode([30])))
     branch = session.branch
     assert branch is not None and retokenized(renderer, branch) is None  # tokenizes back to the ledger's ids
-    assert branch is not None and branch.mask == [1, 1, 1] + [0] * (len(second.ids) - len(first.ids) - 3) + [1]
+    assert branch is not None and branch.mask.tolist() == [1, 1, 1] + [0] * (len(second.ids) - len(first.ids) - 3) + [1]
     assert branch.logprobs.count(-0.5) == 4 and len(branch.logprobs) == len(branch.mask)
 
 

@@ -114,6 +114,6 @@ def test_a_tool_conversations_next_turn_extends_the_ledger(renderer: Renderer) -
     ledger.record(session, second, messages, TurnResult([7], [-0.1], "length", None, 0, "v1", [], []),
                   {"role": "assistant", "content": renderer.decode([7])})
     branch = session.branch
-    assert branch is not None and branch.mask == [1] * len(sampled) + [0] * (len(second.ids) - n) + [1]
+    assert branch is not None and branch.mask.tolist() == [1] * len(sampled) + [0] * (len(second.ids) - n) + [1]
     # the template writes the calls back as the model wrote them (a word per JSON piece): nothing diverged
     assert retokenized(renderer, branch) is None and len(session.branches) == 1

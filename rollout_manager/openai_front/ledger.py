@@ -5,11 +5,16 @@ by every later token with a mask (1: sampled by the model, 0: written by the tem
 sampled tokens' log-probs. A turn whose prompt extends the branch adds to it; a turn that rewrote the
 history starts a new branch (an agent that edits its past gets a second trajectory, never a corrupted
 one). Bounded in sessions, tokens per session and idle time (``openai_*`` in config.toml).
+
+A branch keeps its tokens in compact arrays, not Python lists (an int in a list costs 8 bytes of pointer
+and usually 28 of object): an id is 4 bytes (``array('i')``), a mask entry 1, a log-prob 4 (float32, the
+precision verl trains with), so a session's tokens cost 9 bytes each (:meth:`Branch.nbytes`).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,12 +57,24 @@ class Turn:
                 "weight_version": self.weight_version, "weight_versions": self.weight_versions}
 
 
+def _ids(values: Any = ()) -> array[int]:
+    return array("i", values)
+
+
+def _mask(values: Any = ()) -> array[int]:
+    return array("b", values)
+
+
+def _logprobs(values: Any = ()) -> array[float]:
+    return array("f", values)
+
+
 @dataclass
 class Branch:
     prompt_len: int
-    ids: list[int]
-    mask: list[int] = field(default_factory=list)  # for ids[prompt_len:]
-    logprobs: list[float] = field(default_factory=list)  # for ids[prompt_len:]; 0.0 where mask is 0
+    ids: array[int] = field(default_factory=_ids)
+    mask: array[int] = field(default_factory=_mask)  # for ids[prompt_len:]
+    logprobs: array[float] = field(default_factory=_logprobs)  # for ids[prompt_len:]; 0.0 where mask is 0
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation the ids hold
     tools: list[dict[str, Any]] | None = None  # the tools its last turn was rendered with
     turns: list[Turn] = field(default_factory=list)
@@ -66,9 +83,20 @@ class Branch:
     retokenized: Divergence | None = None
     checked: int = -1
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its token arrays hold (ids, mask, log-probs); messages and turns are not counted."""
+        return sum(len(a) * a.itemsize for a in (self.ids, self.mask, self.logprobs))
+
+    def holds(self, ids: list[int]) -> bool:
+        """Whether ``ids`` start with this branch's ids."""
+        n = len(self.ids)
+        return len(ids) >= n and _ids(ids[:n]) == self.ids
+
     def to_json(self) -> dict[str, Any]:
-        return {"prompt_ids": self.ids[:self.prompt_len], "response_ids": self.ids[self.prompt_len:],
-                "response_mask": self.mask, "response_logprobs": self.logprobs,
+        ids = self.ids.tolist()
+        return {"prompt_ids": ids[:self.prompt_len], "response_ids": ids[self.prompt_len:],
+                "response_mask": self.mask.tolist(), "response_logprobs": self.logprobs.tolist(),
                 "turns": [t.to_json() for t in self.turns]}
 
 
@@ -87,6 +115,10 @@ class Session:
     @property
     def tokens(self) -> int:
         return sum(len(b.ids) for b in self.branches)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.branches)
 
     @property
     def turn_count(self) -> int:
@@ -186,16 +218,16 @@ class Ledger:
             session.divergences.append(plan.divergence)
             self.divergences += 1
         if branch is None or not plan.extends:
-            branch = Branch(len(plan.ids), list(plan.ids))
+            branch = Branch(len(plan.ids), _ids(plan.ids))
             session.branches.append(branch)
         else:
             added = plan.ids[len(branch.ids):]
             branch.ids.extend(added)
-            branch.mask.extend([0] * len(added))
-            branch.logprobs.extend([0.0] * len(added))
+            branch.mask.extend(_mask(bytes(len(added))))
+            branch.logprobs.extend(_logprobs(bytes(4 * len(added))))  # zero bytes: 0.0
         branch.ids.extend(result.output_ids)
-        branch.mask.extend([1] * len(result.output_ids))
-        branch.logprobs.extend(0.0 if lp is None else lp for lp in result.logprobs)
+        branch.mask.extend(_mask(b"\x01" * len(result.output_ids)))
+        branch.logprobs.extend(_logprobs(0.0 if lp is None else lp for lp in result.logprobs))
         if messages is not None:
             branch.messages = [*messages, answer or {"role": "assistant", "content": ""}]
             branch.tools = plan.tools
@@ -218,6 +250,7 @@ class Ledger:
     def status(self) -> dict[str, Any]:
         self._sweep()
         return {"sessions": len(self.sessions), "tokens": sum(s.tokens for s in self.sessions.values()),
+                "token_bytes": sum(s.nbytes for s in self.sessions.values()),
                 "divergences": self.divergences, "expired": self.expired, "evicted": self.evicted,
                 "max_sessions": self.max_sessions, "max_session_tokens": self.max_tokens,
                 "session_idle_s": self.idle_s}

@@ -66,7 +66,7 @@ def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: li
                 written = renderer.token_text(last.matched_stop)
                 if tail.startswith(written):
                     tail = tail[len(written):]
-            return PromptPlan([*branch.ids, *renderer.encode(tail)], extends=True, tools=tools)
+            return PromptPlan(branch.ids.tolist() + renderer.encode(tail), extends=True, tools=tools)
         first_change = len(held)  # the template hides the answer's text: no place to join at
     at = len(held) if first_change is None else first_change
     return PromptPlan(renderer.encode(renderer.chat_text(messages, tools, True)), extends=False,
@@ -94,7 +94,7 @@ def plan_ids(branch: Branch | None, turn: int, ids: list[int]) -> PromptPlan:
     if branch is None:
         return PromptPlan(ids, extends=False)
     n = len(branch.ids)
-    if len(ids) > n and ids[:n] == branch.ids:
+    if len(ids) > n and branch.holds(ids):
         return PromptPlan(ids, extends=True)
     at = next((i for i, (a, b) in enumerate(zip(ids, branch.ids)) if a != b), min(len(ids), n))
     return PromptPlan(ids, extends=False, divergence=Divergence(turn, at, n - at, "rewritten"))
