@@ -315,3 +315,63 @@ async def test_top_logprobs_come_through_the_rollout_path_in_openais_shape(front
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(**{**turn, "logprobs": False})
     assert caught.value.param == "top_logprobs"
+
+
+async def test_with_auth_a_session_answers_only_to_the_owner_key_its_first_turn_gave(
+        tmp_path: Path, start_manager: Any, start_engines: Any) -> None:
+    token = "front-secret"
+    m = await start_manager(auth_token=token, openai_tokenizer_path=str(make(tmp_path / "tokenizer")),
+                            openai_model_name=MODEL)
+    (engine,) = await start_engines(["--eos-token-id", str(eos_id())])
+    await m.register(engine)
+
+    def client(owner: str | None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=m.url + "/v1", api_key=token, max_retries=0, timeout=60,
+                                  default_headers={"X-Session-Owner": owner} if owner else None)
+
+    alice, bob, anyone = client("alice-key"), client("bob-key"), client(None)
+    hello = [{"role": "user", "content": "hello what is the answer"}]
+    mine = await alice.chat.completions.create(model=MODEL, messages=hello, max_tokens=4, temperature=0,
+                                               extra_body={"session_id": "episode-1", "ignore_eos": True})
+    ours = await bob.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "you are a agent"}],
+                                             max_tokens=4, temperature=0,
+                                             extra_body={"session_id": "episode-2", "ignore_eos": True})
+
+    async def trajectory(owner: str, sid: str, method: str = "GET") -> tuple[int, Any]:
+        path = f"/v1/sessions/{sid}" + ("/trajectory" if method == "GET" else "")
+        async with aiohttp.ClientSession() as s, s.request(
+                method, m.url + path, headers={"Authorization": f"Bearer {token}", "X-Session-Owner": owner}) as r:
+            return r.status, await r.json()
+
+    _, before = await trajectory("alice-key", "episode-1")
+    again = [*hello, {"role": "assistant", "content": mine.choices[0].message.content},
+             {"role": "user", "content": "again"}]
+    for other in (bob, anyone):  # another caller reusing alice's session id: 403 naming it, in OpenAI's shape
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            await other.chat.completions.create(model=MODEL, messages=again, max_tokens=4, temperature=0,
+                                                extra_body={"session_id": "episode-1"})
+        assert caught.value.param == "session_id" and caught.value.code == "session_owned", caught.value.body
+        with pytest.raises(openai.PermissionDeniedError):
+            await other.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2,
+                                           extra_body={"session_id": "episode-1"})
+    for method in ("GET", "DELETE"):  # nor read or freed by another caller
+        status, body = await trajectory("bob-key", "episode-1", method)
+        assert status == 403 and body["error"]["param"] == "session_id", body
+    status, after = await trajectory("alice-key", "episode-1")
+    assert status == 200 and after == before and after["turn_count"] == 1  # the refusals changed nothing
+    assert after["prompt_ids"] == extra(mine, "prompt_token_ids")
+    assert after["response_ids"] == extra(mine.choices[0], "token_ids")
+    # the owner's next turn extends its own ledger as if nobody had tried
+    second = await alice.chat.completions.create(model=MODEL, messages=again, max_tokens=4, temperature=0,
+                                                 extra_body={"session_id": "episode-1", "ignore_eos": True})
+    ids = after["prompt_ids"] + after["response_ids"]
+    assert extra(second, "prompt_token_ids")[:len(ids)] == ids
+    # one session never holds another's tokens: bob's is exactly his own turn
+    status, theirs = await trajectory("bob-key", "episode-2", "DELETE")
+    assert status == 200 and theirs["turn_count"] == 1
+    assert theirs["prompt_ids"] == extra(ours, "prompt_token_ids")
+    assert theirs["response_ids"] == extra(ours.choices[0], "token_ids")
+    status, freed = await trajectory("alice-key", "episode-1", "DELETE")
+    assert status == 200 and freed["turn_count"] == 2
+    for c in (alice, bob, anyone):
+        await c.close()

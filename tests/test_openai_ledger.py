@@ -125,3 +125,21 @@ def test_a_template_that_drops_earlier_reasoning_cannot_change_the_history(tmp_p
     assert found.position == len(first.ids) and found.tokens == len(second.ids) + 1 - len(first.ids)
     ledger.checked(session.branch, found)  # type: ignore[arg-type]
     assert session.to_json()["divergences"] == [found.to_json()] and ledger.status()["divergences"] == 1
+
+
+def test_another_callers_turn_on_an_owned_session_is_refused_and_changes_nothing() -> None:
+    now = [0.0]
+    ledger = Ledger(8, 10_000, 60.0, clock=lambda: now[0])
+    owned = ledger.begin("s", owner="alice")
+    ledger.end(owned)
+    ledger.end(ledger.begin("t"))  # now the most recently used
+    now[0] = 5.0
+    for key in ("bob", None):
+        with pytest.raises(OpenAIError) as caught:
+            ledger.begin("s", owner=key)
+        assert caught.value.status == 403 and caught.value.param == "session_id"
+    assert not owned.busy and owned.last_used == 0.0 and list(ledger.sessions) == ["s", "t"]
+    assert owned.owner is not None and b"alice" not in owned.owner  # a digest, not the key
+    assert ledger.begin("s", owner="alice") is owned
+    ledger.end(owned)
+    ledger.end(ledger.begin("t", owner="carol"))  # opened without a key: anyone's

@@ -29,6 +29,7 @@ from .settings import from_rollout_config
 
 LOOP_NAME = "rollout_manager_openai"
 SESSION_HEADER = "X-Session-Id"
+OWNER_HEADER = "X-Session-Owner"  # a key of this sample's own: nobody else can read or continue its session
 
 
 @dataclass(frozen=True)
@@ -117,19 +118,19 @@ class OpenAIAgentLoop(AgentLoopBase):
                              "agent_loop_config_path, or the sample's 'openai_agent' field")
         agent = load_agent(str(path))
         url = resolve(self.settings)
-        session_id = f"verl-{uuid.uuid4().hex}"
+        session_id, owner = f"verl-{uuid.uuid4().hex}", uuid.uuid4().hex
         messages = [dict(m) for m in kwargs.get("raw_prompt", [])]
         start = time.monotonic()
         token = env_token()  # the manager's auth_token, as the plugin's other clients send it
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=token or "unused", max_retries=0,
-                                      default_headers={SESSION_HEADER: session_id}) as client:
+                                      default_headers={SESSION_HEADER: session_id, OWNER_HEADER: owner}) as client:
             models = await client.models.list()
             run = AgentRun(client, models.data[0].id, session_id, messages, openai_sampling(sampling_params),
                            dict(kwargs))
             try:
                 reward = await agent(run)
             finally:
-                async with aiohttp.ClientSession(headers=bearer_headers(token)) as http, \
+                async with aiohttp.ClientSession(headers={**bearer_headers(token), OWNER_HEADER: owner}) as http, \
                         http.delete(f"{url}/v1/sessions/{session_id}") as resp:
                     trajectory = await resp.json() if resp.status == 200 else None
         if trajectory is None:

@@ -116,19 +116,19 @@ class Front:
     def _reply(self, prefix: str, session_id: str | None) -> responses.Reply:
         return responses.Reply(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model, session_id)
 
-    def _open(self, session_id: str | None, n: int) -> Session | None:
+    def _open(self, session_id: str | None, n: int, owner: str | None) -> Session | None:
         if session_id is None:
             return None
         if n != 1:
             raise invalid("n", "a session's turn samples one answer (n=1): the ledger keeps one history")
-        return self.ledger.begin(session_id)
+        return self.ledger.begin(session_id, owner)
 
-    async def prepare_chat(self, body: ChatRequest, session_id: str | None) -> Prepared:
+    async def prepare_chat(self, body: ChatRequest, session_id: str | None, owner: str | None = None) -> Prepared:
         if body.model != self.model:
             raise not_found_model(body.model, self.model)
         renderer = await self.renderer("messages")
         assert renderer is not None
-        session = self._open(session_id, body.n)
+        session = self._open(session_id, body.n, owner)
         try:
             branch = None if session is None else session.branch
             turn = 0 if session is None else session.turn_count
@@ -149,7 +149,8 @@ class Front:
         return Prepared(self._reply("chatcmpl", session_id), True, [plan.ids], body.n, request, body.logprobs,
                         renderer, session, plan, list(body.messages), names, body.parallel_tool_calls is not False)
 
-    async def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest, session_id: str | None,
+                                 owner: str | None = None) -> Prepared:
         if body.model != self.model:
             raise not_found_model(body.model, self.model)
         given = prompts_of(body.prompt)
@@ -166,7 +167,7 @@ class Front:
             self._check_ids(ids, "prompt")
         if session_id is not None and len(ids_list) != 1:
             raise invalid("prompt", "a session's turn has one prompt")
-        session = self._open(session_id, body.n)
+        session = self._open(session_id, body.n, owner)
         plan = None
         try:
             if session is not None:

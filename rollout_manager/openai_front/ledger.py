@@ -13,6 +13,8 @@ precision verl trains with), so a session's tokens cost 9 bytes each (:meth:`Bra
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from array import array
 from collections import OrderedDict
@@ -100,6 +102,11 @@ class Branch:
                 "turns": [t.to_json() for t in self.turns]}
 
 
+def owner_digest(key: str | None) -> bytes | None:
+    """What the ledger keeps of an owner key: its SHA-256, never the key."""
+    return None if key is None else hashlib.sha256(key.encode()).digest()
+
+
 @dataclass
 class Session:
     id: str
@@ -107,6 +114,15 @@ class Session:
     branches: list[Branch] = field(default_factory=list)
     divergences: list[Divergence] = field(default_factory=list)
     busy: bool = False
+    owner: bytes | None = None  # the digest of the owner key its first turn gave; None: anyone's
+
+    def check_owner(self, key: str | None) -> None:
+        """A 403 naming ``session_id`` unless ``key`` is the owner key the session was opened with (a
+        session opened without one answers to every caller). Nothing about the session changes."""
+        given = owner_digest(key)
+        if self.owner is not None and (given is None or not hmac.compare_digest(self.owner, given)):
+            raise OpenAIError(403, f"session {self.id!r} belongs to another caller (its X-Session-Owner differs): "
+                              "choose another session id", "session_id", "session_owned")
 
     @property
     def branch(self) -> Branch | None:
@@ -175,11 +191,14 @@ class Ledger:
         self._sweep()
         return self.sessions.get(session_id)
 
-    def begin(self, session_id: str) -> Session:
-        """The session for a turn about to run (made if new), marked busy: one turn at a time per session
-        (a second one while it runs gets 409: the ledger could not say which came first)."""
+    def begin(self, session_id: str, owner: str | None = None) -> Session:
+        """The session for a turn about to run (made if new, owned by ``owner``'s digest when given), marked
+        busy: one turn at a time per session (a second one while it runs gets 409: the ledger could not say
+        which came first). Another caller's session gets 403 and is left as it was."""
         self._sweep()
         session = self.sessions.get(session_id)
+        if session is not None:
+            session.check_owner(owner)
         if session is None:
             if len(self.sessions) >= self.max_sessions:
                 idle = next((s for s in self.sessions.values() if not s.busy), None)
@@ -188,7 +207,7 @@ class Ledger:
                                       "(openai_max_sessions)", "session_id", "too_many_sessions")
                 del self.sessions[idle.id]
                 self.evicted += 1
-            session = self.sessions[session_id] = Session(session_id, self.clock())
+            session = self.sessions[session_id] = Session(session_id, self.clock(), owner=owner_digest(owner))
         elif session.busy:
             raise OpenAIError(409, f"session {session_id!r} is already running a turn", "session_id",
                               "session_busy")

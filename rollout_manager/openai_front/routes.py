@@ -3,6 +3,11 @@
 Every refusal is OpenAI's error object (``errors.OpenAIError``) whatever raised it. The session id comes
 from the body field ``session_id`` or, when the body has none, the ``X-Session-Id`` header (the body wins,
 as ``trajectory_key`` wins over ``X-Trajectory-Key`` on ``/generate``).
+
+A session's caller is its owner key, the ``X-Session-Owner`` header its first turn sent (a secret the
+caller picks; the ledger keeps its digest): later turns, reads and frees of that session must send the same
+key or get 403 naming ``session_id``, and change nothing. The bearer token cannot tell callers apart (the
+manager has one ``auth_token``), so the key is what does. A session opened without a key answers to anyone.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from rollout_manager.sglang.sse import sse_frame
 log = logging.getLogger("rollout_manager.openai_front.routes")
 FRONT: web.AppKey[Front] = web.AppKey("openai_front", Front)
 SESSION_HEADER = "X-Session-Id"
+OWNER_HEADER = "X-Session-Owner"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -56,6 +62,13 @@ def _session_id(request: web.Request, body: ChatRequest | CompletionRequest) -> 
     if header is not None and not 1 <= len(header) <= 256:
         raise invalid(SESSION_HEADER, f"{SESSION_HEADER} must be 1 to 256 characters")
     return header
+
+
+def _owner(request: web.Request) -> str | None:
+    key = request.headers.get(OWNER_HEADER)
+    if key is not None and not 1 <= len(key) <= 256:
+        raise invalid(OWNER_HEADER, f"{OWNER_HEADER} must be 1 to 256 characters")
+    return key
 
 
 async def _answer(request: web.Request, front: Front, prepared: Prepared, include_usage: bool) -> web.StreamResponse:
@@ -84,7 +97,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_messages(body.messages)
     check_tools(body.tools, body.tool_choice)
     check_unsupported(body)
-    prepared = await front.prepare_chat(body, _session_id(request, body))
+    prepared = await front.prepare_chat(body, _session_id(request, body), _owner(request))
     return await _answer(request, front, prepared, body.include_usage)
 
 
@@ -93,7 +106,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     body = decode_body(await read_json(request, large=True), CompletionRequest)
     check_unsupported(body)
-    prepared = await front.prepare_completion(body, _session_id(request, body))
+    prepared = await front.prepare_completion(body, _session_id(request, body), _owner(request))
     return await _answer(request, front, prepared, body.include_usage)
 
 
@@ -134,6 +147,7 @@ async def trajectory(request: web.Request) -> web.StreamResponse:
     session = front.ledger.get(session_id)
     if session is None:
         raise _unknown_session(session_id)
+    session.check_owner(_owner(request))
     await front.check(session)
     return json_response(session.to_json())
 
@@ -143,6 +157,8 @@ async def free_session(request: web.Request) -> web.StreamResponse:
     session_id = request.match_info["session_id"]
     ledger = request.app[FRONT].ledger
     session = ledger.get(session_id)
+    if session is not None:
+        session.check_owner(_owner(request))
     if session is not None and session.busy:
         raise OpenAIError(409, f"session {session_id!r} is running a turn", "session_id", "session_busy")
     session = ledger.release(session_id)
