@@ -17,7 +17,7 @@ from rollout_manager.openai_front.ledger import Ledger
 from rollout_manager.openai_front.prompt import plan_chat, retokenized
 from rollout_manager.openai_front.render import Renderer
 from rollout_manager.openai_front.schemas import check_messages, check_tools
-from rollout_manager.sglang.openai_turn import TurnResult
+from rollout_manager.sglang.openai_turn import TurnResult, TurnSampling, turn_body
 
 NAMES = frozenset({"get_weather"})
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -71,7 +71,7 @@ def test_tools_and_tool_messages_are_checked_naming_the_field() -> None:
         with pytest.raises(OpenAIError) as caught:
             check_tools(tools, choice)
         assert caught.value.status == 400 and caught.value.param == param
-    check_tools(TOOLS, "required")  # well formed (forcing a call is refused elsewhere, as unsupported)
+    check_tools(TOOLS, "required")  # well formed
     with pytest.raises(OpenAIError) as caught:
         check_messages([{"role": "tool", "content": "sunny"}])
     assert caught.value.param == "messages[0].tool_call_id"
@@ -117,3 +117,27 @@ def test_a_tool_conversations_next_turn_extends_the_ledger(renderer: Renderer) -
     assert branch is not None and branch.mask.tolist() == [1] * len(sampled) + [0] * (len(second.ids) - n) + [1]
     # the template writes the calls back as the model wrote them (a word per JSON piece): nothing diverged
     assert retokenized(renderer, branch) is None and len(session.branches) == 1
+
+
+def test_a_forced_call_asks_the_boxes_for_a_call_in_the_templates_format_to_the_declared_functions() -> None:
+    two = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    assert tool_calls.forced(two, "auto", True) is None and tool_calls.forced(two, "none", True) is None
+    assert tool_calls.forced(None, "required", True) is None
+    required = tool_calls.forced(two, "required", True)
+    assert required is not None and not required.one and [t.begin for t in required.tags] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ', '<tool_call>\n{"name": "get_time", "arguments": ']
+    assert required.tags[0].schema == TOOLS[0]["function"]["parameters"]
+    assert required.tags[1].schema == {"type": "object"}  # no parameters given: any object
+    named = tool_calls.forced(two, {"type": "function", "function": {"name": "get_time"}}, False)
+    assert named is not None and named.one and [t.begin for t in named.tags] == [required.tags[1].begin]
+    # what reaches SGLang: its structural_tag sampling parameter, xgrammar's triggered tags
+    body = turn_body([1, 2], TurnSampling(8, forced=named), stream=False)
+    tag = json.loads(body.sampling.rest["structural_tag"])
+    fmt = tag["format"]
+    assert tag["type"] == "structural_tag" and fmt["type"] == "triggered_tags" and fmt["triggers"] == ["<tool_call>"]
+    assert fmt["at_least_one"] and fmt["stop_after_first"]
+    assert [(t["begin"], t["end"]) for t in fmt["tags"]] == [(named.tags[0].begin, "}\n</tool_call>")]
+    # the template writes a call as the grammar makes it, so the parser reads it back
+    text = named.tags[0].begin + '{"zone": "utc"}' + named.tags[0].end
+    assert [(c.name, c.arguments) for c in tool_calls.parse(text, frozenset({"get_time"})).calls] == [
+        ("get_time", '{"zone": "utc"}')]

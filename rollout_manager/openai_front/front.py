@@ -24,7 +24,7 @@ from rollout_manager.openai_front.schemas import prompts as prompts_of
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.request import Request, SequenceRequest
 from rollout_manager.sglang.answer import ErrorChunk, GenerateAnswer
-from rollout_manager.sglang.openai_turn import TurnResult, TurnSampling, read_answer, turn_body
+from rollout_manager.sglang.openai_turn import ForcedCalls, TurnResult, TurnSampling, read_answer, turn_body
 
 log = logging.getLogger("rollout_manager.openai_front")
 CHAT, CHAT_CHUNK, TEXT = "chat.completion", "chat.completion.chunk", "text_completion"
@@ -96,10 +96,11 @@ class Front:
                           "token ids to /v1/completions", "tokenizer_not_configured")
         return self._renderer
 
-    def _sampling(self, body: ChatRequest | CompletionRequest, budget: int | None, choice: int) -> TurnSampling:
+    def _sampling(self, body: ChatRequest | CompletionRequest, budget: int | None, choice: int,
+                  forced: ForcedCalls | None) -> TurnSampling:
         seed = None if body.seed is None else body.seed + choice  # n choices from one seed: not n copies
         return TurnSampling(budget, body.temperature, body.top_p, seed, body.stops, body.stop_token_ids,
-                            body.top_k, body.min_p, body.ignore_eos, body.top_count)
+                            body.top_k, body.min_p, body.ignore_eos, body.top_count, forced)
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         try:
@@ -108,8 +109,9 @@ class Front:
             raise invalid(field, str(exc)) from None
 
     def _request(self, body: ChatRequest | CompletionRequest, prompts: list[list[int]], budget: int | None,
-                 session_id: str | None) -> Request:
-        seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j), stream=body.stream), session_id)
+                 session_id: str | None, forced: ForcedCalls | None = None) -> Request:
+        seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j, forced), stream=body.stream),
+                                session_id)
                 for ids in prompts for j in range(body.n)]
         return Request(seqs, batched=len(seqs) > 1, stream=body.stream)
 
@@ -138,7 +140,9 @@ class Front:
             self._check_ids(plan.ids[held:], "messages")  # the ledger's own ids were checked when they came
             if session is not None:
                 self.ledger.check_room(session, plan)
-            request = self._request(body, [plan.ids], body.budget, session_id)
+            parallel = body.parallel_tool_calls is not False
+            request = self._request(body, [plan.ids], body.budget, session_id,
+                                    tool_calls.forced(tools, body.tool_choice, parallel))
         except BaseException:
             if session is not None:
                 self.ledger.end(session)

@@ -209,9 +209,6 @@ def check_unsupported(body: ChatRequest | CompletionRequest) -> None:
     if isinstance(body, ChatRequest):
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
-        if body.tool_choice not in (None, "auto", "none"):
-            raise invalid("tool_choice", "only tool_choice 'auto' and 'none' are supported: a call is not forced "
-                          "(the grammar that would force one is not sent to the boxes yet)", "unsupported")
     else:
         if body.echo:
             raise invalid("echo", "echo is not supported by this front yet", "unsupported")

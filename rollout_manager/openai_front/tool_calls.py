@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_manager.sglang.openai_turn import CallTag, ForcedCalls
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
@@ -66,6 +68,20 @@ def parse(text: str, tool_names: frozenset[str], parallel: bool = True) -> Parse
     if not parallel:
         calls = calls[:1]
     return Parsed(text[:at].rstrip() or (None if calls else ""), calls)
+
+
+def forced(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool) -> ForcedCalls | None:
+    """What ``tool_choice`` ``"required"`` or a named function asks of the boxes: an answer that starts with
+    a call, in the hermes format as Qwen2.5's and Qwen3's templates write it (``<tool_call>\n{"name": ...,
+    "arguments": ...}\n</tool_call>``), to one of the declared functions (the named one), its arguments
+    following the function's schema; one call when ``parallel`` is false. None for ``auto`` and ``none``."""
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    tags = tuple(CallTag(f'{OPEN}\n{{"name": "{fn["name"]}", "arguments": ', fn.get("parameters") or {"type": "object"},
+                         f"}}\n{CLOSE}")
+                 for fn in (t["function"] for t in tools) if named is None or fn["name"] == named)
+    return ForcedCalls(tags, OPEN, one=not parallel)
 
 
 def finish_reason(finish: str | None, calls: list[ToolCall]) -> str | None:

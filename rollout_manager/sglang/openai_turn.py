@@ -6,6 +6,7 @@ parameters' names, ``output_token_logprobs``' layout) stay here, like everything
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,42 @@ from msgspec import UNSET
 
 from rollout_manager.sglang.answer import AnswerMeta, GenerateAnswer
 from rollout_manager.sglang.generate_request import Sampling, SequenceBody
+
+
+@dataclass(frozen=True)
+class CallTag:
+    """One function a forced turn may call, in the model's own call format: the text that opens its call
+    (the function's name written in), the JSON schema its arguments follow, the text that closes it."""
+
+    begin: str
+    schema: dict[str, Any]
+    end: str
+
+
+@dataclass(frozen=True)
+class ForcedCalls:
+    """A turn that must start with a tool call (OpenAI's ``tool_choice`` ``"required"`` or a named function):
+    one of ``tags``, each opened with ``trigger`` (a prefix of every ``begin``); with ``one``, the answer
+    ends after the first call. ``max_whitespace`` bounds consecutive whitespace in the arguments' JSON,
+    so a model cannot spin on blanks inside them."""
+
+    tags: tuple[CallTag, ...]
+    trigger: str
+    one: bool
+    max_whitespace: int = 1
+
+
+def structural_tag(forced: ForcedCalls) -> str:
+    """SGLang 0.5.23's ``structural_tag`` sampling parameter (xgrammar's ``triggered_tags`` format, which
+    SGLang compiles on CPU too: ``XGrammarGrammar.apply_vocab_mask`` has a CPU branch): at least one tag,
+    the answer starting with one, and, with ``one``, nothing after the first. What SGLang's own
+    ``FunctionCallParser.get_structure_constraint`` sends for ``tool_choice`` required or named."""
+    tags = [{"type": "tag", "begin": t.begin, "end": t.end,
+             "content": {"type": "json_schema", "json_schema": t.schema, "max_whitespace_cnt": forced.max_whitespace}}
+            for t in forced.tags]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [forced.trigger], "tags": tags, "at_least_one": True,
+        "stop_after_first": forced.one}})
 
 
 @dataclass(frozen=True)
@@ -29,6 +66,7 @@ class TurnSampling:
     min_p: float | None = None
     ignore_eos: bool = False
     top_logprobs: int = 0  # the most likely tokens to report beside each sampled one (0: none)
+    forced: ForcedCalls | None = None  # the answer must be tool calls (grammar-constrained on the boxes)
 
 
 def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> SequenceBody:
@@ -50,6 +88,8 @@ def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> Sequen
         rest["min_p"] = sampling.min_p
     if sampling.ignore_eos:
         rest["ignore_eos"] = True
+    if sampling.forced is not None:
+        rest["structural_tag"] = structural_tag(sampling.forced)
     params = Sampling(max_new_tokens=sampling.max_tokens, sampling_seed=sampling.seed, rest=rest)
     extra = {TOP_LOGPROBS_NUM: sampling.top_logprobs} if sampling.top_logprobs else {}
     return SequenceBody(list(ids), params, stream=stream, return_logprob=True, rest=extra)
