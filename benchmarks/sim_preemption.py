@@ -5,15 +5,18 @@ The pool is ``sim_pool``'s (continuous batching, ``a + b * n`` a decode step, pr
 lone decode) on ``tail_fleet``'s fleets, run by the manager's own code: ``makespan`` placement with the length model
 and the boxes' learned step curves, tail migration, the evacuation plan (``placement.evacuation_plan``) and the
 scaling signal's arithmetic (``placement.fleet_demand``). Each seed runs one step of the same prompts first (the
-manager's speeds and the prompts' lengths learned, as from a step before), then the measured step three times on the
+manager's speeds and the prompts' lengths learned, as from a step before), then the measured step four ways on the
 same draws:
 
 - **notice**: ``--notice`` seconds before a box is taken back it is evacuated as the manager does it
   (``rollout/evacuation.py``): at once it gets no new work; every ``--tick-evac`` seconds its sequences are split by
   ``plan_evacuation`` (those predicted to end within half the time left stay) and the others move, longest first,
   to a box with room now; ``--margin`` seconds before the deadline whatever is left goes back to the manager's
-  queue. A moved sequence is cut at its last streamed chunk: the tokens its box made since then are made again,
-  and its prompt and tokens are prefilled again on the new box;
+  queue. A moved sequence is aborted where it runs, and the abort's answer carries the tokens made since its last
+  chunk (SGLang's final chunk does), so at most the one decode step the abort raced is made again; its prompt and
+  tokens are prefilled again on the new box;
+- **lost**: the same moves, each losing what its box made since the sequence's last chunk, as a crash does (an
+  engine whose abort answer carried nothing): the bound on what a notice can cost;
 - **crash**: the same boxes die at the same moments without notice: every sequence on them loses the tokens since
   its last chunk and is prefilled again elsewhere (after ``--detect`` seconds);
 - **none**: no box is taken back.
@@ -93,6 +96,7 @@ class Outcome:
     boxes: int = 0  # boxes started (scale runs)
     box_s: float = 0.0  # box-seconds the step held, each weighted by its box's price (its speed; scale runs)
     wanted_after: int = -1  # boxes the signal asked for once the step was over (scale runs)
+    first_end: float = 0.0  # the end the signal predicted at the start, with the boxes it asked for (scale runs)
 
 
 @dataclass
@@ -104,7 +108,7 @@ class Run:
     margin_s: float = 3.0
     tick_s: float = 0.5
     detect_s: float = 0.0
-    after_chunk: bool = False  # evacuation cuts a moving sequence as its next chunk comes, not at once
+    carried: bool = True  # an evacuation's abort answer carries what the box made since the last chunk (SGLang's)
     scale_target_s: float | None = None
     poll_s: float = 15.0
     start_boxes: list[int] | None = None  # boxes there at the start (None: all)
@@ -144,10 +148,10 @@ class Sim:
         self.delayed: list[tuple[float, Req]] = []  # crash victims, back in the queue after detect_s
         self.now = 0.0
         self.remade = self.reprefill = self.migration_prefill = 0.0
-        self.pending: dict[int, tuple[Inst, float]] = {}  # --cut-after-chunk: moving at its next chunk
         self.moved = self.stayed = self.finished = 0
         self.noticed: set[int] = set()  # sequences on a box when its notice came
         self.next_evac = 0.0  # the evacuations' next tick
+        self.first_end = 0.0  # the signal's first predicted end (scale runs)
 
     # ------------------------------------------------------------ the fleet
     def add_box(self, iid: str, s: float, now: float) -> Inst:
@@ -198,17 +202,19 @@ class Sim:
             self.held.popleft()
 
     # ------------------------------------------------------------ cuts
-    def cut(self, r: Req, inst: Inst, after_chunk: bool = False) -> None:
+    def cut(self, r: Req, inst: Inst, carried: bool = False) -> None:
         """``r`` leaves ``inst`` at its last chunk: what was made since is made again, its context prefilled again
-        (``after_chunk``: cut as that chunk came, so only the decode step before the abort lands is made again)."""
-        self.pending.pop(r.rid, None)
+        (``carried``: the abort's answer brought what was made since, so only the decode step it raced is made
+        again)."""
         inst.work.ended(inst.in_flight())
         if r in inst.running:
             inst.running.remove(r)
         else:
             inst.queue.remove(r)
         seen = self.seen[r.rid]
-        self.remade += min(r.done - seen, 1.0) if after_chunk else r.done - seen
+        if carried:
+            seen = self.seen[r.rid] = max(seen, r.done - 1.0)
+        self.remade += r.done - seen
         self.reprefill += r.prompt + seen
         r.done = seen
         self.moved += 1
@@ -236,42 +242,18 @@ class Sim:
             move = list(plan_evacuation(doomed, self.speeds.model(inst.iid), left_s).move)
         for sid in move:
             r = seqs[sid]
-            if left_s > 0 and self.run.after_chunk:  # cut when its next chunk comes (Sim.chunked), room allowing
-                if r.rid in self.pending:
-                    continue
-                free = sum(i.max_running - i.in_flight() for i in self.serving()) - len(self.pending)
-                if free <= 0:
-                    break
-                self.pending[r.rid] = (inst, self.seen[r.rid])
-                continue
             if left_s > 0:  # only to a box with room now, as the dispatcher's try_acquire
                 room = [i for i in self.serving() if i.in_flight() < i.max_running]
                 if not room:
                     break
-                self.cut(r, inst)
+                self.cut(r, inst, self.run.carried)
                 if self.place(r, room) is None:
                     self.hold(r)
             else:
-                self.cut(r, inst)
+                self.cut(r, inst, self.run.carried)
                 self.hold(r)
         inst.promote(self.now)
         inst.busy_changed(self.now)
-
-    def chunked(self, due: list[int]) -> None:
-        """``--cut-after-chunk``: these moving sequences' next chunks came; each is cut now and placed on a box
-        with room, else queued."""
-        for rid in due:
-            inst, _ = self.pending[rid]
-            room = [i for i in self.serving() if i.in_flight() < i.max_running]
-            if not room:  # the room went to others meanwhile: it stays until the next tick's plan
-                del self.pending[rid]
-                continue
-            r = self.reqs[rid]
-            self.cut(r, inst, after_chunk=True)
-            if self.place(r, room) is None:
-                self.hold(r)
-            inst.promote(self.now)
-            inst.busy_changed(self.now)
 
     def take_back(self, inst: Inst) -> None:
         """The box is gone: whatever is on it is cut (a crash; an evacuated box has nothing left)."""
@@ -351,7 +333,10 @@ class Sim:
 
     def scale(self, target_s: float) -> None:
         """Start the boxes the signal asks for (``more`` of each kind)."""
-        for kind in self.demand(target_s).kinds:
+        demand = self.demand(target_s)
+        if not self.first_end:
+            self.first_end = demand.predicted_end_s
+        for kind in demand.kinds:
             for _ in range(kind.more):
                 self.add_box(f"n{len(self.insts)}", float(kind.kind.removeprefix("speed-")), self.now)
 
@@ -394,7 +379,6 @@ class Sim:
                         else:
                             t_next = min(t_next, self.now + max(r.remaining, 0.0) / rate)
             dt = t_next - self.now
-            due: list[int] = []
             for inst in self.insts:
                 if not (inst.alive and inst.running):
                     continue
@@ -407,8 +391,6 @@ class Sim:
                         made += step
                         base = self.base[r.rid]  # a chunk every ``chunk`` tokens of this attempt, and its last
                         self.seen[r.rid] = base + math.floor((r.done - base) / self.chunk + EPS) * self.chunk
-                        if r.rid in self.pending and self.seen[r.rid] > self.pending[r.rid][1]:
-                            due.append(r.rid)
                 inst.carry += made
                 whole = int(inst.carry)
                 inst.carry -= whole
@@ -427,7 +409,6 @@ class Sim:
                     r.done, r.finish = float(r.length), self.now
                     self.seen[r.rid] = r.done
                     inst.running.remove(r)
-                    self.pending.pop(r.rid, None)
                     self.finished += 1
                     if inst.iid in self.evacuating and r.rid in self.noticed:
                         self.stayed += 1
@@ -436,7 +417,6 @@ class Sim:
                 if done:
                     inst.promote(self.now)
                     inst.busy_changed(self.now)
-            self.chunked([rid for rid in due if rid in self.pending])
             while notices and notices[0][0] <= self.now + EPS:
                 _, inst = notices.pop(0)
                 if inst.alive:
@@ -470,7 +450,7 @@ class Sim:
         wanted_after = self.demand(run.scale_target_s).wanted if run.scale_target_s is not None else -1
         return Outcome(self.now, sum(r.length for r in self.reqs), self.remade, self.reprefill,
                        self.migration_prefill, self.moved,
-                       self.stayed, len(self.insts), box_s, wanted_after)
+                       self.stayed, len(self.insts), box_s, wanted_after, self.first_end)
 
 
 # ------------------------------------------------------------------ runs
@@ -520,8 +500,16 @@ def pct(x: float) -> str:
     return f"{100 * x:.3f}%"
 
 
-ROWS = {"notice": "30 s notice, evacuated as the manager does", "chunk": "the same, each cut as a chunk comes",
+ROWS = {"notice": "notices, evacuated as the manager does",
+        "lost": "the same moves, each losing what its box made since its last chunk",
         "crash": "the same preemptions as crashes"}
+
+
+def capacity_lost(shape: Shape, draws: list[Preemption], step_s: float) -> float:
+    """The share of the no-preemption step's box capacity (speed x seconds) the preemptions take away: what no
+    evacuation can give back, and why a step hit early on its fastest box ends late whatever is moved."""
+    lost = sum(shape.speeds[p.box] * max(step_s - p.at, 0.0) for p in draws)
+    return lost / (sum(shape.speeds) * step_s)
 
 
 def preemptions(own: argparse.Namespace, shape: Shape) -> int:
@@ -529,6 +517,7 @@ def preemptions(own: argparse.Namespace, shape: Shape) -> int:
     remade: dict[str, list[float]] = {k: [] for k in ROWS}
     prefill: dict[str, list[float]] = {k: [] for k in ROWS}
     hits: list[int] = []
+    lost: list[float] = []
     print(f"sim preemption: fleet {shape.describe()}; {own.groups} groups x {GROUP}; {own.seeds} seeds; "
           f"{own.rate:g} preemptions per box-hour; notices {own.notice:g} s; crash detected after {own.detect:g} s")
     for seed in range(own.seeds):
@@ -546,8 +535,9 @@ def preemptions(own: argparse.Namespace, shape: Shape) -> int:
         base = go(Run())
         draws = draw(seed, len(shape.speeds), base.makespan, own.rate)
         hits.append(len(draws))
+        lost.append(capacity_lost(shape, draws, base.makespan))
         runs = {"notice": go(Run(draws, own.notice, own.margin, own.tick_evac)),
-                "chunk": go(Run(draws, own.notice, own.margin, own.tick_evac, after_chunk=True)),
+                "lost": go(Run(draws, own.notice, own.margin, own.tick_evac, carried=False)),
                 "crash": go(Run(draws, None, detect_s=own.detect))}
         for name, r in runs.items():
             ratios[name].append(r.makespan / base.makespan)
@@ -555,7 +545,7 @@ def preemptions(own: argparse.Namespace, shape: Shape) -> int:
             prefill[name].append(r.reprefill / base.tokens)
         print(f"- seed {seed}: {len(draws)} preemption(s) at "
               + ", ".join(f"box {p.box} (speed {shape.speeds[p.box]:g}) {p.at:.0f}s" for p in draws)
-              + f" of a {base.makespan:.0f}s step ({base.tokens} tokens); "
+              + f" of a {base.makespan:.0f}s step ({base.tokens} tokens; {pct(lost[-1])} of its box capacity lost); "
               + "; ".join(f"{name}: makespan x{r.makespan / base.makespan:.3f}, {r.moved} cut ({r.stayed} stayed), "
                           f"re-made {r.remade:.0f}, prefilled again {r.reprefill:.0f}" for name, r in runs.items()))
     for name, label in ROWS.items():
@@ -568,7 +558,8 @@ def preemptions(own: argparse.Namespace, shape: Shape) -> int:
           f"{pct(statistics.median(remade['crash']))} (worst {pct(max(remade['crash']))}) as crashes; makespan "
           f"x{statistics.median(ratios['notice']):.3f} (worst x{max(ratios['notice']):.3f}) of no preemption with "
           f"notices, x{statistics.median(ratios['crash']):.3f} (worst x{max(ratios['crash']):.3f}) as crashes; "
-          f"{statistics.median(hits):g} preemption(s) a step median")
+          f"{statistics.median(hits):g} preemption(s) a step median, taking {pct(statistics.median(lost))} (most "
+          f"{pct(max(lost))}) of the step's box capacity")
     return 0
 
 
@@ -579,6 +570,7 @@ def scaling(own: argparse.Namespace, shape: Shape) -> int:
           f"fleet's step")
     start = sorted({shape.speeds.index(s) for s in shape.speeds})
     rows: dict[float, list[tuple[float, int, float, int]]] = {t: [] for t in targets}
+    step_s = (shape.base_ms + shape.per_seq_ms) / max(shape.speeds) / 1000.0  # a lone decode step, fastest box
     for seed in range(own.seeds):
         args = argparse.Namespace(**{**vars(sim_args(argparse.Namespace(
             groups=own.groups, migrate_interval=1.0, tick=None, tail_share=1.0, tail_slowdown=1.3), shape)),
@@ -587,14 +579,16 @@ def scaling(own: argparse.Namespace, shape: Shape) -> int:
         lengths = make_lengths(args, 1)
         full = Sim(shape, args, lengths, copy.deepcopy(model), copy.deepcopy(speeds), Run(), 1,
                    shape.chunk_tokens).step()
+        lone = max(lengths) * step_s
         for t in targets:
             target = t * full.makespan
             out = Sim(shape, args, lengths, copy.deepcopy(model), copy.deepcopy(speeds),
                       Run(scale_target_s=target, poll_s=own.poll, start_boxes=start), 1, shape.chunk_tokens).step()
             rows[t].append((out.makespan / target, out.boxes, out.box_s / full.box_s, out.wanted_after))
             print(f"- seed {seed}, target {t:g} x {full.makespan:.0f}s: step {out.makespan:.0f}s "
-                  f"({out.makespan / target:.3f} of the target) on {out.boxes} boxes (the full fleet: "
-                  f"{len(shape.speeds)}), cost x{out.box_s / full.box_s:.2f}; wanted after the step: "
+                  f"({out.makespan / target:.3f} of the target; the signal predicted {out.first_end:.0f}s at the "
+                  f"start; the longest sequence alone on the fastest box {lone:.0f}s) on {out.boxes} boxes (the full "
+                  f"fleet: {len(shape.speeds)}), cost x{out.box_s / full.box_s:.2f}; wanted after the step: "
                   f"{out.wanted_after}")
     worst = 0.0
     for t, rs in rows.items():
