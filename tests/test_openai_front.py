@@ -44,6 +44,14 @@ async def front(start_front: Any) -> Any:
     return await start_front()
 
 
+async def metrics(m: Any, *names: str) -> dict[str, float]:
+    """The manager's ``rollout_manager_openai_<name>`` samples."""
+    async with m.session.get(m.url + "/metrics") as resp:
+        text = await resp.text()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("rollout_manager_openai_"))
+    return {n: float(samples["rollout_manager_openai_" + n]) for n in names if "rollout_manager_openai_" + n in samples}
+
+
 def extra(obj: Any, name: str) -> Any:
     """A field the manager adds beside OpenAI's (the SDK keeps it as an extra)."""
     return (obj.model_extra or {})[name]
@@ -81,6 +89,11 @@ async def test_a_sessions_second_turn_extends_the_ledger_and_the_trajectory_is_w
     assert sampled_lps[:len(r1)] == pytest.approx([c.logprob for c in first.choices[0].logprobs.content])
     assert [t["prompt_len"] for t in traj["turns"]] == [len(p1), len(p2)]
     assert traj["divergences"] == [] and traj["branch"] == 0
+    # the ledger's figures in /metrics: its token arrays are 4 bytes an id, 5 more per response token
+    held = len(p2) + len(r2)
+    figures = {"sessions": 1.0, "session_tokens": held, "session_token_bytes": 4 * held + 5 * (held - len(p1)),
+               "divergences_total": 0.0, "sessions_expired_total": 0.0, "max_sessions": 4096.0}
+    assert await metrics(m, *figures) == {k: float(v) for k, v in figures.items()}
 
     # a rewritten history (the first user message edited) starts a branch, counted, the first kept
     messages[1] = {"role": "user", "content": "hello"}

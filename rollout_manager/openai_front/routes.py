@@ -13,17 +13,20 @@ manager has one ``auth_token``), so the key is what does. A session opened witho
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from functools import wraps
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from rollout_manager.api.http import json_response, read_json
 from rollout_manager.errors import ManagerError
 from rollout_manager.manager import Manager
 from rollout_manager.openai_front.errors import OpenAIError, invalid
 from rollout_manager.openai_front.front import Front, Prepared
+from rollout_manager.openai_front.ledger_metrics import LedgerCollector
 from rollout_manager.openai_front.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -40,6 +43,8 @@ FRONT: web.AppKey[Front] = web.AppKey("openai_front", Front)
 SESSION_HEADER = "X-Session-Id"
 OWNER_HEADER = "X-Session-Owner"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# the ledger collector each manager's registry holds (one per registry: a second app replaces the first's)
+_COLLECTORS: weakref.WeakKeyDictionary[CollectorRegistry, LedgerCollector] = weakref.WeakKeyDictionary()
 
 
 def _openai_errors(fn: _Handler) -> _Handler:
@@ -180,7 +185,14 @@ ROUTES: list[tuple[str, str, _Handler]] = [
 
 
 def register(app: web.Application, manager: Manager) -> None:
-    """Add the front's routes to the manager's app (``api.routes.create_app``)."""
-    app[FRONT] = Front(manager)
+    """Add the front's routes to the manager's app (``api.routes.create_app``), and its ledger's figures to
+    the manager's ``/metrics`` (in place of an earlier app's, when one was made for the same manager)."""
+    front = app[FRONT] = Front(manager)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
+    registry = manager.metrics.prometheus
+    earlier = _COLLECTORS.pop(registry, None)
+    if earlier is not None:
+        registry.unregister(earlier)
+    collector = _COLLECTORS[registry] = LedgerCollector(front.ledger)
+    registry.register(collector)
