@@ -140,6 +140,38 @@ async def test_evacuation_moves_the_long_keeps_the_short_and_makes_almost_nothin
     assert evac["evacuations"]["aws"] == 1 and evac["evacuating"] == 0 and evac["tokens_saved"] == saved
 
 
+async def test_a_sigterm_notice_removes_the_box_once_nothing_is_left_on_it(start_manager, start_engines, model):
+    """A SIGTERM notice is never withdrawn: the box goes when its last sequence has left, long before its
+    deadline (its launcher stops then), and an idle one at once; a cloud notice keeps an idle box (the cancel
+    test below)."""
+    m = await start_manager(**{**SETTINGS, "engine_stream_interval": "4"})
+    doomed, healthy = await start_engines(SLOW, FAST)
+    await register(m, doomed)
+    prompts = [[6, k, 2] for k in range(2)]
+    reqs = [asyncio.ensure_future(m.post("/generate", {"input_ids": p, "sampling_params": greedy(LONG)}))
+            for p in prompts]
+    await async_wait_until(lambda: measured_and_busy(m, doomed.endpoint, len(prompts)), timeout_s=30,
+                           message="2 sequences on the doomed box, its speed measured")
+    await register(m, healthy)
+    # 40 s: about 30 s of decoding left is more than half the time left, so both move at once
+    status, out = await m.post("/evacuate_instance", {"endpoint": doomed.endpoint, "deadline_s": 40,
+                                                      "source": "sigterm"})
+    assert status == 200 and (out["staying"], out["moving"]) == (0, 0), out  # both moved in that call
+    await async_wait_until(lambda: _state_is(m, doomed.endpoint, None), timeout_s=15,
+                           message="the emptied box removed (its deadline is 40 s away)")
+    gone = [e for e in (await m.status())["recent_events"] if e["endpoint"] == doomed.endpoint and e["to"] == "dead"]
+    assert gone and gone[-1]["reason"].startswith("evacuated: sigterm notice, nothing left on it"), gone
+    assert "2 sequence(s) moved" in gone[-1]["reason"]
+    for prompt, (status, o) in zip(prompts, await asyncio.gather(*reqs)):
+        assert status == 200 and o["output_ids"] == reference_generate(model, prompt, LONG)[0], o
+        assert [s["endpoint"] for s in o["meta_info"]["segments"]] == [doomed.endpoint, healthy.endpoint]
+
+    status, out = await m.post("/evacuate_instance", {"endpoint": healthy.endpoint, "deadline_s": 120,
+                                                      "source": "sigterm"})
+    assert status == 200, out
+    await async_wait_until(lambda: _state_is(m, healthy.endpoint, None), timeout_s=10, message="the idle box removed")
+
+
 async def test_a_kill_without_notice_makes_again_what_the_box_made_since_its_last_chunk(
         start_manager, start_engines, model):
     """For comparison: a box killed without a notice, at the default chunk interval (64 tokens). Its sequences
@@ -248,7 +280,7 @@ async def test_a_box_token_evacuates_only_its_own_box(start_manager, stub_engine
     status, body = await m.post("/evacuate_instance", {"endpoint": b.endpoint, "deadline_s": 30}, headers=as_a)
     assert status == 403 and b.endpoint in body["error"], body
     status, body = await m.post("/evacuate_instance", {"endpoint": a.endpoint, "deadline_s": 30,
-                                                       "source": "sigterm"}, headers=as_a)
+                                                       "source": "aws"}, headers=as_a)  # sigterm: idle, gone at once
     assert status == 200 and body["state"] == "evacuating", body
     status, body = await m.post("/cancel_evacuation", {"endpoint": a.endpoint}, headers={})
     assert status == 401, body

@@ -494,8 +494,8 @@ async def test_sigterm_evacuates_the_box_through_the_real_manager_and_its_sequen
         start_manager, tmp_path):
     """Launcher + CPU engine + the real manager, with auth on, and a second box: SIGTERM reaches the manager
     as a notice (the box's own token authorises it); the manager shows the box evacuating, its sequences
-    continue on the other box and every one equals the uninterrupted greedy run; the box is removed at the
-    deadline and the launcher then stops everything and exits 0."""
+    continue on the other box and every one equals the uninterrupted greedy run; the box is removed once they
+    have left (at the latest at the deadline) and the launcher then stops everything and exits 0."""
     token = "s3cret"
     m = await start_manager(auth_token=token)
     grace = 8
@@ -569,8 +569,43 @@ async def test_sigterm_evacuates_the_box_through_the_real_manager_and_its_sequen
         await async_wait_until(removed, grace + 10, interval_s=0.1, message=f"{endpoint} removed")
         assert await asyncio.to_thread(box.wait, 15) == 0, box.log()
         assert not [p for p in below if alive(p)], box.log()
-        # The manager removes the box at the deadline, which is when the grace ends: either line may come first.
+        # Removed once nothing is left on it, at the latest at the deadline, which is when the grace ends: either
+        # line may come first.
         assert "the manager has removed" in box.log() or f"grace period of {grace}s spent" in box.log()
     finally:
         box.stop()
         other.stop()
+
+
+@pytest.mark.slow
+async def test_an_idle_box_sigtermed_goes_at_once_not_after_its_grace(start_manager, tmp_path):
+    """Launcher + CPU engine + the real manager: SIGTERM to a box with nothing running. A SIGTERM notice is never
+    withdrawn, so the manager removes the emptied box at once and its launcher stops everything and exits 0
+    well before its 120 s grace (it used to serve, idle, until the grace was spent)."""
+    m = await start_manager()
+    grace = 120
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    box = Proc(["bash", SCRIPT, "--engine", "cpu", "--manager-addr", m.url, "--host", "127.0.0.1",
+                "--port", str(port), "--transfer-agent-handshake-port", str(free_port()), "--python", PY,
+                "--ready-timeout-s", "60", "--stop-timeout-s", "5", "--preemption-notice", "sigterm",
+                "--sigterm-grace-s", str(grace), "--", "--seed", "0", "--model-config", json.dumps(MODEL)],
+               tmp_path / "box.log", env=QUIET)
+    try:
+        async def active() -> bool:
+            assert box.popen.poll() is None, box.log()
+            return await m.state_of(endpoint) == "active"
+
+        await async_wait_until(active, 90, interval_s=0.2, message="the box active")
+        below = descendants(box.pid)
+        signalled = time.monotonic()
+        box.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(box.wait, 30) == 0, box.log()  # not after its grace
+        print(f"\nidle box: launcher exited {time.monotonic() - signalled:.1f}s after SIGTERM (grace {grace}s)")
+        assert not [p for p in below if alive(p)], box.log()
+        assert "the manager has removed" in box.log() and "grace period" not in box.log(), box.log()
+        assert await m.state_of(endpoint) is None
+        gone = [e for e in (await m.status())["recent_events"] if e["endpoint"] == endpoint and e["to"] == "dead"]
+        assert gone and gone[-1]["reason"].startswith("evacuated: sigterm notice, nothing left on it"), gone
+    finally:
+        box.stop()

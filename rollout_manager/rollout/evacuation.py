@@ -6,7 +6,8 @@ by ``placement.evacuation_plan``: those the length model and the box's learned s
 the deadline stay; the others are aborted there and continue exactly from the tokens made on another box now,
 longest first, each as soon as a box has room for it (the dispatcher places it as any request; the target is
 reserved before the abort, as tail migration does). ``margin_s`` before the deadline whatever is left moves, to
-wherever the dispatcher places it. At the deadline the box is removed (``dead``, the reason naming the notice).
+wherever the dispatcher places it. At the deadline the box is removed (``dead``, the reason naming the notice);
+a box whose notice is final (SIGTERM: its process is stopping) as soon as nothing runs or moves on it.
 A second notice only brings the deadline forward; a cancel returns the box to service, through ``syncing`` when
 it missed a weight version.
 
@@ -38,6 +39,10 @@ from rollout_manager.rollout.sequence import Segment, SequenceState
 log = logging.getLogger("rollout_manager.rollout.evacuation")
 
 SOURCES = ("aws", "gce", "azure", "sigterm", "manual")
+# Notices that are never withdrawn: the box's own process is stopping. Such a box is removed as soon as nothing
+# runs or moves on it (its launcher stops then instead of waiting out its grace); a box whose notice may still
+# be withdrawn stays, idle, until its deadline, so a cancel can return it.
+FINAL_SOURCES = frozenset({"sigterm"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +174,13 @@ class Evacuator:
                 left = ev.deadline - self.clock()
                 if left <= 0:
                     break
+                if self._emptied(ev):
+                    self._end(ev)
+                    self.registry.transition(inst, State.DEAD, f"evacuated: {ev.source} notice, nothing left on "
+                                             f"it {left:.1f}s before its deadline" +
+                                             (f" ({ev.detail})" if ev.detail else "") +
+                                             f"; {ev.moved} sequence(s) moved")
+                    return
                 ev.wake.clear()
                 until_last = left - settings.margin_s  # the last moves are due then
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -183,6 +195,11 @@ class Evacuator:
         finally:
             if self.active.get(inst.id) is ev:  # removed by something else (health, a shutdown): count it too
                 self._end(ev)
+
+    def _emptied(self, ev: Evacuation) -> bool:
+        """Whether ``ev``'s box may go now: its notice is final and nothing runs on it or is still being
+        aborted there (every request placed on it was released)."""
+        return ev.source in FINAL_SOURCES and not self.migrator.on(ev.inst) and ev.inst.load.in_flight == 0
 
     def _plan(self, ev: Evacuation) -> None:
         """Make the plan again and start the moves it asks for that a box has room for now; past
