@@ -92,6 +92,8 @@ class FakeGce:
     etag: int = 1
     polls: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    preemptible: str = "TRUE"  # instance/scheduling/preemptible
+    provisioning: str | None = None  # instance/scheduling/provisioning-model (None: 404, an older server)
 
     def set(self, value: str) -> None:
         self.value, self.etag = value, self.etag + 1
@@ -122,7 +124,9 @@ class FakeGce:
         app = web.Application()
         app.router.add_get("/computeMetadata/v1/instance/preempted", preempted)
         app.router.add_get("/computeMetadata/v1/instance/id", plain("4520031799277581759"))
-        app.router.add_get("/computeMetadata/v1/instance/scheduling/preemptible", plain("TRUE"))
+        app.router.add_get("/computeMetadata/v1/instance/scheduling/preemptible", plain(self.preemptible))
+        if self.provisioning is not None:
+            app.router.add_get("/computeMetadata/v1/instance/scheduling/provisioning-model", plain(self.provisioning))
         return app
 
 
@@ -325,6 +329,17 @@ async def test_gce_preempted_is_waited_on_and_reported_at_once_with_30s(manager,
             assert abs(got["deadline_s"] - 30) < 2.0, got
             gce.set("FALSE")
             await until(lambda: fake_manager.cancels, "the cancel", timeout=5)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("preemptible, provisioning, spot", [
+    ("TRUE", None, True), ("FALSE", "SPOT", True), ("FALSE", "STANDARD", False), ("FALSE", None, False)])
+async def test_gce_spot_is_read_from_preemptible_or_the_provisioning_model(preemptible, provisioning, spot) -> None:
+    """A preemptible VM says so in scheduling/preemptible, a Spot VM in scheduling/provisioning-model."""
+    runner, url = await serve(FakeGce(preemptible=preemptible, provisioning=provisioning).app())
+    try:
+        assert await asyncio.to_thread(GceMetadata(url).preemptible) is spot
     finally:
         await runner.cleanup()
 

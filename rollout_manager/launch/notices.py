@@ -192,11 +192,20 @@ class GceMetadata:
         return answer.status == 200 and answer.headers.get("Metadata-Flavor") == "Google"
 
     def preemptible(self) -> bool | None:
-        try:
-            answer = self._get("instance/scheduling/preemptible")  # TRUE for Spot VMs too
-        except MetadataUnavailable:
-            return None
-        return answer.text.strip().upper() == "TRUE" if answer.status == 200 else None
+        """``instance/scheduling/preemptible`` is ``TRUE`` for a preemptible VM; a Spot VM is the newer
+        provisioning model, named by ``instance/scheduling/provisioning-model`` (``SPOT``), so both are asked."""
+        seen: bool | None = None
+        for path, yes in (("instance/scheduling/preemptible", "TRUE"),
+                          ("instance/scheduling/provisioning-model", "SPOT")):
+            try:
+                answer = self._get(path)
+            except MetadataUnavailable:
+                continue
+            if answer.status == 200:
+                if answer.text.strip().upper() == yes:
+                    return True
+                seen = False
+        return seen
 
     def current(self) -> Notice | None:
         path, timeout = "instance/preempted", self.timeout_s
