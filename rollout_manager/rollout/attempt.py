@@ -39,7 +39,6 @@ from rollout_manager.sglang.client import CallBounds, EngineFailed, EngineReject
 from rollout_manager.sglang.coalesce import Coalescer
 from rollout_manager.sglang.finish import LENGTH
 from rollout_manager.sglang.generate_request import SequenceBody, continuation
-from rollout_manager.sglang.piece_meta import PieceTally
 from rollout_manager.sglang.routed_experts import MAX_ROW_TEXT
 from rollout_manager.sglang.wire import GenerateChunk
 
@@ -146,7 +145,8 @@ class Attempts:
         interval = self.settings.engine_stream_interval
         return continuation(seq.body, seq.output_ids, rid=rid, stream_interval=interval or None,
                             keep_caller_interval=on_tokens is not None, stream=not once, seed=seq.seed,
-                            experts_from=None if seq.experts is None else seq.experts.end, piece=seq.piece)
+                            experts_from=None if seq.experts is None else seq.experts.end,
+                            piece=None if seq.pieces is None else seq.pieces.size)
 
     def _progress(self, seq: SequenceState, inst: Instance) -> SequenceProgress:
         """The checker of this attempt's chunks. The engine's tokens are appended to the sequence's own lists
@@ -251,13 +251,15 @@ class Attempts:
         match settle(outcome, second_opinion_used=used, others=others):
             case Finished(finish, cut):
                 seq.texts.append(progress.text)
-                if seq.piece is not None and finish.type == LENGTH and progress.made == seq.piece:
+                pieces = seq.pieces
+                if pieces is not None and pieces.size is not None and finish.type == LENGTH \
+                        and progress.made == pieces.size:
                     self._piece_ended(seq, segment, segments, progress)
                 else:
                     seq.finish, seq.meta = finish.rebased(segments.start), progress.final
-                    if seq.tally is not None:  # a divided rollout: its counts over every piece
-                        seq.tally.add(seq.meta, len(seq.body.input_ids), segments.start)
-                        seq.meta = seq.tally.merged(seq.meta, len(seq.output_ids), seq.per_token, seq.logprobs)
+                    if pieces is not None:  # a divided rollout: its counts over every piece
+                        seq.meta = pieces.whole(seq.meta, len(seq.body.input_ids), segments.start,
+                                                len(seq.output_ids), seq.per_token, seq.logprobs)
                     segment.outcome = "finished"
                 if cut is None:
                     self.on_instance_success(inst)
@@ -301,11 +303,7 @@ class Attempts:
         places the next piece, which continues from here."""
         segment.outcome = PIECE_END
         seq.live_text = ""  # the next piece's text so far
-        seq.at_boundary = True
-        seq.pieces += 1
-        if seq.tally is None:
-            seq.tally = PieceTally()
-        seq.tally.add(progress.final, len(seq.body.input_ids), segments.start)
+        seq.divided().ended(progress.final, len(seq.body.input_ids), segments.start)
         self.stats["pieces"] += 1
 
     # ------------------------------------------------------------ refusals

@@ -244,7 +244,7 @@ class Generator:
                 self._begin_attempt(seq, inst, here, tries)
                 failures = len(seq.failures)
                 # the attempt's index names its engine request: one more per piece, even on the same segment
-                await self.attempts.run(seq, inst, len(seq.segments) + len(seq.discarded) + seq.pieces, on_tokens)
+                await self.attempts.run(seq, inst, _attempts_before(seq), on_tokens)
                 tries.after_attempt(seq, failures, self.dispatcher.clock)
             self._finished(seq, keys)
         except GenerationFailed:
@@ -312,8 +312,8 @@ class Generator:
         expected = None if seq.track is None else self._expected(seq.track, seq)
         if divided:
             assert seq.remaining is not None  # a divided sequence has a budget
-            seq.piece = self.settings.pieces.size(len(seq.output_ids), seq.remaining,
-                                                  None if expected is None else expected.median)
+            seq.divided().next(self.settings.pieces.size(len(seq.output_ids), seq.remaining,
+                                                         None if expected is None else expected.median))
         return expected
 
     def _allow_next(self, seq: SequenceState, here: Instance | None) -> Callable[[Instance], bool] | None:
@@ -371,13 +371,14 @@ class Generator:
             tries.tried.append(inst)
         seq.versions.append(inst.weight_version)
         if here is not None:
-            log.debug("piece %d of %s on %s from token %d", seq.pieces + 1, seq.rid, inst.endpoint,
+            log.debug("piece %d of %s on %s from token %d", seq.divided().crossed + 1, seq.rid, inst.endpoint,
                       len(seq.output_ids))
         elif seq.segments:
             self.stats["continuations"] += 1
             log.info("continuing %s on %s from token %d (%s left)", seq.rid, inst.endpoint,
                      len(seq.output_ids), "no limit" if seq.remaining is None else seq.remaining)
-        seq.at_boundary = False
+        if seq.pieces is not None:
+            seq.pieces.left_boundary()
 
     def _finished(self, seq: SequenceState, keys: aff.AffinityKeys | None) -> None:
         """``seq`` ended: its length to the length model, its context to affinity."""
@@ -527,6 +528,11 @@ def _short(budget: int | None, interval: int) -> bool:
     """Whether a sequence of ``budget`` tokens fits one chunk interval (``engine_stream_interval``; 0: none
     does): it is sent as one call and ends too soon to matter to a step's makespan."""
     return budget is not None and 0 < budget <= interval
+
+
+def _attempts_before(seq: SequenceState) -> int:
+    """The attempts ``seq`` had before this one: its segments, kept or thrown away, and the pieces it ended."""
+    return len(seq.segments) + len(seq.discarded) + (0 if seq.pieces is None else seq.pieces.crossed)
 
 
 def _predict_left(lengths: LengthModel) -> Callable[[SequenceState], Rest | None]:

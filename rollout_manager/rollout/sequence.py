@@ -5,7 +5,6 @@ Shared by generation (which runs sequences) and tail migration (which moves them
 
 from __future__ import annotations
 
-import base64
 import secrets
 from array import array
 from collections.abc import Callable
@@ -14,13 +13,12 @@ from typing import Any
 
 from rollout_manager.instances.registry import Instance, Kind, State
 from rollout_manager.placement.lengths import Track
+from rollout_manager.rollout.pieces import Pieces
 from rollout_manager.rollout.progress import token_array
 from rollout_manager.sglang.errors import EngineError
 from rollout_manager.sglang.finish import NO_META, FinalMeta, FinishReason
 from rollout_manager.sglang.generate_request import SequenceBody
-from rollout_manager.sglang.piece_meta import PieceTally
 from rollout_manager.sglang.routed_experts import RoutedExperts
-from rollout_manager.sglang.routed_experts import encode as encode_rows
 from rollout_manager.sglang.wire import DEFAULT_MAX_NEW_TOKENS
 
 # The outcome of a segment whose attempt ended at a piece boundary of a divided rollout (rollout.pieces): the
@@ -78,13 +76,21 @@ class SequenceState:
 
     - identity (``body``, ``rid``, ``engine_rid``, ``min_version``, ``budget``, ``seed``): set when the sequence
       is made.
-    - what it made and where (the token lists, ``texts``, ``live_text``, ``segments``, ``versions``,
-      ``experts``): the
+    - what it made and where (the token lists, ``texts``, ``live_text``, ``segments``, ``versions``): the
       attempt's (``attempt.py``, folding chunks through ``progress.py`` and ``attempt_segments.py``); a
       staleness restart throws them away through :meth:`restart`.
     - how it ends (``finish``, ``meta``, ``failures``, ``refused``, ``second_opinion``): the attempt's, and
       generation's for a sequence that needs no instance.
-    - ``migration`` (:class:`Migration`): tail migration's.
+
+    And parts, each an object whose fields one module writes (tests/test_sequence_parts.py checks it):
+
+    - ``migration`` (:class:`Migration`): tail migration's (``migration.py``).
+    - ``pieces`` (:class:`~rollout_manager.rollout.pieces.Pieces`, a divided rollout's; None for the others):
+      written by its own methods (``pieces.py``), which generation and the attempt call.
+    - ``experts`` (:class:`~rollout_manager.sglang.routed_experts.RoutedExperts`, when the caller asked for
+      them): written by its own methods, which the attempt's chunks and this class's cuts call.
+    - ``track`` (:class:`~rollout_manager.placement.lengths.Track`, its place in the length model): the length
+      model's; generation sets it once, when the sequence is made.
     """
 
     body: SequenceBody  # the caller's, as decoded (shared with the request: never copied per sequence)
@@ -111,13 +117,7 @@ class SequenceState:
     second_opinion: bool = False  # the one extra try a refusal may have was used
     # The caller's min_weight_version (0: none): the sequence runs only on instances at that version or newer.
     min_version: int = 0
-    # A divided rollout (rollout.pieces): the most tokens the running attempt may make (None: all that is
-    # left), the piece boundaries crossed, whether the last attempt ended at one (the next attempt is the next
-    # piece, not a continuation after a failure), and what the pieces' engines said for the answer to sum.
-    piece: int | None = None
-    pieces: int = 0
-    at_boundary: bool = False
-    tally: PieceTally | None = None
+    pieces: Pieces | None = None  # a divided rollout's part (:meth:`divided`)
     track: Track | None = None  # its place in the length model (None: prediction is off)
 
     # ``max_new_tokens``; None when the caller set no limit (the engine stops at its context). Read from
@@ -135,6 +135,19 @@ class SequenceState:
         if not self.engine_rid:
             self.engine_rid = self.rid
 
+    def divided(self) -> Pieces:
+        """The sequence's :class:`Pieces`, made the first time it is divided."""
+        pieces = self.pieces
+        if pieces is None:
+            pieces = self.pieces = Pieces()
+        return pieces
+
+    @property
+    def at_boundary(self) -> bool:
+        """Whether the last attempt ended at a piece boundary (the next one is the next piece)."""
+        pieces = self.pieces
+        return pieces is not None and pieces.at_boundary
+
     def restart(self) -> None:
         """Throw away what the sequence made (a staleness restart): it starts again from its prompt; what
         was thrown away stays visible as ``discarded``."""
@@ -146,7 +159,8 @@ class SequenceState:
         self.per_token.clear()
         self.texts.clear()
         self.live_text = None
-        self.tally, self.at_boundary = None, False
+        if self.pieces is not None:
+            self.pieces.restart()
         if self.experts is not None:
             self.experts.reset()
 
@@ -193,11 +207,12 @@ class SequenceState:
             del values[at:]
         self.texts[:] = [None] if kept else []  # the text up to a cut inside a chunk is not known
         self.live_text = None
-        self.at_boundary = False  # the next attempt continues after a cut, not after a piece
+        if self.pieces is not None:
+            self.pieces.left_boundary()  # the next attempt continues after a cut, not after a piece
         if self.experts is not None:
             # Position p's row is the routing of the forward that fed token p: the kept tokens' forwards end
             # at position prompt + at - 1, whose forward made token ``at`` (cut).
-            cut_rows(self.experts, len(self.body.input_ids) + at - 1)
+            self.experts.cut(len(self.body.input_ids) + at - 1)
 
     @property
     def remaining(self) -> int | None:
@@ -207,7 +222,8 @@ class SequenceState:
     @property
     def limit(self) -> int | None:
         """The most tokens the running attempt may make: what is left, or less for one piece (None: no limit)."""
-        remaining, piece = self.remaining, self.piece
+        remaining, pieces = self.remaining, self.pieces
+        piece = None if pieces is None else pieces.size
         return remaining if piece is None or (remaining is not None and remaining < piece) else piece
 
     @property
@@ -221,28 +237,6 @@ class SequenceState:
         """The finished segments' text plus ``current``; None when any part of it is unknown."""
         parts = [*self.texts, current]
         return None if any(t is None for t in parts) else "".join(t for t in parts if t is not None)
-
-
-def cut_rows(experts: RoutedExperts, end: int) -> None:
-    """Keep ``experts``' rows of the positions before ``end`` only (never before its start): the part a cut
-    falls inside is decoded, cut at a row and encoded again (a cut-back is rare; the rest stay as sent)."""
-    end = max(experts.start, min(end, experts.end))
-    if end == experts.end:
-        return
-    keep = (end - experts.start) * experts.row_bytes
-    parts, sizes, held = [], [], 0
-    for part, size in zip(experts.parts, experts.sizes):
-        if held + size <= keep:
-            parts.append(part)
-            sizes.append(size)
-            held += size
-            continue
-        if held < keep:
-            parts.append(encode_rows(base64.b64decode(part.text)[:keep - held]))
-            sizes.append(keep - held)
-            held = keep
-        break
-    experts.parts, experts.sizes, experts.end = parts, sizes, end
 
 
 def version_floor(seq: SequenceState) -> int:

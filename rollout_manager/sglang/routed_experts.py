@@ -232,6 +232,27 @@ class RoutedExperts:
         self.sizes = []
         self.end = self.start
 
+    def cut(self, end: int) -> None:
+        """Keep the rows of the positions before ``end`` only (never before :attr:`start`): the part a cut falls
+        inside is decoded, cut at a row and encoded again (a cut-back is rare; the rest stay as sent)."""
+        end = max(self.start, min(end, self.end))
+        if end == self.end:
+            return
+        keep = (end - self.start) * self.row_bytes
+        parts, sizes, held = [], [], 0
+        for part, size in zip(self.parts, self.sizes):
+            if held + size <= keep:
+                parts.append(part)
+                sizes.append(size)
+                held += size
+                continue
+            if held < keep:
+                parts.append(encode(base64.b64decode(part.text)[:keep - held]))
+                sizes.append(keep - held)
+                held = keep
+            break
+        self.parts, self.sizes, self.end = parts, sizes, end
+
     def to_json(self) -> Base64Rows:
         """The rows as ``meta_info.routed_experts``: one engine's base64 as it sent it; several engines' joined
         as bytes, once, when each part but the last is a whole number of base64 quanta (3 bytes), else
