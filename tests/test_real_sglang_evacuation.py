@@ -1,7 +1,8 @@
 """Evacuation on real SGLang 0.5.23 (CPU): two boxes started through scripts/launch_sglang.sh; a preemption notice
 for the box running a long greedy sequence moves it at once (aborted there at its last token, SGLang's abort answer
 carrying what it made since its last chunk) to the other box, where it continues token for token equal to an
-uninterrupted run; the box is removed at its deadline."""
+uninterrupted run, and the tokens made twice (what the doomed box decoded, by SGLang's own count, beyond what the
+answer kept from it) are counted and printed; the box is removed at its deadline."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from support import async_wait_until
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
 
 # Nothing stays (a real CPU box would finish the tiny model's sequence within the notice): the move is the test.
-SETTINGS = {"evacuation_stay_share": "0", "engine_stream_interval": "8"}
+# Health checks and trust probes that decode nothing, so a box's generated-token count is the sequence's alone.
+SETTINGS = {"evacuation_stay_share": "0", "engine_stream_interval": "8", "health_check_path": "/health",
+            "trust_probe_interval_s": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,14 @@ async def post(s: aiohttp.ClientSession, url: str, path: str, body: dict[str, An
         return r.status, json.loads(await r.text())
 
 
+async def decoded(s: aiohttp.ClientSession, url: str) -> int:
+    """Tokens SGLang generated for requests it finished or aborted (its sglang:generation_tokens_total)."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("sglang:generation_tokens_total")))
+
+
 async def instances(s: aiohttp.ClientSession, manager: Daemon) -> list[dict[str, Any]]:
     async with s.get(manager.url + "/get_instances_status") as r:
         return (await r.json())["instances"]
@@ -63,6 +74,7 @@ async def test_a_notice_moves_the_sequence_exactly_and_the_box_goes_at_its_deadl
     status, own = await post(http, boxes[1].url, "/generate", {"input_ids": prompt, "sampling_params": greedy(n)})
     assert status == 200, own
     reference = own["output_ids"]
+    before = {b.url: await decoded(http, b.url) for b in boxes}
 
     first_tokens = asyncio.Event()
     received = 0
@@ -105,6 +117,15 @@ async def test_a_notice_moves_the_sequence_exactly_and_the_box_goes_at_its_deadl
     print(f"\nreal SGLang: notice after {noticed_at} streamed token(s); the doomed box's segment ends at "
           f"{first['end']} (its abort answer carried {first['end'] - noticed_at} more)")
     assert first["end"] >= noticed_at
+
+    async def counted() -> bool:  # SGLang counts the aborted request once its abort is handled
+        return await decoded(http, victim.url) - before[victim.url] >= first["end"]
+
+    await async_wait_until(counted, 30, message="the doomed box's count of the aborted request")
+    twice = await decoded(http, victim.url) - before[victim.url] - first["end"]
+    print(f"real SGLang with a 30 s notice: tokens made twice {twice} of {n} (the doomed box decoded "
+          f"{first['end'] + twice}, the answer kept {first['end']} of them)")
+    assert 0 <= twice <= 8  # at most the decode steps the abort raced, never a chunk's worth more
 
     status, sooner = await post(http, manager.url, "/evacuate_instance", {"endpoint": victim.endpoint,
                                                                           "deadline_s": 0.5})
