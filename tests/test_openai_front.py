@@ -6,6 +6,7 @@ streaming and non-streaming agree, and bad requests get OpenAI's error shape nam
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -386,3 +387,32 @@ async def test_with_auth_a_session_answers_only_to_the_owner_key_its_first_turn_
     assert status == 200 and freed["turn_count"] == 2
     for c in (alice, bob, anyone):
         await c.close()
+
+
+async def test_routed_experts_asked_for_through_the_front_cover_the_whole_session(start_front: Any) -> None:
+    m, client = await start_front("--num-experts", "4", "--enable-return-routed-experts")
+    session = {"X-Session-Id": "moe-1"}
+    ask = {"return_routed_experts": True, "ignore_eos": True}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello what is the answer"}]
+    first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                 extra_headers=session, extra_body=ask)
+    p1, r1 = extra(first, "prompt_token_ids"), extra(first.choices[0], "token_ids")
+    rows1 = base64.b64decode(extra(first.choices[0], "rollout")["routed_experts"])  # the answer carries them
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "again please"}]
+    second = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                  extra_headers=session, extra_body=ask)
+    p2, r2 = extra(second, "prompt_token_ids"), extra(second.choices[0], "token_ids")
+    status, traj = await m.get("/v1/sessions/moe-1/trajectory")
+    assert status == 200 and traj["prompt_ids"] + traj["response_ids"] == p2 + r2
+    # one row per position but the last, the second turn's asked only from where the first's ended
+    rows = base64.b64decode(traj["routed_experts"])
+    assert traj["routed_experts_rows"] == len(p2) + len(r2) - 1
+    width = len(rows1) // (len(p1) + len(r1) - 1)
+    assert len(rows) == width * traj["routed_experts_rows"] and rows.startswith(rows1)
+    # the same rows /generate gives for the whole sequence at once
+    status, whole = await m.post("/generate", {"input_ids": p2, "return_routed_experts": True,
+                                               "sampling_params": {"max_new_tokens": len(r2), "temperature": 0,
+                                                                   "ignore_eos": True}})
+    assert status == 200 and whole["output_ids"] == r2
+    assert base64.b64decode(whole["meta_info"]["routed_experts"]) == rows

@@ -97,10 +97,11 @@ class Front:
         return self._renderer
 
     def _sampling(self, body: ChatRequest | CompletionRequest, budget: int | None, choice: int,
-                  forced: ForcedCalls | None) -> TurnSampling:
+                  forced: ForcedCalls | None, experts_from: int) -> TurnSampling:
         seed = None if body.seed is None else body.seed + choice  # n choices from one seed: not n copies
         return TurnSampling(budget, body.temperature, body.top_p, seed, body.stops, body.stop_token_ids,
-                            body.top_k, body.min_p, body.ignore_eos, body.top_count, forced)
+                            body.top_k, body.min_p, body.ignore_eos, body.top_count, forced,
+                            experts_from if body.return_routed_experts else None)
 
     def _check_ids(self, ids: list[int], field: str) -> None:
         try:
@@ -109,9 +110,11 @@ class Front:
             raise invalid(field, str(exc)) from None
 
     def _request(self, body: ChatRequest | CompletionRequest, prompts: list[list[int]], budget: int | None,
-                 session_id: str | None, forced: ForcedCalls | None = None) -> Request:
-        seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j, forced), stream=body.stream),
-                                session_id)
+                 session_id: str | None, forced: ForcedCalls | None = None, experts_from: int = 0) -> Request:
+        """``experts_from``: with ``return_routed_experts``, the first position whose experts are wanted (a
+        session's turn asks only for the rows its branch lacks)."""
+        seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j, forced, experts_from),
+                                          stream=body.stream), session_id)
                 for ids in prompts for j in range(body.n)]
         return Request(seqs, batched=len(seqs) > 1, stream=body.stream)
 
@@ -142,7 +145,8 @@ class Front:
                 self.ledger.check_room(session, plan)
             parallel = body.parallel_tool_calls is not False
             request = self._request(body, [plan.ids], body.budget, session_id,
-                                    tool_calls.forced(tools, body.tool_choice, parallel))
+                                    tool_calls.forced(tools, body.tool_choice, parallel),
+                                    branch.expert_rows if branch is not None and plan.extends else 0)
         except BaseException:
             if session is not None:
                 self.ledger.end(session)
@@ -177,7 +181,9 @@ class Front:
             if session is not None:
                 plan = plan_ids(session.branch, session.turn_count, ids_list[0])
                 self.ledger.check_room(session, plan)
-            request = self._request(body, ids_list, body.budget, session_id)
+            branch = None if session is None else session.branch
+            held = branch.expert_rows if branch is not None and plan is not None and plan.extends else 0
+            request = self._request(body, ids_list, body.budget, session_id, experts_from=held)
         except BaseException:
             if session is not None:
                 self.ledger.end(session)
@@ -208,7 +214,8 @@ class Front:
 
     def _record(self, p: Prepared, result: TurnResult, answer: dict[str, Any] | None) -> None:
         if p.session is not None and p.plan is not None:
-            self.ledger.record(p.session, p.plan, p.messages, result, answer)
+            start = p.request.sequences[0].body.experts_from  # the first position whose experts were asked for
+            self.ledger.record(p.session, p.plan, p.messages, result, answer, start)
 
     async def check(self, session: Session) -> None:
         """Each branch's re-tokenization divergence (:func:`.prompt.retokenized`), found when its trajectory

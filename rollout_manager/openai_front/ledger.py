@@ -13,6 +13,7 @@ precision verl trains with), so a session's tokens cost 9 bytes each (:meth:`Bra
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import time
@@ -80,6 +81,10 @@ class Branch:
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation the ids hold
     tools: list[dict[str, Any]] | None = None  # the tools its last turn was rendered with
     turns: list[Turn] = field(default_factory=list)
+    # R3: the routed experts of positions [0, expert_rows) as SGLang's rows (int32, layers x top_k each),
+    # from the turns that asked for them; a turn asks from ``expert_rows`` on, so the rows stay contiguous
+    experts: bytearray = field(default_factory=bytearray)
+    expert_rows: int = 0
     # where a fresh rendering of the conversation would part from ``ids`` (prompt.retokenized), as of when
     # ``ids`` had ``checked`` tokens (-1: never checked)
     retokenized: Divergence | None = None
@@ -95,11 +100,27 @@ class Branch:
         n = len(self.ids)
         return len(ids) >= n and _ids(ids[:n]) == self.ids
 
+    def add_experts(self, rows: bytes, start: int) -> None:
+        """A turn's routed-expert rows, asked for from ``start`` (the rows held then), up to the last id but
+        one (the last token has none yet); rows that do not fit whole are left out, not misaligned."""
+        positions = len(self.ids) - 1 - min(start, len(self.ids) - 1)
+        if start != self.expert_rows or positions <= 0 or len(rows) % positions:
+            return
+        width = len(rows) // positions
+        if self.expert_rows and len(self.experts) // self.expert_rows != width:
+            return
+        self.experts += rows
+        self.expert_rows += positions
+
     def to_json(self) -> dict[str, Any]:
         ids = self.ids.tolist()
-        return {"prompt_ids": ids[:self.prompt_len], "response_ids": ids[self.prompt_len:],
-                "response_mask": self.mask.tolist(), "response_logprobs": self.logprobs.tolist(),
-                "turns": [t.to_json() for t in self.turns]}
+        out = {"prompt_ids": ids[:self.prompt_len], "response_ids": ids[self.prompt_len:],
+               "response_mask": self.mask.tolist(), "response_logprobs": self.logprobs.tolist(),
+               "turns": [t.to_json() for t in self.turns]}
+        if self.expert_rows:  # R3: SGLang's base64 rows for positions [0, routed_experts_rows)
+            out["routed_experts"] = base64.b64encode(self.experts).decode()
+            out["routed_experts_rows"] = self.expert_rows
+        return out
 
 
 def owner_digest(key: str | None) -> bytes | None:
@@ -228,7 +249,7 @@ class Ledger:
                                   f"openai_session_max_tokens {self.max_tokens}; read and free it first")
 
     def record(self, session: Session, plan: PromptPlan, messages: list[dict[str, Any]] | None,
-               result: TurnResult, answer: dict[str, Any] | None) -> None:
+               result: TurnResult, answer: dict[str, Any] | None, experts_from: int = 0) -> None:
         """A finished turn into the session: its template tokens (mask 0), its sampled ids (mask 1);
         ``answer`` is the assistant message the caller was given (content and tool calls), which the next
         turn's history must repeat."""
@@ -247,6 +268,8 @@ class Ledger:
         branch.ids.extend(result.output_ids)
         branch.mask.extend(_mask(b"\x01" * len(result.output_ids)))
         branch.logprobs.extend(_logprobs(0.0 if lp is None else lp for lp in result.logprobs))
+        if result.routed_experts is not None:
+            branch.add_experts(result.routed_experts, experts_from)
         if messages is not None:
             branch.messages = [*messages, answer or {"role": "assistant", "content": ""}]
             branch.tools = plan.tools

@@ -4,6 +4,7 @@ results. Beside OpenAI's fields each choice carries ``token_ids`` (the ids sampl
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def rollout_info(result: TurnResult) -> dict[str, Any]:
-    return {"weight_version": result.weight_version, "weight_versions": result.weight_versions,
-            "segments": result.segments}
+    out = {"weight_version": result.weight_version, "weight_versions": result.weight_versions,
+           "segments": result.segments}
+    if result.routed_experts is not None:  # R3, asked for: SGLang's base64 rows, as /generate answers them
+        out["routed_experts"] = base64.b64encode(result.routed_experts).decode()
+    return out
 
 
 Tops = list[list[tuple[str, float]]]  # per sampled token: the most likely tokens' texts and log-probs

@@ -40,6 +40,7 @@ class _Common(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    return_routed_experts: bool = False  # R3: the experts each position was routed to (MoE boxes)
     # the manager's own: ties turns into one ledger (the X-Session-Id header stands in for it)
     session_id: SessionId | None = None
     # fields accepted by OpenAI's API that the front refuses for now (see check_unsupported)

@@ -6,6 +6,7 @@ parameters' names, ``output_token_logprobs``' layout) stay here, like everything
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ class TurnSampling:
     ignore_eos: bool = False
     top_logprobs: int = 0  # the most likely tokens to report beside each sampled one (0: none)
     forced: ForcedCalls | None = None  # the answer must be tool calls (grammar-constrained on the boxes)
+    experts_from: int | None = None  # R3: the routed experts of every position from this one (None: not asked)
 
 
 def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> SequenceBody:
@@ -92,7 +94,8 @@ def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> Sequen
         rest["structural_tag"] = structural_tag(sampling.forced)
     params = Sampling(max_new_tokens=sampling.max_tokens, sampling_seed=sampling.seed, rest=rest)
     extra = {TOP_LOGPROBS_NUM: sampling.top_logprobs} if sampling.top_logprobs else {}
-    return SequenceBody(list(ids), params, stream=stream, return_logprob=True, rest=extra)
+    return SequenceBody(list(ids), params, stream=stream, return_logprob=True, rest=extra,
+                        routed_experts=sampling.experts_from is not None, experts_from=sampling.experts_from or 0)
 
 
 TOP_LOGPROBS_NUM = "top_logprobs_num"  # the /generate field asking for them
@@ -125,6 +128,9 @@ class TurnResult:
     weight_versions: list[dict[str, Any]]
     segments: list[dict[str, Any]]
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output id: (id, log-prob), most likely first
+    # R3: SGLang's rows (little-endian int32, ``layers x top_k`` a position) from the position asked for up to
+    # the last token, which has none; None when not asked for or not in this answer (only a final one has them)
+    routed_experts: bytes | None = None
 
 
 def read_answer(answer: GenerateAnswer) -> TurnResult:
@@ -144,5 +150,6 @@ def read_answer(answer: GenerateAnswer) -> TurnResult:
     versions = [] if meta.weight_versions is UNSET else [
         {"version": v.version, "start": v.start, "end": v.end} for v in meta.weight_versions]
     segments = [] if meta.segments is UNSET else [s.to_dict() for s in meta.segments]
+    experts = None if meta.routed_experts is UNSET else base64.b64decode(meta.routed_experts.quoted[1:-1])
     return TurnResult(ids, lps, kind, matched, meta.prompt_tokens, meta.weight_version, versions, segments,
-                      _tops(meta, len(ids)))
+                      _tops(meta, len(ids)), experts)
