@@ -14,6 +14,7 @@ fault) for the first turn and lets it sample the second.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 from pathlib import Path
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.slow,
 
 MODEL = "tiny-chatml"
 PROMPT_LEN, RESPONSE_LEN = 192, 96
+LAYERS, EXPERTS, TOP_K = 2, 4, 2  # the CPU engine's MoE layers
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 CALL = '<tool_call> {"name": "get_weather", "arguments": {"city": "paris"}} </tool_call>'
@@ -61,8 +63,9 @@ def write_model(path: Path) -> Path:
     from transformers import LlamaConfig
 
     make(path)
-    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
                 num_key_value_heads=4, max_position_embeddings=1024, eos_token_id=eos_id(), pad_token_id=0,
+                num_experts_per_tok=TOP_K,  # the MoE shape routing replay reads (the CPU engine's)
                 architectures=["LlamaForCausalLM"]).save_pretrained(path)
     return path
 
@@ -78,6 +81,7 @@ def compose_config(model_dir: Path, manager_port: int) -> Any:
             "actor_rollout_ref.rollout.name=sglang-disaggregated",
             "actor_rollout_ref.rollout.temperature=0",
             "actor_rollout_ref.rollout.calculate_log_probs=true",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
             f"data.max_prompt_length={PROMPT_LEN}",
             f"data.max_response_length={RESPONSE_LEN}",
             "+actor_rollout_ref.rollout.custom.rollout_manager.address=127.0.0.1",
@@ -97,7 +101,8 @@ async def test_verls_agent_loop_worker_gets_the_ledgers_exact_ids(tmp_path: Path
 
     model_dir = write_model(tmp_path / "model")
     m = await start_manager(openai_tokenizer_path=str(model_dir), openai_model_name=MODEL)
-    (engine,) = await start_engines(["--eos-token-id", str(eos_id())])
+    (engine,) = await start_engines(["--eos-token-id", str(eos_id()), "--num-experts", str(EXPERTS),
+                                      "--num-experts-per-tok", str(TOP_K), "--enable-return-routed-experts"])
     await m.register(engine)
     from transformers import AutoTokenizer
 
@@ -134,5 +139,17 @@ async def test_verls_agent_loop_worker_gets_the_ledgers_exact_ids(tmp_path: Path
     assert all(lp < 0 for lp, k in zip(logprobs[:n], mask[:n]) if k) and not any(logprobs[len(r1):len(r1) + len(tail)])
     assert out.batch["rm_scores"][0].tolist()[n - 1] == 1.0  # the agent's reward, on the last response token
     assert out.non_tensor_batch["openai_divergences"][0] == 0 and out.non_tensor_batch["__num_turns__"][0] == 4
+    # routing replay: every turn asked for its experts; verl holds them at the kept ids' positions, the rows a
+    # /generate of the whole sequence returns (the last id has none)
+    async with aiohttp.ClientSession() as s, s.post(engine.url + "/generate", json={
+            "input_ids": p2, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": len(r2), "temperature": 0, "ignore_eos": True}}) as resp:
+        whole = await resp.json()
+    assert whole["output_ids"] == r2
+    rows = np.frombuffer(base64.b64decode(whole["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, LAYERS, TOP_K)
+    routed = out.batch["routed_experts"][0].numpy()
+    start = PROMPT_LEN - len(p1)
+    assert routed.shape == (PROMPT_LEN + RESPONSE_LEN, LAYERS, TOP_K) and len(rows) == len(p1) + n - 1
+    assert (routed[start:start + len(rows)] == rows).all() and not routed[:start].any()
     status, ledger = await m.get("/v1/sessions")
     assert status == 200 and ledger["sessions"] == 0  # the loop read and freed its session

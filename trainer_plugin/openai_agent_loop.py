@@ -25,11 +25,13 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from rollout_manager.manager_client import bearer_headers, env_token
 
 from .manager_address import resolve
+from .routed_experts import REPLAY_KEY, ExpertsLayout, RoutedExpertsUnavailable, decode_routed_experts
 from .settings import from_rollout_config
 
 LOOP_NAME = "rollout_manager_openai"
 SESSION_HEADER = "X-Session-Id"
 OWNER_HEADER = "X-Session-Owner"  # a key of this sample's own: nobody else can read or continue its session
+EXPERTS_HEADER = "X-Return-Routed-Experts"  # every turn asks for its routed experts (verl's routing replay)
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,24 @@ def openai_sampling(sampling_params: dict[str, Any]) -> dict[str, Any]:
 
 
 def trajectory_output(trajectory: dict[str, Any], reward: float | None, prompt_length: int, response_length: int,
-                      elapsed_s: float) -> AgentLoopOutput:
+                      elapsed_s: float, experts: ExpertsLayout | None = None) -> AgentLoopOutput:
     """A session's trajectory (``GET /v1/sessions/{id}/trajectory``) as verl's output: its ids, mask and
     log-probs as the ledger holds them, the response cut at ``response_length`` and the prompt's head cut
-    to ``prompt_length`` (verl pads both to those lengths; its own loops cut the same way)."""
+    to ``prompt_length`` (verl pads both to those lengths; its own loops cut the same way). ``experts``: the
+    model's MoE shape when routing replay is on; the trajectory's routed experts, one row per position of
+    the kept prompt and response but the last, as verl's own SGLang loop hands them."""
     prompt = list(trajectory["prompt_ids"])[-prompt_length:]
     response = list(trajectory["response_ids"])[:response_length]
+    routed = None
+    if experts is not None:
+        rows = trajectory.get("routed_experts_rows", 0)
+        held = len(trajectory["prompt_ids"]) + len(trajectory["response_ids"])
+        if rows != held - 1:
+            raise RoutedExpertsUnavailable(f"{REPLAY_KEY}: session {trajectory['session_id']} holds routed experts "
+                                           f"for {rows} of its {held - 1} positions (a turn did not return them)")
+        routed = decode_routed_experts(trajectory["routed_experts"], experts, rows=rows, rid=trajectory["session_id"])
+        cut = len(trajectory["prompt_ids"]) - len(prompt)  # the prompt's head verl does not see
+        routed = routed[cut:cut + len(prompt) + len(response)]
     extra = {"openai_session": trajectory["session_id"], "openai_turns": trajectory["turn_count"],
              "openai_divergences": len(trajectory["divergences"]),
              "openai_truncated": len(trajectory["response_ids"]) > response_length
@@ -94,7 +108,7 @@ def trajectory_output(trajectory: dict[str, Any], reward: float | None, prompt_l
     return AgentLoopOutput(prompt_ids=prompt, response_ids=response,
                            response_mask=list(trajectory["response_mask"])[:response_length],
                            response_logprobs=list(trajectory["response_logprobs"])[:response_length],
-                           reward_score=reward, num_turns=2 * trajectory["turn_count"],
+                           reward_score=reward, num_turns=2 * trajectory["turn_count"], routed_experts=routed,
                            metrics=AgentLoopMetrics(generate_sequences=elapsed_s), extra_fields=extra)
 
 
@@ -107,6 +121,19 @@ class OpenAIAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.agent_path = agent
         self.settings = from_rollout_config(self.rollout_config)
+        self.experts = self._experts_layout()
+
+    def _experts_layout(self) -> ExpertsLayout | None:
+        """With verl's routing replay on, the model's MoE shape (its config, as verl's SGLang server reads it):
+        every turn then asks for its routed experts and the output carries them."""
+        if not self.rollout_config.get("enable_rollout_routing_replay", False):
+            return None
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(self.config.actor_rollout_ref.model.path)
+        return ExpertsLayout.of_model(SimpleNamespace(hf_config=hf))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         import aiohttp
@@ -123,7 +150,8 @@ class OpenAIAgentLoop(AgentLoopBase):
         start = time.monotonic()
         token = env_token()  # the manager's auth_token, as the plugin's other clients send it
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=token or "unused", max_retries=0,
-                                      default_headers={SESSION_HEADER: session_id, OWNER_HEADER: owner}) as client:
+                                      default_headers={SESSION_HEADER: session_id, OWNER_HEADER: owner,
+                                                       **({EXPERTS_HEADER: "true"} if self.experts else {})}) as client:
             models = await client.models.list()
             run = AgentRun(client, models.data[0].id, session_id, messages, openai_sampling(sampling_params),
                            dict(kwargs))
@@ -137,4 +165,4 @@ class OpenAIAgentLoop(AgentLoopBase):
             raise RuntimeError(f"the agent made no turn in session {session_id} (nothing to train on)")
         return trajectory_output(trajectory, None if reward is None else float(reward),
                                  self.rollout_config.prompt_length, self.rollout_config.response_length,
-                                 time.monotonic() - start)
+                                 time.monotonic() - start, self.experts)

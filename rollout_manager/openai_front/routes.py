@@ -42,6 +42,9 @@ log = logging.getLogger("rollout_manager.openai_front.routes")
 FRONT: web.AppKey[Front] = web.AppKey("openai_front", Front)
 SESSION_HEADER = "X-Session-Id"
 OWNER_HEADER = "X-Session-Owner"
+# ``return_routed_experts`` for a client that cannot add body fields to every call (an agent's SDK client
+# made by the verl agent loop): "true" asks for them as the body field does
+EXPERTS_HEADER = "X-Return-Routed-Experts"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the ledger collector each manager's registry holds (one per registry: a second app replaces the first's)
 _COLLECTORS: weakref.WeakKeyDictionary[CollectorRegistry, LedgerCollector] = weakref.WeakKeyDictionary()
@@ -67,6 +70,15 @@ def _session_id(request: web.Request, body: ChatRequest | CompletionRequest) -> 
     if header is not None and not 1 <= len(header) <= 256:
         raise invalid(SESSION_HEADER, f"{SESSION_HEADER} must be 1 to 256 characters")
     return header
+
+
+def _experts_header(request: web.Request, body: ChatRequest | CompletionRequest) -> None:
+    value = request.headers.get(EXPERTS_HEADER)
+    if value is None:
+        return
+    if value.lower() not in ("true", "false"):
+        raise invalid(EXPERTS_HEADER, f"{EXPERTS_HEADER} must be true or false")
+    body.return_routed_experts = body.return_routed_experts or value.lower() == "true"
 
 
 def _owner(request: web.Request) -> str | None:
@@ -102,6 +114,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_messages(body.messages)
     check_tools(body.tools, body.tool_choice)
     check_unsupported(body)
+    _experts_header(request, body)
     prepared = await front.prepare_chat(body, _session_id(request, body), _owner(request))
     return await _answer(request, front, prepared, body.include_usage)
 
@@ -111,6 +124,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     body = decode_body(await read_json(request, large=True), CompletionRequest)
     check_unsupported(body)
+    _experts_header(request, body)
     prepared = await front.prepare_completion(body, _session_id(request, body), _owner(request))
     return await _answer(request, front, prepared, body.include_usage)
 
