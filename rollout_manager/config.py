@@ -124,7 +124,7 @@ class Config(BaseModel):
     max_attempts_per_request: int = Field(default=8, gt=0)
     no_instance_wait_timeout_s: float = Field(default=600.0, gt=0)
     max_in_flight_per_instance: int = Field(default=0, ge=0)  # 0: each instance's max_running_requests (else 1024)
-    max_in_flight_total: int = Field(default=0, ge=0)  # 0: what the open-file limit leaves (placement.dispatch)
+    max_in_flight_total: int = Field(default=0, ge=0)  # 0: what the open-file limit leaves (placement.capacity)
     stream_stall_timeout_s: float = Field(default=300.0, gt=0)
     engine_first_byte_timeout_s: float = Field(default=60.0, gt=0)  # first chunk, unless the instance serves others
     engine_max_frame_mb: float = Field(default=16.0, gt=0)  # one SSE frame (or non-streaming answer) from an engine
