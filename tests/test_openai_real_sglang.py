@@ -8,7 +8,10 @@ template (tests/openai_tokenizer.py's), the same files for the box and the front
   SGLang's ``structural_tag``, which SGLang's xgrammar backend applies on CPU), then the tool result and a
   plain turn: every turn's ids equal what SGLang's own ``/generate`` makes of the ledger's prompt for that
   turn (greedy; the forced turn with the same grammar), and each turn's prompt extends the ledger;
-- streaming and not give the same ids, and a named function forced streamed gives the same call.
+- streaming and not give the same ids, and a named function forced streamed gives the same call;
+- a second box joins, and the box running a streamed session turn is SIGKILLed mid-turn: the turn continues
+  on the other box, its ids SGLang's own uninterrupted greedy answer, the ledger holding the whole turn (last
+  in the module: the killed box may be the module's).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from rollout_manager.sglang.openai_turn import structural_tag
 pytestmark = [pytest.mark.real_sglang, pytest.mark.slow]
 
 MODEL = "tiny-hermes"
+# fast failure detection, so the dead box is out of service within seconds of the kill
+FAST = {"health_check_interval_s": "0.5", "health_check_timeout_s": "5", "health_failure_threshold": "2"}
 SESSION = "X-Session-Id"
 TOOLS = [{"type": "function", "function": {
               "name": "get_weather", "description": "the weather in a city",
@@ -48,6 +53,8 @@ class Front:
     manager: Daemon
     box: RealBox
     client: openai.OpenAI
+    model: Path
+    log_dir: Path
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +67,12 @@ def front(real_sglang_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     tok = transformers.AutoTokenizer.from_pretrained(str(model))
     tok.chat_template = CHATML  # a hermes-style template, as Qwen2.5 ships one
     tok.save_pretrained(str(model))
-    manager = start_manager(log_dir, openai_tokenizer_path=str(model), openai_model_name=MODEL)
+    manager = start_manager(log_dir, openai_tokenizer_path=str(model), openai_model_name=MODEL, **FAST)
     try:
         box = start_box(model, manager.url, log_dir)
         try:
-            with openai.OpenAI(base_url=manager.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-                yield Front(manager, box, client)
+            with openai.OpenAI(base_url=manager.url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
+                yield Front(manager, box, client, model, log_dir)
         finally:
             box.stop()
     finally:
@@ -167,3 +174,37 @@ def test_streaming_and_not_give_the_same_ids_and_the_same_forced_call(front: Fro
     assert [(d.function.name, d.function.arguments) for d in deltas] == [
         (c.function.name, c.function.arguments) for c in calls]
     assert streamed == generate(front.box, extra(whole, "prompt_token_ids"), 150, structural_tag=grammar(named))
+
+
+def test_a_turn_whose_box_is_killed_mid_turn_continues_on_another_exactly(front: Front) -> None:
+    other = start_box(front.model, front.manager.url, front.log_dir, name="b")
+    try:
+        messages = [{"role": "user", "content": "alpha rollout manager"}]
+        n = 300
+        ids: list[int] = []
+        victim: RealBox | None = None
+        final: Any = None
+        killed_at = 0
+        for chunk in front.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=n, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "session_id": "killed-1"}):
+            for c in chunk.choices:
+                ids += extra(c, "token_ids") or []
+                if c.finish_reason is not None:
+                    final = c
+            if victim is None and len(ids) >= 20:  # the turn runs: kill the box running it
+                status = http("GET", front.manager.url + "/get_instances_status")
+                serving = [i["endpoint"] for i in status["instances"] if i["in_flight"]]
+                assert len(serving) == 1, serving
+                victim = next(b for b in (front.box, other) if b.endpoint == serving[0])
+                victim.kill_sglang()
+                killed_at = len(ids)
+        assert victim is not None and killed_at < n and final is not None, "the turn finished before the kill"
+        survivor = other if victim is front.box else front.box
+        traj = http("GET", f"{front.manager.url}/v1/sessions/killed-1/trajectory")
+        assert traj["response_ids"] == ids and traj["turns"][0]["response_len"] == n  # the whole turn, once
+        assert ids == generate(survivor, traj["prompt_ids"], n, ignore_eos=True)  # token for token, uninterrupted
+        segments = extra(final, "rollout")["segments"]
+        assert len(segments) >= 2 and segments[0]["endpoint"] == victim.endpoint
+    finally:
+        other.stop()
