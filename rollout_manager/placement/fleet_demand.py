@@ -168,6 +168,98 @@ def _mean(median: float, high: float, quantile: float) -> float:
     return median * math.exp(0.5 * sigma * sigma)
 
 
+class _Plan:
+    """One :func:`fleet_demand` call's working state: the boxes there are and those it opens, with the work each
+    is given. Waiting sequences go in longest first (:meth:`place`), the rest as a volume (:meth:`pour`)."""
+
+    def __init__(self, target_s: float, kinds: Sequence[BoxKind], ramp: float, there: list[_Open]) -> None:
+        self.target_s, self.ramp = target_s, ramp
+        self.ranked = _rank(kinds)
+        self.boxes = there
+        self.heap = [(-o.room(target_s), k) for k, o in enumerate(there)]  # most room first
+        heapq.heapify(self.heap)
+
+    def open_for(self, longest: float) -> _Open | None:
+        """A new box of the first-ranked kind that makes ``longest`` within the target (else the fastest)."""
+        if not self.ranked:
+            return None
+        fit = next((k for k in self.ranked if room(k.step, k.bound, longest, self.target_s, self.ramp) >= longest),
+                   None)
+        if fit is None:
+            fit = min(self.ranked, key=lambda k: (k.step.a + k.step.b, k.name))
+        o = _Open(fit.name, fit.step, fit.bound, 0.0, 0.0, self.ramp)
+        self.boxes.append(o)
+        return o
+
+    def place(self, exact: Sequence[tuple[float, float]]) -> None:
+        """Each ``(top, tokens)`` of the longest waiting sequences into the box with most room, when it has room
+        for it, else into a new box; stops when no kind can be opened."""
+        for top, r in exact:
+            target: _Open | None = None
+            if self.heap:
+                _, k = self.heap[0]
+                if self.boxes[k].room(self.target_s, top) >= r:
+                    target = self.boxes[k]
+                    heapq.heappop(self.heap)
+            if target is None:
+                target = self.open_for(top)
+                if target is None:
+                    break
+                k = len(self.boxes) - 1
+            target.take(r, top)
+            heapq.heappush(self.heap, (-target.room(self.target_s), k))
+
+    def pour(self, volume: float) -> None:
+        """``volume`` tokens of short sequences into the room left, most room first, then into new boxes."""
+        if volume <= 0 or not self.boxes:
+            return
+        for o in sorted(self.boxes, key=lambda o: -o.room(self.target_s)):
+            if volume <= 0:
+                break
+            free = o.room(self.target_s)
+            if free > 0:
+                o.take(min(free, volume), 0.0)
+                volume -= free
+        while volume > 0:
+            new = self.open_for(1.0)
+            if new is None:
+                break
+            free = new.room(self.target_s)
+            if free <= 0:  # no kind makes a token within the target: the rest on one box, late
+                new.take(volume, 0.0)
+                break
+            new.take(min(free, volume), 0.0)
+            volume -= free
+
+    def end_s(self) -> float:
+        return max((drain_s(o.step, o.bound, o.tokens, o.longest, self.ramp) for o in self.boxes), default=0.0)
+
+
+def _waiting(waiting: Sequence[float], high: Sequence[float | None] | None,
+             quantile: float) -> tuple[list[float], list[float]]:
+    """Each waiting sequence's tokens as counted in a box's volume (its mean where its upper quantile is known,
+    else its median) and in its box's longest term (its upper quantile where known)."""
+    waits = [max(float(w), 1.0) for w in waiting]
+    if high is None:
+        return waits, waits
+    means = [w if h is None else _mean(w, float(h), quantile) for w, h in zip(waits, high)]
+    return means, [w if h is None else max(w, float(h)) for w, h in zip(means, high)]
+
+
+def _kinds_wanted(kinds: Sequence[BoxKind], boxes: Sequence[BoxNow], plan: _Plan) -> tuple[KindDemand, ...]:
+    """Per kind: the boxes there are, the busy ones, and the plan's boxes given work."""
+    wanted: dict[str, int] = {}
+    for o in plan.boxes:
+        if o.given:
+            wanted[o.kind] = wanted.get(o.kind, 0) + 1
+    out = []
+    for kind in kinds:
+        mine = [b for b in boxes if b.kind == kind.name]
+        out.append(KindDemand(kind.name, kind.price_per_hour, kind.preemptible, len(mine),
+                              sum(1 for b in mine if b.running > 0 or b.tokens > 0), wanted.get(kind.name, 0)))
+    return tuple(out)
+
+
 def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxNow],
                  waiting: Sequence[float], high: Sequence[float | None] | None = None,
                  quantile: float = 0.9) -> FleetDemand:
@@ -183,79 +275,21 @@ def fleet_demand(target_s: float, kinds: Sequence[BoxKind], boxes: Sequence[BoxN
     if not target_s > 0 or not math.isfinite(target_s):
         raise ValueError("target_s must be a positive number of seconds")
     by_name = {k.name: k for k in kinds}
-    ranked = _rank(kinds)
-    plan: list[_Open] = []
-    waits = [max(float(w), 1.0) for w in waiting]
-    if high is not None:  # many sequences make their mean in all, not their median
-        waits = [w if h is None else _mean(w, float(h), quantile) for w, h in zip(waits, high)]
+    waits, tops = _waiting(waiting, high, quantile)
     counted = [b for b in boxes if b.kind in by_name]
     sequences = sum(b.running for b in counted) + len(waits)
     ramp = 0.5 * (sum(max(b.tokens, 0.0) for b in counted) + sum(waits)) / sequences if sequences else 0.0
+    there = []
     for box in counted:
-        kind = by_name[box.kind]
-        o = _Open(box.kind, box.step or kind.step, box.bound, max(box.tokens, 0.0), max(box.longest, 0.0), ramp)
+        o = _Open(box.kind, box.step or by_name[box.kind].step, box.bound, max(box.tokens, 0.0),
+                  max(box.longest, 0.0), ramp)
         o.given = box.running > 0 or box.tokens > 0
-        plan.append(o)
-    running_tokens = sum(o.tokens for o in plan)
-    tops = waits if high is None else [w if h is None else max(w, float(h)) for w, h in zip(waits, high)]
-    heap = [(-o.room(target_s), k) for k, o in enumerate(plan)]  # most room first
-    heapq.heapify(heap)
-
-    def open_for(longest: float) -> _Open | None:
-        """A new box of the first-ranked kind that makes ``longest`` within the target (else the fastest)."""
-        if not ranked:
-            return None
-        fit = next((k for k in ranked if room(k.step, k.bound, longest, target_s, ramp) >= longest), None)
-        if fit is None:
-            fit = min(ranked, key=lambda k: (k.step.a + k.step.b, k.name))
-        o = _Open(fit.name, fit.step, fit.bound, 0.0, 0.0, ramp)
-        plan.append(o)
-        return o
-
+        there.append(o)
+    running_tokens = sum(o.tokens for o in there)
+    plan = _Plan(target_s, kinds, ramp, there)
     pairs = list(zip(tops, waits))
     exact = heapq.nlargest(EXACT, pairs) if len(pairs) > EXACT else sorted(pairs, reverse=True)
-    for top, r in exact:
-        target: _Open | None = None
-        if heap:
-            _, k = heap[0]
-            if plan[k].room(target_s, top) >= r:
-                target = plan[k]
-                heapq.heappop(heap)
-        if target is None:
-            target = open_for(top)
-            if target is None:
-                break
-            k = len(plan) - 1
-        target.take(r, top)
-        heapq.heappush(heap, (-target.room(target_s), k))
-    volume = sum(waits) - sum(r for _, r in exact)
-    if volume > 0 and plan:
-        for o in sorted(plan, key=lambda o: -o.room(target_s)):
-            if volume <= 0:
-                break
-            free = o.room(target_s)
-            if free > 0:
-                o.take(min(free, volume), 0.0)
-                volume -= free
-        while volume > 0:
-            new = open_for(1.0)
-            if new is None:
-                break
-            free = new.room(target_s)
-            if free <= 0:  # no kind makes a token within the target: the rest on one box, late
-                new.take(volume, 0.0)
-                break
-            new.take(min(free, volume), 0.0)
-            volume -= free
-    end = max((drain_s(o.step, o.bound, o.tokens, o.longest, ramp) for o in plan), default=0.0)
-    wanted: dict[str, int] = {}
-    for o in plan:
-        if o.given:
-            wanted[o.kind] = wanted.get(o.kind, 0) + 1
-    out = []
-    for kind in kinds:
-        mine = [b for b in boxes if b.kind == kind.name]
-        out.append(KindDemand(kind.name, kind.price_per_hour, kind.preemptible, len(mine),
-                              sum(1 for b in mine if b.running > 0 or b.tokens > 0), wanted.get(kind.name, 0)))
-    return FleetDemand(target_s, round(running_tokens, 1), len(waits), round(sum(waits), 1), tuple(out),
-                       round(end, 3))
+    plan.place(exact)
+    plan.pour(sum(waits) - sum(r for _, r in exact))
+    return FleetDemand(target_s, round(running_tokens, 1), len(waits), round(sum(waits), 1),
+                       _kinds_wanted(kinds, boxes, plan), round(plan.end_s(), 3))
