@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from rollout_manager import __version__, jsonutil
-from rollout_manager.api import status_page
+from rollout_manager.api import openai_routes, status_page
 from rollout_manager.api.fast_lane import FastLane, LaneOwner, LaneStats
 from rollout_manager.api.http import (
     BOX_TOKEN,
@@ -49,7 +49,6 @@ from rollout_manager.instances.mismatch import BoxReport
 from rollout_manager.manager import Manager
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
-from rollout_manager.openai_front import routes as openai_routes
 from rollout_manager.placement.affinity import KEY_HEADER, KEY_MAX_LEN
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.request import Request, decode, decode_items
