@@ -10,6 +10,7 @@ transformers' ``save_pretrained``: the manager loads it as it would a model's (`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 VOCAB = 256
 EOS = "<|im_end|>"
@@ -48,7 +49,9 @@ WORDS = ["system", "user", "assistant", "tool", "hello", "you", "are", "a", "hel
          "answer", "again", "please", "<think>", "</think>",
          # a hermes-style tool call, a word per piece of its JSON, as the template and the parser write them
          "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", '{"name":', '"get_weather",',
-         '"arguments":', '{"city":', '"paris"}}', '"rome"}}', "sunny", "rainy", "weather", "in", "paris", "rome"]
+         '"arguments":', '{"city":', '"paris"}}', '"rome"}}', "sunny", "rainy", "weather", "in", "paris", "rome",
+         # the Llama 3.x-style family below: its header and end tokens, a JSON call's "parameters"
+         "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>", '"parameters":']
 # A second family: ChatML whose template drops an earlier answer's reasoning (``<think> ... </think>``), as
 # reasoning models' templates do; re-rendering a conversation then changes the ids the model sampled.
 DROPS_REASONING = ("{% for message in messages %}{% set content = message['content'] %}"
@@ -57,8 +60,50 @@ DROPS_REASONING = ("{% for message in messages %}{% set content = message['conte
                    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# A third family, another call format: Llama 3.x's (headers, ``<|eot_id|>`` ends a turn, a call is a JSON
+# object ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several joined by
+# ``;``, a tool's result in an ``ipython`` turn), with ``<think>`` reasoning as a reasoning model distilled
+# on Llama writes it. Its tokenizer carries its own response schema (``tokenizer_config.json``).
+LLAMA3_EOS = "<|eot_id|>"
+LLAMA3 = r"""
+{%- for message in messages %}
+    {%- if loop.first and tools %}
+        {{- '<|start_header_id|>system<|end_header_id|>\n\nYou may call these functions:' }}
+        {%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}{{- '<|eot_id|>' }}
+    {%- endif %}
+    {%- if message['role'] == 'assistant' %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' + (message['content'] or '') }}
+        {%- for call in message['tool_calls'] or [] %}
+            {%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}
+            {%- if not loop.first %}{{- ' ;' }}{%- endif %}
+            {{- ' {"name": "' + call['name'] + '", "parameters": ' + call['arguments'] | tojson + '}' }}
+        {%- endfor %}
+        {{- '<|eot_id|>' }}
+    {%- elif message['role'] == 'tool' %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+"""
+LLAMA3_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "role": {"const": "assistant"},
+        "thinking": {"type": "string", "x-regex": r"^\s*(?:<think>)?\s*(.*?)\s*</think>"},
+        "content": {"type": "string",
+                    "x-regex": r'^(?:.*?</think>\s*)?(.*?)(?:\s*(?:<\|python_tag\|>\s*)?\{"name":.*)?\Z'},
+        "tool_calls": {"type": "array", "x-regex": r"^(?:.*?</think>)?(.*)\Z",
+                       "x-regex-iterator": r'(\{"name":.*?\})\s*(?:;|\Z)',
+                       "items": {"type": "any", "x-parser": "json"}},
+    },
+}
 
-def make(out: Path, template: str = CHATML) -> Path:
+
+def make(out: Path, template: str = CHATML, response_schema: dict[str, Any] | None = None) -> Path:
+    """The tokenizer with ``template``; ``response_schema``: the one its ``tokenizer_config.json`` carries
+    (none: the front reads answers with its hermes one). The Llama 3.x family's end token is ``<|eot_id|>``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -66,12 +111,20 @@ def make(out: Path, template: str = CHATML) -> Path:
     words += [f"w{i}" for i in range(VOCAB - len(words))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=EOS, pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+    llama = template == LLAMA3
+    specials = ["<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>"] if llama else ["<|im_start|>"]
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=LLAMA3_EOS if llama else EOS,
+                                   pad_token="<|endoftext|>", additional_special_tokens=specials)
     fast.chat_template = template
+    if response_schema is not None:
+        fast.response_schema = response_schema
     fast.save_pretrained(out)
     return out
 
 
 def eos_id() -> int:
     return SPECIAL.index(EOS)
+
+
+def llama3_eos_id() -> int:
+    return len(SPECIAL) + WORDS.index(LLAMA3_EOS)

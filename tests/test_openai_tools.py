@@ -1,6 +1,7 @@
-"""Tool calls in the OpenAI front without processes: the hermes-style reading of an answer (as SGLang 0.5.23's
-HermesDetector reads it), a stream's content adding up to the whole answer's, and a tool conversation's next
-turn extending the session's ledger exactly (the model's ids kept, the tool results as template tokens)."""
+"""Tool calls in the OpenAI front without processes: an answer read with a response schema by transformers
+(the hermes one the product ships, for a tokenizer that carries none: the results SGLang 0.5.23's
+HermesDetector gives; a tokenizer's own schema when it carries one), and a tool conversation's next turn
+extending the session's ledger exactly (the model's ids kept, the tool results as template tokens)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openai_tokenizer import make
+from openai_tokenizer import LLAMA3, LLAMA3_SCHEMA, make
 
 from rollout_manager.openai_front import tool_calls
 from rollout_manager.openai_front.errors import OpenAIError
@@ -27,34 +28,46 @@ TWO_CALLS = ('<tool_call> {"name": "get_weather", "arguments": {"city": "paris"}
              '<tool_call> {"name": "get_weather", "arguments": {"city": "rome"}} </tool_call>')
 
 
-def test_an_answer_is_read_into_content_and_calls() -> None:
-    parsed = tool_calls.parse("let me look \n" + TWO_CALLS, NAMES)
-    assert parsed.content == "let me look"
+def test_an_answer_is_read_into_content_and_calls(renderer: Renderer) -> None:
+    def parse(text: str, names: frozenset[str] | None = NAMES, parallel: bool = True) -> tool_calls.Parsed:
+        return tool_calls.parse(text, renderer.read, names, parallel)
+
+    parsed = parse("let me look \n" + TWO_CALLS)
+    assert parsed.content == "let me look" and parsed.reasoning is None
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "paris"}),
                                                                          ("get_weather", {"city": "rome"})]
     assert all(c.id.startswith("call_") for c in parsed.calls) and parsed.calls[0].id != parsed.calls[1].id
     assert tool_calls.finish_reason("stop", parsed.calls) == "tool_calls"
     assert tool_calls.finish_reason("length", parsed.calls) == "length"
-    only = tool_calls.parse(TWO_CALLS, NAMES, parallel=False)
+    only = parse(TWO_CALLS, parallel=False)
     assert only.content is None and len(only.calls) == 1  # parallel_tool_calls false: the first call
-    unclosed = tool_calls.parse('<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}', NAMES)
+    unclosed = parse('<tool_call>{"name": "get_weather", "arguments": {"city": "rome"}}')
     assert len(unclosed.calls) == 1
-    unknown = tool_calls.parse('hi <tool_call>{"name": "launch", "arguments": {}}</tool_call>', NAMES)
+    listed = parse('<tool_call>[{"name": "get_weather", "arguments": {"city": "rome"}}, '
+                   '{"name": "get_weather", "parameters": {"city": "paris"}}]</tool_call>')
+    assert [json.loads(c.arguments) for c in listed.calls] == [{"city": "rome"}, {"city": "paris"}]  # a list per block
+    unknown = parse('hi <tool_call>{"name": "launch", "arguments": {}}</tool_call>')
     assert unknown.calls == [] and unknown.content == "hi"  # a call to an undeclared function is dropped
     broken = "hi <tool_call>{not json</tool_call>"
-    assert tool_calls.parse(broken, NAMES) == tool_calls.Parsed(broken, [])  # the whole text stays content
-    assert tool_calls.parse("no call here ", NAMES) == tool_calls.Parsed("no call here ", [])
+    assert parse(broken) == tool_calls.Parsed(broken, [])  # the whole text stays content
+    assert parse("no call here ") == tool_calls.Parsed("no call here ", [])
+    # Qwen3's reasoning, before a call or an answer; without tools declared calls are not read
+    thought = parse("<think> weather in paris </think>\n\n" + TWO_CALLS)
+    assert thought.reasoning == "weather in paris" and thought.content is None and len(thought.calls) == 2
+    assert parse("<think> sunny </think> paris", None) == tool_calls.Parsed("paris", [], "sunny")
+    assert parse(TWO_CALLS, None) == tool_calls.Parsed(TWO_CALLS, [])
 
 
-@pytest.mark.parametrize("text", ["plain answer  ", "let me look \n" + TWO_CALLS, "hi <tool_call>{not json",
-                                  "ends in <tool_", "<tool_call>" + TWO_CALLS[11:]])
-def test_a_streams_content_adds_up_to_the_whole_answers(text: str) -> None:
-    for step in (1, 3, 7):
-        streamer, sent = tool_calls.StreamingContent(), ""
-        for end in range(step, len(text) + step, step):
-            sent += streamer.ready(text[:end])
-        sent += streamer.rest(tool_calls.parse(text, NAMES).content)
-        assert sent == (tool_calls.parse(text, NAMES).content or "")
+def test_a_tokenizers_own_response_schema_is_the_one_read(tmp_path: Path) -> None:
+    """A tokenizer that carries a ``response_schema`` (tokenizer_config.json) is read with it, not the hermes
+    one: here Llama 3.x's JSON calls (``{"name": ..., "parameters": ...}``) after ``<|python_tag|>``."""
+    own = Renderer(str(make(tmp_path / "llama", LLAMA3, LLAMA3_SCHEMA)))
+    assert own.schema == LLAMA3_SCHEMA
+    text = 'paris first <|python_tag|>{"name": "get_weather", "parameters": {"city": "paris"}}'
+    parsed = tool_calls.parse(text, own.read, NAMES)
+    assert parsed.content == "paris first" and [(c.name, c.arguments) for c in parsed.calls] == [
+        ("get_weather", '{"city": "paris"}')]
+    assert tool_calls.parse("<tool_call>{}</tool_call>", own.read, NAMES).content == "<tool_call>{}</tool_call>"
 
 
 def test_tools_and_tool_messages_are_checked_naming_the_field() -> None:
@@ -94,7 +107,7 @@ def test_a_tool_conversations_next_turn_extends_the_ledger(renderer: Renderer) -
     assert first.ids == renderer.encode(renderer.chat_text(messages, TOOLS, True))
     end = renderer.encode("<|im_end|>")[0]
     sampled = [*renderer.encode(TWO_CALLS), end]  # what the model wrote: two calls, then the end token
-    parsed = tool_calls.parse(renderer.decode(sampled), NAMES)
+    parsed = tool_calls.parse(renderer.decode(sampled), renderer.read, NAMES)
     answer = {"role": "assistant", "content": parsed.content, "tool_calls": [c.to_json() for c in parsed.calls]}
     ledger.record(session, first, messages, TurnResult(sampled, [-0.5] * len(sampled), "stop", end, 0, "v1", [], []),
                   answer)
@@ -119,7 +132,8 @@ def test_a_tool_conversations_next_turn_extends_the_ledger(renderer: Renderer) -
     assert retokenized(renderer, branch) is None and len(session.branches) == 1
 
 
-def test_a_forced_call_asks_the_boxes_for_a_call_in_the_templates_format_to_the_declared_functions() -> None:
+def test_a_forced_call_asks_the_boxes_for_a_call_in_the_templates_format_to_the_declared_functions(
+        renderer: Renderer) -> None:
     two = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
     assert tool_calls.forced(two, "auto", True) is None and tool_calls.forced(two, "none", True) is None
     assert tool_calls.forced(None, "required", True) is None
@@ -139,5 +153,5 @@ def test_a_forced_call_asks_the_boxes_for_a_call_in_the_templates_format_to_the_
     assert [(t["begin"], t["end"]) for t in fmt["tags"]] == [(named.tags[0].begin, "}\n</tool_call>")]
     # the template writes a call as the grammar makes it, so the parser reads it back
     text = named.tags[0].begin + '{"zone": "utc"}' + named.tags[0].end
-    assert [(c.name, c.arguments) for c in tool_calls.parse(text, frozenset({"get_time"})).calls] == [
+    assert [(c.name, c.arguments) for c in tool_calls.parse(text, renderer.read, frozenset({"get_time"})).calls] == [
         ("get_time", '{"zone": "utc"}')]

@@ -47,12 +47,23 @@ class Prepared:
     tool_names: frozenset[str] | None = None  # the declared functions, when the answer is read for calls
     parallel_tool_calls: bool = True
 
+    @property
+    def reads(self) -> bool:
+        """Whether a chat answer is read with the response schema: tools declared, or the schema reads
+        reasoning."""
+        return self.chat and self.renderer is not None and (self.tool_names is not None
+                                                            or self.renderer.reads_reasoning)
+
     def answer(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        """A chat answer's assistant message (content, and tool calls when read for them) and its finish."""
-        if self.tool_names is None:
+        """A chat answer's assistant message (content, and reasoning and tool calls when read for them)
+        and its finish."""
+        if not self.reads:
             return {"role": "assistant", "content": text}, finish
-        parsed = tool_calls.parse(text, self.tool_names, self.parallel_tool_calls)
+        assert self.renderer is not None
+        parsed = tool_calls.parse(text, self.renderer.read, self.tool_names, self.parallel_tool_calls)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning  # SGLang's OpenAI server's field name
         if parsed.calls:
             message["tool_calls"] = [c.to_json() for c in parsed.calls]
         return message, tool_calls.finish_reason(finish, parsed.calls)
@@ -152,7 +163,7 @@ class Front:
                 self.ledger.end(session)
             raise
         names = None
-        if tools:  # read for hermes-style calls (tool_calls.py), the one format the front reads yet
+        if tools:  # the answer is read for calls (tool_calls.py, with the model's response schema)
             names = frozenset(str(t["function"]["name"]) for t in tools)
         return Prepared(self._reply("chatcmpl", session_id), True, [plan.ids], body.n, request, body.logprobs,
                         renderer, session, plan, list(body.messages), names, body.parallel_tool_calls is not False)
@@ -268,7 +279,6 @@ class Front:
         sent_ids, sent_text = [0] * count, [""] * count
         finals: list[TurnResult | None] = [None] * count
         answers: list[dict[str, Any] | None] = [None] * count
-        held = [tool_calls.StreamingContent() if p.tool_names is not None else None for _ in range(count)]
         chunks = self.generator.generate_stream(p.request)
         try:
             if p.chat:
@@ -295,18 +305,20 @@ class Front:
                     choice: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": result.finish_reason,
                                               "token_ids": new_ids}
                     if p.chat:
-                        streamer = held[i]
-                        if streamer is not None:  # read for tool calls: content held back where one may start
-                            delta = streamer.ready(text)
-                        calls = None
+                        if p.reads:  # read with the schema: the message comes whole when the answer is
+                            delta = ""
+                        message = None
                         if result.finish_reason is not None:
-                            answer, choice["finish_reason"] = p.answer(text, result.finish_reason)
-                            answers[i], calls = answer, answer.get("tool_calls")
-                            if streamer is not None:
-                                delta += streamer.rest(answer["content"])
+                            message, choice["finish_reason"] = p.answer(text, result.finish_reason)
+                            answers[i] = message
+                            if p.reads:
+                                delta = message["content"] or ""
                         choice["delta"] = {"content": delta} if delta or result.finish_reason is None else {}
-                        if calls:
-                            choice["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                        if message is not None and "reasoning_content" in message:
+                            choice["delta"]["reasoning_content"] = message["reasoning_content"]
+                        if message is not None and message.get("tool_calls"):
+                            choice["delta"]["tool_calls"] = [{"index": k, **c}
+                                                             for k, c in enumerate(message["tool_calls"])]
                     else:
                         choice["text"] = delta
                     if result.finish_reason is not None:

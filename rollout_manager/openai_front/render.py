@@ -8,12 +8,16 @@ a manager without the front configured never pays for it, and the base install s
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
+from pathlib import Path
 from typing import Any
 
 from rollout_manager.openai_front.errors import OpenAIError, invalid
 
 _MARK = "\u2063ASSISTANT-CONTENT\u2063"  # a text no template writes by itself
+# The response schema for a tokenizer that carries none: hermes-style calls and ``<think>`` reasoning.
+HERMES_SCHEMA = Path(__file__).with_name("hermes_response_schema.json")
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -57,6 +61,24 @@ class Renderer:
         self.tok: Any = transformers.AutoTokenizer.from_pretrained(path)
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(f"the tokenizer at {path} has no chat template")
+        if not hasattr(self.tok, "parse_response"):
+            raise ValueError("the OpenAI front reads answers with transformers' parse_response, which this "
+                             "transformers lacks: pip install 'transformers>=5'")
+        own = getattr(self.tok, "response_schema", None)
+        self.schema: dict[str, Any] = own if isinstance(own, dict) else json.loads(HERMES_SCHEMA.read_text())
+        self.reads_reasoning = "thinking" in self.schema.get("properties", {})
+        if '"transform"' in json.dumps(self.schema) and importlib.util.find_spec("jmespath") is None:
+            raise ValueError(f"the response schema of the tokenizer at {path} uses jmespath transforms: "
+                             "pip install jmespath")
+
+    def read(self, text: str) -> dict[str, Any]:
+        """An answer's text parsed with the response schema by transformers (``parse_response``): a message
+        dict (``content``, ``thinking``, ``tool_calls`` as the schema yields them); ValueError or TypeError
+        when the schema cannot parse it."""
+        out = self.tok.parse_response(text, self.schema)
+        if not isinstance(out, dict):
+            raise TypeError(f"the response schema gave {type(out).__name__}, not a message")
+        return out
 
     def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                   generation_prompt: bool) -> str:

@@ -1,29 +1,28 @@
-"""Tool calls in a model's answer, hermes-style (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-as Qwen2.5's and Qwen3's templates teach their models), read into OpenAI's ``tool_calls``.
+"""An answer's text read into OpenAI's message: ``content``, ``tool_calls`` and ``reasoning_content``.
 
-What it reads follows SGLang 0.5.23's ``HermesDetector`` (``sglang/srt/function_call/hermes_detector.py``) and
-``serving_chat._process_tool_calls``: each ``<tool_call>`` block (an unclosed last one too) holds one JSON
-object or a list of them; a call to a function the request did not declare is dropped; ``arguments`` is the
-object re-serialized (``ensure_ascii=False``); a block that is not JSON leaves the whole text as content
-and no call; calls found turn a ``stop`` finish into ``tool_calls``. Two choices of the front's own: the
-content is the text before the first block with trailing whitespace removed (SGLang strips both ends; only
-the trailing end can be known while streaming, and a stream must give the same content as a whole
-answer), and with ``parallel_tool_calls: false`` only the first call is kept (SGLang can only enforce it
-with a grammar). The manager cannot import SGLang (the daemon's light install), so this is its own code.
+The per-family knowledge is data, not code: the model's response schema (transformers' ``response_schema``,
+from the tokenizer's ``tokenizer_config.json``) or, for a tokenizer that carries none, the hermes one the
+product ships (``hermes_response_schema.json``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+blocks as Qwen2.5's and Qwen3's templates teach their models, and Qwen3's ``<think> ... </think>``
+reasoning). The parsing is transformers' (``parse_response``, through the tokenizer the front loaded, see
+:meth:`.Renderer.read`). This module only turns the parsed message into OpenAI's shape, with the rules
+SGLang 0.5.23's ``serving_chat`` applies around its detectors: a call to a function the request did not
+declare is dropped; ``arguments`` is the object re-serialized (``ensure_ascii=False``); an answer the
+schema cannot parse (a call that is not JSON) is all content, with no call; calls found turn a ``stop``
+finish into ``tool_calls``; with ``parallel_tool_calls: false`` only the first call is kept.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollout_manager.sglang.openai_turn import CallTag, ForcedCalls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -38,36 +37,57 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Parsed:
-    """An answer's text as content and calls; ``content`` None when the answer was calls only."""
+    """An answer's text as content, calls and reasoning; ``content`` None when the answer was calls only."""
 
     content: str | None
     calls: list[ToolCall]
+    reasoning: str | None = None
 
 
-def _objects(raw: str) -> list[Any]:
-    parsed = json.loads(raw.strip())
-    return parsed if isinstance(parsed, list) else [parsed]
+Reader = Callable[[str], dict[str, Any]]  # a text -> the parsed message (transformers' parse_response)
 
 
-def parse(text: str, tool_names: frozenset[str], parallel: bool = True) -> Parsed:
-    """A whole answer's text -> content and the calls to declared functions."""
-    at = text.find(OPEN)
-    if at < 0:
-        return Parsed(text, [])
+def _call_objects(found: Any) -> list[dict[str, Any]]:
+    """The parsed calls as ``{"name", "arguments"}`` objects: a schema may give a call flat, nested under
+    ``function`` (as OpenAI's shape and some schemas' transforms do), or a list of calls per block."""
+    out = []
+    for item in found if isinstance(found, list) else [found]:
+        if isinstance(item, list):
+            out += _call_objects(item)
+        elif isinstance(item, dict):
+            fn = item.get("function")
+            out.append(fn if isinstance(fn, dict) else item)
+    return out
+
+
+def _arguments(obj: dict[str, Any]) -> str:
+    args = obj.get("arguments") or obj.get("parameters") or {}
+    if isinstance(args, str):  # a schema that keeps the arguments as text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return args
+    return json.dumps(args, ensure_ascii=False)
+
+
+def parse(text: str, read: Reader, tool_names: frozenset[str] | None, parallel: bool = True) -> Parsed:
+    """A whole answer's text -> content, reasoning and the calls to declared functions (``tool_names``
+    None: the request declared none, so calls are not read and an answer that holds some stays whole)."""
     try:
-        objects = [obj for m in _BLOCK.finditer(text) for obj in _objects(m.group(1) or m.group(2) or "null")
-                   if obj is not None]
-    except ValueError:  # not JSON: the whole text stays content (SGLang's detector does the same)
+        message = read(text)
+    except (ValueError, TypeError):  # the schema could not parse it (a call not JSON): all content
         return Parsed(text, [])
-    calls = []
-    for obj in objects:
-        if not isinstance(obj, dict) or obj.get("name") not in tool_names:
-            continue
-        args = obj.get("parameters") or obj.get("arguments") or {}
-        calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", str(obj["name"]), json.dumps(args, ensure_ascii=False)))
+    found = _call_objects(message.get("tool_calls") or [])
+    if found and tool_names is None:
+        return Parsed(text, [])
+    calls = [ToolCall(f"call_{uuid.uuid4().hex[:24]}", str(obj["name"]), _arguments(obj))
+             for obj in found if obj.get("name") in (tool_names or ())]
     if not parallel:
         calls = calls[:1]
-    return Parsed(text[:at].rstrip() or (None if calls else ""), calls)
+    thinking, content = message.get("thinking"), message.get("content")
+    content = content if isinstance(content, str) else ""
+    reasoning = thinking if isinstance(thinking, str) and thinking else None
+    return Parsed(content or (None if calls else ""), calls, reasoning)
 
 
 def forced(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool) -> ForcedCalls | None:
@@ -86,39 +106,3 @@ def forced(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool)
 
 def finish_reason(finish: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and finish == "stop" else finish
-
-
-def _partial_suffix(text: str, token: str) -> int:
-    """How many of ``text``'s last characters could start ``token``."""
-    for n in range(min(len(text), len(token) - 1), 0, -1):
-        if token.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class StreamingContent:
-    """The content a stream may send as it grows, so that its deltas add up to :func:`parse`'s content: text
-    is held back from the first ``<tool_call>`` on (parsed once the answer is whole), and also any tail that
-    could still become one (``<tool_`` ...) or that is trailing whitespace."""
-
-    def __init__(self) -> None:
-        self.sent = 0  # characters of the text sent as content so far
-        self.in_call = False
-
-    def ready(self, text: str) -> str:
-        """The new content ``text`` (the whole answer so far) allows."""
-        if self.in_call:
-            return ""
-        at = text.find(OPEN)
-        if at >= 0:
-            self.in_call = True
-            safe = text[:at].rstrip()
-        else:
-            safe = text[:len(text) - _partial_suffix(text, OPEN)].rstrip()
-        out = safe[self.sent:] if len(safe) > self.sent else ""
-        self.sent = max(self.sent, len(safe))
-        return out
-
-    def rest(self, content: str | None) -> str:
-        """The content not sent yet, once the answer is whole and parsed (``content``: :func:`parse`'s)."""
-        return (content or "")[self.sent:]
