@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from openai_tokenizer import eos_id, make
+from openai_tokenizer import LLAMA3, LLAMA3_SCHEMA, eos_id, llama3_eos_id, make
 from support import async_wait_until
 
 MODEL = "tiny-chatml"
@@ -298,6 +298,59 @@ async def test_a_tool_calling_loop_through_the_sdk_extends_the_ledger_exactly(
     status, replay = await m.post("/generate", {"input_ids": p2, "sampling_params": {
         "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
     assert status == 200 and replay["output_ids"] == r2
+
+
+async def test_another_call_format_and_reasoning_are_read_with_the_tokenizers_response_schema(
+        tmp_path: Path, start_manager: Any, start_engines: Any) -> None:
+    """A second template family: Llama 3.x's JSON calls (``{"name": ..., "parameters": ...}``) after
+    ``<think>`` reasoning, read with the response schema the tokenizer carries (transformers' parsing); the
+    engine is made to write the answer (``script_tokens``). The SDK gets the reasoning as
+    ``reasoning_content``, the call in OpenAI's shape, streamed as whole, and the next turn's prompt is the
+    ledger's ids followed by the template's ``ipython`` turn."""
+    from transformers import AutoTokenizer
+
+    tok_dir = make(tmp_path / "llama", LLAMA3, LLAMA3_SCHEMA)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    m = await start_manager(openai_tokenizer_path=str(tok_dir), openai_model_name=MODEL)
+    (engine,) = await start_engines(["--eos-token-id", str(llama3_eos_id())])
+    await m.register(engine)
+    said = '<think> weather in paris </think> {"name": "get_weather", "parameters": {"city": "paris"}}'
+    script = [*tok.encode(said, add_special_tokens=False), llama3_eos_id()]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engine.url + "/debug/faults", json={"script_tokens": script}) as resp:
+            assert resp.status == 200
+    messages: list[Any] = [{"role": "user", "content": "what is the weather in paris"}]
+    turn = dict(model=MODEL, tools=TOOLS, max_tokens=32, temperature=0)
+    async with openai.AsyncOpenAI(base_url=m.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        first = await client.chat.completions.create(messages=messages, **turn, extra_headers={"X-Session-Id": "l"})
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert extra(choice.message, "reasoning_content") == "weather in paris"
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "paris"})
+        p1, r1 = extra(first, "prompt_token_ids"), extra(choice, "token_ids")
+        assert r1 == script
+
+        content, reasoning, calls, finish = "", "", [], None
+        async for chunk in await client.chat.completions.create(messages=messages, **turn, stream=True):
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                content += c.delta.content or ""
+                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                calls += [(d.function.name, json.loads(d.function.arguments)) for d in c.delta.tool_calls or []]
+        assert (content, reasoning, calls, finish) == ("", "weather in paris", [("get_weather", {"city": "paris"})],
+                                                       "tool_calls")
+
+        async with m.session.post(engine.url + "/debug/faults", json={"script_tokens": None}) as resp:
+            assert resp.status == 200
+        messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        second = await client.chat.completions.create(messages=messages, model=MODEL, tools=TOOLS, max_tokens=3,
+                                                      temperature=0, extra_body={"session_id": "l",
+                                                                                 "ignore_eos": True})
+    p2 = extra(second, "prompt_token_ids")
+    tail = tok.encode("<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)
+    assert p2 == p1 + r1 + tail  # the model's ids as sampled (its end token is the template's), then the result
 
 
 async def test_top_logprobs_come_through_the_rollout_path_in_openais_shape(front: Any) -> None:
