@@ -3,12 +3,14 @@ and where placement puts the longest sequences in a fleet with preemptible boxes
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from rollout_manager.instances.registry import Instance, Kind, Registry
 from rollout_manager.placement import preemptible
 from rollout_manager.placement.box_speed import StepModel
-from rollout_manager.placement.evacuation_plan import DoomedSequence, plan_evacuation
+from rollout_manager.placement.evacuation_plan import DoomedSequence, admits, plan_evacuation
 
 STEP = StepModel(a=0.02, b=0.001)  # 20 ms a step, 1 ms more per running sequence
 
@@ -50,6 +52,56 @@ def test_stayers_are_judged_together_and_ties_move_the_bigger_prefix_first() -> 
     assert len(plan.stay) == 5 and plan.stay_drain_s <= 7.5
     assert plan.move == ("s0",)  # of equal lengths the one that made least moves
     assert plan_evacuation([], STEP, 15.0).stay == ()
+
+
+# ------------------------------------------------------------ new work on a doomed box (admits)
+
+
+def test_new_work_is_admitted_only_where_it_would_stay() -> None:
+    # an empty box, 30 s left: half is 15 s; 40 tokens drain in 0.84 s, 900 in 18.9 s
+    assert admits([], DoomedSequence("new", 0, 40.0), STEP, 30.0)
+    assert not admits([], DoomedSequence("new", 0, 900.0), STEP, 30.0)
+    # the upper quantile counts where there is one; the budget bounds it whatever the prediction
+    assert not admits([], DoomedSequence("new", 0, 40.0, high=900.0), STEP, 30.0)
+    assert admits([], DoomedSequence("new", 0, 5000.0, high=9000.0, budget_left=40), STEP, 30.0)
+    # what moves off the box anyway does not count against it
+    assert admits([DoomedSequence("long", 300, 5000.0)], DoomedSequence("new", 0, 40.0), STEP, 30.0)
+
+
+def test_new_work_never_pushes_a_stayer_off() -> None:
+    # 15 s left, 7.5 s to drain in: four of 300 take 7.2 s, five 7.5 s, six do not fit
+    four = [DoomedSequence(f"s{k}", 10 * (k + 1), 300.0) for k in range(4)]
+    assert admits(four, DoomedSequence("new", 0, 300.0), STEP, 15.0)
+    five = [*four, DoomedSequence("s4", 50, 300.0)]
+    assert not admits(five, DoomedSequence("new", 0, 300.0), STEP, 15.0)
+    # shorter than every stayer, it would stay first, but one of the five would then move: refused
+    assert not admits(five, DoomedSequence("new", 0, 100.0), STEP, 15.0)
+
+
+def test_nothing_is_admitted_near_the_margin_or_without_figures() -> None:
+    short = DoomedSequence("new", 0, 40.0)  # 0.84 s alone
+    assert admits([], short, STEP, 2.0)  # 1 s to drain in
+    assert not admits([], short, STEP, 1.6)  # 0.8 s: too close to the last moves
+    assert not admits([], short, STEP, 0.0) and not admits([], short, STEP, -1.0)  # past them
+    assert not admits([], short, None, 30.0)  # the box's speed unknown
+    assert not admits([], DoomedSequence("new", 0, None), STEP, 30.0)  # no prediction, no budget
+    assert admits([], DoomedSequence("new", 0, None, budget_left=40), STEP, 30.0)  # the budget is a bound
+
+
+def test_admission_is_the_plan_made_with_the_new_sequence() -> None:
+    """``admits`` reads only the stayers' longest and total: the same answer as a plan made with the new sequence
+    that keeps it and every stayer, over random boxes."""
+    rng = random.Random(5)
+    for _ in range(500):
+        running = [DoomedSequence(f"r{k}", rng.randrange(0, 400), rng.choice([None, rng.uniform(1, 2000)]),
+                                  budget_left=rng.choice([None, rng.randrange(1, 3000)]))
+                   for k in range(rng.randrange(0, 12))]
+        new = DoomedSequence("new", 0, rng.uniform(1, 2000), budget_left=rng.randrange(1, 3000))
+        left = rng.uniform(-1, 60)
+        before = plan_evacuation(running, STEP, left)
+        after = plan_evacuation([*running, new], STEP, left)
+        replanned = left > 0 and "new" in after.stay and set(after.stay) == {*before.stay, "new"}
+        assert admits(running, new, STEP, left) == replanned
 
 
 # ------------------------------------------------------------ where the longest go (placement.preemptible)

@@ -5,14 +5,16 @@ then is cheapest left where it is (a move costs a prefill on another box); every
 streamed token and continued elsewhere now, longest first, so the fleet has the whole notice to absorb the long
 ones. "Well before" is judged on the box's learned step curve (``box_speed.StepModel``) with only the staying
 sequences running: they stay while that drain, with their upper-quantile lengths where the length model has one,
-ends within ``stay_share`` of the time left. Time is an argument; nothing here reads a clock.
+ends within ``stay_share`` of the time left. The same rule admits new work to the box (``admits``): a sequence
+goes there only if it would stay too, beside every one that stays now. Time is an argument; nothing here reads a
+clock.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rollout_manager.placement.box_speed import StepModel
 
@@ -48,6 +50,33 @@ class EvacuationPlan:
     stay: tuple[str, ...]
     move: tuple[str, ...]
     stay_drain_s: float  # predicted seconds until the staying ones are all done on the box (0: none stay)
+    stay_longest: float = 0.0  # the longest stayer's expected tokens
+    stay_tokens: float = 0.0  # the stayers' expected tokens in all
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What a doomed box may still take, from its last plan: its step model and what stays there.
+
+    A new sequence is admitted when the box running it beside the stayers drains within ``stay_share`` of the
+    time left: exactly when a plan made with it would keep it and every stayer (draining is monotone in what
+    stays, so if it fits, so does every prefix; a sequence longer than the first that moves cannot fit). Nothing
+    without a step model, without a finite figure for it, or once no time is left."""
+
+    step: StepModel | None
+    longest: float = 0.0
+    tokens: float = 0.0
+
+    def admits(self, new: DoomedSequence, time_left_s: float, stay_share: float = DEFAULT_STAY_SHARE) -> bool:
+        expected = new.expected()
+        if self.step is None or time_left_s <= 0 or not math.isfinite(expected):
+            return False
+        return self.step.drain_s(max(self.longest, expected), self.tokens + expected) <= time_left_s * stay_share
+
+    def taking(self, new: DoomedSequence) -> Admission:
+        """The admission once ``new`` (admitted) stays there too."""
+        expected = new.expected()
+        return replace(self, longest=max(self.longest, expected), tokens=self.tokens + expected)
 
 
 def plan_evacuation(running: Sequence[DoomedSequence], step: StepModel | None, time_left_s: float,
@@ -76,4 +105,17 @@ def plan_evacuation(running: Sequence[DoomedSequence], step: StepModel | None, t
             longest, total, drain = max(longest, tokens), total + tokens, with_it
     staying = set(stay)
     move = tuple(s.seq_id for s in reversed(order) if s.seq_id not in staying)
-    return EvacuationPlan(tuple(stay), move, drain)
+    return EvacuationPlan(tuple(stay), move, drain, longest, total)
+
+
+def admission(plan: EvacuationPlan, step: StepModel | None) -> Admission:
+    """What the box ``plan`` was made for may still take (``step``: its step model, as the plan had it)."""
+    return Admission(step, plan.stay_longest, plan.stay_tokens)
+
+
+def admits(running: Sequence[DoomedSequence], new: DoomedSequence, step: StepModel | None, time_left_s: float,
+           stay_share: float = DEFAULT_STAY_SHARE) -> bool:
+    """Whether the doomed box running ``running`` may take ``new`` as well (``Admission.admits`` on a plan made
+    now): with it, the plan keeps it and every sequence it keeps without it."""
+    plan = plan_evacuation(running, step, time_left_s, stay_share)
+    return admission(plan, step).admits(new, time_left_s, stay_share)
