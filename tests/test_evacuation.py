@@ -98,10 +98,11 @@ async def test_evacuation_moves_the_long_keeps_the_short_and_makes_almost_nothin
     assert inst is not None and inst["state"] == "evacuating" and inst["preemptible"] is True
     assert inst["price_per_hour"] == 0.9
     assert inst["evacuation"]["source"] == "aws" and inst["evacuation"]["moved"] == len(longs)
-    # a later notice with a later deadline changes nothing; the box takes no new work
+    # a later notice with a later deadline changes nothing; the box takes no new work it could not finish (200
+    # tokens at 0.15 s are 30 s, past half the time left)
     status, again = await m.post("/evacuate_instance", {"endpoint": doomed.endpoint, "deadline_s": 600})
     assert status == 200 and again["deadline_s"] <= 30, again
-    status, fresh = await m.post("/generate", {"input_ids": [4, 4], "sampling_params": greedy(16)})
+    status, fresh = await m.post("/generate", {"input_ids": [4, 4], "sampling_params": greedy(LONG)})
     assert status == 200 and [s["endpoint"] for s in fresh["meta_info"]["segments"]] == [healthy.endpoint]
 
     results = await asyncio.gather(*reqs)
@@ -138,6 +139,45 @@ async def test_evacuation_moves_the_long_keeps_the_short_and_makes_almost_nothin
     assert 0 < saved <= kept_from(outs, doomed.endpoint)
     evac = (await m.status())["evacuations"]
     assert evac["evacuations"]["aws"] == 1 and evac["evacuating"] == 0 and evac["tokens_saved"] == saved
+
+
+async def test_an_evacuating_box_takes_a_short_sequence_and_not_a_long_one(start_manager, start_engines, model):
+    """A box with a notice far off keeps taking what the length model and its step curve say it finishes well
+    before its deadline, and only that: a request predicted long waits for another box while a short one behind
+    it runs on the evacuating box. Both equal an uninterrupted greedy run."""
+    m = await start_manager(**{**SETTINGS, "engine_stream_interval": "4"})  # makespan: the length model is on
+    doomed, healthy = await start_engines(["--token-delay-s", "0.02"], FAST)
+    await register(m, doomed)
+    long_prompt, short_prompt, long_n, short_n = [8, 1, 6], [8, 2, 6], 400, 16
+    # a step before: the box's speed measured, each prompt's length learned
+    for status, o in await asyncio.gather(*(m.post("/generate", {"input_ids": p, "sampling_params": greedy(n)})
+                                            for p, n in ((long_prompt, long_n), (short_prompt, short_n)))):
+        assert status == 200, o
+    await async_wait_until(lambda: _measured(m, doomed.endpoint), message="the box's speed measured")
+    # 15 s: 12 s to the last moves, half of it to finish in; 16 tokens at about 20 ms fit, 400 (8 s) do not
+    status, out = await m.post("/evacuate_instance", {"endpoint": doomed.endpoint, "deadline_s": 15,
+                                                      "source": "aws"})
+    assert status == 200 and out["state"] == "evacuating", out
+    long_req = asyncio.ensure_future(m.post("/generate", {"input_ids": long_prompt,
+                                                          "sampling_params": greedy(long_n)}))
+    await async_wait_until(lambda: _waiting(m, 1), message="the long request waiting for a box")
+    status, short = await m.post("/generate", {"input_ids": short_prompt, "sampling_params": greedy(short_n)})
+    assert status == 200 and short["output_ids"] == reference_generate(model, short_prompt, short_n)[0], short
+    assert [(s["endpoint"], s["outcome"]) for s in short["meta_info"]["segments"]] == [(doomed.endpoint, "finished")]
+    assert not long_req.done() and await _waiting(m, 1)  # it never went to the evacuating box
+    await register(m, healthy)
+    status, long_out = await long_req
+    assert status == 200 and long_out["output_ids"] == reference_generate(model, long_prompt, long_n)[0]
+    assert [s["endpoint"] for s in long_out["meta_info"]["segments"]] == [healthy.endpoint]
+
+
+async def _measured(m, endpoint: str) -> bool:
+    inst = await instance(m, endpoint)
+    return inst is not None and bool((inst["decode_step"] or {}).get("measured"))
+
+
+async def _waiting(m, n: int) -> bool:
+    return (await m.status())["admission"]["waiting_for_instance"] == n
 
 
 async def test_a_sigterm_notice_removes_the_box_once_nothing_is_left_on_it(start_manager, start_engines, model):

@@ -18,6 +18,7 @@ import asyncio
 import contextvars
 import time
 from collections.abc import Callable, Collection
+from typing import Protocol
 
 from rollout_manager.errors import Unavailable
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
@@ -36,6 +37,15 @@ from rollout_manager.placement.waiting import Waiter
 # (run_batch holds a batch's requests back until there is room): its wait for an instance counts from
 # then. Unset: from the moment it asks.
 accepted_at: contextvars.ContextVar[float | None] = contextvars.ContextVar("accepted_at", default=None)
+
+
+class EvacuatingBoxes(Protocol):
+    """Boxes with a preemption notice that still take what they are predicted to finish in time
+    (``rollout.evacuation.Evacuator``)."""
+
+    def admitting(self, ask: Ask) -> list[Instance]: ...
+
+    def taken(self, inst: Instance, ask: Ask) -> None: ...
 
 
 class Dispatcher:
@@ -63,6 +73,7 @@ class Dispatcher:
         # Narrows the clean remote boxes with room for a sequence predicted to make the tokens given (None: no
         # prediction), e.g. the longest onto non-preemptible boxes (placement.preemptible); None: no narrowing.
         self.narrow_remote: Callable[[list[Instance], float | None], list[Instance]] | None = None
+        self.evacuating: EvacuatingBoxes | None = None  # evacuating boxes that may take a sequence (None: none)
         self.makespan = policy if isinstance(policy, Makespan) else None
         registry.listeners.append(self._on_event)
 
@@ -131,6 +142,8 @@ class Dispatcher:
                     (remote_failing if failures else remote_clean).append(i)
             elif local_ok and i.load.in_flight < bound_of(i):
                 (local_failing if failures else local_clean).append(i)
+        if self.evacuating is not None:  # a box with a notice, for what it is predicted to finish before its end
+            remote_clean += self._evacuating_for(ask)
         if self.narrow_remote is not None and len(remote_clean) > 1:  # the step's tail off boxes that may vanish
             remote_clean = self.narrow_remote(remote_clean, predicted if high is None else high)
         now = self.clock()
@@ -143,8 +156,41 @@ class Dispatcher:
                 inst = self._preferred(clean, loads, prefer, tokens, now) if prefer is not None and clean else None
                 inst = inst or self._pick(loads, tokens, now)
             if inst is not None:
+                if inst.state is State.EVACUATING and self.evacuating is not None:
+                    self.evacuating.taken(inst, ask)
                 return inst
         return None
+
+    def _evacuating_for(self, ask: Ask) -> list[Instance]:
+        """The evacuating boxes that admit ``ask`` (``EvacuatingBoxes``) and have room for it."""
+        assert self.evacuating is not None
+        allow, bound_of = ask.allow, self.capacity.bound_of
+        return [i for i in self.evacuating.admitting(ask) if i.load.in_flight < bound_of(i)
+                and not i.health.consecutive_failures and (allow is None or allow(i))]
+
+    def _place_on_evacuating(self) -> None:
+        """Offer what still waits, in the queue's order, to the evacuating boxes alone. The queue stops at its
+        first request that fits nowhere (the ones behind would not fit either), but a box with a notice takes
+        only what it is predicted to finish in time, so a short request behind a long one may go there."""
+        evacuating, capacity = self.evacuating, self.capacity
+        if evacuating is None or not capacity.queued() or self.closing:
+            return
+        for w in capacity.waiters():
+            if capacity.in_flight >= capacity.max_in_flight_total:
+                return
+            ask = w.ask
+            boxes = self._evacuating_for(ask)
+            if not boxes:
+                continue
+            now = self.clock()
+            loads = self.fleet.loads_of(boxes, now)
+            if self.makespan is not None:
+                inst = self._place(loads, ask.tokens, now, ask.predicted, None, ask.context, ask.high)
+            else:
+                inst = self._pick(loads, ask.tokens, now)
+            if inst is not None:
+                evacuating.taken(inst, ask)
+                w.future.set_result(inst)
 
     def _preferred(self, clean: list[Instance], loads: list[InstanceLoad], prefer: str, tokens: int,
                    now: float) -> Instance | None:
@@ -287,6 +333,7 @@ class Dispatcher:
     def _place_waiting(self) -> None:
         """Place queued requests in order until one cannot be placed (``WaitQueue.place``)."""
         self.capacity.place(self._try_waiter, self._closed)
+        self._place_on_evacuating()
 
     def _try_waiter(self, w: Waiter) -> Instance | None:
         return self.try_acquire(w.ask)

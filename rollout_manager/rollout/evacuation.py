@@ -1,13 +1,18 @@
 """Evacuating a box its cloud will take back: a notice with a deadline turned into moves before the box is gone.
 
-At the notice the box goes ``evacuating`` (so at once no new work, no tail-migration target and no weight push go
-to it: every one of those wants ``active``). Every ``tick_s`` until the deadline its running sequences are split
-by ``placement.evacuation_plan``: those the length model and the box's learned step curve say end well before
-the deadline stay; the others are aborted there and continue exactly from the tokens made on another box now,
-longest first, each as soon as a box has room for it (the dispatcher places it as any request; the target is
-reserved before the abort, as tail migration does). ``margin_s`` before the deadline whatever is left moves, to
-wherever the dispatcher places it. At the deadline the box is removed (``dead``, the reason naming the notice);
-a box whose notice is final (SIGTERM: its process is stopping) as soon as nothing runs or moves on it.
+At the notice the box goes ``evacuating``: no tail-migration target and no weight push from then (both want
+``active``), and new work only where the plan would keep it (``Evacuator.admitting``, asked by the dispatcher: a
+sequence whose prediction, within its budget, ends well before the deadline beside what stays there already, by
+``evacuation_plan.admits``; none within ``margin_s`` of the deadline, none to a box behind the weight version or
+with a SIGTERM notice, whose process is stopping and is removed once empty). Whatever runs there at the margin
+still moves, so a wrong prediction costs a move, never a sequence. Every ``tick_s`` until the deadline its
+running sequences are split by ``placement.evacuation_plan``: those the length model and the box's learned
+step curve say end well before the deadline stay; the others are aborted there and continue exactly from the
+tokens made on another box now, longest first, each as soon as a box has room for it (the dispatcher places it
+as any request; the target is reserved before the abort, as tail migration does). ``margin_s`` before the
+deadline whatever is left moves, to wherever the dispatcher places it. At the deadline the box is removed
+(``dead``, the reason naming the notice); a box whose notice is final (SIGTERM: its process is stopping) as soon
+as nothing runs or moves on it.
 A second notice only brings the deadline forward; a cancel returns the box to service, through ``syncing`` when
 it missed a weight version.
 
@@ -30,8 +35,15 @@ from typing import Any
 from rollout_manager.errors import Conflict
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
-from rollout_manager.placement.evacuation_plan import DoomedSequence, EvacuationPlan, plan_evacuation
+from rollout_manager.placement.evacuation_plan import (
+    Admission,
+    DoomedSequence,
+    EvacuationPlan,
+    admission,
+    plan_evacuation,
+)
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.rollout.migration import Migrator
 from rollout_manager.rollout.sequence import Segment, SequenceState
@@ -70,6 +82,12 @@ class Evacuation:
     staying: int = 0
     moved: int = 0
     made_at_notice: dict[int, tuple[SequenceState, int]] = field(default_factory=dict)  # by id(seq)
+    admitted: int = 0  # new sequences placed on the box after its notice
+    # What it may still take: from the last plan, with what was admitted since (``_plan`` makes it again).
+    admission: Admission = field(default_factory=lambda: Admission(None))
+    # Those admitted within the last tick_s (when, figure): placed, they may not stream there yet (not in
+    # ``Migrator.on``), so the next plan's admission counts them too: twice for a moment at worst, never less.
+    pending: list[tuple[float, DoomedSequence]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -98,6 +116,7 @@ class Evacuator:
         self.failures_without_notice = 0  # sequences cut by a failure of a box that was not evacuating
         self._noticed: set[str] = set()  # instance ids that ever had a notice (ids are never reused in a run)
         migrator.failed = self._failed
+        dispatcher.evacuating = self
 
     # ------------------------------------------------------------ notices
     def start(self, inst: Instance, deadline_s: float, source: str, detail: str | None) -> dict[str, Any]:
@@ -160,6 +179,38 @@ class Evacuator:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    # ------------------------------------------------------------ new work
+    def admitting(self, ask: Ask) -> list[Instance]:
+        """The evacuating boxes that may take ``ask`` (``dispatch.EvacuatingBoxes``): it would stay there by the
+        plan's own rule, beside every sequence that stays there now."""
+        if not self.active:
+            return []
+        now = self.clock()
+        return [ev.inst for ev in self.active.values() if self._admits(ev, ask, now)]
+
+    def taken(self, inst: Instance, ask: Ask) -> None:
+        """The dispatcher placed ``ask`` on evacuating ``inst``: it stays there, in what the box may still take."""
+        ev = self.active.get(inst.id)
+        if ev is not None:
+            ev.admitted += 1
+            new = self._asked(ask, f"admitted-{ev.admitted}")
+            ev.admission = ev.admission.taking(new)
+            ev.pending.append((self.clock(), new))
+
+    def _admits(self, ev: Evacuation, ask: Ask, now: float) -> bool:
+        inst = ev.inst
+        if (ev.source in FINAL_SOURCES or inst.state != State.EVACUATING or self.registry.get(inst.id) is not inst
+                or inst.quarantined is not None or self.version.behind(inst)
+                or inst.load.in_flight >= self.dispatcher.capacity.bound_of(inst)):
+            return False
+        return ev.admission.admits(self._asked(ask, "asked"), ev.deadline - now - self.settings.margin_s,
+                                   self.settings.stay_share)
+
+    @staticmethod
+    def _asked(ask: Ask, seq_id: str) -> DoomedSequence:
+        """A sequence not yet placed, as the plan counts it: nothing made, its prediction, its budget left."""
+        return DoomedSequence(seq_id, 0, ask.predicted, ask.high, ask.tokens)
+
     # ------------------------------------------------------------ the moves
     def _answer(self, ev: Evacuation, now: float) -> dict[str, Any]:
         left = len(self.migrator.on(ev.inst))
@@ -210,9 +261,15 @@ class Evacuator:
         by_id = {str(id(seq)): seq for seq in running}
         if time_left <= 0:
             plan = EvacuationPlan((), tuple(by_id), 0.0)
+            ev.admission = Admission(None)
         else:
-            plan = plan_evacuation([self._doomed(seq) for seq in running],
-                                   self.dispatcher.fleet.speeds.model(inst.id), time_left, self.settings.stay_share)
+            step = self.dispatcher.fleet.speeds.model(inst.id)
+            plan = plan_evacuation([self._doomed(seq) for seq in running], step, time_left, self.settings.stay_share)
+            now = self.clock()
+            ev.pending = [(at, d) for at, d in ev.pending if now - at < self.settings.tick_s]
+            ev.admission = admission(plan, step)
+            for _, d in ev.pending:
+                ev.admission = ev.admission.taking(d)
         ev.staying = len(plan.stay)
         reason = f"{ev.source} notice"
         for sid in plan.move:
