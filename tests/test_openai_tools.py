@@ -56,6 +56,20 @@ def test_an_answer_is_read_into_content_and_calls(renderer: Renderer) -> None:
     assert thought.reasoning == "weather in paris" and thought.content is None and len(thought.calls) == 2
     assert parse("<think> sunny </think> paris", None) == tool_calls.Parsed("paris", [], "sunny")
     assert parse(TWO_CALLS, None) == tool_calls.Parsed(TWO_CALLS, [])
+    assert renderer.reads_reasoning  # </think> is one of its tokens: every chat answer is read for reasoning
+
+
+def test_without_a_think_token_answers_are_not_read_for_reasoning_with_the_shipped_schema(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<|im_end|>", "hello"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(tmp_path)
+    assert not Renderer(str(tmp_path)).reads_reasoning
 
 
 def test_a_tokenizers_own_response_schema_is_the_one_read(tmp_path: Path) -> None:

@@ -66,10 +66,18 @@ class Renderer:
                              "transformers lacks: pip install 'transformers>=5'")
         own = getattr(self.tok, "response_schema", None)
         self.schema: dict[str, Any] = own if isinstance(own, dict) else json.loads(HERMES_SCHEMA.read_text())
-        self.reads_reasoning = "thinking" in self.schema.get("properties", {})
+        # Every chat answer is read for reasoning when the schema yields it; the shipped schema's only when
+        # the tokenizer has ``</think>`` as a token (a reasoning model's; transformers' server asks the same),
+        # so a model that never reasons streams its answers as they are made.
+        self.reads_reasoning = "thinking" in self.schema.get("properties", {}) and (
+            isinstance(own, dict) or self._has_token("</think>"))
         if '"transform"' in json.dumps(self.schema) and importlib.util.find_spec("jmespath") is None:
             raise ValueError(f"the response schema of the tokenizer at {path} uses jmespath transforms: "
                              "pip install jmespath")
+
+    def _has_token(self, token: str) -> bool:
+        found = self.tok.convert_tokens_to_ids(token)
+        return isinstance(found, int) and found != self.tok.unk_token_id
 
     def read(self, text: str) -> dict[str, Any]:
         """An answer's text parsed with the response schema by transformers (``parse_response``): a message
