@@ -9,7 +9,11 @@ manager's speeds and the prompts' lengths learned, as from a step before), then 
 same draws:
 
 - **notice**: ``--notice`` seconds before a box is taken back it is evacuated as the manager does it
-  (``rollout/evacuation.py``): at once it gets no new work; every ``--tick-evac`` seconds its sequences are split by
+  (``rollout/evacuation.py``): at once it is no tail-migration target, and it takes new work only where
+  ``evacuation_plan.admits`` says the sequence would stay (its prediction, within its budget, drained on the box's
+  curve beside what stays there within half the time left to the margin; the dispatcher offers it the queue's
+  head with the other boxes, then, when the head fits nowhere, each queued sequence in order); every
+  ``--tick-evac`` seconds its sequences are split by
   ``plan_evacuation`` (those predicted to end within half the time left stay) and the others move, longest first,
   to a box with room now; ``--margin`` seconds before the deadline whatever is left goes back to the manager's
   queue. A moved sequence is aborted where it runs, and the abort's answer carries the tokens made since its last
@@ -64,7 +68,7 @@ from sim_tail import GROUP, mover_of, sim_args
 from tail_fleet import BENCH, SWEEP, Shape
 
 from rollout_manager.placement.box_speed import BoxSpeeds, StepModel
-from rollout_manager.placement.evacuation_plan import DoomedSequence, plan_evacuation
+from rollout_manager.placement.evacuation_plan import Admission, DoomedSequence, admission, plan_evacuation
 from rollout_manager.placement.fleet_demand import BoxKind, BoxNow, FleetDemand, fleet_demand
 from rollout_manager.placement.fleet_signal import MIN_LEFT
 from rollout_manager.placement.lengths import LengthModel
@@ -93,6 +97,7 @@ class Outcome:
     migration_prefill: float  # the same after tail migration's moves
     moved: int  # sequences cut off a box taken back
     stayed: int  # sequences that finished on a box with a notice after it
+    admitted: int = 0  # sequences placed on a box after its notice
     boxes: int = 0  # boxes started (scale runs)
     box_s: float = 0.0  # box-seconds the step held, each weighted by its box's price (its speed; scale runs)
     wanted_after: int = -1  # boxes the signal asked for once the step was over (scale runs)
@@ -142,13 +147,14 @@ class Sim:
         self.base: dict[int, float] = {r.rid: 0.0 for r in self.reqs}  # tokens made when its attempt began
         self.held: deque[Req] = deque(sorted(self.reqs, key=lambda r: -(r.predicted or 0.0)))
         self.evacuating: dict[str, float] = {}  # box -> deadline
+        self.admission: dict[str, Admission] = {}  # box -> what it may still take (its last plan's, as the manager)
         self.gone_at: dict[str, float] = {}  # box -> the moment it is taken back
         for p in run.preemptions:
             self.gone_at[f"i{p.box}"] = p.at
         self.delayed: list[tuple[float, Req]] = []  # crash victims, back in the queue after detect_s
         self.now = 0.0
         self.remade = self.reprefill = self.migration_prefill = 0.0
-        self.moved = self.stayed = self.finished = 0
+        self.moved = self.stayed = self.finished = self.admitted = 0
         self.noticed: set[int] = set()  # sequences on a box when its notice came
         self.next_evac = 0.0  # the evacuations' next tick
         self.first_end = 0.0  # the signal's first predicted end (scale runs)
@@ -190,16 +196,56 @@ class Sim:
             return None
         inst = self.by_id[choice]
         inst.admit(r, self.now)
+        if inst.iid in self.evacuating:  # the Evacuator's ``taken``
+            self.admitted += 1
+            self.admission[inst.iid] = self.admission[inst.iid].taking(self.asked(r))
         inst.work.placed(*self.policy.counted(r.budget_left, r.predicted, high))
         self.base[r.rid] = self.seen[r.rid] = r.done
         return inst
 
     def offer(self) -> None:
-        among = self.serving()
-        while self.held and among:
-            if self.place(self.held[0], among) is None:
-                return
+        """The dispatcher's queue: the head to the serving boxes and the evacuating ones that admit it, until one
+        fits nowhere; then, while boxes evacuate, each queued sequence in order to those that admit it alone
+        (``Dispatcher._place_on_evacuating``)."""
+        serving = self.serving()
+        while self.held:
+            r = self.held[0]
+            among = serving + self.admitting(r)
+            if not among or self.place(r, among) is None:
+                break
             self.held.popleft()
+        if not self.evacuating or not self.held:
+            return
+        for r in list(self.held):
+            boxes = self.admitting(r)
+            if boxes and self.place(r, boxes) is not None:
+                self.held.remove(r)
+
+    def admitting(self, r: Req) -> list[Inst]:
+        """The evacuating boxes with room that would keep ``r`` (``Evacuator.admitting``)."""
+        if not self.evacuating:
+            return []
+        asked = self.asked(r)
+        return [inst for iid, deadline in self.evacuating.items() if (inst := self.by_id[iid]).alive
+                and inst.in_flight() < inst.max_running
+                and self.admission[iid].admits(asked, deadline - self.now - self.run.margin_s)]
+
+    def asked(self, r: Req) -> DoomedSequence:
+        """``r`` not yet placed, as the plan counts it (``Evacuator._asked``: the ask's prediction and budget)."""
+        assert r.track is not None
+        made = int(r.done)
+        predicted = self.model.left(r.track, made) if r.predicted is None else r.predicted
+        return DoomedSequence("asked", 0, predicted, self.model.high(r.track, made), r.budget_left)
+
+    def doomed(self, inst: Inst) -> list[DoomedSequence]:
+        """``inst``'s sequences as the evacuation plan counts them (``Evacuator._doomed``)."""
+        out = []
+        for r in inst.running + list(inst.queue):
+            assert r.track is not None
+            made = int(self.seen[r.rid])
+            out.append(DoomedSequence(str(r.rid), made, self.model.left(r.track, made),
+                                      self.model.high(r.track, made), r.budget - made))
+        return out
 
     # ------------------------------------------------------------ cuts
     def cut(self, r: Req, inst: Inst, carried: bool = False) -> None:
@@ -232,14 +278,12 @@ class Sim:
         seqs = {str(r.rid): r for r in inst.running + list(inst.queue)}
         if left_s <= 0:
             move = list(seqs)
+            self.admission[inst.iid] = Admission(None)
         else:
-            doomed = []
-            for r in seqs.values():
-                assert r.track is not None
-                made = int(self.seen[r.rid])
-                doomed.append(DoomedSequence(str(r.rid), made, self.model.left(r.track, made),
-                                             self.model.high(r.track, made), r.budget - made))
-            move = list(plan_evacuation(doomed, self.speeds.model(inst.iid), left_s).move)
+            step = self.speeds.model(inst.iid)
+            plan = plan_evacuation(self.doomed(inst), step, left_s)
+            move = list(plan.move)
+            self.admission[inst.iid] = admission(plan, step)
         for sid in move:
             r = seqs[sid]
             if left_s > 0:  # only to a box with room now, as the dispatcher's try_acquire
@@ -353,6 +397,7 @@ class Sim:
         for at, inst in notices:
             if at <= 0:
                 self.notice(inst, at + (run.notice_s or 0.0))
+                self.evacuate(inst)  # the manager plans at the notice: what the box may take from the start
         notices = [(at, i) for at, i in notices if at > 0]
         if run.scale_target_s is not None:
             self.scale(run.scale_target_s)
@@ -450,7 +495,7 @@ class Sim:
         wanted_after = self.demand(run.scale_target_s).wanted if run.scale_target_s is not None else -1
         return Outcome(self.now, sum(r.length for r in self.reqs), self.remade, self.reprefill,
                        self.migration_prefill, self.moved,
-                       self.stayed, len(self.insts), box_s, wanted_after, self.first_end)
+                       self.stayed, self.admitted, len(self.insts), box_s, wanted_after, self.first_end)
 
 
 # ------------------------------------------------------------------ runs
@@ -546,8 +591,9 @@ def preemptions(own: argparse.Namespace, shape: Shape) -> int:
         print(f"- seed {seed}: {len(draws)} preemption(s) at "
               + ", ".join(f"box {p.box} (speed {shape.speeds[p.box]:g}) {p.at:.0f}s" for p in draws)
               + f" of a {base.makespan:.0f}s step ({base.tokens} tokens; {pct(lost[-1])} of its box capacity lost); "
-              + "; ".join(f"{name}: makespan x{r.makespan / base.makespan:.3f}, {r.moved} cut ({r.stayed} stayed), "
-                          f"re-made {r.remade:.0f}, prefilled again {r.reprefill:.0f}" for name, r in runs.items()))
+              + "; ".join(f"{name}: makespan x{r.makespan / base.makespan:.3f}, {r.moved} cut ({r.stayed} stayed, "
+                          f"{r.admitted} admitted), re-made {r.remade:.0f}, prefilled again {r.reprefill:.0f}"
+                          for name, r in runs.items()))
     for name, label in ROWS.items():
         print(f"{name:>6} ({label}): makespan / no preemption median {statistics.median(ratios[name]):.3f} (worst "
               f"{max(ratios[name]):.3f}); re-made tokens median {pct(statistics.median(remade[name]))} (worst "
