@@ -68,7 +68,7 @@ from sim_tail import GROUP, mover_of, sim_args
 from tail_fleet import BENCH, SWEEP, Shape
 
 from rollout_manager.placement.box_speed import BoxSpeeds, StepModel
-from rollout_manager.placement.evacuation_plan import Admission, DoomedSequence, admission, plan_evacuation
+from rollout_manager.placement.evacuation_plan import DoomedSequence, EvacuationAdmission, admission, plan_evacuation
 from rollout_manager.placement.fleet_demand import BoxKind, BoxNow, FleetDemand, fleet_demand
 from rollout_manager.placement.fleet_signal import MIN_LEFT
 from rollout_manager.placement.lengths import LengthModel
@@ -147,7 +147,7 @@ class Sim:
         self.base: dict[int, float] = {r.rid: 0.0 for r in self.reqs}  # tokens made when its attempt began
         self.held: deque[Req] = deque(sorted(self.reqs, key=lambda r: -(r.predicted or 0.0)))
         self.evacuating: dict[str, float] = {}  # box -> deadline
-        self.admission: dict[str, Admission] = {}  # box -> what it may still take (its last plan's, as the manager)
+        self.admission: dict[str, EvacuationAdmission] = {}  # box -> what it may still take (as the manager's)
         self.gone_at: dict[str, float] = {}  # box -> the moment it is taken back
         for p in run.preemptions:
             self.gone_at[f"i{p.box}"] = p.at
@@ -278,7 +278,7 @@ class Sim:
         seqs = {str(r.rid): r for r in inst.running + list(inst.queue)}
         if left_s <= 0:
             move = list(seqs)
-            self.admission[inst.iid] = Admission(None)
+            self.admission[inst.iid] = EvacuationAdmission(None)
         else:
             step = self.speeds.model(inst.iid)
             plan = plan_evacuation(self.doomed(inst), step, left_s)

@@ -55,7 +55,7 @@ class EvacuationPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class EvacuationAdmission:
     """What a doomed box may still take, from its last plan: its step model and what stays there.
 
     A new sequence is admitted when the box running it beside the stayers drains within ``stay_share`` of the
@@ -73,7 +73,7 @@ class Admission:
             return False
         return self.step.drain_s(max(self.longest, expected), self.tokens + expected) <= time_left_s * stay_share
 
-    def taking(self, new: DoomedSequence) -> Admission:
+    def taking(self, new: DoomedSequence) -> EvacuationAdmission:
         """The admission once ``new`` (admitted) stays there too."""
         expected = new.expected()
         return replace(self, longest=max(self.longest, expected), tokens=self.tokens + expected)
@@ -108,14 +108,14 @@ def plan_evacuation(running: Sequence[DoomedSequence], step: StepModel | None, t
     return EvacuationPlan(tuple(stay), move, drain, longest, total)
 
 
-def admission(plan: EvacuationPlan, step: StepModel | None) -> Admission:
+def admission(plan: EvacuationPlan, step: StepModel | None) -> EvacuationAdmission:
     """What the box ``plan`` was made for may still take (``step``: its step model, as the plan had it)."""
-    return Admission(step, plan.stay_longest, plan.stay_tokens)
+    return EvacuationAdmission(step, plan.stay_longest, plan.stay_tokens)
 
 
 def admits(running: Sequence[DoomedSequence], new: DoomedSequence, step: StepModel | None, time_left_s: float,
            stay_share: float = DEFAULT_STAY_SHARE) -> bool:
-    """Whether the doomed box running ``running`` may take ``new`` as well (``Admission.admits`` on a plan made
-    now): with it, the plan keeps it and every sequence it keeps without it."""
+    """Whether the doomed box running ``running`` may take ``new`` as well (``EvacuationAdmission.admits`` on a
+    plan made now): with it, the plan keeps it and every sequence it keeps without it."""
     plan = plan_evacuation(running, step, time_left_s, stay_share)
     return admission(plan, step).admits(new, time_left_s, stay_share)

@@ -38,8 +38,8 @@ from rollout_manager.instances.version import WeightVersion
 from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.evacuation_plan import (
-    Admission,
     DoomedSequence,
+    EvacuationAdmission,
     EvacuationPlan,
     admission,
     plan_evacuation,
@@ -84,7 +84,7 @@ class Evacuation:
     made_at_notice: dict[int, tuple[SequenceState, int]] = field(default_factory=dict)  # by id(seq)
     admitted: int = 0  # new sequences placed on the box after its notice
     # What it may still take: from the last plan, with what was admitted since (``_plan`` makes it again).
-    admission: Admission = field(default_factory=lambda: Admission(None))
+    admission: EvacuationAdmission = field(default_factory=lambda: EvacuationAdmission(None))
     # Those admitted within the last tick_s (when, figure): placed, they may not stream there yet (not in
     # ``Migrator.on``), so the next plan's admission counts them too: twice for a moment at worst, never less.
     pending: list[tuple[float, DoomedSequence]] = field(default_factory=list)
@@ -261,7 +261,7 @@ class Evacuator:
         by_id = {str(id(seq)): seq for seq in running}
         if time_left <= 0:
             plan = EvacuationPlan((), tuple(by_id), 0.0)
-            ev.admission = Admission(None)
+            ev.admission = EvacuationAdmission(None)
         else:
             step = self.dispatcher.fleet.speeds.model(inst.id)
             plan = plan_evacuation([self._doomed(seq) for seq in running], step, time_left, self.settings.stay_share)
