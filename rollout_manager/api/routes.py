@@ -131,8 +131,9 @@ async def shutdown_instances(request: web.Request, body: ShutdownInstances, _: A
 
 @accepts(EvacuateInstance)
 async def evacuate_instance(request: web.Request, body: EvacuateInstance, _: Any) -> web.Response:
-    """A preemption notice: no new work goes to the box; its sequences finish there or move before the deadline,
-    then it is removed. With a box token (not the shared one) only the box it was issued for."""
+    """A preemption notice: the box takes only new work it is predicted to finish; its sequences finish there or
+    move before the deadline, then it is removed. With a box token (not the shared one) only the box it was issued
+    for."""
     return json_response(manager_of(request).evacuate_instance(body.endpoint, body.deadline_s, body.source,
                                                                body.detail, request.get(BOX_TOKEN)))
 

@@ -32,8 +32,9 @@ class State(str, enum.Enum):
     SYNCING = "syncing"  # receiving weights; takes no new requests
     ACTIVE = "active"  # serving
     DRAINING = "draining"  # finishing in-flight work before removal; takes no new requests
-    # Told it will be taken back (a preemption notice): no new work, no migration target, no weight push; its
-    # sequences finish there or move (rollout/evacuation.py) until its deadline removes it, or a cancel returns it.
+    # Told it will be taken back (a preemption notice): new work only what it can finish, no migration target,
+    # no weight push; its sequences finish there or move (rollout/evacuation.py) until its deadline removes it, or
+    # a cancel returns it.
     EVACUATING = "evacuating"
     DEAD = "dead"  # failed or removed; gone from the registry
 
