@@ -43,9 +43,13 @@ class EvacuatingBoxes(Protocol):
     """Boxes with a preemption notice that still take what they are predicted to finish in time
     (``rollout.evacuation.Evacuator``)."""
 
+    generation: int  # moves on whenever what they may take is made again (every evacuation tick)
+
     def admitting(self, ask: Ask) -> list[Instance]: ...
 
     def taken(self, inst: Instance, ask: Ask) -> None: ...
+
+    def room(self) -> bool: ...
 
 
 class Dispatcher:
@@ -74,6 +78,7 @@ class Dispatcher:
         # prediction), e.g. the longest onto non-preemptible boxes (placement.preemptible); None: no narrowing.
         self.narrow_remote: Callable[[list[Instance], float | None], list[Instance]] | None = None
         self.evacuating: EvacuatingBoxes | None = None  # evacuating boxes that may take a sequence (None: none)
+        self._evacuation_offered = -1  # the evacuations' generation the queue was last offered to them at
         self.makespan = policy if isinstance(policy, Makespan) else None
         registry.listeners.append(self._on_event)
 
@@ -171,10 +176,13 @@ class Dispatcher:
     def _place_on_evacuating(self) -> None:
         """Offer what still waits, in the queue's order, to the evacuating boxes alone. The queue stops at its
         first request that fits nowhere (the ones behind would not fit either), but a box with a notice takes
-        only what it is predicted to finish in time, so a short request behind a long one may go there."""
+        only what it is predicted to finish in time, so a short request behind a long one may go there. Once per
+        generation of their admissions (an evacuation tick) while one has room: a pass scans the whole queue."""
         evacuating, capacity = self.evacuating, self.capacity
-        if evacuating is None or not capacity.queued() or self.closing:
+        if (evacuating is None or not capacity.queued() or self.closing
+                or evacuating.generation == self._evacuation_offered or not evacuating.room()):
             return
+        self._evacuation_offered = evacuating.generation
         for w in capacity.waiters():
             if capacity.in_flight >= capacity.max_in_flight_total:
                 return
@@ -334,6 +342,11 @@ class Dispatcher:
         """Place queued requests in order until one cannot be placed (``WaitQueue.place``)."""
         self.capacity.place(self._try_waiter, self._closed)
         self._place_on_evacuating()
+
+    def offer_waiting(self) -> None:
+        """Offer what waits again, after a change no registry event or release told of (an evacuation's
+        admissions made again)."""
+        self._place_waiting()
 
     def _try_waiter(self, w: Waiter) -> Instance | None:
         return self.try_acquire(w.ask)

@@ -115,6 +115,7 @@ class Evacuator:
         self.preemption_tokens_lost = 0.0  # estimated: made twice after failures without notice
         self.failures_without_notice = 0  # sequences cut by a failure of a box that was not evacuating
         self._noticed: set[str] = set()  # instance ids that ever had a notice (ids are never reused in a run)
+        self.generation = 0  # moves on whenever an admission is made again (dispatch.EvacuatingBoxes)
         migrator.failed = self._failed
         dispatcher.evacuating = self
 
@@ -187,6 +188,14 @@ class Evacuator:
             return []
         now = self.clock()
         return [ev.inst for ev in self.active.values() if self._admits(ev, ask, now)]
+
+    def room(self) -> bool:
+        """Whether an evacuating box may take work now at all (it has room, time and an admission)."""
+        now = self.clock()
+        return any(ev.source not in FINAL_SOURCES and ev.admission.step is not None
+                   and ev.deadline - now > self.settings.margin_s
+                   and ev.inst.load.in_flight < self.dispatcher.capacity.bound_of(ev.inst)
+                   for ev in self.active.values())
 
     def taken(self, inst: Instance, ask: Ask) -> None:
         """The dispatcher placed ``ask`` on evacuating ``inst``: it stays there, in what the box may still take."""
@@ -270,6 +279,8 @@ class Evacuator:
             ev.admission = admission(plan, step)
             for _, d in ev.pending:
                 ev.admission = ev.admission.taking(d)
+        self.generation += 1
+        self.dispatcher.offer_waiting()  # what waits may fit the admission made now
         ev.staying = len(plan.stay)
         reason = f"{ev.source} notice"
         for sid in plan.move:
