@@ -148,6 +148,8 @@ class Sim:
         self.held: deque[Req] = deque(sorted(self.reqs, key=lambda r: -(r.predicted or 0.0)))
         self.evacuating: dict[str, float] = {}  # box -> deadline
         self.admission: dict[str, EvacuationAdmission] = {}  # box -> what it may still take (as the manager's)
+        self.generation = 0  # moves on at every evacuation tick (the Evacuator's)
+        self.offered = -1  # the generation the queue was last offered to the evacuating boxes at (the dispatcher's)
         self.gone_at: dict[str, float] = {}  # box -> the moment it is taken back
         for p in run.preemptions:
             self.gone_at[f"i{p.box}"] = p.at
@@ -205,8 +207,8 @@ class Sim:
 
     def offer(self) -> None:
         """The dispatcher's queue: the head to the serving boxes and the evacuating ones that admit it, until one
-        fits nowhere; then, while boxes evacuate, each queued sequence in order to those that admit it alone
-        (``Dispatcher._place_on_evacuating``)."""
+        fits nowhere; then, once per evacuation tick while one of them has room, each queued sequence in order to
+        those that admit it alone (``Dispatcher._place_on_evacuating``)."""
         serving = self.serving()
         while self.held:
             r = self.held[0]
@@ -214,8 +216,11 @@ class Sim:
             if not among or self.place(r, among) is None:
                 break
             self.held.popleft()
-        if not self.evacuating or not self.held:
+        if not self.evacuating or not self.held or self.generation == self.offered or not any(
+                (i := self.by_id[iid]).alive and i.in_flight() < i.max_running and self.admission[iid].step is not None
+                and deadline - self.now > self.run.margin_s for iid, deadline in self.evacuating.items()):
             return
+        self.offered = self.generation
         for r in list(self.held):
             boxes = self.admitting(r)
             if boxes and self.place(r, boxes) is not None:
@@ -284,6 +289,7 @@ class Sim:
             plan = plan_evacuation(self.doomed(inst), step, left_s)
             move = list(plan.move)
             self.admission[inst.iid] = admission(plan, step)
+        self.generation += 1
         for sid in move:
             r = seqs[sid]
             if left_s > 0:  # only to a box with room now, as the dispatcher's try_acquire
