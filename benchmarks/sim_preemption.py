@@ -9,10 +9,11 @@ manager's speeds and the prompts' lengths learned, as from a step before), then 
 same draws:
 
 - **notice**: ``--notice`` seconds before a box is taken back it is evacuated as the manager does it
-  (``rollout/evacuation.py``): at once it is no tail-migration target, and it takes new work only where
-  the box's ``evacuation_plan.EvacuationAdmission`` says the sequence would stay (its prediction, within its budget, drained on the box's
-  curve beside what stays there within half the time left to the margin; the dispatcher offers it the queue's
-  head with the other boxes, then, when the head fits nowhere, once a tick each queued sequence in order); every
+  (``rollout/evacuation.py``): at once it is no tail-migration target, and it takes new work only where the
+  box's ``evacuation_plan.EvacuationAdmission`` says the sequence would stay (its prediction, within its budget,
+  drained on the box's curve beside what stays there within half the time left to the margin; the dispatcher
+  offers it the queue's head with the other boxes, then, when the head fits nowhere, once a tick each queued
+  sequence in order); every
   ``--tick-evac`` seconds its sequences are split by
   ``plan_evacuation`` (those predicted to end within half the time left stay) and the others move, longest first,
   to a box with room now; ``--margin`` seconds before the deadline whatever is left goes back to the manager's
