@@ -1,7 +1,8 @@
 """SIGTERM to scripts/launch_sglang.sh running real SGLang 0.5.23 (CPU): the launcher reports it to the manager as
 a preemption notice with its grace period, SGLang keeps serving while the manager moves the box's sequences to the
-other box, where they continue token for token equal to an uninterrupted run; the manager removes the box at the
-deadline and the launcher then stops SGLang and the agent and exits 0, leaving nothing running."""
+other box, where they continue token for token equal to an uninterrupted run; the manager removes the box once
+nothing runs there (at the latest at its deadline) and the launcher then stops SGLang and the agent and exits 0,
+leaving nothing running."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ async def test_sigterm_to_the_launcher_moves_its_sequences_exactly_and_removes_t
             await async_wait_until(evacuating, 30, interval_s=0.05, message="the box evacuating")
             assert seen[0]["evacuation"]["source"] == "sigterm", seen[0]
             assert 0 < seen[0]["evacuation"]["deadline_in_s"] <= GRACE_S
-            async with s.get(doomed.url + "/health") as r:
-                assert r.status == 200  # SGLang still serves while the manager moves its work
+            # SGLang keeps serving until the manager has moved its work (the moved sequences' aborts answer with
+            # the tokens made since their last chunk, below); once the box is empty the manager removes it and the
+            # launcher stops SGLang, which can be before this point, so the box itself is not asked here.
 
             moved = 0
             for (_, want), run in zip(reference, runs):
