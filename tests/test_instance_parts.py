@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from ast_writes import assigned
 
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Kind, Registry
@@ -31,17 +32,10 @@ def assignments(path: Path) -> list[tuple[int, str, str]]:
     """(line, target, field) of every assignment to one of OWNER's names on something other than ``self``."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        else:
-            continue
-        for target in targets:
-            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                if isinstance(t, ast.Attribute) and t.attr in OWNER \
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
-                    found.append((node.lineno, ast.unparse(t), t.attr))
+        for t in assigned(node):
+            if isinstance(t, ast.Attribute) and t.attr in OWNER \
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                found.append((node.lineno, ast.unparse(t), t.attr))
     return found
 
 

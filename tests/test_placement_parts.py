@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from ast_writes import assigned
+
 from rollout_manager.instances.registry import Kind, Registry, State
 from rollout_manager.placement.ask import Ask
 from rollout_manager.placement.dispatch import Dispatcher
@@ -30,18 +32,11 @@ def writes(path: Path) -> list[tuple[int, str, str]]:
     """(line, target, name) of every assignment to one of OWNER's names on something other than ``self``."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        else:
-            continue
-        for target in targets:
-            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                if isinstance(t, ast.Attribute) and t.attr in OWNER \
-                        and not (isinstance(t.value, ast.Name) and t.value.id in {"self", *_LOAD_NAMES}) \
-                        and not (isinstance(t.value, ast.Attribute) and t.value.attr == "load"):
-                    found.append((node.lineno, ast.unparse(t), t.attr))
+        for t in assigned(node):
+            if isinstance(t, ast.Attribute) and t.attr in OWNER \
+                    and not (isinstance(t.value, ast.Name) and t.value.id in {"self", *_LOAD_NAMES}) \
+                    and not (isinstance(t.value, ast.Attribute) and t.value.attr == "load"):
+                found.append((node.lineno, ast.unparse(t), t.attr))
     return found
 
 

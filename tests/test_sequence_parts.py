@@ -16,6 +16,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from ast_writes import assigned
 
 from rollout_manager.instances.registry import Kind, Registry
 from rollout_manager.placement.lengths import Track
@@ -37,18 +38,13 @@ def writes(path: Path) -> list[str]:
     """Assignments to a field of some ``x.migration``, or an alias of one (``part = seq.migration``)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets, value = [node.target], node.value
-        else:
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             continue
-        for target in targets:
-            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                if isinstance(t, ast.Attribute) and _is_migration(t.value):
-                    found.append(f"{node.lineno}: {ast.unparse(t)}")
-        if value is not None and _is_migration(value):
-            found.append(f"{node.lineno}: alias of {ast.unparse(value)}")
+        for t in assigned(node):
+            if isinstance(t, ast.Attribute) and _is_migration(t.value):
+                found.append(f"{node.lineno}: {ast.unparse(t)}")
+        if node.value is not None and _is_migration(node.value):
+            found.append(f"{node.lineno}: alias of {ast.unparse(node.value)}")
     return found
 
 
@@ -84,16 +80,6 @@ def _slot(node: ast.expr) -> str | None:
     return None
 
 
-def _targets(node: ast.AST) -> list[ast.expr]:
-    if isinstance(node, ast.Assign):
-        targets = node.targets
-    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-        targets = [node.target]
-    else:
-        return []
-    return [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-
-
 def part_writes(source: str) -> list[tuple[int, str, str]]:
     """(line, target, what) of every write to a part: ``what`` is the slot (``track``) for a part put on a
     sequence, ``slot.field`` (``pieces.size``) for a field of a part assigned from outside the part itself."""
@@ -109,7 +95,7 @@ def part_writes(source: str) -> list[tuple[int, str, str]]:
                 if slot is not None:
                     aliases[node.targets[0].id] = slot
         for node in body:
-            for t in _targets(node):
+            for t in assigned(node):
                 if not isinstance(t, ast.Attribute):
                     continue
                 slot = _slot(t)
