@@ -192,10 +192,7 @@ class Evacuator:
     def room(self) -> bool:
         """Whether an evacuating box may take work now at all (it has room, time and an admission)."""
         now = self.clock()
-        return any(ev.source not in FINAL_SOURCES and ev.admission.step is not None
-                   and ev.deadline - now > self.settings.margin_s
-                   and ev.inst.load.in_flight < self.dispatcher.capacity.bound_of(ev.inst)
-                   for ev in self.active.values())
+        return any(self._open(ev, now) for ev in self.active.values())
 
     def taken(self, inst: Instance, ask: Ask) -> None:
         """The dispatcher placed ``ask`` on evacuating ``inst``: it stays there, in what the box may still take."""
@@ -206,14 +203,20 @@ class Evacuator:
             ev.admission = ev.admission.taking(new)
             ev.pending.append((self.clock(), new))
 
-    def _admits(self, ev: Evacuation, ask: Ask, now: float) -> bool:
+    def _open(self, ev: Evacuation, now: float) -> bool:
+        """Whether ``ev``'s box takes new work at all now: its notice may still be withdrawn, it is in service
+        as an evacuating box (registered, not quarantined, at the weight version), it has room, a step model
+        and time before the margin."""
         inst = ev.inst
-        if (ev.source in FINAL_SOURCES or inst.state != State.EVACUATING or self.registry.get(inst.id) is not inst
-                or inst.quarantined is not None or self.version.behind(inst)
-                or inst.load.in_flight >= self.dispatcher.capacity.bound_of(inst)):
-            return False
-        return ev.admission.admits(self._asked(ask, "asked"), ev.deadline - now - self.settings.margin_s,
-                                   self.settings.stay_share)
+        return (ev.source not in FINAL_SOURCES and inst.state == State.EVACUATING
+                and self.registry.get(inst.id) is inst and inst.quarantined is None
+                and not self.version.behind(inst) and ev.admission.step is not None
+                and ev.deadline - now > self.settings.margin_s
+                and inst.load.in_flight < self.dispatcher.capacity.bound_of(inst))
+
+    def _admits(self, ev: Evacuation, ask: Ask, now: float) -> bool:
+        return self._open(ev, now) and ev.admission.admits(
+            self._asked(ask, "asked"), ev.deadline - now - self.settings.margin_s, self.settings.stay_share)
 
     @staticmethod
     def _asked(ask: Ask, seq_id: str) -> DoomedSequence:
