@@ -18,6 +18,7 @@ from rollout_manager.extras import missing_extra_message
 def _serve(args: argparse.Namespace) -> int:
     from rollout_manager.api.server import StartupError, serve
     from rollout_manager.logs import setup_logging
+    from rollout_manager.manager import RelayPlace, Role
     from rollout_manager.osutil import tune_gc
 
     overrides: dict[str, str] = {}
@@ -32,11 +33,26 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"rollout-manager: {exc}", file=sys.stderr)
         return 2
-    setup_logging(config.log_level, config.log_format)
+    process = "" if args.role in (None, "single") else args.role if args.role == "control" \
+        else f"relay {args.relay_index}"
+    setup_logging(config.log_level, config.log_format, process)
+    if config.relays and args.role is None:  # a control process and relays (docs/relays.md)
+        from rollout_manager.launch.relays import supervise
+
+        return supervise(config, args.passed)
     # Here, not in serve(): the collector is the process's, and serve() also runs inside other programs.
     logging.getLogger("rollout_manager.api.server").info(tune_gc(config.gc_young_threshold))
+    role = Role(args.role or "single")
+    place = None
+    if role is Role.RELAY:
+        if args.relay_index is None or not args.control_url or not args.relay_private:
+            print("rollout-manager: --role relay needs --relay-index, --control-url and --relay-private",
+                  file=sys.stderr)
+            return 2
+        place = RelayPlace(args.relay_index, config.relays or 1, args.control_url, args.relay_private,
+                           args.front_url)
     try:
-        run_async(serve(config))
+        run_async(serve(config, role=role, run_id=args.run_id, place=place))
     except StartupError as exc:
         print(f"rollout-manager: {exc}", file=sys.stderr)
         return 1
@@ -82,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="text lines, or one JSON object per line for log collectors (default text; "
                        "key log_format); logs go to stderr")
     serve.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    # One process of a manager with relays (docs/relays.md); `serve` with relays = N starts them with these.
+    serve.add_argument("--role", choices=["single", "control", "relay"], help=argparse.SUPPRESS)
+    serve.add_argument("--run-id", help=argparse.SUPPRESS)
+    serve.add_argument("--relay-index", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--relay-private", help=argparse.SUPPRESS)
+    serve.add_argument("--control-url", help=argparse.SUPPRESS)
+    serve.add_argument("--front-url", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     sub.add_parser("demo", help="the whole system on this machine: manager, CPU boxes, a training loop "
@@ -113,4 +136,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return receiver_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.passed = argv[1:]  # what serve was given, for the processes a supervisor starts (launch.relays)
     return int(args.func(args))

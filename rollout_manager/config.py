@@ -78,6 +78,8 @@ class Config(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     gc_young_threshold: int = Field(default=10000, ge=0)  # see osutil.tune_gc; 0: Python's own collector settings
+    relays: int = Field(default=0, ge=0, le=64)  # 0: one process; N: a control process and N relays (docs/relays.md)
+    relay_report_s: float = Field(default=0.5, gt=0, le=10)  # how often a relay reports to its control process
 
     # Weight transfer (names as users of the seed project already write them).
     mooncake_transfer_device_name: str = ""

@@ -14,6 +14,7 @@ are no locks.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import hmac
 import logging
@@ -21,6 +22,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -29,11 +31,13 @@ import msgspec
 from rollout_manager.config import Config
 from rollout_manager.errors import BadRequest, Conflict, Forbidden, NotFound
 from rollout_manager.instances.admission import Admission
+from rollout_manager.instances.control_link import ControlLink
 from rollout_manager.instances.health import HealthMonitor, HealthSettings
 from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, MismatchSettings
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
+from rollout_manager.instances.relay_hub import RelayHub, RelayLoad
 from rollout_manager.instances.served_ids import safe_id_limit
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
@@ -63,13 +67,39 @@ log = logging.getLogger("rollout_manager.manager")
 NOT_SERVING = (State.PENDING, State.SYNCING)
 
 
+class Role(str, enum.Enum):
+    """What one process of the manager does (docs/relays.md)."""
+
+    SINGLE = "single"  # everything: the default, and the demo's embedded manager
+    CONTROL = "control"  # registration, health, weights, trust; relays follow its fleet
+    RELAY = "relay"  # the rollout path, on a copy of the control process's fleet
+
+
+@dataclass(frozen=True)
+class RelayPlace:
+    """Where a relay stands: relay ``index`` of ``relays``, following the control process at ``control_url``,
+    listening on its own ``private`` HOST:PORT too; ``front_url``: the relay that holds the OpenAI front's
+    sessions (None: this one)."""
+
+    index: int
+    relays: int
+    control_url: str
+    private: str
+    front_url: str | None = None
+
+
 class Manager:
     """One rollout manager. Build it inside a running event loop; :meth:`close` it when done."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, role: Role = Role.SINGLE, run_id: str | None = None,
+                 place: RelayPlace | None = None) -> None:
+        """``run_id``: given by a supervisor that starts this process again (boxes see a restarted manager by a new
+        one, and a restarted control process is the same manager); ``place``: a relay's (required for RELAY)."""
         cfg = self.config = config
+        self.role = role
+        self.place = place
         self.started_at = time.time()
-        self.run_id = uuid.uuid4().hex  # new on every start: boxes see a restarted manager by it
+        self.run_id = run_id or uuid.uuid4().hex
         self.last_metrics: dict[str, Any] = {}
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
@@ -81,17 +111,27 @@ class Manager:
         # instances
         self.registry = Registry()
         self.version = WeightVersion()
+        # The registry the parts that act on boxes (health, trust, weights) watch: a relay's own follows the control
+        # process, which acts for every relay, so there those parts watch an empty one and stay idle.
+        acting = Registry() if role is Role.RELAY else self.registry
+        self.link: ControlLink | None = None
+        if role is Role.RELAY:
+            assert place is not None, "a relay needs its place"
+            self.link = ControlLink(place.control_url, place.index, cfg.auth_token, self.registry, self.version,
+                                    self.session, self._relay_load, cfg.relay_report_s)
         self.admission = Admission(cfg.registration_networks, cfg.registration_allowed_networks,
                                    cfg.allow_registration_host_mismatch)
         self.mismatch = MismatchLedger(MismatchSettings.from_config(cfg))  # trust figures (report only)
-        self.health = HealthMonitor(self.registry, self.version, self.sglang.probe, HealthSettings.from_config(cfg),
+        self.health = HealthMonitor(acting, self.version, self.sglang.probe, HealthSettings.from_config(cfg),
                                     server_info=self.sglang.server_info)
-        self.probes = ProbeMonitor(self.registry, self.sglang.prefill_logprobs, ProbeSettings.from_config(cfg))
+        self.probes = ProbeMonitor(acting, self.sglang.prefill_logprobs, ProbeSettings.from_config(cfg))
+        self.hub = RelayHub(self.run_id, self.registry, self.version, self.health) if role is Role.CONTROL else None
         # rollout
         self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
                                      max_in_flight_per_instance=cfg.max_in_flight_per_instance,
                                      max_in_flight_total=cfg.max_in_flight_total,
-                                     gather_s=cfg.placement_gather_s)
+                                     gather_s=cfg.placement_gather_s,
+                                     share=(place.index, place.relays) if place is not None else (0, 1))
         if cfg.preemptible_long_tokens:  # the step's tail off preemptible boxes
             self.dispatcher.narrow_remote = lambda boxes, tokens: preemptible.steady_first(
                 boxes, tokens, cfg.preemptible_long_tokens)
@@ -105,22 +145,24 @@ class Manager:
             self.dispatcher, self.sglang,
             GenerationSettings.from_config(cfg),
             self.local_budget,
-            on_instance_failure=self.health.report_failure, on_instance_success=self.health.report_success,
+            on_instance_failure=self.health.report_failure if self.link is None else self.link.report_failure,
+            on_instance_success=self.health.report_success if self.link is None else self.link.report_success,
         )
         # What the scheduler learned before a restart (the prompts' lengths, the boxes' speed curves), kept.
         self.scheduler_state: StateFile | None = None
-        if cfg.scheduler_state_file:
-            self.scheduler_state = StateFile(cfg.scheduler_state_file, self.generator.lengths,
-                                             self.dispatcher.fleet.speed_curves, self.dispatcher.fleet.remember_speeds,
-                                             cfg.scheduler_state_save_s)
-            self.scheduler_state.load()
+        # With relays, each relay learns from its own streams and reads the file; relay 0 alone writes it.
+        if cfg.scheduler_state_file and role is not Role.CONTROL:
+            state = StateFile(cfg.scheduler_state_file, self.generator.lengths, self.dispatcher.fleet.speed_curves,
+                              self.dispatcher.fleet.remember_speeds, cfg.scheduler_state_save_s)
+            state.load()
+            self.scheduler_state = state if place is None or place.index == 0 else None
         # weights
-        self.senders = SenderPlan(self.registry, cfg)
-        self.weights = WeightSync(self.registry, self.version, self.senders,
+        self.senders = SenderPlan(acting, cfg)
+        self.weights = WeightSync(acting, self.version, self.senders,
                                   AgentClient(self.session, cfg.auth_token, cfg.weight_push_timeout_s),
                                   SyncSettings.from_config(cfg), self.dispatcher.changed, self.generator.evict,
                                   on_serving=self._serving_new_version)
-        self.quarantine = Quarantine(self.registry, self.probes, self.mismatch, QuarantineSettings.from_config(cfg),
+        self.quarantine = Quarantine(acting, self.probes, self.mismatch, QuarantineSettings.from_config(cfg),
                                      self.generator.evict, self.generator.migrator.mark,
                                      self.generator.migrator.provisional)
         # Boxes with a preemption notice: their sequences finish there or move before the deadline.
@@ -139,6 +181,14 @@ class Manager:
         self.quarantine.start()
         if self.scheduler_state is not None:
             self.scheduler_state.start()
+        if self.link is not None:
+            self.link.start()
+
+    def _relay_load(self) -> RelayLoad:
+        """What this relay reports of itself to the control process."""
+        capacity = self.dispatcher.capacity
+        return RelayLoad(capacity.in_flight, capacity.requests_waiting(), self.generator.stats["sequences"],
+                         self.dispatcher.fleet.streamed_tokens, time.process_time())
 
     def _serving_new_version(self, inst: Instance) -> None:
         self.dispatcher.recovered(inst)  # place requests waiting for the version
@@ -172,6 +222,8 @@ class Manager:
         await self.probes.close()
         await self.quarantine.close()
         await self.evacuations.close()
+        if self.link is not None:
+            await self.link.close()
         self.relay.close()
         await self.session.close()
 
@@ -248,6 +300,7 @@ class Manager:
             "requests_waiting_for_instance": self.dispatcher.capacity.waiting,
             "admission": self.dispatcher.capacity.admission_status(),
             "fleet_demand": self.fleet_signal.status(),
+            "relays": None if self.hub is None else self.hub.status(),
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
             "recent_weight_pushes": [push.to_json() for push in self.weights.pushes[-10:]],
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),

@@ -331,10 +331,12 @@ class ConnectionGuard:
 
 
 async def start_site(runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int,
-                     make_lane: Callable[[GuardedProtocol], FastLane] | None = None) -> web.BaseSite:
+                     make_lane: Callable[[GuardedProtocol], FastLane] | None = None, *,
+                     reuse_port: bool = False) -> web.BaseSite:
     """Listen on ``host:port`` with every connection going through ``guard`` (and through a fast lane
-    from ``make_lane`` first, when given)."""
-    site = GuardedSite(runner, guard, host, port, make_lane=make_lane)
+    from ``make_lane`` first, when given). ``reuse_port``: other processes listen on it too (relays; the kernel
+    spreads new connections over them)."""
+    site = GuardedSite(runner, guard, host, port, make_lane=make_lane, reuse_port=reuse_port)
     await site.start()
     return site
 
@@ -344,8 +346,10 @@ class GuardedSite(web.BaseSite):
     hands the runner's server straight to ``create_server``)."""
 
     def __init__(self, runner: web.AppRunner, guard: ConnectionGuard, host: str, port: int,
-                 backlog: int = 1024, make_lane: Callable[[GuardedProtocol], FastLane] | None = None) -> None:
+                 backlog: int = 1024, make_lane: Callable[[GuardedProtocol], FastLane] | None = None,
+                 reuse_port: bool = False) -> None:
         super().__init__(runner, backlog=backlog)
+        self.reuse_port = reuse_port
         self.guard = guard
         self.make_lane = make_lane
         self.host, self.port = host, port
@@ -359,4 +363,5 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            self.guard.protocol_factory(server, self.make_lane), self.host or None, self.port, backlog=self._backlog)
+            self.guard.protocol_factory(server, self.make_lane), self.host or None, self.port, backlog=self._backlog,
+            reuse_port=self.reuse_port or None)

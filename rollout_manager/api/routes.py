@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from rollout_manager import __version__, jsonutil
-from rollout_manager.api import openai_routes, status_page
+from rollout_manager.api import openai_routes, relay_routes, status_page
 from rollout_manager.api.fast_lane import FastLane, LaneOwner, LaneStats
 from rollout_manager.api.http import (
     BOX_TOKEN,
@@ -46,7 +46,7 @@ from rollout_manager.api.schemas import (
 from rollout_manager.bearer import bearer_matches
 from rollout_manager.errors import INTERNAL_ERROR, BadRequest, ManagerError
 from rollout_manager.instances.mismatch import BoxReport
-from rollout_manager.manager import Manager
+from rollout_manager.manager import Manager, Role
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.placement.affinity import KEY_HEADER, KEY_MAX_LEN
@@ -87,7 +87,8 @@ async def health(request: web.Request) -> web.Response:
 @accepts(RegisterRolloutInstance)
 async def register_rollout_instance(request: web.Request, body: RegisterRolloutInstance, _: Any) -> web.Response:
     """Register a rollout box (pending until /health_generate succeeds); 409 if already registered."""
-    await manager_of(request).check_registration_source(request.remote, [body.host])
+    await manager_of(request).check_registration_source(relay_routes.caller(request, manager_of(request)),
+                                                        [body.host])
     result = manager_of(request).register_remote(body.host, body.port, body.mooncake_handshake_port,
                                                  body.weight_receiver_port, body.vocab_size,
                                                  vocab_from_config=body.vocab_source == "model_config",
@@ -100,7 +101,8 @@ async def register_local_rollout_instances(request: web.Request, body: RegisterL
                                            _: Any) -> web.Response:
     """Register trainer-side instances, all or none; the trainer updates their weights itself. Like a
     box, the caller registers only its own instances (its address; see ``instances.admission``)."""
-    await manager_of(request).check_registration_source(request.remote, [host for host, _ in body.root])
+    await manager_of(request).check_registration_source(relay_routes.caller(request, manager_of(request)),
+                                                        [host for host, _ in body.root])
     return json_response(manager_of(request).register_local(body.root))
 
 
@@ -407,7 +409,31 @@ def create_app(manager: Manager) -> web.Application:
     app[ON_REJECT] = manager.metrics.rejected
     app[MAX_BODY] = max_body
     app[MAX_ADMIN_BODY] = int(manager.config.max_admin_body_kb * 1024)
+    if manager.role is Role.RELAY:
+        _relay_routes(app, manager)
+        return app
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     openai_routes.register(app, manager)  # /v1/*: the OpenAI-compatible front (docs/agents.md)
+    if manager.hub is not None:
+        relay_routes.add_control_routes(app, manager.hub)
     return app
+
+
+# What a relay answers itself; the rest is the control process's (docs/relays.md).
+RELAY_PATHS = frozenset({"/health", "/generate", "/batch_generate_requests"})
+
+
+def _relay_routes(app: web.Application, manager: Manager) -> None:
+    place = manager.place
+    assert place is not None
+    for method, path, handler in ROUTES:
+        if path in RELAY_PATHS:
+            app.router.add_route(method, path, handler)
+    if place.front_url is None:
+        openai_routes.register(app, manager)
+    else:
+        app.router.add_route("*", "/v1/{tail:.*}", relay_routes.Forwarder(
+            manager.session, place.front_url, "relay that holds the OpenAI front"))
+    app.router.add_route("*", "/{tail:.*}", relay_routes.Forwarder(manager.session, place.control_url,
+                                                                    "control process"))

@@ -12,14 +12,15 @@ from aiohttp import web
 from rollout_manager.api.connection_metrics import ConnectionMetrics
 from rollout_manager.api.connections import ConnectionGuard, ConnectionLimits, start_site
 from rollout_manager.api.routes import GenerateLane, create_app, max_body_of
-from rollout_manager.config import Config, describe
-from rollout_manager.manager import Manager
+from rollout_manager.config import Config, describe, parse_bind
+from rollout_manager.manager import Manager, RelayPlace, Role
 from rollout_manager.osutil import format_endpoint, raise_open_file_limit
 
 log = logging.getLogger("rollout_manager.api.server")
 
 # SIGHUP too: a closed terminal must drain and stop the daemon, not kill it mid-request.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FOLLOW_TIMEOUT_S = 30.0  # how long a relay waits for the control process's fleet before it listens anyway
 
 
 class StartupError(RuntimeError):
@@ -35,12 +36,17 @@ def bound_address(runner: web.AppRunner, config: Config) -> str:
     return config.bind
 
 
-async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
-    """Serve until a termination signal arrives. Raises StartupError if the port cannot be bound."""
+async def serve(config: Config, *, ready: asyncio.Event | None = None, role: Role = Role.SINGLE,
+                run_id: str | None = None, place: RelayPlace | None = None) -> None:
+    """Serve until a termination signal arrives. Raises StartupError if the port cannot be bound. A relay
+    (``place``) shares ``config.bind`` with the other relays and also listens on its own ``place.private``."""
     before, now, hard = raise_open_file_limit()
     if before >= 0:  # each sequence in flight holds one connection to its instance
         log.info("open-file limit: soft %d -> %d (hard %s)", before, now, "unlimited" if hard < 0 else hard)
-    manager = Manager(config)
+    manager = Manager(config, role=role, run_id=run_id, place=place)
+    if manager.link is not None and not await manager.link.followed(FOLLOW_TIMEOUT_S):
+        log.warning("no fleet from the control process at %s within %gs: serving, and following it once it answers",
+                    manager.link.url, FOLLOW_TIMEOUT_S)
     limits = ConnectionLimits.from_config(config)
     guard = ConnectionGuard(limits)
     app = create_app(manager)
@@ -55,7 +61,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         lane = route.lane_factory(limits.body_s)
     manager.metrics.prometheus.register(ConnectionMetrics(guard, route.stats if route is not None else None))
     try:
-        await start_site(runner, guard, config.bind_host, config.bind_port, lane)
+        await start_site(runner, guard, config.bind_host, config.bind_port, lane, reuse_port=place is not None)
+        if place is not None:
+            host, port = parse_bind(place.private)
+            await start_site(runner, guard, host, port, lane)
     except OSError as exc:
         await runner.cleanup()
         await manager.close()
@@ -69,7 +78,8 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     guard.start()
     manager.sglang.limits.loop.ensure_started()  # measured from the start, for status and metrics
-    log.info("rollout-manager listening on http://%s", bound)
+    log.info("rollout-manager%s listening on http://%s", "" if role is Role.SINGLE else
+             f" {role.value}" + (f" {place.index}" if place else ""), bound)
     log.info("callers' connections: at most %d open (max_client_connections), %d idle per client address; "
              "idle closed after %gs, headers within %gs, bodies within %gs", limits.max_total,
              limits.max_waiting_per_client, limits.keepalive_s, limits.header_s, limits.body_s)

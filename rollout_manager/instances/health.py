@@ -33,6 +33,12 @@ ServerInfoFn = Callable[[str, float], Awaitable[wire.ServerInfo]]  # (base_url, 
 SleepFn = Callable[[float], Awaitable[None]]
 
 
+def adopt_engine(inst: Instance, facts: EngineFacts) -> None:
+    """What ``inst``'s engine said, as another process's health monitor read it (``mirror.py``)."""
+    if inst.engine != facts:
+        inst.engine = facts
+
+
 @dataclass(frozen=True)
 class HealthSettings:
     startup_grace_period_s: float

@@ -153,6 +153,47 @@ class Registry:
                              box_token_digest=box_token_digest, preemptible=preemptible,
                              price_per_hour=price_per_hour)[0]
 
+    def adopt(self, inst: Instance, serving_version: int, reason: str, *, quiet: bool = False) -> Instance:
+        """Take ``inst`` as another process built it (its id, order and state: ``mirror.py``): a relay following
+        the control process, or a new control process taking what the relays still know."""
+        inst.registered_at = inst.state_since = self.clock()
+        self._ids = itertools.count(max(inst.order + 1, next(self._ids)))  # type: ignore[call-overload]
+        self._instances[inst.id] = inst
+        self._by_endpoint[inst.endpoint] = inst.id
+        self._serve(inst, serving_version)
+        self._record(inst, None, inst.state, reason, quiet=quiet)
+        return inst
+
+    def fresh_id(self) -> tuple[str, int]:
+        """An id and order no instance has had here."""
+        n = next(self._ids)  # type: ignore[call-overload]
+        return f"inst-{n}", n
+
+    def follow(self, inst: Instance, weight_version: int, serving_version: int, quarantined: str | None,
+               waiting_for: str | None) -> None:
+        """Another process's lifecycle fields of ``inst`` (``mirror.py``); its state goes through follow_state."""
+        inst.weight_version, inst.quarantined, inst.waiting_for = weight_version, quarantined, waiting_for
+        self._serve(inst, serving_version)
+
+    def follow_state(self, inst: Instance, new: State, reason: str) -> None:
+        """Move ``inst`` as another process moved it: that process checked the move (``transition``), and a
+        follower may have missed the steps between two views."""
+        if inst.id not in self._instances or inst.state == new:
+            return
+        old = inst.state
+        inst.state, inst.state_since = new, self.clock()
+        if new == State.DEAD:
+            del self._instances[inst.id]
+            del self._by_endpoint[inst.endpoint]
+        self._record(inst, old, new, reason, quiet=True)  # the control process logged it
+
+    @staticmethod
+    def _serve(inst: Instance, serving_version: int) -> None:
+        """The version ``inst`` serves while it is named at another one (an activation under way)."""
+        activating = serving_version != inst.weight_version
+        inst.versions.activating = inst.weight_version if activating else None
+        inst.versions.serving_before = serving_version if activating else None
+
     def transition(self, inst: Instance, new: State, reason: str, *, notice_cancelled: bool = False) -> bool:
         """Move ``inst`` to ``new``; False (and nothing changes) if the move is not allowed. ``notice_cancelled``:
         the evacuation returns an evacuating box to service (``AFTER_CANCELLED_NOTICE``)."""
@@ -218,7 +259,7 @@ class Registry:
         """The sender and transfer group that push ``inst`` its weights (the sender plan's decision)."""
         inst.sender, inst.group = sender, group
 
-    def _record(self, inst: Instance, old: State | None, new: State, reason: str) -> None:
+    def _record(self, inst: Instance, old: State | None, new: State, reason: str, *, quiet: bool = False) -> None:
         event = Event(self.wall(), inst.id, inst.endpoint, old, new, reason)
         self._active = None
         if old is not None:
@@ -226,7 +267,8 @@ class Registry:
         if new != State.DEAD:
             self._counts[new, inst.kind] += 1
         self.events.append(event)
-        level = logging.WARNING if new == State.DEAD and "removed by request" not in reason else logging.INFO
+        level = logging.DEBUG if quiet else \
+            logging.WARNING if new == State.DEAD and "removed by request" not in reason else logging.INFO
         log.log(level, "instance %s %s %s -> %s: %s", inst.id, inst.endpoint,
                 old.value if old else "new", new.value, reason)
         for listener in list(self.listeners):

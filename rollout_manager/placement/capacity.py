@@ -39,13 +39,16 @@ def default_max_in_flight_total(soft_open_files: int | None = None) -> int:
 
 class Capacity:
     def __init__(self, registry: Registry, *, max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0,
-                 longest_first: bool = False) -> None:
+                 longest_first: bool = False, share: tuple[int, int] = (0, 1)) -> None:
         """``max_in_flight_per_instance``: 0 takes each instance's own ``max_running_requests`` (or
         :data:`DEFAULT_INSTANCE_MAX_IN_FLIGHT` where it reports none); N caps every instance at N too.
+        ``share``: (i, n), this process is relay i of n (docs/relays.md): it may fill its part of each bound, the
+        parts summing to the bound, so the relays together never put more on an instance than one process would.
         ``max_in_flight_total``: 0 takes :func:`default_max_in_flight_total`. ``longest_first``: the queue
         offers the longest predicted request first (the makespan policy)."""
         self.registry = registry
         self.max_in_flight_per_instance = max_in_flight_per_instance
+        self.share = share
         self.max_in_flight_total = max_in_flight_total or default_max_in_flight_total()
         self.in_flight = 0  # sequences placed on an instance and not yet released, over every instance
         self.held_by_batches = 0  # requests a batch accepted and holds back until it has room (run_batch)
@@ -58,9 +61,12 @@ class Capacity:
         """The most sequences ``inst`` may have in flight from here (see ``__init__``)."""
         own = inst.engine.max_running_requests
         cap = self.max_in_flight_per_instance
-        if own is None:
-            return cap or DEFAULT_INSTANCE_MAX_IN_FLIGHT
-        return min(own, cap) if cap else own
+        whole = (cap or DEFAULT_INSTANCE_MAX_IN_FLIGHT) if own is None else min(own, cap) if cap else own
+        index, relays = self.share
+        if relays == 1:
+            return whole
+        # The remainder goes to a different relay on each instance, so no relay gets more of every box.
+        return whole // relays + ((index + inst.order) % relays < whole % relays)
 
     def rebound(self, inst: Instance) -> None:
         """``inst`` changed state or reported its engine again: its bound as ``Load.max_in_flight`` shows it."""

@@ -54,17 +54,20 @@ class EvacuatingBoxes(Protocol):
 
 class Dispatcher:
     def __init__(self, registry: Registry, policy: PlacementPolicy, *, clock: Callable[[], float] = time.monotonic,
-                 max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0, gather_s: float = 0.0):
+                 max_in_flight_per_instance: int = 0, max_in_flight_total: int = 0, gather_s: float = 0.0,
+                 share: tuple[int, int] = (0, 1)):
         """``max_in_flight_per_instance``, ``max_in_flight_total``: the bounds (``Capacity``). ``gather_s``: under
         the makespan policy, a burst of predicted requests is placed this long after its first arrives (0: at the
-        end of that event-loop turn), so a step's requests, which come over many turns, go longest predicted first."""
+        end of that event-loop turn), so a step's requests, which come over many turns, go longest predicted first.
+        ``share``: this relay's part of each instance's bound (``Capacity``)."""
         self.gather_s = gather_s
         self.registry = registry
         self.policy = policy
         self.clock = clock
         # In flight, bounds, reservations and the queue of requests waiting for room (placement.capacity).
         self.capacity = Capacity(registry, max_in_flight_per_instance=max_in_flight_per_instance,
-                                 max_in_flight_total=max_in_flight_total, longest_first=isinstance(policy, Makespan))
+                                 max_in_flight_total=max_in_flight_total, longest_first=isinstance(policy, Makespan),
+                                 share=share)
         # What the policies read of each box: rates, speeds, predicted work, idle time (placement.fleet_model).
         self.fleet = FleetModel(registry, clock)
         self._none_since: float | None = clock()  # since when no instance is active (None: one is)

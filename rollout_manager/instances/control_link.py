@@ -1,0 +1,140 @@
+"""A relay's link to its control process: the fleet it follows and the reports it sends.
+
+The relay says hello (the instances it knows, so a control process that started again takes them back),
+follows the fleet stream into its own registry (``mirror.follow``), and reports every ``report_s`` the
+failures it saw through each box's fault and its own load. When the control process is gone the relay keeps
+serving on the last fleet it saw and connects again with backoff; failures seen meanwhile wait for the next
+control process (the newest ``MAX_PENDING`` of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from rollout_manager.instances.mirror import FleetDelta, follow, views_of
+from rollout_manager.instances.registry import Instance, Registry
+from rollout_manager.instances.relay_hub import RelayHello, RelayLoad, RelayReport
+from rollout_manager.instances.version import WeightVersion
+
+log = logging.getLogger("rollout_manager.instances.control_link")
+
+MAX_PENDING = 10_000  # failures kept while no control process listens
+MAX_LINE = 64 * 1024 * 1024  # one fleet line: a thousand instances' views are about 0.5 MB
+BACKOFF_S = (0.1, 2.0)
+
+
+class ControlLink:
+    def __init__(self, url: str, relay: int, token: str, registry: Registry, version: WeightVersion,
+                 session: aiohttp.ClientSession, load: Callable[[], RelayLoad], report_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.relay = relay
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.registry = registry
+        self.version = version
+        self.session = session
+        self.load = load
+        self.report_s = report_s
+        self.run_id: str | None = None  # the control process's run id (the one boxes see in /health)
+        self.connected = False
+        self.connects = 0
+        self._failures: list[tuple[str, str]] = []
+        self._successes: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._followed = asyncio.Event()  # set once the first whole fleet was applied
+
+    # ------------------------------------------------------------ what the generator reports
+    def report_failure(self, inst: Instance, reason: str) -> None:
+        """A request failed through ``inst``'s fault: the control process counts it towards removal."""
+        self._failures.append((inst.id, reason))
+        del self._failures[:-MAX_PENDING]
+
+    def report_success(self, inst: Instance) -> None:
+        self._successes.add(inst.id)
+
+    # ------------------------------------------------------------ running
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._follow(), name="control-link:follow"),
+                       loop.create_task(self._report(), name="control-link:report")]
+
+    async def followed(self, timeout_s: float) -> bool:
+        """Whether the whole fleet arrived within ``timeout_s`` (a relay starts serving after that)."""
+        try:
+            await asyncio.wait_for(self._followed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _follow(self) -> None:
+        delay = BACKOFF_S[0]
+        while True:
+            try:
+                await self._hello()
+                await self._stream()
+                delay = BACKOFF_S[0]
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError, ValueError) as exc:
+                if self.connected:
+                    log.warning("control process at %s lost (%s): serving on the last fleet seen", self.url, exc)
+                self.connected = False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_S[1])
+
+    async def _hello(self) -> None:
+        hello = RelayHello(self.relay, os.getpid(), self.version.current, views_of(self.registry))
+        answer = await self._post("/relay/hello", msgspec.json.encode(hello))
+        self.run_id = str(answer["run_id"])
+        if answer.get("adopted"):
+            log.info("the control process took back %d instance(s) from this relay", len(answer["adopted"]))
+
+    async def _stream(self) -> None:
+        decoder = msgspec.json.Decoder(FleetDelta)
+        async with self.session.get(f"{self.url}/relay/fleet", params={"relay": str(self.relay)},
+                                    headers=self.headers, timeout=aiohttp.ClientTimeout(total=None, connect=5),
+                                    read_bufsize=1 << 20, max_line_size=MAX_LINE) as resp:
+            resp.raise_for_status()
+            self.connected = True
+            self.connects += 1
+            log.info("following the fleet of the control process at %s", self.url)
+            async for line in resp.content:
+                if line.strip():
+                    follow(self.registry, self.version, decoder.decode(line))
+                    self._followed.set()
+        raise aiohttp.ClientPayloadError("the fleet stream ended")
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.report_s)
+            failures, successes = self._failures, self._successes
+            self._failures, self._successes = [], set()
+            report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes))
+            try:
+                await self._post("/relay/report", msgspec.json.encode(report))
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+                self._failures[:0] = failures  # kept for the next control process, oldest first
+                del self._failures[:-MAX_PENDING]
+                self._successes |= successes
+
+    async def _post(self, path: str, body: bytes) -> dict[str, Any]:
+        async with self.session.post(f"{self.url}{path}", data=body, timeout=aiohttp.ClientTimeout(total=10),
+                                     headers={**self.headers, "Content-Type": "application/json"}) as resp:
+            resp.raise_for_status()
+            answer = await resp.json()
+        if not isinstance(answer, dict):
+            raise ValueError(f"{path} answered {answer!r}")
+        return answer
+
+    def status(self) -> dict[str, Any]:
+        return {"control": self.url, "connected": self.connected, "connects": self.connects,
+                "run_id": self.run_id, "pending_failures": len(self._failures)}

@@ -1,0 +1,223 @@
+"""Relay processes (docs/relays.md): a control process and N relays that share the manager's port.
+
+In process: a relay's registry follows the control process's through the views that changed, and the relays'
+parts of each box's bound add up to the bound. With real processes on 127.0.0.1 (`serve` with relays = 2, CPU
+engines): a step through both relays gives the greedy reference's tokens; the control process SIGKILLed mid-step
+loses nothing and comes back with the same boxes; a relay SIGKILLed mid-step loses nothing the trainer's client
+sent (it sends the unanswered ids again, through the other relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from support import async_wait_until, descendants
+
+from rollout_manager.cpu_engine.model import build_model, reference_generate
+from rollout_manager.instances.health import adopt_engine
+from rollout_manager.instances.instance import EngineFacts
+from rollout_manager.instances.mirror import ViewTracker, follow, view_of
+from rollout_manager.instances.registry import Kind, Registry, State
+from rollout_manager.instances.version import WeightVersion
+from rollout_manager.placement.capacity import Capacity
+from trainer_plugin.client import ManagerClient
+
+MAX_NEW = 24
+GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW}
+ENGINE_FLAGS = ["--token-delay-s", "0.01", "--max-running-requests", "4"]
+FAST_CLIENT = {"stall_timeout_s": 0.5, "probe_timeout_s": 0.5, "restart_timeout_s": 30.0}
+
+
+# ------------------------------------------------------------------------------------------ in process
+def _views(registry: Registry) -> dict[str, Any]:
+    return {i.id: view_of(i) for i in registry}
+
+
+def test_a_relay_registry_follows_the_control_registry_through_changed_views():
+    control, version = Registry(), WeightVersion()
+    relay, relay_version = Registry(), WeightVersion()
+    heard: list[tuple[str, State]] = []
+    relay.listeners.append(lambda inst, event: heard.append((inst.id, event.new)))
+    a, b = control.add_many([("10.0.0.1", 30000, Kind.REMOTE, None), ("10.0.0.2", 30000, Kind.REMOTE, None)])
+    tracker = ViewTracker()
+
+    def sync() -> Any:
+        delta = tracker.delta("run", control, version)
+        if delta is not None:
+            follow(relay, relay_version, delta)
+        return delta
+
+    first = sync()
+    assert first.full and len(first.changed) == 2 and _views(relay) == _views(control)
+    assert sync() is None  # nothing changed: nothing sent
+
+    adopt_engine(a, EngineFacts(vocab_size=1024, max_running_requests=8))
+    control.transition(a, State.ACTIVE, "healthy")
+    version.current = 3
+    control.set_weight_version(b, 3)
+    delta = sync()
+    assert {v.id for v in delta.changed} == {a.id, b.id} and delta.weight_version == 3
+    assert _views(relay) == _views(control) and relay_version.current == 3
+    assert relay.get(a.id).engine.max_running_requests == 8 and relay.get(a.id).state == State.ACTIVE
+
+    control.quarantine(a, "probe disagrees")
+    delta = sync()
+    assert [v.id for v in delta.changed] == [a.id]  # only the instance that changed
+    assert relay.get(a.id).state == State.SYNCING and relay.get(a.id).quarantined == "probe disagrees"
+
+    control.transition(b, State.DEAD, "3 consecutive failures")
+    assert sync().removed == [b.id] and relay.get(b.id) is None
+    assert (a.id, State.ACTIVE) in heard and (b.id, State.DEAD) in heard  # the relay's parts hear each move
+
+    stale = Registry()  # a relay that knew an instance the control process has forgotten
+    stale.add("10.0.0.9", 30000, Kind.REMOTE)
+    follow(stale, WeightVersion(), ViewTracker().delta("run", control, version))
+    assert _views(stale) == _views(control)
+    ids = [i.id for i in control.add_many([("10.0.0.3", 30000, Kind.REMOTE, None)])]
+    assert ids == ["inst-3"]  # ids go on after the followed ones
+
+
+@pytest.mark.parametrize("relays", [1, 2, 3, 4])
+def test_the_relays_parts_of_each_bound_add_up_to_the_bound(relays):
+    registry = Registry()
+    boxes = registry.add_many([(f"10.0.0.{n}", 30000, Kind.REMOTE, None) for n in range(1, 12)])
+    for n, inst in enumerate(boxes):
+        adopt_engine(inst, EngineFacts(max_running_requests=n + 1))
+    parts = [Capacity(registry, share=(i, relays)) for i in range(relays)]
+    for inst in boxes:
+        whole = Capacity(registry).bound_of(inst)
+        shares = [c.bound_of(inst) for c in parts]
+        assert sum(shares) == whole and max(shares) - min(shares) <= 1, (whole, shares)
+    # boxes of one kind (one odd bound): no relay gets the larger part of every box
+    for inst in boxes:
+        adopt_engine(inst, EngineFacts(max_running_requests=2 * relays + 1))
+    totals = [sum(c.bound_of(i) for i in boxes) for c in parts]
+    assert max(totals) - min(totals) <= 1, totals
+
+
+# ------------------------------------------------------------------------------------------ processes
+@pytest.fixture(scope="module")
+def model():
+    return build_model(0)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 200 + 1 for j in range(1 + i % 5)] for i in range(n)]
+
+
+def _pids(root: int, role: str) -> list[int]:
+    out = []
+    for pid in descendants(root):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--role" in args and args[args.index(b"--role") + 1] == role.encode():
+            out.append(pid)
+    return out
+
+
+async def with_relays(start_manager, start_engines, **settings: Any):
+    m = await start_manager(relays=2, relay_report_s=0.1, **settings)
+    engines = await start_engines(ENGINE_FLAGS, ENGINE_FLAGS)
+    await m.register(*engines)  # through a relay, handed on to the control process with the caller's address
+    await async_wait_until(lambda: _relays_connected(m, 2), message="both relays report")
+    return m, engines
+
+
+async def _relays_connected(m, n: int) -> bool:
+    relays = (await m.status())["relays"] or []
+    return len(relays) == n and all(r["connected"] and r["report_age_s"] is not None for r in relays)
+
+
+async def _generate_each_on_its_own_connection(url: str, batch: list[list[int]]) -> list[list[int]]:
+    async def one(ids: list[int]) -> list[int]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                s.post(url + "/generate", json={"input_ids": ids, "sampling_params": GREEDY}) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["output_ids"]
+
+    return list(await asyncio.gather(*(one(p) for p in batch)))
+
+
+async def test_two_relays_serve_one_port_with_the_reference_tokens(start_manager, start_engines, model):
+    m, engines = await with_relays(start_manager, start_engines)
+    batch = prompts(24)
+    outs = await _generate_each_on_its_own_connection(m.url, batch)
+    assert outs == [reference_generate(model, p, MAX_NEW)[0] for p in batch]
+    async with ManagerClient(m.url, **FAST_CLIENT) as client:
+        lines = [line async for line in client.batch_generate(
+            [(i, {"input_ids": p, "sampling_params": GREEDY}) for i, p in enumerate(batch)])]
+    assert sorted((line["id"], line["data"]["output_ids"]) for line in lines) == \
+        [(i, reference_generate(model, p, MAX_NEW)[0]) for i, p in enumerate(batch)]
+
+    await async_wait_until(lambda: _finished_by_each(m), message="each relay's report counts what it finished")
+    status = await m.status()
+    assert sum(r["finished"] for r in status["relays"]) == 48
+    assert all(r["finished"] > 0 and r["cpu_s"] > 0 for r in status["relays"])  # the kernel spread the callers
+    assert [i["state"] for i in status["instances"]] == ["active", "active"]
+    _, health = await m.get("/health")
+    assert health["instances"]["active"] == 2 and health["run_id"] == (await m.get("/health"))[1]["run_id"]
+
+
+async def _finished_by_each(m) -> bool:
+    relays = (await m.status())["relays"]
+    return sum(r["finished"] for r in relays) == 48
+
+
+async def test_control_process_sigkilled_mid_step_loses_nothing(start_manager, start_engines, model):
+    m, engines = await with_relays(start_manager, start_engines)
+    before = await m.status()
+    run_id = (await m.get("/health"))[1]["run_id"]
+    [control] = _pids(m.proc.pid, "control")
+    batch = prompts(40)
+    got: dict[int, list[int]] = {}
+    async with ManagerClient(m.url, **FAST_CLIENT) as client:
+        async for line in client.batch_generate(
+                [(i, {"input_ids": p, "sampling_params": GREEDY}) for i, p in enumerate(batch)]):
+            assert line["success"], line
+            got[line["id"]] = line["data"]["output_ids"]
+            if len(got) == 4:
+                os.kill(control, signal.SIGKILL)  # relays keep serving on the fleet they last saw
+        assert client.stats.resubmitted == 0 and client.stats.interruptions == 0
+    assert got == {i: reference_generate(model, p, MAX_NEW)[0] for i, p in enumerate(batch)}
+    # a new control process took the fleet back from the relays: same ids, still active, same run
+    await async_wait_until(lambda: _relays_connected(m, 2), message="relays follow the new control process")
+    after = await m.status()
+    assert [(i["id"], i["endpoint"], i["state"]) for i in after["instances"]] == \
+        [(i["id"], i["endpoint"], "active") for i in before["instances"]]
+    assert (await m.get("/health"))[1]["run_id"] == run_id
+    assert _pids(m.proc.pid, "control") != [control]
+
+
+async def test_relay_sigkilled_mid_step_answers_every_id_through_the_other(start_manager, start_engines, model):
+    m, engines = await with_relays(start_manager, start_engines)
+    batch = prompts(40)
+    got: dict[int, list[int]] = {}
+    killed: list[int] = []
+    async with ManagerClient(m.url, **FAST_CLIENT) as client:
+        async for line in client.batch_generate(
+                [(i, {"input_ids": p, "sampling_params": GREEDY}) for i, p in enumerate(batch)]):
+            assert line["success"], line
+            assert line["id"] not in got
+            got[line["id"]] = line["data"]["output_ids"]
+            if len(got) == 4 and not killed:
+                relays = (await m.status())["relays"]
+                busy = [r["pid"] for r in relays if r["in_flight"] or r["waiting"]]
+                os.kill(busy[0], signal.SIGKILL)
+                killed.append(busy[0])
+        stats = dataclasses.asdict(client.stats)
+    assert got == {i: reference_generate(model, p, MAX_NEW)[0] for i, p in enumerate(batch)}
+    # only unanswered ids are sent again (a second interruption: a pooled connection to the dead relay, reset)
+    assert 1 <= stats["interruptions"] <= 2 and 0 < stats["resubmitted"] <= 36 * stats["interruptions"], stats
+    assert stats["duplicates_dropped"] == 0, stats
+    await async_wait_until(lambda: _relays_connected(m, 2), message="the supervisor started the relay again")
+    assert killed[0] not in _pids(m.proc.pid, "relay")
+    assert any(r["restarts"] == 1 for r in (await m.status())["relays"])
