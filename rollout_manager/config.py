@@ -27,7 +27,7 @@ ENV_PREFIX = "ROLLOUT_MANAGER_"
 # Variables with our prefix that belong to the rollout-box side (launch_sglang.sh), not to the daemon.
 ENV_NOT_CONFIG = frozenset({"ROLLOUT_MANAGER_ADDR", "ROLLOUT_MANAGER_ADDRESS", "ROLLOUT_MANAGER_ENGINE",
                             "ROLLOUT_MANAGER_VERL_ARGV_ALIASES"})
-SECRET_KEYS = frozenset({"auth_token", "sglang_api_key", "sglang_admin_api_key"})  # never logged
+SECRET_KEYS = frozenset({"auth_token", "sglang_api_key", "sglang_admin_api_key", "relay_secret"})  # never logged
 DEFAULT_PORT = 5000
 
 Port = Field(ge=1, le=65535)
@@ -80,6 +80,9 @@ class Config(BaseModel):
     gc_young_threshold: int = Field(default=10000, ge=0)  # see osutil.tune_gc; 0: Python's own collector settings
     relays: int = Field(default=0, ge=0, le=64)  # 0: one process; N: a control process and N relays (docs/relays.md)
     relay_report_s: float = Field(default=0.5, gt=0, le=10)  # how often a relay reports to its control process
+    # shared by a control process and its relays when they talk over the network (under Ray, launch.ray_relays):
+    # set, the control process takes /relay/* and a forwarded caller address only with it; empty: only from loopback
+    relay_secret: str = ""
 
     # Weight transfer (names as users of the seed project already write them).
     mooncake_transfer_device_name: str = ""

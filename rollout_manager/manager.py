@@ -75,6 +75,10 @@ class Role(str, enum.Enum):
     RELAY = "relay"  # the rollout path, on a copy of the control process's fleet
 
 
+# A relay's proof to its control process when ``relay_secret`` is set (api.relay_routes.from_relay).
+RELAY_SECRET_HEADER = "X-Rollout-Manager-Relay-Secret"
+
+
 @dataclass(frozen=True)
 class RelayPlace:
     """Where a relay stands: relay ``index`` of ``relays``, following the control process at ``control_url``,
@@ -119,6 +123,8 @@ class Manager:
             assert place is not None, "a relay needs its place"
             self.link = ControlLink(place.control_url, place.index, cfg.auth_token, self.registry, self.version,
                                     self.session, self._relay_load, cfg.relay_report_s)
+            if cfg.relay_secret:  # the control process is reached over the network (under Ray)
+                self.link.headers[RELAY_SECRET_HEADER] = cfg.relay_secret
         self.admission = Admission(cfg.registration_networks, cfg.registration_allowed_networks,
                                    cfg.allow_registration_host_mismatch)
         self.mismatch = MismatchLedger(MismatchSettings.from_config(cfg))  # trust figures (report only)

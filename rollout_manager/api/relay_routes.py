@@ -8,6 +8,7 @@ and its body, the answer streamed back as it comes: a caller sees one manager on
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 from typing import TypeVar
@@ -17,31 +18,35 @@ import msgspec
 from aiohttp import web
 
 from rollout_manager.api.http import json_response
-from rollout_manager.errors import BadRequest, Unavailable
+from rollout_manager.errors import BadRequest, Forbidden, Unavailable
 from rollout_manager.instances.relay_hub import RelayHello, RelayHub, RelayReport
-from rollout_manager.manager import Manager
+from rollout_manager.manager import RELAY_SECRET_HEADER, Manager
 
 log = logging.getLogger("rollout_manager.api.relay_routes")
 
-# The caller's address, as the relay that handed a request on saw it (trusted only from loopback: the control
-# process listens on 127.0.0.1, where only its relays and the supervisor's machine reach it).
+# The caller's address, as the relay that handed a request on saw it (trusted only from a relay: from loopback
+# where the control process listens on 127.0.0.1, or with ``relay_secret`` where relays reach it over the network).
 FORWARDED_FOR = "X-Rollout-Manager-Forwarded-For"
 # Headers a handed-on request keeps, and those its answer keeps.
 REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Session-Owner", "X-Trajectory-Id")
 ANSWER_HEADERS = ("Content-Type", "X-Rollout-Manager-Run-Id", "Retry-After", "Cache-Control")
 HUB: web.AppKey[RelayHub] = web.AppKey("relay_hub", RelayHub)
+SECRET: web.AppKey[str] = web.AppKey("relay_secret", str)
 
 
 # ------------------------------------------------------------ on the control process
 async def hello(request: web.Request) -> web.Response:
+    _only_relays(request)
     return json_response(request.app[HUB].hello(_decode(await request.read(), RelayHello)))
 
 
 async def report(request: web.Request) -> web.Response:
+    _only_relays(request)
     return json_response(request.app[HUB].report(_decode(await request.read(), RelayReport)))
 
 
 async def fleet(request: web.Request) -> web.StreamResponse:
+    _only_relays(request)
     try:
         relay = int(request.query.get("relay", ""))
     except ValueError:
@@ -51,6 +56,13 @@ async def fleet(request: web.Request) -> web.StreamResponse:
     async for line in request.app[HUB].stream(relay):
         await resp.write(line)
     return resp
+
+
+def _only_relays(request: web.Request) -> None:
+    """With ``relay_secret`` the control process is reachable over the network: only its relays may say hello
+    (instances in a hello are adopted without registration's checks), report and follow the fleet."""
+    if request.app[SECRET] and not from_relay(request, request.app[SECRET]):
+        raise Forbidden(f"{RELAY_SECRET_HEADER}: {request.path} is for this manager's relays only")
 
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -63,8 +75,9 @@ def _decode(body: bytes, kind: type[S]) -> S:
         raise BadRequest(f"body: {exc}") from None
 
 
-def add_control_routes(app: web.Application, hub: RelayHub) -> None:
+def add_control_routes(app: web.Application, hub: RelayHub, secret: str = "") -> None:
     app[HUB] = hub
+    app[SECRET] = secret
     app.router.add_post("/relay/hello", hello)
     app.router.add_post("/relay/report", report)
     app.router.add_get("/relay/fleet", fleet)
@@ -73,9 +86,18 @@ def add_control_routes(app: web.Application, hub: RelayHub) -> None:
 def caller(request: web.Request, manager: Manager) -> str | None:
     """The address a request came from: the relay's word for it when a relay handed it on."""
     forwarded = request.headers.get(FORWARDED_FOR)
-    if forwarded and manager.hub is not None and request.remote and _loopback(request.remote):
+    if forwarded and manager.hub is not None and from_relay(request, manager.config.relay_secret):
         return forwarded
     return request.remote
+
+
+def from_relay(request: web.Request, secret: str) -> bool:
+    """Whether one of this manager's relays sent ``request``: it carries ``secret`` when one is set (relays
+    on other nodes), else it came from loopback (the local supervisor's control process listens there only)."""
+    if secret:
+        given = request.headers.get(RELAY_SECRET_HEADER, "")
+        return hmac.compare_digest(given.encode(), secret.encode())
+    return bool(request.remote) and _loopback(request.remote or "")
 
 
 def _loopback(address: str) -> bool:
@@ -89,15 +111,18 @@ def _loopback(address: str) -> bool:
 class Forwarder:
     """Hands a request to another process of the manager and streams its answer back."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, what: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, what: str, secret: str = "") -> None:
         self.session = session
         self.url = url.rstrip("/")
         self.what = what
+        self.secret = secret  # sent along: the process handed to trusts the caller's address only with it
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         headers = {k: request.headers[k] for k in REQUEST_HEADERS if k in request.headers}
         if request.remote:
             headers[FORWARDED_FOR] = request.remote
+        if self.secret:
+            headers[RELAY_SECRET_HEADER] = self.secret
         body = await request.read()
         try:
             async with self.session.request(request.method, self.url + request.path_qs, data=body,

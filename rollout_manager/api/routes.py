@@ -416,7 +416,7 @@ def create_app(manager: Manager) -> web.Application:
         app.router.add_route(method, path, handler)
     openai_routes.register(app, manager)  # /v1/*: the OpenAI-compatible front (docs/agents.md)
     if manager.hub is not None:
-        relay_routes.add_control_routes(app, manager.hub)
+        relay_routes.add_control_routes(app, manager.hub, manager.config.relay_secret)
     return app
 
 
@@ -434,6 +434,6 @@ def _relay_routes(app: web.Application, manager: Manager) -> None:
         openai_routes.register(app, manager)
     else:
         app.router.add_route("*", "/v1/{tail:.*}", relay_routes.Forwarder(
-            manager.session, place.front_url, "relay that holds the OpenAI front"))
+            manager.session, place.front_url, "relay that holds the OpenAI front", manager.config.relay_secret))
     app.router.add_route("*", "/{tail:.*}", relay_routes.Forwarder(manager.session, place.control_url,
-                                                                    "control process"))
+                                                                    "control process", manager.config.relay_secret))

@@ -37,9 +37,12 @@ def bound_address(runner: web.AppRunner, config: Config) -> str:
 
 
 async def serve(config: Config, *, ready: asyncio.Event | None = None, role: Role = Role.SINGLE,
-                run_id: str | None = None, place: RelayPlace | None = None) -> None:
-    """Serve until a termination signal arrives. Raises StartupError if the port cannot be bound. A relay
-    (``place``) shares ``config.bind`` with the other relays and also listens on its own ``place.private``."""
+                run_id: str | None = None, place: RelayPlace | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve until a termination signal arrives, or ``stop`` is set (then no signal handlers are installed: a
+    loop off the main thread, as in a Ray actor, cannot have them). Raises StartupError if the port cannot be
+    bound. A relay (``place``) shares ``config.bind`` with the other relays and also listens on its own
+    ``place.private``."""
     before, now, hard = raise_open_file_limit()
     if before >= 0:  # each sequence in flight holds one connection to its instance
         log.info("open-file limit: soft %d -> %d (hard %s)", before, now, "unlimited" if hard < 0 else hard)
@@ -72,9 +75,10 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None, role: Rol
         raise StartupError(f"cannot listen on {config.bind}: {why}") from None
 
     bound = bound_address(runner, config)
-    stop = asyncio.Event()
+    signals = STOP_SIGNALS if stop is None else ()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     guard.start()
     manager.sglang.limits.loop.ensure_started()  # measured from the start, for status and metrics
@@ -97,7 +101,7 @@ async def serve(config: Config, *, ready: asyncio.Event | None = None, role: Rol
         log.info("shutting down: no new work; finishing in-flight requests (up to %gs)", config.shutdown_grace_s)
         await manager.drain_for_shutdown(config.shutdown_grace_s)
     finally:
-        for sig in STOP_SIGNALS:
+        for sig in signals:
             loop.remove_signal_handler(sig)
         await guard.close()
         await runner.cleanup()  # stops listening, waits for in-flight handlers up to shutdown_timeout
