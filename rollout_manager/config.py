@@ -80,6 +80,7 @@ class Config(BaseModel):
     gc_young_threshold: int = Field(default=10000, ge=0)  # see osutil.tune_gc; 0: Python's own collector settings
     relays: int = Field(default=0, ge=0, le=64)  # 0: one process; N: a control process and N relays (docs/relays.md)
     relay_report_s: float = Field(default=0.5, gt=0, le=10)  # how often a relay reports to its control process
+    relay_checkpoint_tokens: int = Field(default=256, ge=0)  # a relay's crash re-makes at most this many a sequence
     # shared by a control process and its relays when they talk over the network (under Ray, launch.ray_relays):
     # set, the control process takes /relay/* and a forwarded caller address only with it; empty: only from loopback
     relay_secret: str = ""

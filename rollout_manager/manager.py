@@ -37,7 +37,8 @@ from rollout_manager.instances.mismatch import BoxReport, MismatchLedger, Mismat
 from rollout_manager.instances.probe import ProbeMonitor, ProbeSettings
 from rollout_manager.instances.quarantine import Quarantine, QuarantineSettings
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
-from rollout_manager.instances.relay_hub import RelayHub, RelayLoad
+from rollout_manager.instances.relay_hub import RelayHub
+from rollout_manager.instances.relay_messages import RelayLoad
 from rollout_manager.instances.served_ids import safe_id_limit
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.metrics import ManagerMetrics
@@ -49,6 +50,7 @@ from rollout_manager.placement.fleet_signal import FleetSignal
 from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.placement.policy_registry import make_policy
 from rollout_manager.placement.scheduler_state import StateFile
+from rollout_manager.rollout.checkpoints import Checkpoints
 from rollout_manager.rollout.evacuation import EvacuationSettings, Evacuator
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.generation_settings import GenerationSettings
@@ -188,6 +190,9 @@ class Manager:
         if self.scheduler_state is not None:
             self.scheduler_state.start()
         if self.link is not None:
+            if cfg.relay_checkpoint_tokens:  # running sequences saved outside this relay (rollout.checkpoints)
+                saving = self.generator.checkpoints = Checkpoints(cfg.relay_checkpoint_tokens)
+                self.link.collect = saving.collect
             self.link.start()
 
     def _relay_load(self) -> RelayLoad:
@@ -307,6 +312,8 @@ class Manager:
             "admission": self.dispatcher.capacity.admission_status(),
             "fleet_demand": self.fleet_signal.status(),
             "relays": None if self.hub is None else self.hub.status(),
+            "relay_checkpoints": None if self.hub is None else {**self.hub.saved.status(),
+                                                                "adopted_instances": self.hub.adopted},
             "recent_events": [e.to_dict() for e in list(self.registry.events)[-20:]],
             "recent_weight_pushes": [push.to_json() for push in self.weights.pushes[-10:]],
             "manager": {"open_file_limit": dict(zip(("soft", "hard"), open_file_limit())),

@@ -25,8 +25,13 @@ from rollout_manager.instances.health import adopt_engine
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.mirror import ViewTracker, follow, view_of
 from rollout_manager.instances.registry import Kind, Registry, State
+from rollout_manager.instances.relay_messages import SavedSegment, SavedTokens
+from rollout_manager.instances.saved_tokens import SavedStore
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.placement.capacity import Capacity
+from rollout_manager.rollout.checkpoints import Checkpoints, resume
+from rollout_manager.rollout.request import decode
+from rollout_manager.rollout.sequence import SequenceState
 from trainer_plugin.client import ManagerClient
 
 MAX_NEW = 24
@@ -100,6 +105,59 @@ def test_the_relays_parts_of_each_bound_add_up_to_the_bound(relays):
         adopt_engine(inst, EngineFacts(max_running_requests=2 * relays + 1))
     totals = [sum(c.bound_of(i) for i in boxes) for c in parts]
     assert max(totals) - min(totals) <= 1, totals
+
+
+def test_saved_tokens_grow_cut_back_drop_and_ask_to_be_sent_whole_after_a_restart():
+    now = [0.0]
+    store = SavedStore(ttl_s=10, max_tokens=1000, clock=lambda: now[0])
+    seg = [SavedSegment("inst-1", "10.0.0.1:30000", "0", 0, 3)]
+    assert store.apply(0, [SavedTokens("a", 0, [1, 2, 3], [], seg, [0])], []) == []
+    assert store.apply(0, [SavedTokens("a", 3, [4, 5], [], seg, [0])], []) == []
+    assert store.claim(1, ["a", "b"])["a"].ids == [1, 2, 3, 4, 5]  # "b" was never saved
+    assert store.apply(1, [SavedTokens("a", 2, [9], [], seg, [0])], []) == []  # cut back at 2, then on
+    assert store.claim(1, ["a"])["a"].ids == [1, 2, 9]
+    # a piece that does not start where the held tokens end (this process started again): sent whole next time
+    assert store.apply(0, [SavedTokens("c", 40, [7], [], seg, [0])], []) == ["c"]
+    assert store.apply(1, [], ["a"]) == [] and store.claim(1, ["a"]) == {}  # finished: dropped
+    store.apply(0, [SavedTokens("d", 0, [1] * 600, [], seg, [0])], [])
+    store.apply(0, [SavedTokens("e", 0, [1] * 600, [], seg, [0])], [])
+    assert store.claim(0, ["d"]) == {} and store.tokens == 600  # over max_tokens: the oldest went
+    now[0] = 11.0
+    store.apply(0, [], [])
+    assert store.tokens == 0 and store.status()["dropped"] == 2  # nobody reported on "e" for ttl_s
+
+
+def test_checkpoints_save_every_k_tokens_and_only_move_on_once_a_report_arrived():
+    saving = Checkpoints(every=4)
+    seq = SequenceState(body=_body([5, 6]), rid="r")
+    saving.track("k", seq)
+    seq.output_ids.extend([1, 2, 3])
+    assert saving.collect().saved == []  # fewer than K made
+    seq.output_ids.extend([4, 5])
+    out = saving.collect()
+    assert [(p.start, p.ids) for p in out.saved] == [(0, [1, 2, 3, 4, 5])]
+    out.lost()  # the report did not arrive: the same piece goes again
+    out = saving.collect()
+    assert [(p.start, p.ids) for p in out.saved] == [(0, [1, 2, 3, 4, 5])]
+    out.arrived([])
+    assert saving.collect().saved == []
+    del seq.output_ids[3:]  # cut back below what was saved: the control process is told where
+    out = saving.collect()
+    assert [(p.start, p.ids) for p in out.saved] == [(3, [])]
+    out.arrived(["k"])  # the control process started again: everything goes again, once K are unsaved
+    seq.output_ids.append(8)
+    assert [(p.start, p.ids) for p in saving.collect().saved] == [(0, [1, 2, 3, 8])]
+    saving.end("k", finished=True)
+    assert saving.collect().done == ["k"]
+    resumed = SequenceState(body=_body([5, 6]), rid="r")
+    resume(resumed, SavedTokens("k", 0, [1, 2, 3], [], [SavedSegment("inst-1", "h:1", "0", 0, 3)], [0]))
+    assert list(resumed.output_ids) == [1, 2, 3] and resumed.remaining == 7
+    assert [(s.instance, s.start, s.end) for s in resumed.segments] == [("inst-1", 0, 3)]
+
+
+def _body(ids: list[int]) -> Any:
+    [item] = decode({"input_ids": ids, "sampling_params": {"max_new_tokens": 10}}).sequences
+    return item.body
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -221,3 +279,58 @@ async def test_relay_sigkilled_mid_step_answers_every_id_through_the_other(start
     await async_wait_until(lambda: _relays_connected(m, 2), message="the supervisor started the relay again")
     assert killed[0] not in _pids(m.proc.pid, "relay")
     assert any(r["restarts"] == 1 for r in (await m.status())["relays"])
+
+
+async def _generated(engines) -> int:
+    """Tokens the engines made, all requests together (the CPU engine's own count)."""
+    async with aiohttp.ClientSession() as s:
+        total = 0
+        for e in engines:
+            async with s.get(e.url + "/server_info") as r:
+                total += (await r.json())["cpu_engine"]["total_generated_tokens"]
+        return total
+
+
+async def test_relay_sigkilled_mid_sequence_costs_each_sequence_at_most_k_tokens(start_manager, start_engines, model):
+    """With relay_checkpoint_tokens = K the sequences of a relay killed mid-step go on from their saved tokens."""
+    k, interval, long_new, n = 8, 8, 200, 12
+    # the relay knows a sequence's tokens as its chunks bring them: every engine_stream_interval tokens
+    m, engines = await with_relays(start_manager, start_engines, relay_checkpoint_tokens=k,
+                                   engine_stream_interval=interval, health_check_path="/health",
+                                   trust_probe_interval_s=0)
+    params = {"temperature": 0.0, "max_new_tokens": long_new}
+    batch = prompts(n)
+    before = await _generated(engines)
+    killed: list[int] = []
+
+    async def kill_mid_sequence() -> None:  # half-way through the second wave of sequences (4 run at once)
+        await async_wait_until(lambda: _made_at_least(engines, before + 6 * long_new), timeout_s=60,
+                               message="the step is under way")
+        busy = [r["pid"] for r in (await m.status())["relays"] if r["in_flight"]]
+        os.kill(busy[0], signal.SIGKILL)
+        killed.append(busy[0])
+
+    killer = asyncio.create_task(kill_mid_sequence())
+    got: dict[int, dict[str, Any]] = {}
+    async with ManagerClient(m.url, **FAST_CLIENT) as client:
+        async for line in client.batch_generate([(i, {"input_ids": p, "sampling_params": params})
+                                                 for i, p in enumerate(batch)]):
+            assert line["success"] and line["id"] not in got, line
+            got[line["id"]] = line["data"]
+    await killer
+    assert {i: d["output_ids"] for i, d in got.items()} == \
+        {i: reference_generate(model, p, long_new)[0] for i, p in enumerate(batch)}
+    resumed = [d for d in got.values()
+               if any("saved by its relay" in s["outcome"] for s in d["meta_info"].get("segments", []))]
+    assert resumed, "no sequence went on from saved tokens"
+    remade = await _generated(engines) - before - n * long_new
+    # each of the (at most 4) sequences running there loses what it made since its last save: under K, plus a
+    # chunk's worth the relay had not seen, plus what one report interval (0.1 s) makes at 100 tokens/s, plus what
+    # the engine makes before it notices the relay is gone (until its next chunk). Without saving: ~100 each.
+    assert 0 <= remade <= 4 * (k + 2 * interval + 10), remade
+    print(f"\nFIGURES relay SIGKILL with relay_checkpoint_tokens={k}: {len(resumed)} sequence(s) continued from "
+          f"saved tokens, {remade} token(s) made again in all (sequences of {long_new})")
+
+
+async def _made_at_least(engines, total: int) -> bool:
+    return await _generated(engines) >= total

@@ -34,6 +34,7 @@ keeps the old behaviour: the first broken stream raises :class:`ManagerUnavailab
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -70,7 +71,8 @@ class ManagerLink(Protocol):
     max_resubmits: int
     stats: ClientStats
 
-    async def send(self, method: str, path: str, body: Any, total: float | None) -> aiohttp.ClientResponse: ...
+    async def send(self, method: str, path: str, body: Any, total: float | None,
+                   headers: dict[str, str] | None = None) -> aiohttp.ClientResponse: ...
 
     async def probe_health(self) -> ManagerHealth | None: ...
 
@@ -84,8 +86,9 @@ class _StallTimeout(ManagerUnavailable):
 class _Attempt:
     """One stream of a batch: which run serves it and whether that run said it is shutting down."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, again: bool = False) -> None:
         self.size = size
+        self.again = again  # ids sent before, on a stream that was lost
         self.run_id: str | None = None
         self.received = 0
         self.shutting_down = False
@@ -102,8 +105,8 @@ async def stream_batch(link: ManagerLink, items: Iterable[Item]) -> AsyncGenerat
     sent = set(pending)
     total, delivered, fruitless = len(pending), 0, 0
     stats = link.stats
-    while True:
-        attempt = _Attempt(len(pending))
+    for streams in itertools.count():
+        attempt = _Attempt(len(pending), again=streams > 0)
         reason: BaseException | str | None = None
         try:
             async for line in _stream_once(link, list(pending.values()), attempt):
@@ -174,7 +177,8 @@ async def _stream_once(link: ManagerLink, items: list[Item], attempt: _Attempt) 
     generated again because the caller was busy when the manager died.
     """
     body = [[rid, req] for rid, req in items]
-    resp = await link.send("POST", PATH, body, None)
+    # Sent again: a manager with relays continues each from the tokens the lost relay saved (docs/relays.md).
+    resp = await link.send("POST", PATH, body, None, RESUME_HEADERS if attempt.again else None)
     lines: asyncio.Queue[bytes | Exception] = asyncio.Queue()
 
     async def pump() -> None:
@@ -262,6 +266,9 @@ async def _watch(link: ManagerLink, read: asyncio.Task[bytes | Exception], attem
             log.warning("%s: rollout manager at %s answers again (same run) after a stall of %.1fs; the stream "
                         "goes on", PATH, link.base_url, now - down_since)
             down_since = None
+
+
+RESUME_HEADERS = {"X-Rollout-Resume": "1"}
 
 
 def _id_key(rid: Any) -> str:

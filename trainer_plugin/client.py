@@ -142,11 +142,14 @@ class ManagerClient:
                                      sock_read=self.read_timeout_s if total is None else None)
 
     # ------------------------------------------------------------ core
-    async def send(self, method: str, path: str, body: Any, total: float | None) -> aiohttp.ClientResponse:
+    async def send(self, method: str, path: str, body: Any, total: float | None,
+                   headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """Send a request, retrying connection failures; return the response with a 2xx status."""
         url = self.base_url + path
         retryable = _CONNECT_ERRORS + (_TRANSPORT_ERRORS if method == "GET" else ())
         kwargs: dict[str, Any] = {"timeout": self._timeout(total)}
+        if headers:
+            kwargs["headers"] = headers
         if body is not None:
             kwargs["json"] = body
 

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from rollout_manager.api.http import json_response
 from rollout_manager.errors import BadRequest, Forbidden, Unavailable
-from rollout_manager.instances.relay_hub import RelayHello, RelayHub, RelayReport
+from rollout_manager.instances.relay_hub import RelayHub
+from rollout_manager.instances.relay_messages import Claim, RelayHello, RelayReport
 from rollout_manager.manager import RELAY_SECRET_HEADER, Manager
 
 log = logging.getLogger("rollout_manager.api.relay_routes")
@@ -43,6 +44,12 @@ async def hello(request: web.Request) -> web.Response:
 async def report(request: web.Request) -> web.Response:
     _only_relays(request)
     return json_response(request.app[HUB].report(_decode(await request.read(), RelayReport)))
+
+
+async def claim(request: web.Request) -> web.Response:
+    _only_relays(request)
+    saved = request.app[HUB].claim(_decode(await request.read(), Claim))
+    return web.Response(body=msgspec.json.encode(saved), content_type="application/json")
 
 
 async def fleet(request: web.Request) -> web.StreamResponse:
@@ -80,6 +87,7 @@ def add_control_routes(app: web.Application, hub: RelayHub, secret: str = "") ->
     app[SECRET] = secret
     app.router.add_post("/relay/hello", hello)
     app.router.add_post("/relay/report", report)
+    app.router.add_post("/relay/claim", claim)
     app.router.add_get("/relay/fleet", fleet)
 
 

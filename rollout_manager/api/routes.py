@@ -50,6 +50,7 @@ from rollout_manager.manager import Manager, Role
 from rollout_manager.metrics import CONTENT_TYPE
 from rollout_manager.notify import bounded
 from rollout_manager.placement.affinity import KEY_HEADER, KEY_MAX_LEN
+from rollout_manager.rollout import checkpoints
 from rollout_manager.rollout.batch import run_batch_ndjson
 from rollout_manager.rollout.request import Request, decode, decode_items
 from rollout_manager.sglang import wire
@@ -289,6 +290,10 @@ async def batch_generate_requests(request: web.Request, items: list[tuple[Any, R
     """Many /generate bodies at once; NDJSON results in completion order, every id exactly once."""
     generator = manager_of(request).generator
     assert generator is not None
+    if generator.checkpoints is not None:  # a relay saves them outside itself (rollout.checkpoints)
+        link = manager_of(request).link
+        again = link is not None and request.headers.get(checkpoints.RESUME_HEADER) is not None
+        items = checkpoints.keyed(items, await link.claim(checkpoints.keys_of(items)) if again and link else None)
     # the run id lets a client tell a restarted manager (whose batch is gone) from a quiet stream
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
                                        "X-Rollout-Manager-Run-Id": manager_of(request).run_id})

@@ -20,7 +20,7 @@ import msgspec
 
 from rollout_manager.instances.mirror import FleetDelta, follow, views_of
 from rollout_manager.instances.registry import Instance, Registry
-from rollout_manager.instances.relay_hub import RelayHello, RelayLoad, RelayReport
+from rollout_manager.instances.relay_messages import Claim, Outgoing, RelayHello, RelayLoad, RelayReport, SavedTokens
 from rollout_manager.instances.version import WeightVersion
 
 log = logging.getLogger("rollout_manager.instances.control_link")
@@ -41,6 +41,9 @@ class ControlLink:
         self.session = session
         self.load = load
         self.report_s = report_s
+        # The tokens of the relay's running sequences to save with each report (rollout.checkpoints; the manager
+        # sets it when checkpoints are on).
+        self.collect: Callable[[], Outgoing] = _nothing_saved
         self.run_id: str | None = None  # the control process's run id (the one boxes see in /health)
         self.connected = False
         self.connects = 0
@@ -118,13 +121,32 @@ class ControlLink:
             await asyncio.sleep(self.report_s)
             failures, successes = self._failures, self._successes
             self._failures, self._successes = [], set()
-            report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes))
+            outgoing = self.collect()
+            report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes), outgoing.saved,
+                                 outgoing.done)
             try:
-                await self._post("/relay/report", msgspec.json.encode(report))
+                answer = await self._post("/relay/report", msgspec.json.encode(report))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
                 self._failures[:0] = failures  # kept for the next control process, oldest first
                 del self._failures[:-MAX_PENDING]
                 self._successes |= successes
+                outgoing.lost()
+                continue
+            outgoing.arrived([str(k) for k in answer.get("missing", ())])
+
+    async def claim(self, keys: list[str]) -> dict[str, SavedTokens]:
+        """The saved tokens of sequences a caller sent again (none when the control process cannot say now: they
+        start from their prompts)."""
+        try:
+            async with self.session.post(f"{self.url}/relay/claim", data=msgspec.json.encode(Claim(self.relay, keys)),
+                                         timeout=aiohttp.ClientTimeout(total=30),
+                                         headers={**self.headers, "Content-Type": "application/json"}) as resp:
+                resp.raise_for_status()
+                return msgspec.json.decode(await resp.read(), type=dict[str, SavedTokens])
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+            log.warning("saved tokens of %d sequence(s) sent again not available (%s): they start from their "
+                        "prompts", len(keys), exc)
+            return {}
 
     async def _post(self, path: str, body: bytes) -> dict[str, Any]:
         async with self.session.post(f"{self.url}{path}", data=body, timeout=aiohttp.ClientTimeout(total=10),
@@ -138,3 +160,7 @@ class ControlLink:
     def status(self) -> dict[str, Any]:
         return {"control": self.url, "connected": self.connected, "connects": self.connects,
                 "run_id": self.run_id, "pending_failures": len(self._failures)}
+
+
+def _nothing_saved() -> Outgoing:
+    return Outgoing([], [], lambda missing: None, lambda: None)

@@ -19,43 +19,16 @@ from typing import Any
 import msgspec
 
 from rollout_manager.instances.health import HealthMonitor
-from rollout_manager.instances.mirror import FleetDelta, InstanceView, ViewTracker, adopt_all
+from rollout_manager.instances.mirror import FleetDelta, ViewTracker, adopt_all
 from rollout_manager.instances.registry import Event, Instance, Registry
+from rollout_manager.instances.relay_messages import Claim, RelayHello, RelayLoad, RelayReport, SavedTokens
+from rollout_manager.instances.saved_tokens import SavedStore
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.notify import Signal
 
 log = logging.getLogger("rollout_manager.instances.relay_hub")
 
 TICK_S = 0.25  # how soon a change without a registry event reaches the relays
-
-
-class RelayHello(msgspec.Struct, frozen=True):
-    """A relay connecting: who it is and the fleet it last saw."""
-
-    relay: int
-    pid: int
-    weight_version: int
-    instances: list[InstanceView] = []
-
-
-class RelayLoad(msgspec.Struct, frozen=True):
-    """A relay's own figures, read when it reports."""
-
-    in_flight: int = 0  # sequences it runs on instances
-    waiting: int = 0  # requests it holds for room
-    finished: int = 0  # sequences it finished since it started
-    streamed_tokens: int = 0
-    cpu_s: float = 0.0  # its process's CPU time since it started
-
-
-class RelayReport(msgspec.Struct, frozen=True):
-    """A relay's periodic report: failures and recoveries it saw per instance id, and its own figures."""
-
-    relay: int
-    pid: int
-    load: RelayLoad = RelayLoad()
-    failures: list[tuple[str, str]] = []  # (instance id, reason), in the order seen
-    successes: list[str] = []  # instance ids that answered after failing
 
 
 @dataclass
@@ -85,6 +58,7 @@ class RelayHub:
         self.health = health
         self.relays: dict[int, RelayRecord] = {}
         self.adopted = 0  # instances taken from relays after a start
+        self.saved = SavedStore()  # the relays' running sequences' tokens (rollout.checkpoints)
         self._changed = Signal()
         registry.listeners.append(self._on_event)
 
@@ -124,7 +98,12 @@ class RelayHub:
             inst = self.registry.get(iid)
             if inst is not None:
                 self.health.report_success(inst)
-        return {"unknown_instances": unknown}
+        missing = self.saved.apply(report.relay, report.saved, report.done)
+        return {"unknown_instances": unknown, "missing": missing}
+
+    def claim(self, claim: Claim) -> dict[str, SavedTokens]:
+        """The saved tokens of sequences a caller sent again, for the relay that got them."""
+        return self.saved.claim(claim.relay, claim.keys)
 
     async def stream(self, relay: int) -> AsyncIterator[bytes]:
         """The fleet stream for ``relay``: one NDJSON line per change, the whole fleet first."""

@@ -29,6 +29,7 @@ from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.lengths import LengthModel, Prediction, Track
 from rollout_manager.placement.local_budget import LocalBudget
 from rollout_manager.placement.tail_migration import Rest
+from rollout_manager.rollout import checkpoints
 from rollout_manager.rollout.answers import final_answer, partial_answer
 from rollout_manager.rollout.attempt import Attempts
 from rollout_manager.rollout.counters import new_generation_stats
@@ -73,6 +74,7 @@ class Generator:
         self._rid_prefix = f"{uuid.uuid4().hex[:8]}-"
         self._rid_counter = itertools.count()
         self.stats = new_generation_stats()  # the keys are metrics' (rollout.counters)
+        self.checkpoints: checkpoints.Checkpoints | None = None  # a relay's sequences saved outside it (None: not)
         self.affinity_fallbacks = dict.fromkeys(aff.FALLBACK_REASONS, 0)  # by reason
         self.vocab = VocabBound(dispatcher.registry, settings.vocab_size)  # input ids are checked against it
         # Each sequence's group, told at its start and end only (never per token): lengths predicted early.
@@ -220,6 +222,13 @@ class Generator:
         me = self._enter() if guarded else None
         seq, keys = self._start(item)
         track = seq.track
+        key = item.resume_key
+        saving = self.checkpoints if key is not None else None  # a relay saves it outside (rollout.checkpoints)
+        if saving is not None and key is not None:
+            if item.resumed is not None:
+                checkpoints.resume(seq, item.resumed)
+            saving.track(key, seq)
+        cancelled = False
         try:
             self._before_first_attempt(seq)
             tries = _RunState(divided=self.settings.pieces.applies(seq.budget) and item.body.divisible)
@@ -252,10 +261,13 @@ class Generator:
                 listener(time.monotonic() - started, 0, False)
             raise
         except asyncio.CancelledError:
+            cancelled = True
             if me is not None:
                 self._stopped(me)
             raise
         finally:
+            if saving is not None and key is not None:
+                saving.end(key, finished=not cancelled)
             if track is not None and self.lengths is not None:
                 self.lengths.drop(track)  # failed or cancelled (a finished one is closed already)
             if me is not None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import msgspec
 
 from rollout_manager.errors import InvalidField
+from rollout_manager.instances.relay_messages import SavedTokens
 from rollout_manager.placement.affinity import (
     KEY_FIELD,  # affinity: requests with one key go where their context is cached
 )
@@ -84,6 +85,10 @@ class SequenceRequest(msgspec.Struct, frozen=True, gc=False):
     trajectory_key: str | None = None
     min_version: int = 0  # 0: any
     group_key: str | None = None
+    # On a relay: the key its tokens are saved under outside it, and the tokens saved by a relay that ran it
+    # before (rollout.checkpoints; None: not saved, nothing saved).
+    resume_key: str | None = None
+    resumed: SavedTokens | None = None
 
 
 class Request(msgspec.Struct, frozen=True, gc=False):

@@ -164,6 +164,14 @@ class SequenceState:
         if self.experts is not None:
             self.experts.reset()
 
+    def resume_segments(self, spans: list[tuple[str, str, str | None, int, int]], versions: list[int]) -> None:
+        """The segments of tokens another relay made and saved (``rollout.checkpoints``): where and at which
+        version each part was made; the text of a saved part is not known."""
+        self.segments[:] = [Segment(instance, endpoint, version, start, end, "saved by its relay, continued here")
+                            for instance, endpoint, version, start, end in spans]
+        self.versions[:] = versions
+        self.texts[:] = [None] if spans else []
+
     def cut_point(self, instance: str) -> int:
         """Where a quarantine of ``instance`` cuts this sequence back to: the first token ``instance`` made that
         no passing probe vouched for (``Segment.trusted``); the sequence's length when there is none."""
