@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,6 @@ import pytest
 from conftest import FAST
 from support import ROOT, async_wait_until
 
-from rollout_manager.config import Config
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
 pytestmark = [
@@ -66,20 +66,37 @@ def model():
     return build_model(0)
 
 
-@pytest.fixture
-def ray_relays(cluster):
-    from rollout_manager.launch import ray_relays
+# relay_checkpoint_tokens: sequences of a lost relay continue from their saved tokens (docs/relays.md)
+SETTINGS = {**FAST, "relay_report_s": "0.1", "shutdown_grace_s": "2", "relay_checkpoint_tokens": "4",
+            "engine_stream_interval": "4"}
+FAST_CLIENT = {"stall_timeout_s": 0.5, "probe_timeout_s": 0.5}
 
-    config = Config(**{**FAST, "relay_report_s": "0.1", "shutdown_grace_s": "2"})
-    started = ray_relays.start(config, 2, name=f"rm{uuid.uuid4().hex[:6]}", relay_cpus=1)
+
+@pytest.fixture(scope="module")
+def started(cluster) -> Iterator[list[str]]:
+    """The manager's actors as the plugin starts them (``ray_relays = 2``): the relays' URLs."""
+    from trainer_plugin import relay_actors
+    from trainer_plugin.settings import ManagerSettings, PluginSettings
+
+    settings = PluginSettings(ManagerSettings(ray_relays=2, overrides=tuple(f"{k}={v}" for k, v in SETTINGS.items())))
     try:
-        yield started
+        yield relay_actors.ensure(settings)
     finally:
-        started.stop(timeout_s=10)
+        relay_actors.stop_all()
 
 
 def prompts(n: int) -> list[list[int]]:
     return [[(7 * i + j) % 200 + 1 for j in range(1 + i % 5)] for i in range(n)]
+
+
+def grpo_batch(groups: int, n: int) -> list[tuple[int, dict[str, Any]]]:
+    """``groups`` prompts, ``n`` samples each (greedy: the same tokens), with verl's group key."""
+    return [(g * n + k, {"input_ids": p, "sampling_params": GREEDY, "group_key": f"uid-{g}"})
+            for g, p in enumerate(prompts(groups)) for k in range(n)]
+
+
+def expected(model, batch: list[tuple[int, dict[str, Any]]]) -> dict[int, list[int]]:
+    return {rid: reference_generate(model, body["input_ids"], MAX_NEW)[0] for rid, body in batch}
 
 
 async def _json(session: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> tuple[int, Any]:
@@ -87,31 +104,145 @@ async def _json(session: aiohttp.ClientSession, method: str, url: str, body: Any
         return r.status, await r.json(content_type=None)
 
 
-async def _setup(relays, start_engines) -> tuple[list[str], Any]:
-    urls = await asyncio.to_thread(relays.urls)
-    assert len(urls) == 2 and all(u.startswith(f"http://{CPU_NODE}:") for u in urls), urls  # off the GPU node
-    engines = await start_engines(ENGINE_FLAGS, ENGINE_FLAGS)
+async def _status(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
-        for engine in engines:  # through a relay, handed on to the control actor with the secret
+        status, answer = await _json(s, "GET", url + "/get_instances_status")
+        assert status == 200, answer
+        return answer
+
+
+async def _fleet(urls: list[str], engines: list[Any], register: bool = True) -> None:
+    """Register ``engines`` through a relay (handed on to the control actor with the secret) and wait until
+    they are the whole fleet, active, with both relays connected."""
+    async with aiohttp.ClientSession() as s:
+        for engine in engines if register else ():
             status, answer = await _json(s, "POST", urls[0] + "/register_rollout_instance",
                                          {"host": "127.0.0.1", "port": engine.port})
             assert status == 200, answer
+    ports = sorted(e.port for e in engines)
 
-        async def ready() -> bool:
-            _, status = await _json(s, "GET", urls[1] + "/get_instances_status")
-            relays_seen = status.get("relays") or []
-            return [i["state"] for i in status["instances"]] == ["active", "active"] and len(relays_seen) == 2 \
-                and all(r["connected"] for r in relays_seen)
+    async def ready() -> bool:
+        status = await _status(urls[-1])
+        relays = status.get("relays") or []
+        return sorted(int(i["endpoint"].rsplit(":", 1)[1]) for i in status["instances"]) == ports \
+            and all(i["state"] == "active" for i in status["instances"]) \
+            and len(relays) == 2 and all(r["connected"] for r in relays)
 
-        await async_wait_until(ready, 60, message="both boxes active, both relays connected")
-    return urls, engines
+    await async_wait_until(ready, 60, message="the boxes active, both relays connected")
 
 
-async def test_a_step_through_two_relay_actors_gives_the_reference_tokens(ray_relays, start_engines, model):
-    urls, _ = await _setup(ray_relays, start_engines)
-    batch = prompts(16)
+def _control() -> Any:
+    import ray
+
+    from rollout_manager.launch import ray_relays
+
+    return ray.get_actor(ray_relays.control_name(ray_relays.DEFAULT_NAME))
+
+
+async def _urls(n: int = 2) -> list[str]:
+    from trainer_plugin import relay_actors
+
+    found: list[str] = []
+
+    async def all_found() -> bool:
+        found[:] = await asyncio.to_thread(relay_actors.find)
+        return len(found) == n
+
+    await async_wait_until(all_found, 60, message=f"{n} relays found through Ray")
+    return found
+
+
+async def _spread_step(batch, kill=None) -> tuple[dict[int, list[int]], Any]:
+    """One step through the plugin's spread (relays found through Ray); ``kill(got)`` after each line."""
+    from trainer_plugin import relay_actors
+    from trainer_plugin.relay_spread import RelaySpread
+
+    spread = RelaySpread(relay_actors.find, FAST_CLIENT)
+    got: dict[int, list[int]] = {}
+    try:
+        async for line in spread.batch_generate(batch):
+            assert line["success"], line
+            assert line["id"] not in got  # every id answered once
+            got[line["id"]] = line["data"]["output_ids"]
+            if kill is not None:
+                await kill(got)
+    finally:
+        await spread.close()
+    return got, spread.stats
+
+
+async def test_a_step_through_two_relay_actors_found_through_ray(started, start_engines, model):
+    urls = await _urls()
+    assert all(u.startswith(f"http://{CPU_NODE}:") for u in urls), urls  # off the trainer's (GPU) node
+    await _fleet(urls, await start_engines(ENGINE_FLAGS, ENGINE_FLAGS))
+    batch = grpo_batch(8, 4)
+    got, stats = await _spread_step(batch)
+    assert got == expected(model, batch) and stats.relays_lost == 0
+
+    async def finished_by_each() -> bool:
+        relays = (await _status(urls[0]))["relays"]
+        return sum(r["finished"] for r in relays) >= 32
+    await async_wait_until(finished_by_each, message="the relays' reports count what they finished")
+    assert all(r["finished"] > 0 for r in (await _status(urls[0]))["relays"])  # spread over both
+
+    # the control process listens on its node's address: only its relays (the secret) may say hello or follow
+    import ray
+    control = "http://" + await asyncio.to_thread(ray.get, _control().where.remote())
     async with aiohttp.ClientSession() as s:
-        outs = await asyncio.gather(*(
-            _json(s, "POST", urls[i % 2] + "/generate", {"input_ids": p, "sampling_params": GREEDY})
-            for i, p in enumerate(batch)))
-    assert [o[1]["output_ids"] for o in outs] == [reference_generate(model, p, MAX_NEW)[0] for p in batch]
+        status, answer = await _json(s, "POST", control + "/relay/hello",
+                                     {"relay": 0, "pid": 1, "weight_version": 0, "instances": []})
+        assert status == 403 and "relay" in answer["error"], answer
+        status, answer = await _json(s, "GET", control + "/relay/fleet?relay=0")
+        assert status == 403, answer
+
+
+async def test_a_relay_actor_sigkilled_mid_step_answers_every_id_once_through_the_other(
+        started, start_engines, model):
+    urls = await _urls()
+    engines = await start_engines(ENGINE_FLAGS, ENGINE_FLAGS)
+    await _fleet(urls, engines)
+    batch = grpo_batch(10, 4)
+    killed: list[int] = []
+
+    async def kill(got: dict[int, list[int]]) -> None:
+        if len(got) == 4 and not killed:
+            relays = (await _status(urls[0]))["relays"]
+            busy = [r["pid"] for r in relays if r["in_flight"] or r["waiting"]]
+            os.kill(busy[0], signal.SIGKILL)  # Ray starts it again, on another port
+            killed.append(busy[0])
+
+    got, stats = await _spread_step(batch, kill)
+    assert got == expected(model, batch)
+    assert killed and stats.relays_lost >= 1 and 0 < stats.resubmitted <= 36, stats
+    again = await _urls()  # Ray started the relay again; the plugin finds it at its new address
+    await _fleet(again, engines, register=False)
+    # sent again marked so: the relay that took them on continued from what the lost relay had saved
+    assert (await _status(again[0]))["relay_checkpoints"]["claimed"] > 0
+
+
+async def test_the_control_actor_sigkilled_mid_step_is_started_again_with_the_same_run(
+        started, start_engines, model):
+    import ray
+
+    urls = await _urls()
+    engines = await start_engines(ENGINE_FLAGS, ENGINE_FLAGS)
+    await _fleet(urls, engines)
+    before = (await _status(urls[0]))["instances"]
+    async with aiohttp.ClientSession() as s:
+        run_id = (await _json(s, "GET", urls[0] + "/health"))[1]["run_id"]
+    pid = await asyncio.to_thread(ray.get, _control().pid.remote())
+    batch = grpo_batch(10, 4)
+
+    async def kill(got: dict[int, list[int]]) -> None:
+        if len(got) == 4:
+            os.kill(pid, signal.SIGKILL)  # the relays keep serving on the fleet they last saw
+
+    got, stats = await _spread_step(batch, kill)
+    assert got == expected(model, batch) and stats.relays_lost == 0
+    assert await asyncio.to_thread(ray.get, _control().pid.remote()) != pid  # Ray started it again
+    await _fleet(urls, engines, register=False)  # both relays found the new control process (through Ray) and follow it
+    after = (await _status(urls[0]))["instances"]
+    assert [(i["id"], i["endpoint"], i["state"]) for i in after] == \
+        [(i["id"], i["endpoint"], "active") for i in before]
+    async with aiohttp.ClientSession() as s:
+        assert (await _json(s, "GET", urls[1] + "/health"))[1]["run_id"] == run_id

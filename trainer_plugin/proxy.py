@@ -24,6 +24,7 @@ from typing import Any
 from rollout_manager.sglang.answer import ReceivedAnswer
 
 from .client import ManagerClient, ManagerHTTPError
+from .relay_spread import RelaySpread
 from .request_batcher import RequestBatcher
 from .routed_experts import (
     REQUEST_FIELD,
@@ -185,11 +186,12 @@ class ManagerProxyServer:
                  max_model_len: int | None = None, timeout_s: float = 30.0,
                  batch_window_s: float = 0.005, max_batch: int = 1024,
                  client_options: dict[str, Any] | None = None, max_staleness: int = -1,
-                 routed_experts: ExpertsLayout | None = None):
+                 routed_experts: ExpertsLayout | None = None, ray_relays: bool = False):
         """``client_options``: more :class:`ManagerClient` arguments (stall and restart bounds);
         ``max_staleness``: how many versions behind the published one a sample may be made by (-1: any;
         sent as ``min_weight_version``, see :func:`weight_floor`); ``routed_experts``: the model's MoE
-        layout when verl's routing replay is on (None: off)."""
+        layout when verl's routing replay is on (None: off); ``ray_relays``: the manager runs as Ray actors, and
+        batches are spread over its relays, found through Ray (``relay_spread``)."""
         self.manager_url = manager_url
         self.client_options = dict(client_options or {})
         self.prompt_length = prompt_length
@@ -204,6 +206,11 @@ class ManagerProxyServer:
         self._fleet_check: asyncio.Task[FleetExperts] | None = None  # the first replay request's, shared
         self._client: ManagerClient | None = None
         self._batcher: RequestBatcher | None = None
+        self._spread: RelaySpread | None = None
+        if ray_relays:
+            from .relay_actors import find
+
+            self._spread = RelaySpread(find, {"timeout_s": self.timeout_s, **self.client_options})
         # verl sends a fresh request id per turn: the trajectory is recognised by its token context
         self.trajectories = TrajectoryKeys()
 
@@ -216,7 +223,8 @@ class ManagerProxyServer:
     @property
     def batcher(self) -> RequestBatcher | None:
         if self._batcher is None and self.batch_window_s > 0:
-            self._batcher = RequestBatcher(self.client, window_s=self.batch_window_s, max_batch=self.max_batch)
+            self._batcher = RequestBatcher(self._spread or self.client, window_s=self.batch_window_s,
+                                           max_batch=self.max_batch)
         return self._batcher
 
     def get_server_address(self) -> tuple[str, int]:
@@ -332,3 +340,5 @@ class ManagerProxyServer:
             await self._batcher.close()
         if self._client is not None:
             await self._client.close()
+        if self._spread is not None:
+            await self._spread.close()

@@ -18,11 +18,12 @@ import asyncio
 import functools
 import itertools
 import logging
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .batch_stream import PATH
-from .client import ManagerClient, ManagerHTTPError
+from .client import ManagerHTTPError
 
 log = logging.getLogger("trainer_plugin.batcher")
 
@@ -35,10 +36,16 @@ class _WaitingBatch:
     task: asyncio.Task[None] | None = None
 
 
+class BatchSender(Protocol):
+    """What sends a batch: one manager's client, or the spread over its relays (``relay_spread``)."""
+
+    def batch_generate(self, items: Iterable[tuple[Any, dict[str, Any]]]) -> AsyncGenerator[dict[str, Any], None]: ...
+
+
 class RequestBatcher:
     """One per event loop and manager; not thread-safe (a Ray async actor is one loop)."""
 
-    def __init__(self, client: ManagerClient, *, window_s: float = 0.005, max_batch: int = 1024,
+    def __init__(self, client: BatchSender, *, window_s: float = 0.005, max_batch: int = 1024,
                  max_batch_tokens: int = 1_000_000):
         """``max_batch_tokens``: prompt tokens per batch, so a batch body (a few bytes per token) stays
         well inside the manager's ``max_request_body_mb``."""

@@ -114,6 +114,10 @@ class ManagerSettings:
     # global_steps): each request asks the manager for min_weight_version = published - max_staleness
     # (-1: no bound, samples may come from any version)
     max_staleness: int = -1
+    # run the manager as Ray actors: a control actor and this many relay actors (rollout_manager.launch.ray_relays,
+    # placed on the CPU-only nodes when the cluster has any); the plugin finds the relays through Ray and spreads
+    # its batches over them (trainer_plugin.relay_spread). 0: one manager process on the launching node
+    ray_relays: int = 0
 
     def client_options(self) -> dict[str, Any]:
         """Keyword arguments of :class:`trainer_plugin.client.ManagerClient` from these settings."""
@@ -207,6 +211,9 @@ def from_rollout_config(rollout: Any) -> PluginSettings:
     if values.get("batch_window_ms", 0.0) < 0 or values.get("batch_max_requests", 1) < 1:
         raise SettingsError(f"{PREFIX}custom.rollout_manager.batch_window_ms must be >= 0 and batch_max_requests "
                             f">= 1, got {values.get('batch_window_ms')}, {values.get('batch_max_requests')}")
+    if not 0 <= values.get("ray_relays", 0) <= 64:
+        raise SettingsError(f"{PREFIX}custom.rollout_manager.ray_relays must be in 0-64 (0: one manager process), "
+                            f"got {values['ray_relays']}")
     if values.get("max_staleness", -1) < -1:
         raise SettingsError(f"{PREFIX}custom.rollout_manager.max_staleness must be >= -1 (-1: no bound), "
                             f"got {values['max_staleness']}")

@@ -48,7 +48,7 @@ from verl.workers.rollout.replica import RolloutReplica
 
 from rollout_manager.osutil import format_endpoint
 
-from . import manager_address
+from . import manager_address, relay_actors
 from .launcher import ManagerProcess
 from .lora_merge import LoraMerge, LoraSpec
 from .node_layout import gather_layout, this_node_id, this_node_ip
@@ -142,10 +142,15 @@ class DisaggregatedReplica(RolloutReplica):
     async def launch_servers(self) -> None:
         # The blocking start-up (probe, spawn, wait for /health) runs off the event loop; the launcher
         # forks from its own long-lived thread so PR_SET_PDEATHSIG stays tied to this process.
-        self.manager = await asyncio.to_thread(ensure_manager, self.settings)
+        ray_relays = self.settings.manager.ray_relays > 0
+        if ray_relays:  # the manager as Ray actors: relay 0's URL for the calls that are not batches
+            url = (await asyncio.to_thread(relay_actors.ensure, self.settings))[0]
+        else:
+            self.manager = await asyncio.to_thread(ensure_manager, self.settings)
+            url = manager_address.launch_url(self.settings)
         # published once, here (verl runs this in its TaskRunner, wherever Ray placed it): the training
         # ranks on every node read it instead of guessing it from their own node
-        url = await asyncio.to_thread(manager_address.publish, manager_address.launch_url(self.settings))
+        url = await asyncio.to_thread(manager_address.publish, url)
         proxy = ray.remote(ManagerProxyServer).options(
             name=PROXY_ACTOR_NAME, get_if_exists=True, num_cpus=0, max_concurrency=self.max_concurrency,
         ).remote(url, prompt_length=self.config.prompt_length, response_length=self.config.response_length,
@@ -153,7 +158,8 @@ class DisaggregatedReplica(RolloutReplica):
                  batch_window_s=self.settings.manager.batch_window_ms / 1000.0,
                  max_batch=self.settings.manager.batch_max_requests,
                  client_options=self.settings.manager.client_options(),
-                 max_staleness=self.settings.manager.max_staleness, routed_experts=self.routed_experts)
+                 max_staleness=self.settings.manager.max_staleness, routed_experts=self.routed_experts,
+                 ray_relays=ray_relays)
         health = await proxy.health.remote()  # fails fast if the workers cannot reach the manager
         if self.routed_experts is not None:  # fails fast on a fleet that cannot return routed experts
             await proxy.check_routed_experts.remote()

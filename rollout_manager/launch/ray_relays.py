@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import threading
 import uuid
@@ -120,6 +121,9 @@ class ControlActor:
 
     def relay_count(self) -> int:
         return self.relays
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stop(self) -> None:
         self.served.stop(self.grace_s + STOP_EXTRA_S)
@@ -233,7 +237,8 @@ def start(config: Config, relays: int, *, name: str = DEFAULT_NAME, namespace: s
     where = list(cpu_only_nodes() if nodes is None else nodes)
     run_id = uuid.uuid4().hex
     config = config.model_copy(update={"relays": relays, "relay_secret": config.relay_secret or secrets.token_hex(16)})
-    common = {"lifetime": "detached", "namespace": namespace, "max_restarts": max_restarts,
+    # get_if_exists: a second caller (another replica of the same job) gets the actors the first one started
+    common = {"lifetime": "detached", "namespace": namespace, "max_restarts": max_restarts, "get_if_exists": True,
               "max_concurrency": 4}  # a look-up is answered while a stop waits
     control = ray.remote(ControlActor).options(name=control_name(name), num_cpus=0, scheduling_strategy=_strategy(
         where, 0), **common).remote(config, run_id)
