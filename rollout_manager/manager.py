@@ -54,6 +54,7 @@ from rollout_manager.rollout.checkpoints import Checkpoints
 from rollout_manager.rollout.evacuation import EvacuationSettings, Evacuator
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.generation_settings import GenerationSettings
+from rollout_manager.rollout.trust_follower import TrustFollower
 from rollout_manager.sglang import relay
 from rollout_manager.sglang.auth import SGLangAuth
 from rollout_manager.sglang.client import SGLangClient
@@ -189,10 +190,18 @@ class Manager:
         self.quarantine.start()
         if self.scheduler_state is not None:
             self.scheduler_state.start()
+        provisional = self.generator.migrator.provisional
+        if self.hub is not None:  # the relays carry out trust verdicts on their sequences (rollout.trust_follower)
+            self.hub.distrusting_of = provisional.distrusting_of
+            self.hub.list_distrusted = provisional.list_item
+            self.probes.verdict_listeners.append(self.hub.on_verdict)
+            self.probes.before_send = self.hub.announce
         if self.link is not None:
             if cfg.relay_checkpoint_tokens:  # running sequences saved outside this relay (rollout.checkpoints)
                 saving = self.generator.checkpoints = Checkpoints(cfg.relay_checkpoint_tokens)
                 self.link.collect = saving.collect
+            follower = TrustFollower(self.registry, self.generator.migrator, self.link.tell_marked)
+            self.link.on_view, self.link.distrusted = follower.on_view, follower.distrusted
             self.link.start()
 
     def _relay_load(self) -> RelayLoad:

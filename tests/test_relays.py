@@ -334,3 +334,49 @@ async def test_relay_sigkilled_mid_sequence_costs_each_sequence_at_most_k_tokens
 
 async def _made_at_least(engines, total: int) -> bool:
     return await _generated(engines) >= total
+
+
+async def test_a_box_quarantined_by_the_control_process_is_cut_back_in_the_relays(start_manager, start_engines,
+                                                                                  model):
+    """The control process probes and quarantines; the relays vouch for what probes passed, cut their running
+    sequences back to it and list what they delivered unvouched, so every answer is the reference's."""
+    long_new = 200
+    m = await start_manager(relays=2, relay_report_s=0.1, trust_probe_interval_s=0.3, trust_probe_tolerance=0.001)
+    engines = await start_engines(ENGINE_FLAGS, ENGINE_FLAGS, ENGINE_FLAGS)
+    await m.register(*engines)
+    await async_wait_until(lambda: _relays_connected(m, 2), message="both relays report")
+    bad = engines[0]
+    before = await _generated(engines)
+    params = {"temperature": 0.0, "max_new_tokens": long_new}
+    batch = prompts(12)
+
+    async def perturb_mid_step() -> None:
+        await async_wait_until(lambda: _made_at_least(engines, before + 8 * 80), timeout_s=60,
+                               message="the step is under way")
+        fault = {"perturb_tensor": "model.layers.0.self_attn.q_proj.weight", "perturb_after_requests": 0,
+                 "perturb_scale": 0.5}  # its weights go wrong on its next request
+        async with aiohttp.ClientSession() as s:
+            async with s.post(bad.url + "/debug/faults", json=fault) as r:
+                assert r.status == 200
+            async with s.post(bad.url + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}):
+                pass
+
+    fault = asyncio.create_task(perturb_mid_step())
+    got: dict[int, dict[str, Any]] = {}
+    async with ManagerClient(m.url, **FAST_CLIENT) as client:
+        async for line in client.batch_generate([(i, {"input_ids": p, "sampling_params": params})
+                                                 for i, p in enumerate(batch)]):
+            assert line["success"], line
+            got[line["id"]] = line["data"]
+    await fault
+    assert {i: d["output_ids"] for i, d in got.items()} == \
+        {i: reference_generate(model, p, long_new)[0] for i, p in enumerate(batch)}
+    status = await m.status()
+    [quarantined] = [i for i in status["instances"] if i["quarantined"]]
+    assert quarantined["endpoint"] == bad.endpoint
+    metas = [d["meta_info"] for d in got.values()]
+    cut = [s for meta in metas for s in meta.get("segments", [])
+           if s["endpoint"] == bad.endpoint and "cut back at token" in s["outcome"]]
+    assert cut and any(s["end"] > s["start"] for s in cut), "nothing a passing probe vouched for was kept"
+    assert any(s["outcome"].startswith("distrusted: quarantined")
+               for meta in metas for s in meta.get("discarded_segments", []))

@@ -20,7 +20,7 @@ from aiohttp import web
 from rollout_manager.api.http import json_response
 from rollout_manager.errors import BadRequest, Forbidden, Unavailable
 from rollout_manager.instances.relay_hub import RelayHub
-from rollout_manager.instances.relay_messages import Claim, RelayHello, RelayReport
+from rollout_manager.instances.relay_messages import Claim, Marked, RelayHello, RelayReport
 from rollout_manager.manager import RELAY_SECRET_HEADER, Manager
 
 log = logging.getLogger("rollout_manager.api.relay_routes")
@@ -50,6 +50,11 @@ async def claim(request: web.Request) -> web.Response:
     _only_relays(request)
     saved = request.app[HUB].claim(_decode(await request.read(), Claim))
     return web.Response(body=msgspec.json.encode(saved), content_type="application/json")
+
+
+async def marked(request: web.Request) -> web.Response:
+    _only_relays(request)
+    return json_response(request.app[HUB].marked(_decode(await request.read(), Marked)))
 
 
 async def fleet(request: web.Request) -> web.StreamResponse:
@@ -88,6 +93,7 @@ def add_control_routes(app: web.Application, hub: RelayHub, secret: str = "") ->
     app.router.add_post("/relay/hello", hello)
     app.router.add_post("/relay/report", report)
     app.router.add_post("/relay/claim", claim)
+    app.router.add_post("/relay/marked", marked)
     app.router.add_get("/relay/fleet", fleet)
 
 

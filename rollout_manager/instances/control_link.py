@@ -18,9 +18,18 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from rollout_manager.instances.mirror import FleetDelta, follow, views_of
+from rollout_manager.instances.mirror import FleetDelta, InstanceView, TrustView, ViewListener, follow, views_of
 from rollout_manager.instances.registry import Instance, Registry
-from rollout_manager.instances.relay_messages import Claim, Outgoing, RelayHello, RelayLoad, RelayReport, SavedTokens
+from rollout_manager.instances.relay_messages import (
+    Claim,
+    DistrustedItem,
+    Marked,
+    Outgoing,
+    RelayHello,
+    RelayLoad,
+    RelayReport,
+    SavedTokens,
+)
 from rollout_manager.instances.version import WeightVersion
 
 log = logging.getLogger("rollout_manager.instances.control_link")
@@ -44,12 +53,18 @@ class ControlLink:
         # The tokens of the relay's running sequences to save with each report (rollout.checkpoints; the manager
         # sets it when checkpoints are on).
         self.collect: Callable[[], Outgoing] = _nothing_saved
+        # Told each instance's view as it is applied, with the one before (the trust follower), and asked for the
+        # distrusted samples to report (rollout.trust_follower; the manager sets both).
+        self.on_view: ViewListener | None = None
+        self.distrusted: Callable[[], tuple[list[DistrustedItem], Callable[[], None]]] = _none_distrusted
+        self._seen: dict[str, InstanceView] = {}
         self.run_id: str | None = None  # the control process's run id (the one boxes see in /health)
         self.connected = False
         self.connects = 0
         self._failures: list[tuple[str, str]] = []
         self._successes: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._telling: set[asyncio.Task[None]] = set()
         self._followed = asyncio.Event()  # set once the first whole fleet was applied
 
     # ------------------------------------------------------------ what the generator reports
@@ -98,6 +113,10 @@ class ControlLink:
         hello = RelayHello(self.relay, os.getpid(), self.version.current, views_of(self.registry))
         answer = await self._post("/relay/hello", msgspec.json.encode(hello))
         self.run_id = str(answer["run_id"])
+        # A control process counts its trust probes from 1 when it starts: what it says next is new, whatever the
+        # last one counted. Quarantines and distrust are kept, so one that happened meanwhile is still acted on.
+        self._seen = {iid: msgspec.structs.replace(view, trust=TrustView(distrusting=view.trust.distrusting))
+                      for iid, view in self._seen.items()}
         if answer.get("adopted"):
             log.info("the control process took back %d instance(s) from this relay", len(answer["adopted"]))
 
@@ -112,7 +131,7 @@ class ControlLink:
             log.info("following the fleet of the control process at %s", self.url)
             async for line in resp.content:
                 if line.strip():
-                    follow(self.registry, self.version, decoder.decode(line))
+                    follow(self.registry, self.version, decoder.decode(line), self.on_view, self._seen)
                     self._followed.set()
         raise aiohttp.ClientPayloadError("the fleet stream ended")
 
@@ -122,8 +141,9 @@ class ControlLink:
             failures, successes = self._failures, self._successes
             self._failures, self._successes = [], set()
             outgoing = self.collect()
+            distrusted, listed = self.distrusted()
             report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes), outgoing.saved,
-                                 outgoing.done)
+                                 outgoing.done, distrusted)
             try:
                 answer = await self._post("/relay/report", msgspec.json.encode(report))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
@@ -133,6 +153,20 @@ class ControlLink:
                 outgoing.lost()
                 continue
             outgoing.arrived([str(k) for k in answer.get("missing", ())])
+            listed()
+
+    def tell_marked(self, instance: str, sent: int) -> None:
+        """This relay marked what ``instance`` made for trust probe ``sent``: the probe waits for that."""
+        task = asyncio.get_running_loop().create_task(self._tell_marked(instance, sent))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def _tell_marked(self, instance: str, sent: int) -> None:
+        try:
+            await self._post("/relay/marked", msgspec.json.encode(Marked(self.relay, instance, sent)))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            log.info("could not tell the control process probe %d of %s was marked (%s): it goes after its wait",
+                     sent, instance, exc)
 
     async def claim(self, keys: list[str]) -> dict[str, SavedTokens]:
         """The saved tokens of sequences a caller sent again (none when the control process cannot say now: they
@@ -164,3 +198,7 @@ class ControlLink:
 
 def _nothing_saved() -> Outgoing:
     return Outgoing([], [], lambda missing: None, lambda: None)
+
+
+def _none_distrusted() -> tuple[list[DistrustedItem], Callable[[], None]]:
+    return [], lambda: None

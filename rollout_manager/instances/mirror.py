@@ -10,7 +10,7 @@ way when a control process starts again: it adopts the instances the relays stil
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -19,6 +19,20 @@ from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.registry import Instance, Kind, Registry, State
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.osutil import format_endpoint
+
+
+class TrustView(msgspec.Struct, frozen=True, omit_defaults=True, array_like=True):
+    """The control process's trust verdicts on one box, as its relays act on them (``rollout.trust_follower``):
+    trust probes announced (``sent``, the last at ``version``), the last of them that passed (``passed``: what
+    the box made before it is vouched for), and why its delivered tokens are distrusted now (None: they are not)."""
+
+    sent: int = 0
+    version: int = 0
+    passed: int = 0
+    distrusting: str | None = None
+
+
+NO_TRUST = TrustView()
 
 
 class InstanceView(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -43,6 +57,7 @@ class InstanceView(msgspec.Struct, frozen=True, omit_defaults=True):
     box_token_digest: str | None = None  # so a new control process still knows each box's own token
     preemptible: bool = False
     price_per_hour: float | None = None
+    trust: TrustView = NO_TRUST
 
 
 class FleetDelta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -56,14 +71,15 @@ class FleetDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     full: bool = False
 
 
-def view_of(inst: Instance) -> InstanceView:
+def view_of(inst: Instance, trust: TrustView = NO_TRUST) -> InstanceView:
     return InstanceView(
         id=inst.id, host=inst.host, port=inst.port, kind=inst.kind, order=inst.order, state=inst.state,
         weight_version=inst.weight_version, serving_version=inst.versions.serving(inst.weight_version),
         quarantined=inst.quarantined, waiting_for=inst.waiting_for, engine=inst.engine,
         mooncake_handshake_port=inst.mooncake_handshake_port, weight_receiver_port=inst.weight_receiver_port,
         declared_vocab_size=inst.declared_vocab_size, vocab_from_config=inst.vocab_from_config,
-        box_token_digest=inst.box_token_digest, preemptible=inst.preemptible, price_per_hour=inst.price_per_hour)
+        box_token_digest=inst.box_token_digest, preemptible=inst.preemptible, price_per_hour=inst.price_per_hour,
+        trust=trust)
 
 
 class ViewTracker:
@@ -74,10 +90,11 @@ class ViewTracker:
         self._sent: dict[str, InstanceView] = {}
         self._version: int | None = None
 
-    def delta(self, run_id: str, registry: Registry, version: WeightVersion) -> FleetDelta | None:
+    def delta(self, run_id: str, registry: Registry, version: WeightVersion,
+              trust_of: Callable[[Instance], TrustView] | None = None) -> FleetDelta | None:
         """The next line for this subscriber, None when nothing changed since the last one."""
         full = self._version is None
-        now = {inst.id: view_of(inst) for inst in registry}
+        now = {inst.id: view_of(inst, NO_TRUST if trust_of is None else trust_of(inst)) for inst in registry}
         changed = [v for iid, v in now.items() if self._sent.get(iid) != v]
         removed = [iid for iid in self._sent if iid not in now]
         if not (full or changed or removed or version.current != self._version):
@@ -86,7 +103,11 @@ class ViewTracker:
         return FleetDelta(run_id, version.current, changed, removed, full)
 
 
-def follow(registry: Registry, version: WeightVersion, delta: FleetDelta) -> None:
+ViewListener = Callable[[Instance, "InstanceView | None", InstanceView], None]
+
+
+def follow(registry: Registry, version: WeightVersion, delta: FleetDelta, on_view: ViewListener | None = None,
+           seen: dict[str, InstanceView] | None = None) -> None:
     """Make ``registry`` (a relay's) what the control process says: new instances added with its ids,
     states and versions taken as they are (the control process already checked each move), removed ones
     dead, so the relay's parts hear the same events as the control process's did."""
@@ -99,11 +120,16 @@ def follow(registry: Registry, version: WeightVersion, delta: FleetDelta) -> Non
         inst = registry.get(iid)
         if inst is not None:
             registry.follow_state(inst, State.DEAD, "removed by the control process")
+    for iid in gone:
+        if seen is not None:
+            seen.pop(iid, None)
     for view in delta.changed:
         inst = registry.get(view.id)
         if inst is not None and (inst.host, inst.port, inst.kind) != (view.host, view.port, view.kind):
             registry.follow_state(inst, State.DEAD, "its id names another instance at the control process")
             inst = None
+            if seen is not None:
+                seen.pop(view.id, None)
         if inst is None:
             inst = adopt(registry, view, "as the control process registered it", quiet=True)
         else:
@@ -111,6 +137,11 @@ def follow(registry: Registry, version: WeightVersion, delta: FleetDelta) -> Non
             registry.follow(inst, view.weight_version, view.serving_version, view.quarantined, view.waiting_for)
             if inst.state != view.state:
                 registry.follow_state(inst, view.state, "as the control process moved it")
+        if seen is not None:
+            before = seen.get(view.id)
+            seen[view.id] = view
+            if on_view is not None:
+                on_view(inst, before, view)
 
 
 def adopt(registry: Registry, view: InstanceView, why: str, *, quiet: bool = False) -> Instance:
@@ -125,8 +156,8 @@ def adopt(registry: Registry, view: InstanceView, why: str, *, quiet: bool = Fal
         view.serving_version, why, quiet=quiet)
 
 
-def views_of(registry: Registry) -> list[InstanceView]:
-    return [view_of(inst) for inst in registry]
+def views_of(registry: Registry, trust_of: Callable[[Instance], TrustView] | None = None) -> list[InstanceView]:
+    return [view_of(inst, NO_TRUST if trust_of is None else trust_of(inst)) for inst in registry]
 
 
 def adopt_all(registry: Registry, views: Iterable[InstanceView], why: str) -> list[Instance]:

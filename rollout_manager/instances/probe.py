@@ -78,6 +78,9 @@ class ProbeMonitor:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.start_listeners: list[StartListener] = []
+        # Awaited after the start listeners, before the probe goes (None: nothing): with relays, each marks what
+        # the box made so far first (instances.relay_hub.announce).
+        self.before_send: Callable[[Instance, int], Awaitable[None]] | None = None
         self.verdict_listeners: list[VerdictListener] = []
         registry.listeners.append(self._on_event)
 
@@ -176,6 +179,8 @@ class ProbeMonitor:
         ids = probe_ids(limit)
         for started in list(self.start_listeners):
             started(inst, version)
+        if self.before_send is not None:
+            await self.before_send(inst, version)
         try:
             values = await self.prefill(inst.url, ids, PROBE_RID_PREFIX + uuid.uuid4().hex,
                                         self.settings.timeout_s)

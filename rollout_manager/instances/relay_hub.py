@@ -5,30 +5,43 @@ A relay says hello when it connects (its pid and the instances it knows: after a
 the fleet), then reports every ``relay_report_s`` (the failures it saw through each box's fault, which count
 towards removal here as in one process, and its own load and CPU). The fleet stream sends each relay the
 instance views that changed (``mirror.ViewTracker``), woken by registry events and checked on a short tick for
-what changes without one (an engine's facts, a version being activated).
+what changes without one (an engine's facts, a version being activated). One scan of the views serves every
+relay's stream: a tick reads each instance's view once, however many relays follow.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from rollout_manager.instances.health import HealthMonitor
-from rollout_manager.instances.mirror import FleetDelta, ViewTracker, adopt_all
-from rollout_manager.instances.registry import Event, Instance, Registry
-from rollout_manager.instances.relay_messages import Claim, RelayHello, RelayLoad, RelayReport, SavedTokens
+from rollout_manager.instances.mirror import NO_TRUST, FleetDelta, TrustView, ViewTracker, adopt_all, views_of
+from rollout_manager.instances.registry import Event, Instance, Registry, State
+from rollout_manager.instances.relay_messages import (
+    Claim,
+    DistrustedItem,
+    Marked,
+    RelayHello,
+    RelayLoad,
+    RelayReport,
+    SavedTokens,
+)
 from rollout_manager.instances.saved_tokens import SavedStore
+from rollout_manager.instances.trust import Trust
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.notify import Signal
 
 log = logging.getLogger("rollout_manager.instances.relay_hub")
 
 TICK_S = 0.25  # how soon a change without a registry event reaches the relays
+MARK_WAIT_S = 2.0  # how long a trust probe waits for the relays to mark what its box made before it goes
+LINES_KEPT = 64  # fleet lines kept for streams that have not sent them yet; one further behind gets the whole fleet
 
 
 @dataclass
@@ -60,10 +73,75 @@ class RelayHub:
         self.adopted = 0  # instances taken from relays after a start
         self.saved = SavedStore()  # the relays' running sequences' tokens (rollout.checkpoints)
         self._changed = Signal()
+        # The one scan every fleet stream sends from (_scan): its baseline predates every stream's whole fleet.
+        self._encoder = msgspec.json.Encoder()
+        self._tracker = ViewTracker()
+        self._tracker.delta(run_id, registry, version)
+        self._lines: deque[tuple[int, bytes]] = deque(maxlen=LINES_KEPT)  # (number, NDJSON line)
+        self._made = 0  # lines made so far
+        self._scanned_at = time.monotonic()
+        self._dirty = False  # a registry event since the last scan
+        # Trust verdicts the relays act on (rollout.trust_follower): per instance, and the probes each relay marked.
+        self._trust: dict[str, TrustView] = {}
+        self._marked: dict[str, dict[int, int]] = {}  # instance id -> relay -> the last probe number it marked for
+        self._marks_in = Signal()
+        # Set by the manager: why the control process distrusts an instance's delivered tokens now, and where the
+        # relays' distrusted samples are listed (its own ledger, the one /distrusted_samples reads).
+        self.distrusting_of: Callable[[str], str | None] = _nobody
+        self.list_distrusted: Callable[[DistrustedItem], None] = _drop
         registry.listeners.append(self._on_event)
 
     def _on_event(self, inst: Instance, event: Event) -> None:
+        self._dirty = True
         self._changed.notify()
+        if event.new == State.DEAD:
+            self._trust.pop(inst.id, None)
+            self._marked.pop(inst.id, None)
+
+    # ------------------------------------------------------------ trust, carried out by the relays
+    def trust_of(self, inst: Instance) -> TrustView:
+        """What the relays act on of ``inst``'s trust: the probes announced and passed, and why its delivered
+        tokens are distrusted now."""
+        trust = self._trust.get(inst.id, NO_TRUST)
+        why = self.distrusting_of(inst.id)
+        return trust if trust.distrusting == why else msgspec.structs.replace(trust, distrusting=why)
+
+    async def announce(self, inst: Instance, version: int) -> None:
+        """A trust probe of ``inst`` at ``version`` is about to go: each connected relay first marks what ``inst``
+        made so far in its sequences (a pass vouches for that and no more). A relay that does not mark within
+        ``MARK_WAIT_S`` gets nothing vouched by this probe (it marks later, after the probe went: never used)."""
+        trust = self._trust.get(inst.id, NO_TRUST)
+        sent = trust.sent + 1
+        self._trust[inst.id] = msgspec.structs.replace(trust, sent=sent, version=version)
+        self._dirty = True
+        self._changed.notify()
+        waiting = [r.relay for r in self.relays.values() if r.connected]
+        deadline = time.monotonic() + MARK_WAIT_S
+
+        def unmarked() -> bool:
+            marked = self._marked.get(inst.id, {})
+            return any(marked.get(r, 0) < sent for r in waiting)
+
+        while unmarked() and (left := deadline - time.monotonic()) > 0:
+            await self._marks_in.wait(left)
+
+    def marked(self, marked: Marked) -> dict[str, Any]:
+        """A relay marked what an instance made for its probe number ``sent``."""
+        by_relay = self._marked.setdefault(marked.instance, {})
+        by_relay[marked.relay] = max(by_relay.get(marked.relay, 0), marked.sent)
+        self._marks_in.notify()
+        return {}
+
+    def on_verdict(self, probed: Instance, version: int, judged: list[tuple[Instance, Trust]]) -> None:
+        """A probe was judged: a pass of ``probed`` (not quarantined) vouches, in the relays, for what they marked
+        for it (the control process's own sequences are vouched for by its quarantine part, as in one process)."""
+        if probed.quarantined is not None or dict((i.id, t) for i, t in judged).get(probed.id) != Trust.CHECKED:
+            return
+        trust = self._trust.get(probed.id)
+        if trust is not None and trust.version == version and trust.passed < trust.sent:
+            self._trust[probed.id] = msgspec.structs.replace(trust, passed=trust.sent)
+            self._dirty = True
+            self._changed.notify()
 
     def hello(self, hello: RelayHello) -> dict[str, Any]:
         """A relay connects. Instances it knows and this process does not are adopted as they were (this
@@ -99,22 +177,47 @@ class RelayHub:
             if inst is not None:
                 self.health.report_success(inst)
         missing = self.saved.apply(report.relay, report.saved, report.done)
+        for item in report.distrusted:
+            self.list_distrusted(item)
         return {"unknown_instances": unknown, "missing": missing}
 
     def claim(self, claim: Claim) -> dict[str, SavedTokens]:
         """The saved tokens of sequences a caller sent again, for the relay that got them."""
         return self.saved.claim(claim.relay, claim.keys)
 
+    def _scan(self) -> None:
+        """Read every instance's view once for all streams: after a registry event, else once a tick."""
+        now = time.monotonic()
+        if not self._dirty and now - self._scanned_at < TICK_S - 0.01:  # timers may fire a little early
+            return
+        self._dirty, self._scanned_at = False, now
+        delta = self._tracker.delta(self.run_id, self.registry, self.version, self.trust_of)
+        if delta is not None:
+            self._made += 1
+            self._lines.append((self._made, self._encoder.encode(delta) + b"\n"))
+
+    def _whole(self) -> bytes:
+        fleet = FleetDelta(self.run_id, self.version.current, views_of(self.registry, self.trust_of), full=True)
+        return self._encoder.encode(fleet) + b"\n"
+
     async def stream(self, relay: int) -> AsyncIterator[bytes]:
-        """The fleet stream for ``relay``: one NDJSON line per change, the whole fleet first."""
-        tracker = ViewTracker()
-        encoder = msgspec.json.Encoder()
+        """The fleet stream for ``relay``: the whole fleet, then one NDJSON line per change, from the scan
+        every stream shares (a line repeating what the whole fleet already said is applied as a no-op)."""
         try:
+            sent = self._made
+            yield self._whole()
             while True:
-                delta: FleetDelta | None = tracker.delta(self.run_id, self.registry, self.version)
-                if delta is not None:
-                    yield encoder.encode(delta) + b"\n"
-                await self._changed.wait(TICK_S)
+                if sent == self._made:  # else lines came while this stream's reader was slow: send them now
+                    await self._changed.wait(max(0.0, self._scanned_at + TICK_S - time.monotonic()))
+                self._scan()
+                if self._lines and self._lines[0][0] > sent + 1:  # behind the lines kept: the whole fleet again
+                    sent = self._made
+                    yield self._whole()
+                    continue
+                for number, line in list(self._lines):
+                    if number > sent:
+                        sent = number
+                        yield line
         finally:
             record = self.relays.get(relay)
             if record is not None:
@@ -123,3 +226,11 @@ class RelayHub:
     def status(self) -> list[dict[str, Any]]:
         now = time.time()
         return [r.to_dict(now) for _, r in sorted(self.relays.items())]
+
+
+def _nobody(instance: str) -> str | None:
+    return None
+
+
+def _drop(item: DistrustedItem) -> None:
+    return None

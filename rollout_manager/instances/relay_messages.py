@@ -53,6 +53,29 @@ class SavedTokens(msgspec.Struct, frozen=True):
     versions: list[int] = []
 
 
+class DistrustedItem(msgspec.Struct, frozen=True, array_like=True):
+    """A delivered answer's segment a relay listed as distrusted (``rollout.provisional.DistrustedSample`` without
+    its number): the control process lists it in the one ``/distrusted_samples`` the trainer reads."""
+
+    request_id: str
+    instance: str
+    endpoint: str
+    weight_version: str | None
+    start: int
+    end: int
+    first: int
+    reason: str
+    at: float
+
+
+class Marked(msgspec.Struct, frozen=True):
+    """A relay marked what ``instance`` made so far for its trust probe number ``sent``: the probe may go."""
+
+    relay: int
+    instance: str
+    sent: int
+
+
 class RelayReport(msgspec.Struct, frozen=True):
     """A relay's periodic report: failures and recoveries it saw per instance id, its own figures, and the
     tokens its running sequences made since the last report (``saved``; ``done``: keys finished or given up)."""
@@ -64,6 +87,7 @@ class RelayReport(msgspec.Struct, frozen=True):
     successes: list[str] = []  # instance ids that answered after failing
     saved: list[SavedTokens] = []
     done: list[str] = []
+    distrusted: list[DistrustedItem] = []  # listed since the last report
 
 
 @dataclass

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_manager.instances.relay_messages import DistrustedItem
 from rollout_manager.rollout.sequence import Segment, SequenceState
 
 KEEP_PENDING = 50_000  # unvouched delivered segments kept per box
@@ -171,6 +172,24 @@ class Provisional:
         self.distrusted_tokens += seg.end - first
         self.distrusted.append(DistrustedSample(self.numbered, rid, seg.instance, seg.endpoint, seg.weight_version,
                                                 seg.start, seg.end, first, why, self.wall()))
+
+    # ------------------------------------------------------------ with relays (docs/relays.md)
+    def distrusting_of(self, instance: str) -> str | None:
+        """Why ``instance``'s delivered tokens are distrusted now (None: they are not)."""
+        return self._distrusting.get(instance)
+
+    def listed_after(self, after: int) -> list[DistrustedItem]:
+        """A relay's distrusted samples numbered above ``after``, for its control process to list."""
+        return [DistrustedItem(d.request_id, d.instance, d.endpoint, d.weight_version, d.start, d.end, d.first,
+                               d.reason, d.at) for d in self.distrusted if d.number > after]
+
+    def list_item(self, item: DistrustedItem) -> None:
+        """A relay's distrusted sample, numbered here: the trainer reads one list whichever relay delivered it."""
+        self.numbered += 1
+        self.distrusted_tokens += item.end - item.first
+        self.distrusted.append(DistrustedSample(self.numbered, item.request_id, item.instance, item.endpoint,
+                                                item.weight_version, item.start, item.end, item.first, item.reason,
+                                                item.at))
 
     # ------------------------------------------------------------ readers
     def since(self, after: int) -> dict[str, Any]:
