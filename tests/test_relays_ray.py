@@ -171,9 +171,28 @@ async def _spread_step(batch, kill=None) -> tuple[dict[int, list[int]], Any]:
     return got, spread.stats
 
 
+def test_a_group_goes_to_one_relay_and_the_groups_spread():
+    from trainer_plugin.relay_spread import split
+
+    urls = ["http://a", "http://b", "http://c"]
+    batch = grpo_batch(12, 4) + [(100 + i, {"input_ids": [5, 6], "sampling_params": GREEDY}) for i in range(3)]
+    parts = split(batch, urls)
+    where = {rid: url for url, part in parts.items() for rid, _ in part}
+    assert sorted(where) == sorted(rid for rid, _ in batch)
+    for g in range(12):  # GRPO siblings (one group_key) on one relay
+        assert len({where[g * 4 + k] for k in range(4)}) == 1
+    assert len({where[100 + i] for i in range(3)}) == 1  # no group key: one prompt's samples together
+    assert len(parts) == 3 and split(batch, urls) == parts  # every relay gets work; stable
+
+
 async def test_a_step_through_two_relay_actors_found_through_ray(started, start_engines, model):
+    from trainer_plugin import manager_address
+    from trainer_plugin.settings import ManagerSettings, PluginSettings
+
     urls = await _urls()
     assert all(u.startswith(f"http://{CPU_NODE}:") for u in urls), urls  # off the trainer's (GPU) node
+    # a training rank's weight pushes go to a relay found through Ray
+    assert await asyncio.to_thread(manager_address.resolve, PluginSettings(ManagerSettings(ray_relays=2))) in urls
     await _fleet(urls, await start_engines(ENGINE_FLAGS, ENGINE_FLAGS))
     batch = grpo_batch(8, 4)
     got, stats = await _spread_step(batch)

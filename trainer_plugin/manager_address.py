@@ -109,11 +109,18 @@ def published_url(wait_s: float = 0.0) -> str | None:
 
 
 def resolve(settings: PluginSettings, wait_s: float = 30.0) -> str:
-    """Where this process reaches the manager: the explicit address; inside Ray, the published URL;
-    outside Ray (one process), the bind host or loopback."""
+    """Where this process reaches the manager: the explicit address; inside Ray, a relay that answers now when
+    the manager runs as Ray actors (``ray_relays``: one Ray started again is found at its new address), else the
+    published URL; outside Ray (one process), the bind host or loopback."""
     m = settings.manager
     if m.address or not _in_ray():
         return settings.manager_url
+    if m.ray_relays:
+        from .relay_actors import find
+
+        urls = find()
+        if urls:
+            return urls[0]
     url = published_url(wait_s)
     if url is None:
         raise RuntimeError(
