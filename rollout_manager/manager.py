@@ -200,6 +200,10 @@ class Manager:
             if cfg.relay_checkpoint_tokens:  # running sequences saved outside this relay (rollout.checkpoints)
                 saving = self.generator.checkpoints = Checkpoints(cfg.relay_checkpoint_tokens)
                 self.link.collect = saving.collect
+            lengths = self.generator.lengths
+            if lengths is not None:  # every relay's length model learns the whole fleet's finished lengths
+                lengths.shared = []
+                self.link.take_lengths, self.link.learn_lengths = lengths.take_shared, lengths.finished_elsewhere
             follower = TrustFollower(self.registry, self.generator.migrator, self.link.tell_marked)
             self.link.on_view, self.link.distrusted = follower.on_view, follower.distrusted
             self.link.start()
@@ -208,7 +212,8 @@ class Manager:
         """What this relay reports of itself to the control process."""
         capacity = self.dispatcher.capacity
         return RelayLoad(capacity.in_flight, capacity.requests_waiting(), self.generator.stats["sequences"],
-                         self.dispatcher.fleet.streamed_tokens, time.process_time())
+                         self.dispatcher.fleet.streamed_tokens, time.process_time(),
+                         {i.id: i.load.in_flight for i in self.registry if i.load.in_flight})
 
     def _serving_new_version(self, inst: Instance) -> None:
         self.dispatcher.recovered(inst)  # place requests waiting for the version
@@ -294,6 +299,12 @@ class Manager:
         live = [i.id for i in self.registry]
         fleet = self.mismatch.fleet(live)
         pending = self.registry.in_state(*NOT_SERVING)
+        # With relays, what runs on an instance is theirs: the sum of what each last reported.
+        on = self.hub.in_flight() if self.hub is not None else None
+
+        def relayed(inst: Instance) -> dict[str, Any]:
+            return {} if on is None else {"in_flight": on.get(inst.id, 0)}
+
         return {
             "ready_instances": len(ready),
             "pending_instances": len(pending),
@@ -301,7 +312,7 @@ class Manager:
             "pending_instance_endpoints": [i.endpoint for i in pending],
             "weight_version": self.version.current,
             "counts": self.registry.counts(),
-            "instances": [{**i.to_dict(now), "weight_versions": i.versions.to_dict(i.weight_version),
+            "instances": [{**i.to_dict(now), **relayed(i), "weight_versions": i.versions.to_dict(i.weight_version),
                            "mismatch": self.mismatch.of(i.id, fleet), "decode_step": self._step_of(i),
                            "evacuation": self.evacuations.status_of(i)}
                           for i in self.registry],

@@ -25,10 +25,12 @@ from rollout_manager.instances.health import adopt_engine
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.mirror import ViewTracker, follow, view_of
 from rollout_manager.instances.registry import Kind, Registry, State
-from rollout_manager.instances.relay_messages import SavedSegment, SavedTokens
+from rollout_manager.instances.relay_hub import RelayHub
+from rollout_manager.instances.relay_messages import RelayReport, SavedSegment, SavedTokens
 from rollout_manager.instances.saved_tokens import SavedStore
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.placement.capacity import Capacity
+from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.rollout.checkpoints import Checkpoints, resume
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.sequence import SequenceState
@@ -160,6 +162,18 @@ def _body(ids: list[int]) -> Any:
     return item.body
 
 
+def test_each_relay_learns_the_lengths_the_other_relays_finished():
+    hub = RelayHub("run", Registry(), WeightVersion(), health=None)  # type: ignore[arg-type]  # no failures here
+    assert hub.report(RelayReport(0, 100, lengths=[(11, 300), (12, 40)]))["lengths"] == []
+    assert hub.report(RelayReport(1, 200, lengths=[(13, 7)]))["lengths"] == [(11, 300), (12, 40)]
+    assert hub.report(RelayReport(0, 100))["lengths"] == [(13, 7)]  # not its own, and each once
+    assert hub.report(RelayReport(0, 100))["lengths"] == []
+    assert hub.report(RelayReport(1, 201))["lengths"] == [(11, 300), (12, 40)]  # started again: all it missed
+    model = LengthModel()
+    model.finished_elsewhere([(11, 300), (11, 200), (13, 7)])
+    assert model.history[11] == [300, 200] and model.finished == 3
+
+
 # ------------------------------------------------------------------------------------------ processes
 @pytest.fixture(scope="module")
 def model():
@@ -267,8 +281,11 @@ async def test_relay_sigkilled_mid_step_answers_every_id_through_the_other(start
             assert line["id"] not in got
             got[line["id"]] = line["data"]["output_ids"]
             if len(got) == 4 and not killed:
-                relays = (await m.status())["relays"]
+                status = await m.status()
+                relays = status["relays"]
                 busy = [r["pid"] for r in relays if r["in_flight"] or r["waiting"]]
+                # the status shows each box's sequences as the relays last reported them
+                assert sum(i["in_flight"] for i in status["instances"]) == sum(r["in_flight"] for r in relays) > 0
                 os.kill(busy[0], signal.SIGKILL)
                 killed.append(busy[0])
         stats = dataclasses.asdict(client.stats)

@@ -58,6 +58,11 @@ class ControlLink:
         self.on_view: ViewListener | None = None
         self.distrusted: Callable[[], tuple[list[DistrustedItem], Callable[[], None]]] = _none_distrusted
         self._seen: dict[str, InstanceView] = {}
+        # The lengths this relay's sequences finished, and where the other relays' go (the length model; the manager
+        # sets both when lengths are predicted).
+        self.take_lengths: Callable[[], list[tuple[int, int]]] = list
+        self.learn_lengths: Callable[[list[tuple[int, int]]], None] = _ignore
+        self._unsent_lengths: list[tuple[int, int]] = []
         self.run_id: str | None = None  # the control process's run id (the one boxes see in /health)
         self.connected = False
         self.connects = 0
@@ -142,8 +147,9 @@ class ControlLink:
             self._failures, self._successes = [], set()
             outgoing = self.collect()
             distrusted, listed = self.distrusted()
+            lengths = self._unsent_lengths + self.take_lengths()
             report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes), outgoing.saved,
-                                 outgoing.done, distrusted)
+                                 outgoing.done, distrusted, lengths)
             try:
                 answer = await self._post("/relay/report", msgspec.json.encode(report))
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
@@ -151,9 +157,12 @@ class ControlLink:
                 del self._failures[:-MAX_PENDING]
                 self._successes |= successes
                 outgoing.lost()
+                self._unsent_lengths = lengths[-MAX_PENDING:]
                 continue
             outgoing.arrived([str(k) for k in answer.get("missing", ())])
             listed()
+            self._unsent_lengths = []
+            self.learn_lengths([(int(k), int(n)) for k, n in answer.get("lengths", ())])
 
     def tell_marked(self, instance: str, sent: int) -> None:
         """This relay marked what ``instance`` made for trust probe ``sent``: the probe waits for that."""
@@ -202,3 +211,7 @@ def _nothing_saved() -> Outgoing:
 
 def _none_distrusted() -> tuple[list[DistrustedItem], Callable[[], None]]:
     return [], lambda: None
+
+
+def _ignore(lengths: list[tuple[int, int]]) -> None:
+    return None

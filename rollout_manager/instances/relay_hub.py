@@ -40,6 +40,7 @@ from rollout_manager.notify import Signal
 log = logging.getLogger("rollout_manager.instances.relay_hub")
 
 TICK_S = 0.25  # how soon a change without a registry event reaches the relays
+LENGTHS_KEPT = 100_000  # finished lengths kept for relays that have not been sent them (a relay started again gets all)
 MARK_WAIT_S = 2.0  # how long a trust probe waits for the relays to mark what its box made before it goes
 LINES_KEPT = 64  # fleet lines kept for streams that have not sent them yet; one further behind gets the whole fleet
 
@@ -60,7 +61,7 @@ class RelayRecord:
         load = self.last_report.load if self.last_report is not None else RelayLoad()
         return {"relay": self.relay, "pid": self.pid, "connected": self.connected, "restarts": self.starts - 1,
                 "report_age_s": None if self.last_report_at is None else round(now - self.last_report_at, 3),
-                **msgspec.to_builtins(load)}
+                **{k: v for k, v in msgspec.to_builtins(load).items() if k != "instances"}}
 
 
 class RelayHub:
@@ -85,6 +86,10 @@ class RelayHub:
         self._trust: dict[str, TrustView] = {}
         self._marked: dict[str, dict[int, int]] = {}  # instance id -> relay -> the last probe number it marked for
         self._marks_in = Signal()
+        # Finished lengths the relays reported, for the others' length models: (number, relay, prompt key, length).
+        self._lengths: deque[tuple[int, int, int, int]] = deque(maxlen=LENGTHS_KEPT)
+        self._lengths_made = 0
+        self._length_cursor: dict[tuple[int, int], int] = {}  # (relay, pid) -> the last number it was sent
         # Set by the manager: why the control process distrusts an instance's delivered tokens now, and where the
         # relays' distrusted samples are listed (its own ledger, the one /distrusted_samples reads).
         self.distrusting_of: Callable[[str], str | None] = _nobody
@@ -179,7 +184,18 @@ class RelayHub:
         missing = self.saved.apply(report.relay, report.saved, report.done)
         for item in report.distrusted:
             self.list_distrusted(item)
-        return {"unknown_instances": unknown, "missing": missing}
+        return {"unknown_instances": unknown, "missing": missing, "lengths": self._share_lengths(report)}
+
+    def _share_lengths(self, report: RelayReport) -> list[tuple[int, int]]:
+        """Keep the lengths ``report``'s relay finished; answer those the other relays finished since its last
+        report (a relay that just started gets every one kept): each relay's length model learns the whole
+        fleet's prompts, whichever relay their samples went to."""
+        for key, length in report.lengths:
+            self._lengths_made += 1
+            self._lengths.append((self._lengths_made, report.relay, key, length))
+        since = self._length_cursor.get((report.relay, report.pid), 0)
+        self._length_cursor[(report.relay, report.pid)] = self._lengths_made
+        return [(key, length) for n, relay, key, length in self._lengths if n > since and relay != report.relay]
 
     def claim(self, claim: Claim) -> dict[str, SavedTokens]:
         """The saved tokens of sequences a caller sent again, for the relay that got them."""
@@ -222,6 +238,15 @@ class RelayHub:
             record = self.relays.get(relay)
             if record is not None:
                 record.connected = False
+
+    def in_flight(self) -> dict[str, int]:
+        """Sequences on each instance over the connected relays, as they last reported."""
+        out: dict[str, int] = {}
+        for record in self.relays.values():
+            if record.connected and record.last_report is not None:
+                for iid, n in record.last_report.load.instances.items():
+                    out[iid] = out.get(iid, 0) + n
+        return out
 
     def status(self) -> list[dict[str, Any]]:
         now = time.time()

@@ -29,6 +29,7 @@ class RelayLoad(msgspec.Struct, frozen=True):
     finished: int = 0  # sequences it finished since it started
     streamed_tokens: int = 0
     cpu_s: float = 0.0  # its process's CPU time since it started
+    instances: dict[str, int] = {}  # sequences it runs on each instance (those with any)
 
 
 class SavedSegment(msgspec.Struct, frozen=True, array_like=True):
@@ -88,6 +89,7 @@ class RelayReport(msgspec.Struct, frozen=True):
     saved: list[SavedTokens] = []
     done: list[str] = []
     distrusted: list[DistrustedItem] = []  # listed since the last report
+    lengths: list[tuple[int, int]] = []  # (prompt key, length) of the sequences it finished since the last report
 
 
 @dataclass

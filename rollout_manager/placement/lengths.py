@@ -321,6 +321,9 @@ class LengthModel:
         self.fleet = fleet_prior
         self.finished = 0
         self.errors = {b: ErrorStats() for b in BUCKETS}
+        # With relays (docs/relays.md): the (prompt key, length) of each sequence finished here since the relay last
+        # reported them, for the other relays' histories (None: not shared).
+        self.shared: list[tuple[int, int]] | None = None
 
     # ------------------------------------------------------------ events
     def start(self, group_key: str | None, prompt: Sequence[int], name: str = "",
@@ -351,12 +354,9 @@ class LengthModel:
             self.errors[where].add(predicted, length)
         group = track.group
         group.add_finished(_log(length))
-        hist = self.history.get(track.prompt)
-        if hist is None:
-            hist = self.history[track.prompt] = []
-        hist.append(length)
-        if len(hist) > self.history_depth:
-            del hist[0]
+        self._add_history(track.prompt, length)
+        if self.shared is not None:
+            self.shared.append((track.prompt, length))
         self._learn(_log(length))
         where = bucket(group.finished_fraction)  # each sibling is predicted once per bucket (what is scored)
         due = [t for t in islice(group.running, MAX_SIBLINGS) if where not in t.predicted]
@@ -365,6 +365,27 @@ class LengthModel:
                 sibling.refresh()
             for sibling in due:
                 self._remember(sibling)
+
+    def finished_elsewhere(self, ended: Sequence[tuple[int, int]]) -> None:
+        """Sequences (prompt key, length) ended in other relays: the prompts' histories and the fleet's figure
+        learn them (their groups are those relays')."""
+        for prompt, length in ended:
+            if length >= 1:
+                self._add_history(prompt, length)
+                self._learn(_log(length))
+
+    def take_shared(self) -> list[tuple[int, int]]:
+        """The (prompt key, length) of the sequences finished here since the last call (``shared``)."""
+        taken, self.shared = self.shared or [], []
+        return taken
+
+    def _add_history(self, prompt: int, length: int) -> None:
+        hist = self.history.get(prompt)
+        if hist is None:
+            hist = self.history[prompt] = []
+        hist.append(length)
+        if len(hist) > self.history_depth:
+            del hist[0]
 
     def drop(self, track: Track) -> None:
         """A sequence failed or was cancelled: it leaves its group without an observation."""
