@@ -185,6 +185,18 @@ def test_a_group_goes_to_one_relay_and_the_groups_spread():
     assert len(parts) == 3 and split(batch, urls) == parts  # every relay gets work; stable
 
 
+async def test_a_batch_no_relay_answers_for_fails_naming_its_ids_after_restart_timeout():
+    from trainer_plugin.client_errors import ManagerLost
+    from trainer_plugin.relay_spread import RelaySpread
+
+    looked: list[int] = []
+    spread = RelaySpread(lambda: looked.append(1) or [], {"restart_timeout_s": 1.0})
+    with pytest.raises(ManagerLost) as lost:
+        [line async for line in spread.batch_generate(grpo_batch(2, 2))]
+    assert lost.value.unfinished == [0, 1, 2, 3] and "answered within 1s" in str(lost.value)
+    assert len(looked) >= 2  # looked up again while it waited
+
+
 async def test_a_step_through_two_relay_actors_found_through_ray(started, start_engines, model):
     from trainer_plugin import manager_address
     from trainer_plugin.settings import ManagerSettings, PluginSettings

@@ -33,6 +33,8 @@ log = logging.getLogger("trainer_plugin.relay_spread")
 
 Item = tuple[Any, dict[str, Any]]
 FIND_EVERY_S = 10.0  # the relays are looked up again this often (and whenever one was lost)
+MAX_LOSSES = 16  # relay streams lost in one batch before it fails (a relay that answers but keeps breaking)
+FIND_RETRY_S = 0.5  # while no relay answers, looked up again this often (up to restart_timeout_s)
 
 
 @dataclass
@@ -81,7 +83,10 @@ class RelaySpread:
     """``batch_generate`` over the relays ``find()`` returns (a blocking call: it runs in a thread)."""
 
     def __init__(self, find: Callable[[], list[str]], client_options: dict[str, Any] | None = None) -> None:
+        """``client_options``: :class:`ManagerClient`'s; its ``restart_timeout_s`` (default 120) is how long a
+        batch waits for some relay to answer when none does (Ray is starting them again)."""
         self.find = find
+        self.wait_s = float((client_options or {}).get("restart_timeout_s", 120.0))
         self.client_options = {**(client_options or {}), "restart_timeout_s": 0.0}
         self.stats = SpreadStats()
         self._clients: dict[str, ManagerClient] = {}
@@ -121,15 +126,23 @@ class RelaySpread:
                 async for line in stream_batch(link, part):
                     await lines.put((url, part, line))
                 await lines.put((url, part, None))
-            except BaseException as exc:  # handed to the consumer, which decides
+            except Exception as exc:  # handed to the consumer, which decides
                 await lines.put((url, part, exc))
 
         async def send(part: list[Item], again: bool = False) -> int:
-            urls = [u for u in await self.relays(fresh=bool(lost)) if u not in lost]
+            deadline, fresh = time.monotonic() + self.wait_s, bool(lost)
+            while True:  # the relays not lost in this batch; else any that answers (a lost stream, a live relay)
+                found = await self.relays(fresh)
+                urls = [u for u in found if u not in lost] or found
+                if urls or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(FIND_RETRY_S)
+                fresh = True
             if not urls:
                 ids = [rid for rid, _ in part]
-                raise ManagerLost(f"no relay of the rollout manager left to send {len(ids)} request(s) to "
-                                  f"(lost: {', '.join(sorted(lost))})", ids, len(listed) - len(pending))
+                raise ManagerLost(f"no relay of the rollout manager answered within {self.wait_s:g}s to send "
+                                  f"{len(ids)} request(s) to (lost: {', '.join(sorted(lost))})", ids,
+                                  len(listed) - len(pending))
             parts = split(part, urls)
             for url, share in parts.items():
                 task = asyncio.get_running_loop().create_task(pump(url, share, again))
@@ -137,6 +150,7 @@ class RelaySpread:
                 task.add_done_callback(tasks.discard)
             return len(parts)
 
+        losses = 0
         try:
             running = await send(listed) if listed else 0
             while running:
@@ -153,7 +167,11 @@ class RelaySpread:
                     raise got
                 unanswered = [item for item in part if _id_key(item[0]) in pending]
                 lost.add(url)
+                losses += 1
                 self.stats.relays_lost += 1
+                if losses > MAX_LOSSES:
+                    raise ManagerLost(f"{losses} relay streams of one batch lost (last: {got})",
+                                      [rid for rid, _ in pending.values()], len(listed) - len(pending)) from got
                 self._found_at = float("-inf")  # look the relays up again for the next batch too
                 if unanswered:
                     log.warning("relay %s lost (%s): sending its %d unanswered request(s) to the other relays",
