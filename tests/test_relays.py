@@ -245,8 +245,10 @@ async def _finished_by_each(m) -> bool:
 
 
 async def test_control_process_sigkilled_mid_step_loses_nothing(start_manager, start_engines, model):
-    m, engines = await with_relays(start_manager, start_engines)
+    # health checks that make no tokens, so the engines' count is the step's alone
+    m, engines = await with_relays(start_manager, start_engines, health_check_path="/health", trust_probe_interval_s=0)
     before = await m.status()
+    made_before = await _generated(engines)
     run_id = (await m.get("/health"))[1]["run_id"]
     [control] = _pids(m.proc.pid, "control")
     batch = prompts(40)
@@ -260,6 +262,9 @@ async def test_control_process_sigkilled_mid_step_loses_nothing(start_manager, s
                 os.kill(control, signal.SIGKILL)  # relays keep serving on the fleet they last saw
         assert client.stats.resubmitted == 0 and client.stats.interruptions == 0
     assert got == {i: reference_generate(model, p, MAX_NEW)[0] for i, p in enumerate(batch)}
+    # not one token made again: beyond the step's, only the new control process's trust probe of each box it
+    # adopted (a one-token prefill)
+    assert 0 <= await _generated(engines) - made_before - len(batch) * MAX_NEW <= len(engines)
     # a new control process took the fleet back from the relays: same ids, still active, same run
     await async_wait_until(lambda: _relays_connected(m, 2), message="relays follow the new control process")
     after = await m.status()
