@@ -122,6 +122,7 @@ class Manager:
         # process, which acts for every relay, so there those parts watch an empty one and stay idle.
         acting = Registry() if role is Role.RELAY else self.registry
         self.link: ControlLink | None = None
+        self._relay_finished = 0  # sequences this relay finished (its reports say so)
         if role is Role.RELAY:
             assert place is not None, "a relay needs its place"
             self.link = ControlLink(place.control_url, place.index, cfg.auth_token, self.registry, self.version,
@@ -185,6 +186,7 @@ class Manager:
         # The scaling signal: boxes of each kind the rest of the step needs (read at scrape and status).
         self.fleet_signal = FleetSignal(self.registry, self.dispatcher, cfg.scale_target_step_s)
         self.metrics.fleet_signal = self.fleet_signal
+        self.metrics.relay_hub = self.hub
 
         self.probes.start()
         self.quarantine.start()
@@ -204,14 +206,18 @@ class Manager:
             if lengths is not None:  # every relay's length model learns the whole fleet's finished lengths
                 lengths.shared = []
                 self.link.take_lengths, self.link.learn_lengths = lengths.take_shared, lengths.finished_elsewhere
+            self.generator.finished_listeners.append(self._count_finished)
             follower = TrustFollower(self.registry, self.generator.migrator, self.link.tell_marked)
             self.link.on_view, self.link.distrusted = follower.on_view, follower.distrusted
             self.link.start()
 
+    def _count_finished(self, latency_s: float, tokens: int, ok: bool) -> None:
+        self._relay_finished += ok
+
     def _relay_load(self) -> RelayLoad:
         """What this relay reports of itself to the control process."""
         capacity = self.dispatcher.capacity
-        return RelayLoad(capacity.in_flight, capacity.requests_waiting(), self.generator.stats["sequences"],
+        return RelayLoad(capacity.in_flight, capacity.requests_waiting(), self._relay_finished,
                          self.dispatcher.fleet.streamed_tokens, time.process_time(),
                          {i.id: i.load.in_flight for i in self.registry if i.load.in_flight})
 

@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 from rollout_manager.instances.mismatch import MismatchLedger
 from rollout_manager.instances.quarantine import Quarantine
 from rollout_manager.instances.registry import Event, Instance, Kind, Registry, State
+from rollout_manager.instances.relay_hub import RelayHub
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.placement.dispatch import Dispatcher
 from rollout_manager.placement.fleet_signal import FleetSignal
@@ -208,6 +209,37 @@ class FleetDemandCollector(Collector):
         work.add_metric(["running"], demand.running_tokens)
         work.add_metric(["waiting"], demand.waiting_tokens)
         yield work
+
+
+class RelayCollector(Collector):
+    """A manager with relays (docs/relays.md), seen from its control process: each relay's figures as it last
+    reported them, and the tokens the control process holds for the relays' running sequences."""
+
+    def __init__(self, metrics: ManagerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        hub = self.metrics.relay_hub
+        if hub is None:
+            return
+        figures = {
+            "in_flight": ("relay_sequences_in_flight", "Sequences the relay runs on instances."),
+            "waiting": ("relay_requests_waiting", "Requests the relay holds for room."),
+            "finished": ("relay_sequences_finished", "Sequences the relay finished since it started."),
+            "streamed_tokens": ("relay_streamed_tokens", "Tokens the relay streamed since it started."),
+            "cpu_s": ("relay_cpu_seconds", "The relay process's CPU time since it started."),
+            "restarts": ("relay_restarts", "Times the relay was started again."),
+            "connected": ("relay_connected", "1 while the relay follows this control process."),
+        }
+        families = {key: GaugeMetricFamily(PREFIX + name, help_, labels=["relay"])
+                    for key, (name, help_) in figures.items()}
+        for relay in hub.status():
+            for key, family in families.items():
+                family.add_metric([str(relay["relay"])], float(relay[key]))
+        yield from families.values()
+        saved = hub.saved.status()
+        yield GaugeMetricFamily(PREFIX + "relay_saved_tokens", "Tokens of the relays' running sequences the control "
+                                "process holds (relay_checkpoint_tokens).", value=saved["tokens"])
 
 
 class StateCollector(Collector):
@@ -465,6 +497,8 @@ class ManagerMetrics:
         self.prometheus.register(MismatchCollector(self))
         self.fleet_signal: FleetSignal | None = None  # the manager sets it (its own part, read at scrape)
         self.prometheus.register(FleetDemandCollector(self))
+        self.relay_hub: RelayHub | None = None  # a control process's, set by the manager (read at scrape)
+        self.prometheus.register(RelayCollector(self))
         registry.listeners.append(self._on_event)
         weights.push_listeners.append(self._on_push)
         generator.finished_listeners.append(self._on_finished)

@@ -237,6 +237,11 @@ async def test_two_relays_serve_one_port_with_the_reference_tokens(start_manager
     assert [i["state"] for i in status["instances"]] == ["active", "active"]
     _, health = await m.get("/health")
     assert health["instances"]["active"] == 2 and health["run_id"] == (await m.get("/health"))[1]["run_id"]
+    async with m.session.get(m.url + "/metrics") as r:  # the control process's, with each relay's figures
+        text = await r.text()
+    finished = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("rollout_manager_relay_sequences_finished{")}
+    assert finished.keys() == {"0", "1"} and sum(finished.values()) == 48
 
 
 async def _finished_by_each(m) -> bool:
