@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -247,6 +247,14 @@ class Config(BaseModel):
         parse_bind(value)
         return value
 
+    @model_validator(mode="after")
+    def _check_relays(self) -> Config:
+        if self.relays and self.weight_activation == "drain":
+            raise ValueError("relays: weight_activation = \"drain\" waits for each box to be idle, and with relays the "
+                             "control process that pushes does not run the box's sequences; use \"staged\" "
+                             "(the default) with relays, or relays = 0")
+        return self
+
     @property
     def bind_host(self) -> str:
         return parse_bind(self.bind)[0]
@@ -290,9 +298,11 @@ def _check_layer(layer: Layer) -> None:
         Config.model_validate(dict(layer.values), strict=layer.strict)
     except ValidationError as exc:
         err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "?"
-        value = layer.values.get(str(err["loc"][0]), None) if err["loc"] else None
         msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule between keys (Config._check_relays)
+            raise ConfigError(f"config from {layer.source}: {msg}") from None
+        key = ".".join(str(p) for p in err["loc"])
+        value = layer.values.get(str(err["loc"][0]), None)
         raise ConfigError(f"config key {key!r} = {value!r} from {layer.source}: {msg}") from None
 
 
@@ -337,7 +347,11 @@ def load_config(
     for layer in layers:
         _check_layer(layer)
         merged.update(layer.values)
-    return Config.model_validate(merged)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:  # a rule between keys set in different places
+        msg = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"config (file, environment and command line together): {msg}") from None
 
 
 def parse_set_option(text: str) -> tuple[str, str]:

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from support import async_wait_until, descendants
 
+from rollout_manager.config import ConfigError, load_config
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 from rollout_manager.instances.health import adopt_engine
 from rollout_manager.instances.instance import EngineFacts
@@ -172,6 +173,14 @@ def test_each_relay_learns_the_lengths_the_other_relays_finished():
     model = LengthModel()
     model.finished_elsewhere([(11, 300), (11, 200), (13, 7)])
     assert model.history[11] == [300, 200] and model.finished == 3
+
+
+def test_drain_activation_is_refused_with_relays_wherever_each_is_set():
+    with pytest.raises(ConfigError, match="drain"):
+        load_config(None, environ={}, overrides={"relays": "2", "weight_activation": "drain"})
+    with pytest.raises(ConfigError, match="together"):
+        load_config(None, environ={"ROLLOUT_MANAGER_WEIGHT_ACTIVATION": "drain"}, overrides={"relays": "1"})
+    assert load_config(None, environ={}, overrides={"relays": "2"}).weight_activation == "staged"
 
 
 # ------------------------------------------------------------------------------------------ processes
