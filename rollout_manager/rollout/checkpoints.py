@@ -57,9 +57,12 @@ def keys_of(items: Sequence[tuple[Any, Request]]) -> list[str]:
 
 
 def resume(seq: SequenceState, saved: SavedTokens) -> None:
-    """``seq`` goes on from the tokens another relay saved: they become its output so far, in their segments."""
+    """``seq`` goes on from the tokens another relay saved: they become its output so far, in their segments. Saved
+    tokens without the log-probs the caller asked for are not used (it starts from its prompt)."""
+    if seq.body.wants_logprobs and len(saved.logprobs) != len(saved.ids):
+        return
     seq.output_ids.extend(saved.ids)
-    if seq.body.wants_logprobs and len(saved.logprobs) == len(saved.ids):
+    if seq.body.wants_logprobs:
         seq.logprobs.extend(saved.logprobs)
     seq.resume_segments([(s.instance, s.endpoint, s.weight_version, s.start, s.end) for s in saved.segments],
                         saved.versions)
