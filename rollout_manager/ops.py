@@ -164,7 +164,18 @@ def render_status(st: dict[str, Any], url: str) -> str:
     out = f"manager {url}  {summary_line(st)}\n"
     out += table(headers, rows) if rows else "no instances registered\n"
     return (out + mismatch_line(st.get("mismatch")) + quarantine_line(st.get("quarantine"))
-            + evacuation_lines(instances))
+            + evacuation_lines(instances) + relay_lines(st.get("relays")))
+
+
+def relay_lines(relays: Any) -> str:
+    """With relays (docs/relays.md): one line per relay, as it last reported to the control process."""
+    if not isinstance(relays, list) or not relays:
+        return ""
+    rows = [[r.get("relay"), r.get("pid"), "yes" if r.get("connected") else "no", r.get("in_flight"),
+             r.get("waiting"), r.get("finished"), _num(r.get("cpu_s"), 1), r.get("restarts"),
+             _num(r.get("report_age_s"), 2)] for r in relays if isinstance(r, dict)]
+    return table(["RELAY", "PID", "CONNECTED", "IN FLIGHT", "WAITING", "FINISHED", "CPU S", "RESTARTS",
+                  "REPORT AGE S"], rows)
 
 
 def evacuation_lines(instances: list[dict[str, Any]]) -> str:

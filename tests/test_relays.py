@@ -30,6 +30,7 @@ from rollout_manager.instances.relay_hub import RelayHub
 from rollout_manager.instances.relay_messages import RelayReport, SavedSegment, SavedTokens
 from rollout_manager.instances.saved_tokens import SavedStore
 from rollout_manager.instances.version import WeightVersion
+from rollout_manager.ops import render_status
 from rollout_manager.placement.capacity import Capacity
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.rollout.checkpoints import Checkpoints, resume
@@ -181,6 +182,19 @@ def test_drain_activation_is_refused_with_relays_wherever_each_is_set():
     with pytest.raises(ConfigError, match="together"):
         load_config(None, environ={"ROLLOUT_MANAGER_WEIGHT_ACTIVATION": "drain"}, overrides={"relays": "1"})
     assert load_config(None, environ={}, overrides={"relays": "2"}).weight_activation == "staged"
+
+
+def test_the_status_command_lists_the_relays():
+    relays = [{"relay": 0, "pid": 11, "connected": True, "in_flight": 3, "waiting": 0, "finished": 40, "cpu_s": 1.25,
+               "restarts": 0, "report_age_s": 0.1},
+              {"relay": 1, "pid": 12, "connected": False, "in_flight": 0, "waiting": 0, "finished": 2, "cpu_s": 0.5,
+               "restarts": 1, "report_age_s": 9.0}]
+    lines = render_status({"instances": [], "relays": relays}, "http://m:5000").splitlines()
+    assert lines[-3].split() == ["RELAY", "PID", "CONNECTED", "IN", "FLIGHT", "WAITING", "FINISHED", "CPU", "S",
+                                 "RESTARTS", "REPORT", "AGE", "S"]
+    assert lines[-2].split() == ["0", "11", "yes", "3", "0", "40", "1.2", "0", "0.10"]
+    assert lines[-1].split() == ["1", "12", "no", "0", "0", "2", "0.5", "1", "9.00"]
+    assert "RELAY" not in render_status({"instances": [], "relays": None}, "http://m:5000")
 
 
 # ------------------------------------------------------------------------------------------ processes
