@@ -23,8 +23,9 @@ from ``/proc/<pid>/stat`` (utime + stime) and ``/proc/<pid>/status`` of each of 
    its idle RSS, over the tokens its sequences hold (its ``in_flight`` times the tokens a held stream sent).
 
     nice -n 10 .venv/bin/python benchmarks/bench_relays.py                 # the recorded run (about 6 minutes)
-    nice -n 10 .venv/bin/python benchmarks/bench_relays.py --memory-only --set relay_checkpoint_tokens=0 \
-        --set engine_max_instance_buffer_mb=1024                          # 3. alone, without saved tokens
+    # 3. alone, without saved tokens (the docs' second command):
+    nice -n 10 .venv/bin/python benchmarks/bench_relays.py --memory-only --set relay_checkpoint_tokens=0 \\
+        --set engine_max_instance_buffer_mb=1024
     nice -n 10 .venv/bin/python benchmarks/bench_relays.py --rounds 1 --sequences 128 --idle-s 3 --big-instances 100
 """
 
