@@ -34,6 +34,7 @@ from rollout_manager.ops import render_status
 from rollout_manager.placement.capacity import Capacity
 from rollout_manager.placement.lengths import LengthModel
 from rollout_manager.rollout.checkpoints import Checkpoints, resume
+from rollout_manager.rollout.progress import token_array
 from rollout_manager.rollout.request import decode
 from rollout_manager.rollout.sequence import SequenceState
 from trainer_plugin.client import ManagerClient
@@ -115,16 +116,16 @@ def test_saved_tokens_grow_cut_back_drop_and_ask_to_be_sent_whole_after_a_restar
     now = [0.0]
     store = SavedStore(ttl_s=10, max_tokens=1000, clock=lambda: now[0])
     seg = [SavedSegment("inst-1", "10.0.0.1:30000", "0", 0, 3)]
-    assert store.apply(0, [SavedTokens("a", 0, [1, 2, 3], [], seg, [0])], []) == []
-    assert store.apply(0, [SavedTokens("a", 3, [4, 5], [], seg, [0])], []) == []
-    assert store.claim(1, ["a", "b"])["a"].ids == [1, 2, 3, 4, 5]  # "b" was never saved
-    assert store.apply(1, [SavedTokens("a", 2, [9], [], seg, [0])], []) == []  # cut back at 2, then on
-    assert store.claim(1, ["a"])["a"].ids == [1, 2, 9]
+    assert store.apply(0, [SavedTokens("a", 0, _b([1, 2, 3]), [], seg, [0])], []) == []
+    assert store.apply(0, [SavedTokens("a", 3, _b([4, 5]), [], seg, [0])], []) == []
+    assert _ids(store.claim(1, ["a", "b"])["a"]) == [1, 2, 3, 4, 5]  # "b" was never saved
+    assert store.apply(1, [SavedTokens("a", 2, _b([9]), [], seg, [0])], []) == []  # cut back at 2, then on
+    assert _ids(store.claim(1, ["a"])["a"]) == [1, 2, 9]
     # a piece that does not start where the held tokens end (this process started again): sent whole next time
-    assert store.apply(0, [SavedTokens("c", 40, [7], [], seg, [0])], []) == ["c"]
+    assert store.apply(0, [SavedTokens("c", 40, _b([7]), [], seg, [0])], []) == ["c"]
     assert store.apply(1, [], ["a"]) == [] and store.claim(1, ["a"]) == {}  # finished: dropped
-    store.apply(0, [SavedTokens("d", 0, [1] * 600, [], seg, [0])], [])
-    store.apply(0, [SavedTokens("e", 0, [1] * 600, [], seg, [0])], [])
+    store.apply(0, [SavedTokens("d", 0, _b([1] * 600), [], seg, [0])], [])
+    store.apply(0, [SavedTokens("e", 0, _b([1] * 600), [], seg, [0])], [])
     assert store.claim(0, ["d"]) == {} and store.tokens == 600  # over max_tokens: the oldest went
     now[0] = 11.0
     store.apply(0, [], [])
@@ -139,24 +140,34 @@ def test_checkpoints_save_every_k_tokens_and_only_move_on_once_a_report_arrived(
     assert saving.collect().saved == []  # fewer than K made
     seq.output_ids.extend([4, 5])
     out = saving.collect()
-    assert [(p.start, p.ids) for p in out.saved] == [(0, [1, 2, 3, 4, 5])]
+    assert [(p.start, _ids(p)) for p in out.saved] == [(0, [1, 2, 3, 4, 5])]
     out.lost()  # the report did not arrive: the same piece goes again
     out = saving.collect()
-    assert [(p.start, p.ids) for p in out.saved] == [(0, [1, 2, 3, 4, 5])]
+    assert [(p.start, _ids(p)) for p in out.saved] == [(0, [1, 2, 3, 4, 5])]
     out.arrived([])
     assert saving.collect().saved == []
     del seq.output_ids[3:]  # cut back below what was saved: the control process is told where
     out = saving.collect()
-    assert [(p.start, p.ids) for p in out.saved] == [(3, [])]
+    assert [(p.start, _ids(p)) for p in out.saved] == [(3, [])]
     out.arrived(["k"])  # the control process started again: everything goes again, once K are unsaved
     seq.output_ids.append(8)
-    assert [(p.start, p.ids) for p in saving.collect().saved] == [(0, [1, 2, 3, 8])]
+    assert [(p.start, _ids(p)) for p in saving.collect().saved] == [(0, [1, 2, 3, 8])]
     saving.end("k", finished=True)
     assert saving.collect().done == ["k"]
     resumed = SequenceState(body=_body([5, 6]), rid="r")
-    resume(resumed, SavedTokens("k", 0, [1, 2, 3], [], [SavedSegment("inst-1", "h:1", "0", 0, 3)], [0]))
+    resume(resumed, SavedTokens("k", 0, _b([1, 2, 3]), [], [SavedSegment("inst-1", "h:1", "0", 0, 3)], [0]))
     assert list(resumed.output_ids) == [1, 2, 3] and resumed.remaining == 7
     assert [(s.instance, s.start, s.end) for s in resumed.segments] == [("inst-1", 0, 3)]
+
+
+def _b(ids: list[int]) -> bytes:
+    return token_array(ids).tobytes()
+
+
+def _ids(saved: SavedTokens) -> list[int]:
+    out = token_array()
+    out.frombytes(saved.ids)
+    return out.tolist()
 
 
 def _body(ids: list[int]) -> Any:

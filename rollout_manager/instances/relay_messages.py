@@ -48,8 +48,13 @@ class SavedTokens(msgspec.Struct, frozen=True):
 
     key: str
     start: int
-    ids: list[int]
+    ids: bytes  # the token ids as 4-byte unsigned ints in this machine's order (base64 in JSON): no int objects
     logprobs: list[Any] = []  # the engine's entries for ``ids`` (empty when the caller asked for none)
+
+    @property
+    def count(self) -> int:
+        """How many token ids ``ids`` holds."""
+        return len(self.ids) // 4
     segments: list[SavedSegment] = []
     versions: list[int] = []
 

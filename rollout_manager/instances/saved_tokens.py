@@ -17,11 +17,14 @@ from typing import Any
 
 from rollout_manager.instances.relay_messages import SavedSegment, SavedTokens
 
+# 4-byte unsigned token ids, as the relays' sequences keep them (rollout.progress.token_array)
+TOKENS = "I" if array("I").itemsize == 4 else "L"
+
 
 @dataclass
 class _Held:
     relay: int
-    ids: array[int] = field(default_factory=lambda: array("i"))
+    ids: array[int] = field(default_factory=lambda: array(TOKENS))
     logprobs: list[Any] = field(default_factory=list)
     segments: list[SavedSegment] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -58,7 +61,7 @@ class SavedStore:
             self.tokens -= len(held.ids)
             del held.ids[piece.start:]
             del held.logprobs[piece.start:]
-            held.ids.extend(piece.ids)
+            held.ids.frombytes(piece.ids)
             if piece.logprobs:
                 held.logprobs.extend(piece.logprobs)
             held.segments, held.versions, held.relay, held.at = piece.segments, piece.versions, relay, now
@@ -76,7 +79,7 @@ class SavedStore:
                 continue
             held.relay, held.at = relay, self.clock()
             logprobs = held.logprobs if len(held.logprobs) == len(held.ids) else []
-            out[key] = SavedTokens(key, 0, held.ids.tolist(), logprobs, held.segments, held.versions)
+            out[key] = SavedTokens(key, 0, held.ids.tobytes(), logprobs, held.segments, held.versions)
         self.claimed += len(out)
         return out
 

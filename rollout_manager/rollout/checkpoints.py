@@ -59,9 +59,9 @@ def keys_of(items: Sequence[tuple[Any, Request]]) -> list[str]:
 def resume(seq: SequenceState, saved: SavedTokens) -> None:
     """``seq`` goes on from the tokens another relay saved: they become its output so far, in their segments. Saved
     tokens without the log-probs the caller asked for are not used (it starts from its prompt)."""
-    if seq.body.wants_logprobs and len(saved.logprobs) != len(saved.ids):
+    if seq.body.wants_logprobs and len(saved.logprobs) != saved.count:
         return
-    seq.output_ids.extend(saved.ids)
+    seq.output_ids.frombytes(saved.ids)
     if seq.body.wants_logprobs:
         seq.logprobs.extend(saved.logprobs)
     seq.resume_segments([(s.instance, s.endpoint, s.weight_version, s.start, s.end) for s in saved.segments],
@@ -96,7 +96,7 @@ class Checkpoints:
                 continue
             start = min(held, made)  # cut back below what was saved: the control process cuts there too
             logprobs = seq.logprobs[start:made] if len(seq.logprobs) == made else []
-            saved.append(SavedTokens(key, start, seq.output_ids[start:made].tolist(), logprobs,
+            saved.append(SavedTokens(key, start, seq.output_ids[start:made].tobytes(), logprobs,
                                      [SavedSegment(s.instance, s.endpoint, s.weight_version, s.start, s.end)
                                       for s in seq.segments], list(seq.versions)))
             moved.append((key, seq, made))
