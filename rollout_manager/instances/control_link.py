@@ -106,13 +106,18 @@ class ControlLink:
             try:
                 await self._hello()
                 await self._stream()
-                delay = BACKOFF_S[0]
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError, msgspec.DecodeError, ValueError) as exc:
-                if self.connected:
+                if self.connected:  # it was followed until now: connect again soon
                     log.warning("control process at %s lost (%s): serving on the last fleet seen", self.url, exc)
+                    delay = BACKOFF_S[0]
                 self.connected = False
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BACKOFF_S[1])
+            except Exception:  # a fault here must not end the following: the relay would serve a stale fleet
+                log.exception("following the control process at %s failed; connecting again", self.url)
+                self.connected = False
+            else:
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_S[1])
 
     async def _hello(self) -> None:
         hello = RelayHello(self.relay, os.getpid(), self.version.current, views_of(self.registry))
@@ -143,26 +148,32 @@ class ControlLink:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(self.report_s)
-            failures, successes = self._failures, self._successes
-            self._failures, self._successes = [], set()
-            outgoing = self.collect()
-            distrusted, listed = self.distrusted()
-            lengths = self._unsent_lengths + self.take_lengths()
-            report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes), outgoing.saved,
-                                 outgoing.done, distrusted, lengths)
             try:
-                answer = await self._post("/relay/report", msgspec.json.encode(report))
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-                self._failures[:0] = failures  # kept for the next control process, oldest first
-                del self._failures[:-MAX_PENDING]
-                self._successes |= successes
-                outgoing.lost()
-                self._unsent_lengths = lengths[-MAX_PENDING:]
-                continue
-            outgoing.arrived([str(k) for k in answer.get("missing", ())])
-            listed()
-            self._unsent_lengths = []
-            self.learn_lengths([(int(k), int(n)) for k, n in answer.get("lengths", ())])
+                await self._report_once()
+            except Exception:  # a fault here must not end the reports (failures, saved tokens)
+                log.exception("a report to the control process at %s failed to be made", self.url)
+
+    async def _report_once(self) -> None:
+        failures, successes = self._failures, self._successes
+        self._failures, self._successes = [], set()
+        outgoing = self.collect()
+        distrusted, listed = self.distrusted()
+        lengths = self._unsent_lengths + self.take_lengths()
+        report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes), outgoing.saved,
+                             outgoing.done, distrusted, lengths)
+        try:
+            answer = await self._post("/relay/report", msgspec.json.encode(report))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            self._failures[:0] = failures  # kept for the next control process, oldest first
+            del self._failures[:-MAX_PENDING]
+            self._successes |= successes
+            outgoing.lost()
+            self._unsent_lengths = lengths[-MAX_PENDING:]
+            return
+        outgoing.arrived([str(k) for k in answer.get("missing", ())])
+        listed()
+        self._unsent_lengths = []
+        self.learn_lengths([(int(k), int(n)) for k, n in answer.get("lengths", ())])
 
     def tell_marked(self, instance: str, sent: int) -> None:
         """This relay marked what ``instance`` made for trust probe ``sent``: the probe waits for that."""
