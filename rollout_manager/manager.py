@@ -219,7 +219,8 @@ class Manager:
         capacity = self.dispatcher.capacity
         return RelayLoad(capacity.in_flight, capacity.requests_waiting(), self._relay_finished,
                          self.dispatcher.fleet.streamed_tokens, time.process_time(),
-                         {i.id: i.load.in_flight for i in self.registry if i.load.in_flight})
+                         {i.id: i.load.in_flight for i in self.registry if i.load.in_flight},
+                         0 if self.generator.checkpoints is None else self.generator.checkpoints.saving)
 
     def _serving_new_version(self, inst: Instance) -> None:
         self.dispatcher.recovered(inst)  # place requests waiting for the version

@@ -89,14 +89,16 @@ def prompts(n: int) -> list[list[int]]:
     return [[(7 * i + j) % 200 + 1 for j in range(1 + i % 5)] for i in range(n)]
 
 
-def grpo_batch(groups: int, n: int) -> list[tuple[int, dict[str, Any]]]:
+def grpo_batch(groups: int, n: int, max_new: int = MAX_NEW) -> list[tuple[int, dict[str, Any]]]:
     """``groups`` prompts, ``n`` samples each (greedy: the same tokens), with verl's group key."""
-    return [(g * n + k, {"input_ids": p, "sampling_params": GREEDY, "group_key": f"uid-{g}"})
+    params = {**GREEDY, "max_new_tokens": max_new}
+    return [(g * n + k, {"input_ids": p, "sampling_params": params, "group_key": f"uid-{g}"})
             for g, p in enumerate(prompts(groups)) for k in range(n)]
 
 
 def expected(model, batch: list[tuple[int, dict[str, Any]]]) -> dict[int, list[int]]:
-    return {rid: reference_generate(model, body["input_ids"], MAX_NEW)[0] for rid, body in batch}
+    return {rid: reference_generate(model, body["input_ids"], body["sampling_params"]["max_new_tokens"])[0]
+            for rid, body in batch}
 
 
 async def _json(session: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> tuple[int, Any]:
@@ -232,13 +234,17 @@ async def test_a_relay_actor_sigkilled_mid_step_answers_every_id_once_through_th
     urls = await _urls()
     engines = await start_engines(ENGINE_FLAGS, ENGINE_FLAGS)
     await _fleet(urls, engines)
-    batch = grpo_batch(10, 4)
+    # sequences long against the relays' report interval (0.96 s at 0.01 s a token, reports every 0.1 s): a relay
+    # that reported running sequences with saved tokens still runs them when it is killed
+    batch = grpo_batch(10, 4, max_new=96)
     killed: list[int] = []
 
     async def kill(got: dict[int, list[int]]) -> None:
-        if len(got) == 4 and not killed:
-            relays = (await _status(urls[0]))["relays"]
-            busy = [r["pid"] for r in relays if r["in_flight"] or r["waiting"]]
+        if len(got) < 4 or killed:
+            return
+        # a relay whose running sequences saved tokens, as it last reported
+        busy = [r["pid"] for r in (await _status(urls[0]))["relays"] if r["saving"]]
+        if busy:
             os.kill(busy[0], signal.SIGKILL)  # Ray starts it again, on another port
             killed.append(busy[0])
 

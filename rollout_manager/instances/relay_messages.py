@@ -30,6 +30,7 @@ class RelayLoad(msgspec.Struct, frozen=True):
     streamed_tokens: int = 0
     cpu_s: float = 0.0  # its process's CPU time since it started
     instances: dict[str, int] = {}  # sequences it runs on each instance (those with any)
+    saving: int = 0  # running sequences with tokens saved in the control process (rollout.checkpoints)
 
 
 class SavedSegment(msgspec.Struct, frozen=True, array_like=True):

@@ -115,5 +115,10 @@ class Checkpoints:
 
         return Outgoing(saved, done, arrived, lost)
 
+    @property
+    def saving(self) -> int:
+        """Running sequences with tokens the control process holds."""
+        return sum(1 for _, held in self._live.values() if held)
+
     def status(self) -> dict[str, int]:
         return {"sequences": len(self._live), "every": self.every}
