@@ -230,6 +230,7 @@ class RelayCollector(Collector):
             "cpu_s": ("relay_cpu_seconds", "The relay process's CPU time since it started."),
             "restarts": ("relay_restarts", "Times the relay was started again."),
             "connected": ("relay_connected", "1 while the relay follows this control process."),
+            "saving": ("relay_sequences_saving", "Running sequences of the relay with tokens saved here."),
         }
         families = {key: GaugeMetricFamily(PREFIX + name, help_, labels=["relay"])
                     for key, (name, help_) in figures.items()}
