@@ -61,8 +61,8 @@ class SavedTokens(msgspec.Struct, frozen=True):
 
 
 class DistrustedItem(msgspec.Struct, frozen=True, array_like=True):
-    """A delivered answer's segment a relay listed as distrusted (``rollout.provisional.DistrustedSample`` without
-    its number): the control process lists it in the one ``/distrusted_samples`` the trainer reads."""
+    """A delivered answer's segment listed as distrusted, before it is numbered (``rollout.provisional``): a relay
+    reports its own, and the control process lists them in the one ``/distrusted_samples`` the trainer reads."""
 
     request_id: str
     instance: str

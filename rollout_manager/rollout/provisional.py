@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from rollout_manager.instances.relay_messages import DistrustedItem
 from rollout_manager.rollout.sequence import Segment, SequenceState
 
@@ -43,25 +45,15 @@ KEEP_DISTRUSTED = 100_000  # distrusted samples kept for readers
 
 @dataclass(frozen=True, slots=True)
 class DistrustedSample:
-    """One delivered segment with tokens a quarantined box made unvouched: ``[first, end)`` of the answer's
-    output tokens (``first``: its first token no passing probe vouched for), the segment being
-    ``[start, end)``. ``number`` orders them for readers."""
+    """One delivered segment with tokens a quarantined box made unvouched (``item``: ``[first, end)`` of the
+    answer's output tokens, ``first`` its first token no passing probe vouched for, the segment being
+    ``[start, end)``); ``number`` orders them for readers."""
 
     number: int
-    request_id: str
-    instance: str
-    endpoint: str
-    weight_version: str | None
-    start: int
-    end: int
-    first: int
-    reason: str
-    at: float
+    item: DistrustedItem
 
     def to_dict(self) -> dict[str, Any]:
-        return {"number": self.number, "request_id": self.request_id, "instance": self.instance,
-                "endpoint": self.endpoint, "weight_version": self.weight_version, "start": self.start,
-                "end": self.end, "first": self.first, "reason": self.reason, "at": self.at}
+        return {"number": self.number, **msgspec.structs.asdict(self.item)}
 
 
 def unvouched_from(seg: Segment) -> int:
@@ -167,11 +159,8 @@ class Provisional:
             self.forgotten_tokens += seg.end - unvouched_from(seg)
 
     def _list(self, rid: str, seg: Segment, why: str) -> None:
-        first = unvouched_from(seg)
-        self.numbered += 1
-        self.distrusted_tokens += seg.end - first
-        self.distrusted.append(DistrustedSample(self.numbered, rid, seg.instance, seg.endpoint, seg.weight_version,
-                                                seg.start, seg.end, first, why, self.wall()))
+        self.list_item(DistrustedItem(rid, seg.instance, seg.endpoint, seg.weight_version, seg.start, seg.end,
+                                      unvouched_from(seg), why, self.wall()))
 
     # ------------------------------------------------------------ with relays (docs/relays.md)
     def distrusting_of(self, instance: str) -> str | None:
@@ -180,16 +169,14 @@ class Provisional:
 
     def listed_after(self, after: int) -> list[DistrustedItem]:
         """A relay's distrusted samples numbered above ``after``, for its control process to list."""
-        return [DistrustedItem(d.request_id, d.instance, d.endpoint, d.weight_version, d.start, d.end, d.first,
-                               d.reason, d.at) for d in self.distrusted if d.number > after]
+        return [d.item for d in self.distrusted if d.number > after]
 
     def list_item(self, item: DistrustedItem) -> None:
-        """A relay's distrusted sample, numbered here: the trainer reads one list whichever relay delivered it."""
+        """List a distrusted sample under the next number: this process's own, or a relay's (the trainer reads one
+        list whichever relay delivered it)."""
         self.numbered += 1
         self.distrusted_tokens += item.end - item.first
-        self.distrusted.append(DistrustedSample(self.numbered, item.request_id, item.instance, item.endpoint,
-                                                item.weight_version, item.start, item.end, item.first, item.reason,
-                                                item.at))
+        self.distrusted.append(DistrustedSample(self.numbered, item))
 
     # ------------------------------------------------------------ readers
     def since(self, after: int) -> dict[str, Any]:
