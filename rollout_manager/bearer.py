@@ -20,5 +20,9 @@ def bearer_matches(authorization: str, token: str) -> bool:
     bytes they were, so such a header is a wrong token, not an encoding error.
     """
     value = bearer_value(authorization)
-    return value is not None and hmac.compare_digest(value.encode("utf-8", "surrogateescape"),
-                                                     token.encode("utf-8", "surrogateescape"))
+    return value is not None and same_secret(value, token)
+
+
+def same_secret(given: str, secret: str) -> bool:
+    """``given`` (from a header) is ``secret``, compared in constant time; undecodable bytes are a mismatch."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), secret.encode("utf-8", "surrogateescape"))

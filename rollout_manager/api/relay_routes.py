@@ -8,7 +8,6 @@ and its body, the answer streamed back as it comes: a caller sees one manager on
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import logging
 from typing import TypeVar
@@ -18,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from rollout_manager.api.http import json_response
+from rollout_manager.bearer import same_secret
 from rollout_manager.errors import BadRequest, Forbidden, Unavailable
 from rollout_manager.instances.relay_hub import RelayHub
 from rollout_manager.instances.relay_messages import Claim, Marked, RelayHello, RelayReport
@@ -110,7 +110,7 @@ def from_relay(request: web.Request, secret: str) -> bool:
     on other nodes), else it came from loopback (the local supervisor's control process listens there only)."""
     if secret:
         given = request.headers.get(RELAY_SECRET_HEADER, "")
-        return hmac.compare_digest(given.encode(), secret.encode())
+        return same_secret(given, secret)
     return bool(request.remote) and _loopback(request.remote or "")
 
 
