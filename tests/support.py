@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -246,3 +247,33 @@ def quiet_port(host: str = "127.0.0.1") -> int:
             _quiet_taken.add(port)
             return port
     return free_port(host)
+
+
+@contextmanager
+def local_ray_cluster(env: dict[str, str], head: dict[str, Any], others: list[dict[str, Any]],
+                      namespace: str) -> Iterator[Any]:
+    """A Ray cluster of nodes on loopback addresses, this process connected to it in a namespace of its own.
+    ``env`` is set while it runs (the nodes' raylets, hence their workers and actors, inherit it) and restored
+    after; ``head`` and each of ``others`` are a node's arguments (``Cluster``'s head_node_args, ``add_node``)."""
+    import uuid
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    c = Cluster(initialize_head=True, head_node_args={**head, "include_dashboard": False})
+    try:
+        for node in others:
+            c.add_node(**node)
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace=f"{namespace}-{uuid.uuid4().hex[:8]}", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -13,14 +13,13 @@ import asyncio
 import importlib.util
 import os
 import signal
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 from conftest import FAST
-from support import ROOT, async_wait_until
+from support import ROOT, async_wait_until, local_ray_cluster
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
 
@@ -38,27 +37,10 @@ ENGINE_FLAGS = ["--token-delay-s", "0.01", "--max-running-requests", "4"]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "RAY_DEDUP_LOGS": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the nodes' raylets, hence the actors, inherit it
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "num_gpus": 1, "node_ip_address": TRAINER_NODE, "include_dashboard": False})
-    try:
-        c.add_node(num_cpus=4, num_gpus=0, node_ip_address=CPU_NODE)
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace=f"relays-{uuid.uuid4().hex[:8]}", log_to_driver=False)
+    with local_ray_cluster(env, {"num_cpus": 2, "num_gpus": 1, "node_ip_address": TRAINER_NODE},
+                           [{"num_cpus": 4, "num_gpus": 0, "node_ip_address": CPU_NODE}], "relays") as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

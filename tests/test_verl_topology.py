@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import FAST, ManagerHandle
-from support import PY, ROOT, Box, OnLoopback, Proc, async_wait_until, free_port
+from support import PY, ROOT, Box, OnLoopback, Proc, async_wait_until, free_port, local_ray_cluster
 from weight_fleet import engine_checksums, expected_checksums
 
 from rollout_manager.cpu_engine.model import build_model
@@ -39,29 +39,13 @@ NODE_A, NODE_B = "127.0.0.2", "127.0.0.3"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    import ray
-    from ray.cluster_utils import Cluster
-
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
            "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "RAY_DEDUP_LOGS": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the nodes' raylets, hence the workers, inherit it
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 8, "num_gpus": 4, "node_ip_address": NODE_A, "resources": {"node_a": 100},
-        "include_dashboard": False})
-    try:
-        c.add_node(num_cpus=8, num_gpus=2, node_ip_address=NODE_B, resources={"node_b": 100})
-        c.wait_for_nodes()
-        ray.init(address=c.address, namespace=f"topology-{uuid.uuid4().hex[:8]}", log_to_driver=False)
+    with local_ray_cluster(env, {"num_cpus": 8, "num_gpus": 4, "node_ip_address": NODE_A,
+                                 "resources": {"node_a": 100}},
+                           [{"num_cpus": 8, "num_gpus": 2, "node_ip_address": NODE_B, "resources": {"node_b": 100}}],
+                           "topology") as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class Group:
