@@ -54,7 +54,7 @@ from bench_manager_overhead import cpu_s, stop_all
 from bench_scale import get_status, ndjson_lines, start_fleet, status_kb, wait_health
 from fake_sglang import parse_shape, routed_rows
 
-from rollout_manager.osutil import free_port
+from rollout_manager.osutil import descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -120,23 +120,6 @@ def _cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 @dataclass
 class Managed:
     """One manager started by this script: its processes by role."""
@@ -153,7 +136,7 @@ class Managed:
     def find(self) -> None:
         """The manager's processes by role (the supervisor's children, once they are up)."""
         found = {}
-        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
             role = role_of(_cmdline(pid))
             if role is not None:
                 found["single" if role == "supervisor" and not self.relays else role] = pid

@@ -13,6 +13,7 @@ import socket
 import sys
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -84,6 +85,25 @@ def source_address_toward(addr: str) -> str:
     resolve) when there is no route.
     """
     return route_source(*host_port(addr))
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (read from /proc; none elsewhere than Linux)."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
 
 
 def die_with_parent(parent_pid: int | None = None) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from rollout_manager import jsonutil
+from rollout_manager.osutil import descendants as descendants  # re-exported: tests import it from here
 from rollout_manager.osutil import free_port, port_is_bindable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,24 +194,6 @@ class Box(OnLoopback):
     def stop(self) -> None:
         self.engine.stop()
         self.receiver.stop()
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
 
 
 def alive(pid: int) -> bool:
