@@ -121,14 +121,8 @@ class Manager:
         # The registry the parts that act on boxes (health, trust, weights) watch: a relay's own follows the control
         # process, which acts for every relay, so there those parts watch an empty one and stay idle.
         acting = Registry() if role is Role.RELAY else self.registry
-        self.link: ControlLink | None = None
         self._relay_finished = 0  # sequences this relay finished (its reports say so)
-        if role is Role.RELAY:
-            assert place is not None, "a relay needs its place"
-            self.link = ControlLink(place.control_url, place.index, cfg.auth_token, self.registry, self.version,
-                                    self.session, self._relay_load, cfg.relay_report_s)
-            if cfg.relay_secret:  # the control process is reached over the network (under Ray)
-                self.link.headers[RELAY_SECRET_HEADER] = cfg.relay_secret
+        self.link = self._control_link() if role is Role.RELAY else None
         self.admission = Admission(cfg.registration_networks, cfg.registration_allowed_networks,
                                    cfg.allow_registration_host_mismatch)
         self.mismatch = MismatchLedger(MismatchSettings.from_config(cfg))  # trust figures (report only)
@@ -137,18 +131,8 @@ class Manager:
         self.probes = ProbeMonitor(acting, self.sglang.prefill_logprobs, ProbeSettings.from_config(cfg))
         self.hub = RelayHub(self.run_id, self.registry, self.version, self.health) if role is Role.CONTROL else None
         # rollout
-        self.dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
-                                     max_in_flight_per_instance=cfg.max_in_flight_per_instance,
-                                     max_in_flight_total=cfg.max_in_flight_total,
-                                     gather_s=cfg.placement_gather_s,
-                                     share=(place.index, place.relays) if place is not None else (0, 1))
-        if cfg.preemptible_long_tokens:  # the step's tail off preemptible boxes
-            self.dispatcher.narrow_remote = lambda boxes, tokens: preemptible.steady_first(
-                boxes, tokens, cfg.preemptible_long_tokens)
+        self.dispatcher = self._dispatcher()
         self.health.recovery_listeners.append(self.dispatcher.recovered)
-        if cfg.affinity:
-            self.dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,
-                                                             max_slowdown=cfg.affinity_max_slowdown))
         self.local_budget = LocalBudget(cfg.local_budget_initial_s, cfg.local_budget_min_s,
                                         cfg.local_budget_max_s, cfg.local_budget_gain)
         self.generator = Generator(
@@ -159,13 +143,7 @@ class Manager:
             on_instance_success=self.health.report_success if self.link is None else self.link.report_success,
         )
         # What the scheduler learned before a restart (the prompts' lengths, the boxes' speed curves), kept.
-        self.scheduler_state: StateFile | None = None
-        # With relays, each relay learns from its own streams and reads the file; relay 0 alone writes it.
-        if cfg.scheduler_state_file and role is not Role.CONTROL:
-            state = StateFile(cfg.scheduler_state_file, self.generator.lengths, self.dispatcher.fleet.speed_curves,
-                              self.dispatcher.fleet.remember_speeds, cfg.scheduler_state_save_s)
-            state.load()
-            self.scheduler_state = state if place is None or place.index == 0 else None
+        self.scheduler_state = self._scheduler_state()
         # weights
         self.senders = SenderPlan(acting, cfg)
         self.weights = WeightSync(acting, self.version, self.senders,
@@ -192,6 +170,49 @@ class Manager:
         self.quarantine.start()
         if self.scheduler_state is not None:
             self.scheduler_state.start()
+        self._wire_relays()
+
+    def _dispatcher(self) -> Dispatcher:
+        """The dispatcher the configuration asks for (a relay fills its part of each box's bound)."""
+        cfg, place = self.config, self.place
+        dispatcher = Dispatcher(self.registry, make_policy(cfg.scheduler_policy),
+                                max_in_flight_per_instance=cfg.max_in_flight_per_instance,
+                                max_in_flight_total=cfg.max_in_flight_total, gather_s=cfg.placement_gather_s,
+                                share=(place.index, place.relays) if place is not None else (0, 1))
+        if cfg.preemptible_long_tokens:  # the step's tail off preemptible boxes
+            dispatcher.narrow_remote = lambda boxes, tokens: preemptible.steady_first(
+                boxes, tokens, cfg.preemptible_long_tokens)
+        if cfg.affinity:
+            dispatcher.enable_affinity(AffinitySettings(cfg.affinity_capacity, cfg.affinity_block_tokens,
+                                                        max_slowdown=cfg.affinity_max_slowdown))
+        return dispatcher
+
+    def _control_link(self) -> ControlLink:
+        """A relay's link to its control process."""
+        cfg, place = self.config, self.place
+        assert place is not None, "a relay needs its place"
+        link = ControlLink(place.control_url, place.index, cfg.auth_token, self.registry, self.version, self.session,
+                           self._relay_load, cfg.relay_report_s)
+        if cfg.relay_secret:  # the control process is reached over the network (under Ray)
+            link.headers[RELAY_SECRET_HEADER] = cfg.relay_secret
+        return link
+
+    def _scheduler_state(self) -> StateFile | None:
+        """The scheduler state file, read now. With relays each relay learns from its own streams and reads the
+        file; relay 0 alone writes it, and the control process has none."""
+        cfg = self.config
+        if not cfg.scheduler_state_file or self.role is Role.CONTROL:
+            return None
+        state = StateFile(cfg.scheduler_state_file, self.generator.lengths, self.dispatcher.fleet.speed_curves,
+                          self.dispatcher.fleet.remember_speeds, cfg.scheduler_state_save_s)
+        state.load()
+        return state if self.place is None or self.place.index == 0 else None
+
+    def _wire_relays(self) -> None:
+        """With relays (docs/relays.md): the control process hears the relays' trust marks and distrusted samples;
+        a relay saves its sequences outside itself, shares the lengths it finished, carries out trust verdicts and
+        starts following the control process."""
+        cfg = self.config
         provisional = self.generator.migrator.provisional
         if self.hub is not None:  # the relays carry out trust verdicts on their sequences (rollout.trust_follower)
             self.hub.distrusting_of = provisional.distrusting_of
