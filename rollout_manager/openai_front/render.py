@@ -49,6 +49,30 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _rust_encoder(tok: Any) -> Any:
+    """The Rust ``tokenizers`` call that transformers' ``encode`` makes for ``tok``, made directly: a batch
+    encoder without offsets (``encode_batch_fast``; the ids are the same, and a turn's new message costs
+    about half), on a copy of the backend set as transformers sets it per call (no truncation, no padding,
+    special tokens split as ``split_special_tokens`` says). None where ``tok`` is not transformers' Rust
+    backend with its own ``encode`` path (a Python tokenizer, or a class that overrides it): then
+    transformers' ``encode`` is called."""
+    try:
+        base = importlib.import_module("transformers.tokenization_utils_base").PreTrainedTokenizerBase
+        backend = importlib.import_module("transformers.tokenization_utils_tokenizers").TokenizersBackend
+        rust = importlib.import_module("tokenizers").Tokenizer
+    except (ImportError, AttributeError):
+        return None
+    cls = type(tok)
+    if not (isinstance(tok, backend) and cls.encode is base.encode and cls._encode_plus is backend._encode_plus
+            and isinstance(getattr(tok, "_tokenizer", None), rust)):
+        return None
+    own = rust.from_str(tok._tokenizer.to_str())
+    own.no_truncation()
+    own.no_padding()
+    own.encode_special_tokens = bool(getattr(tok, "split_special_tokens", False))
+    return getattr(own, "encode_batch_fast", own.encode_batch)
+
+
 class Renderer:
     """One tokenizer and its chat template; every method is synchronous CPU work."""
 
@@ -74,6 +98,7 @@ class Renderer:
         if '"transform"' in json.dumps(self.schema) and importlib.util.find_spec("jmespath") is None:
             raise ValueError(f"the response schema of the tokenizer at {path} uses jmespath transforms: "
                              "pip install jmespath")
+        self._rust = _rust_encoder(self.tok)
 
     def _has_token(self, token: str) -> bool:
         found = self.tok.convert_tokens_to_ids(token)
@@ -101,6 +126,8 @@ class Renderer:
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids, with no special tokens added (a rendered template writes its own)."""
+        if self._rust is not None:
+            return list(self._rust([text], add_special_tokens=False)[0].ids)
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
