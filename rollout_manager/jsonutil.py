@@ -45,6 +45,43 @@ def _deeper_than(value: Any, levels: int) -> bool:
     return False
 
 
+_WALKED = 4096  # containers walked in Python before the rest is left to orjson
+_NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")  # deleted, what is left is raw's "[" and "{" (one pass)
+_SHORT = 64  # a list of scalars this long or shorter is walked; a longer one (token ids) is left to orjson
+
+
+def _nests_deeper(value: Any, levels: int, raw: bytes | None = None) -> bool:
+    """:func:`_deeper_than`, without encoding the whole of a body whose depth shows from its containers (a
+    chat request: its history's text is most of the body, its many ``{`` are side by side): objects, and
+    lists of containers or of few scalars, are walked here. A long list of scalars (token ids), and what is
+    left past the first :data:`_WALKED` containers, go to :func:`_deeper_than` (C speed, however large),
+    unless ``raw`` (the bytes ``value`` was decoded from, ``levels`` the whole body's) has no more brackets
+    than ``levels``, which no body deeper than that has."""
+    if type(value) is not list and type(value) is not dict:
+        return levels < 0
+    stack: list[tuple[Any, int]] = [(value, levels)]  # a container, and the levels it may take
+    walked = 0
+    few_brackets: bool | None = None  # raw's count, made when first needed
+    while stack:
+        node, left = stack.pop()
+        if left <= 0:
+            return True
+        walked += 1
+        listed = type(node) is list
+        if walked > _WALKED or (listed and len(node) > _SHORT and type(node[0]) is not list
+                                and type(node[0]) is not dict):
+            if few_brackets is None:
+                few_brackets = raw is not None and len(raw.translate(None, _NOT_OPENING)) <= levels
+            if few_brackets:
+                return False
+            if _deeper_than(node, left):
+                return True
+            continue
+        children: Any = node if listed else node.values()
+        stack.extend((c, left - 1) for c in children if type(c) is list or type(c) is dict)
+    return False
+
+
 def is_depth_error(exc: Exception) -> bool:
     """A decoding error that is about nesting (orjson stops at 1024 levels), not about syntax."""
     return "depth limit" in str(exc) or "recursion" in str(exc).lower()
@@ -55,11 +92,9 @@ def too_deep(data: Any, raw: bytes | None = None) -> str | None:
 
     The answer names the first field on the way down (``extra``, ``[3][1].sampling_params``), or
     ``body`` when no field is on the way (nested lists all the way). ``raw``, the bytes it was decoded from, makes the
-    common case free: a body with fewer brackets than the limit cannot nest that deep.
+    common case cheap: a body with fewer brackets than the limit cannot nest that deep.
     """
-    if raw is not None and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return None
-    if not _deeper_than(data, MAX_DEPTH):
+    if not _nests_deeper(data, MAX_DEPTH, raw):
         return None
     path, node, depth, named = "", data, 0, False
     # Down through objects, and through lists until the first field (a batch is [[id, body], ...]);
