@@ -66,7 +66,9 @@ def plan_chat(renderer: Renderer, branch: Branch | None, turn: int, messages: li
                 written = renderer.token_text(last.matched_stop)
                 if tail.startswith(written):
                     tail = tail[len(written):]
-            return PromptPlan(branch.ids.tolist() + renderer.encode(tail), extends=True, tools=tools)
+            ids = branch.ids.tolist()
+            ids += renderer.encode(tail)  # in place: the history is copied once, not twice
+            return PromptPlan(ids, extends=True, tools=tools)
         first_change = len(held)  # the template hides the answer's text: no place to join at
     at = len(held) if first_change is None else first_change
     return PromptPlan(renderer.encode(renderer.chat_text(messages, tools, True)), extends=False,

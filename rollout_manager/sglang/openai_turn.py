@@ -74,7 +74,8 @@ class TurnSampling:
 def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> SequenceBody:
     """One sequence's ``/generate`` body: the prompt ids, the sampling, log-probs always asked for (the
     ledger keeps them; SGLang computes them at no extra forward pass), and SGLang's ``top_logprobs_num``
-    when the caller wants the most likely tokens too."""
+    when the caller wants the most likely tokens too. ``ids`` is the body's own, not a copy (a session's
+    prompt is its whole history; nothing changes a body's ids in place)."""
     rest: dict[str, Any] = {}
     if sampling.temperature is not None:
         rest["temperature"] = sampling.temperature
@@ -94,7 +95,7 @@ def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool) -> Sequen
         rest["structural_tag"] = structural_tag(sampling.forced)
     params = Sampling(max_new_tokens=sampling.max_tokens, sampling_seed=sampling.seed, rest=rest)
     extra = {TOP_LOGPROBS_NUM: sampling.top_logprobs} if sampling.top_logprobs else {}
-    return SequenceBody(list(ids), params, stream=stream, return_logprob=True, rest=extra,
+    return SequenceBody(ids, params, stream=stream, return_logprob=True, rest=extra,
                         routed_experts=sampling.experts_from is not None, experts_from=sampling.experts_from or 0)
 
 
