@@ -1,11 +1,13 @@
 """The per-id steps of the ``/generate`` path, made cheaper for long prompts, give the values they gave:
-the affinity keys' prefix hashes (cut at C speed) are the block-by-block definition's."""
+the affinity keys' prefix hashes (cut at C speed) are the block-by-block definition's, and the check of
+ids against a bound (msgspec's, in C) answers as ``max`` does."""
 
 from __future__ import annotations
 
 import random
 
 from rollout_manager.placement.affinity import AffinityKeys, _chain
+from rollout_manager.rollout.vocab import below
 
 
 def by_slices(ids: list[int], block: int, start: int = 0, h: int = 0) -> list[tuple[int, int]]:
@@ -27,3 +29,12 @@ def test_prefix_hashes_are_the_definitions() -> None:
     ids = [rng.randrange(200_000) for _ in range(1000)]
     keys = AffinityKeys.of(ids, None, 64)
     assert list(keys.blocks) == by_slices(ids, 64) and keys.tail == tuple(ids[960:])
+
+
+def test_below_answers_as_max() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [rng.randrange(1000) for _ in range(rng.randrange(0, 200))]
+        limit = rng.randrange(0, 1100)
+        assert below(ids, limit) == (not ids or max(ids) < limit)
+    assert below([True, 3], 4) and not below([True, 4], 4)  # what msgspec refuses, max decides

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rollout_manager.instances.instance import Instance
+from rollout_manager.rollout.vocab import below
 from rollout_manager.sglang.logprob_probe import ID_RUNGS
 
 _ENOUGH = ID_RUNGS[-1]  # past the probe's top rung, more ids seen change nothing
@@ -32,6 +33,8 @@ def note_served(inst: Instance, prompt: Sequence[int], output: Sequence[int]) ->
     what the probe needs, nothing after."""
     if safe_id_limit(inst) >= _ENOUGH:
         return
-    top = max(max(prompt, default=-1), max(output, default=-1)) + 1
-    if top > inst.ids_served:
-        inst.ids_served = top
+    served = inst.ids_served
+    for ids in (prompt, output):  # most calls change nothing: checked against what it took, in C
+        if ids and not below(list(ids) if type(ids) is not list else ids, served):
+            served = max(served, max(ids) + 1)
+    inst.ids_served = served

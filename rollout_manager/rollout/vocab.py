@@ -9,10 +9,28 @@ smallest vocabulary size known: each registered instance's (``Instance.engine.vo
 
 from __future__ import annotations
 
-from typing import Any
+from functools import lru_cache
+from typing import Annotated, Any
+
+import msgspec
 
 from rollout_manager.errors import InvalidField
 from rollout_manager.instances.registry import Event, Instance, Registry
+
+
+@lru_cache(maxsize=64)
+def _ids_below(limit: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(lt=limit)]]
+
+
+def below(ids: list[int], limit: int) -> bool:
+    """Whether every id of ``ids`` is below ``limit``: ``max(ids) < limit``, checked by msgspec in C (a
+    third less than ``max`` on a long prompt, whose Python comparisons are most of its cost)."""
+    try:
+        msgspec.convert(ids, _ids_below(limit))
+    except msgspec.ValidationError:  # an id at or past it (or not an int: max decides)
+        return not ids or max(ids) < limit
+    return True
 
 
 class VocabBound:
@@ -50,7 +68,7 @@ class VocabBound:
             return
         batched = isinstance(input_ids[0], list)
         for n, ids in enumerate(input_ids if batched else [input_ids]):
-            if ids and max(ids) >= bound:
+            if ids and not below(ids, bound):
                 at = next(k for k, t in enumerate(ids) if t >= bound)
                 where = f"{field}[{n}][{at}]" if batched else f"{field}[{at}]"
                 raise InvalidField(
