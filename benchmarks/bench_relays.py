@@ -22,7 +22,7 @@ from ``/proc/<pid>/stat`` (utime + stime) and ``/proc/<pid>/status`` of each of 
    hold every stream before its final chunk and a fresh manager; each relay's RSS with every stream held, less
    its idle RSS, over the tokens its sequences hold (its ``in_flight`` times the tokens a held stream sent).
 
-    nice -n 10 .venv/bin/python benchmarks/bench_relays.py                 # the recorded run (about 6 minutes)
+    nice -n 10 .venv/bin/python benchmarks/bench_relays.py --set engine_max_instance_buffer_mb=1024   # the recorded run
     # 3. alone, without saved tokens (the docs' second command):
     nice -n 10 .venv/bin/python benchmarks/bench_relays.py --memory-only --set relay_checkpoint_tokens=0 \\
         --set engine_max_instance_buffer_mb=1024
@@ -562,13 +562,10 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=10_000)
     parser.add_argument("--gpu-tokens-s", type=int, default=5_000)
     parser.add_argument("--plan-tokens", type=int, default=2_000, help="tokens a sequence, for sequences/s")
-    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="every manager's config; default "
-                        "engine_max_instance_buffer_mb=1024: R3's final chunks (4 MB at 48x8 and 2,000 tokens) of the "
-                        "sequences piled on one box would pass the default 128 MB, which fails them on that box")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="every manager's config")
     parser.add_argument("--memory-only", action="store_true", help="only bytes per token in flight (3.)")
     parser.add_argument("--logs", default="/tmp/bench-relays")
     args = parser.parse_args()
-    args.set = args.set if args.set is not None else ["engine_max_instance_buffer_mb=1024"]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still stops the helpers
     asyncio.run(run(args))
 

@@ -186,7 +186,11 @@ class ChunkStream:
         return chunks
 
     def readable(self) -> asyncio.Future[None]:
-        """Done when :meth:`poll` may have something new (await it, then poll again)."""
+        """Done when :meth:`poll` may have something new (await it, then poll again); while the call waits
+        for room under its instance's bound (``Deadline.blocked``), when it may read on."""
+        deadline = self.conn.deadline
+        if deadline is not None and deadline.blocked and deadline.box is not None:
+            return deadline.box.room(deadline)
         return self.conn.readable()
 
     def poll(self) -> list[GenerateChunk] | None:
@@ -195,6 +199,8 @@ class ChunkStream:
         deadline = conn.deadline
         assert deadline is not None
         while not decoder.done:
+            if deadline.blocked:
+                return None
             data = conn.read_now()
             if data is None:
                 return None
@@ -331,11 +337,14 @@ async def _answer(session: aiohttp.ClientSession, base_url: str, body: SequenceB
         size = 0
         while data := await conn.read():
             size += len(data)
-            if conn.deadline is not None:
-                conn.deadline.hold(size)
             if max_bytes is not None and size > max_bytes:
                 raise EngineFailed(f"an answer of over {max_bytes} bytes, the bound (engine_max_frame_mb)")
             parts.append(data)
+            deadline = conn.deadline
+            if deadline is not None:
+                deadline.hold(size)
+                if deadline.blocked and deadline.box is not None:
+                    await deadline.box.room(deadline)
         return b"".join(parts)
     finally:
         conn.release()

@@ -9,8 +9,6 @@ import itertools
 from collections.abc import Callable
 from typing import Protocol
 
-from rollout_manager.sglang.errors import EngineFailed
-
 
 class Timed(Protocol):
     """A call in a :class:`DeadlineClock`: ``armed`` is its entry's token (0: none)."""
@@ -26,15 +24,57 @@ class BoxBytes:
 
     Each call is bounded by its frame bound (``engine_max_frame_mb``); a box that babbles on many calls at
     once would still hold that much for every one of them, so a broken box could fill the manager's memory.
-    A call that makes its box's calls hold more than ``limit`` fails, unless it is the only one holding any:
-    a single frame within its own bound (a routed-experts frame can pass ``limit``) is never the box's fault.
+    The bound here is the manager's own limit, not a rule the box broke: many large frames at once (routed
+    experts' final frames, thousands of positions each) are a healthy box's answers. So a call that would
+    take the box's calls past ``limit`` is not failed: the first becomes the ``holder`` and reads on, to the
+    end of its frame or to its own frame bound (which is the box's fault); the others wait (:meth:`room`)
+    until the holder's frame is done or the calls hold less than ``limit`` again. A waiting call does not
+    read, so its connection stops reading from the socket, and the box's calls hold at most ``limit`` plus
+    one frame plus a socket read each.
     """
 
-    __slots__ = ("limit", "held")
+    __slots__ = ("limit", "held", "holder", "waiting")
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit  # None: no bound
         self.held = 0
+        self.holder: Deadline | None = None  # the one call reading on past the bound
+        self.waiting: list[tuple[Deadline, asyncio.Future[None]]] = []
+
+    def room(self, deadline: Deadline) -> asyncio.Future[None]:
+        """Done when ``deadline``'s call may read on (it was told to wait: ``deadline.blocked``)."""
+        waiter = deadline.loop.create_future()
+        self.waiting.append((deadline, waiter))
+        if self.holder is None:  # the one reading on finished meanwhile
+            self._next()
+        return waiter
+
+    def _next(self) -> None:
+        """The holder is done: under the bound again, every waiting call reads on; else the longest waiting
+        one becomes the holder (one at a time, so the calls that wait add no more than they hold now)."""
+        if self.limit is None or self.held <= self.limit:
+            waiting, self.waiting = self.waiting, []
+            for deadline, waiter in waiting:
+                deadline.blocked = False
+                if not waiter.done():
+                    waiter.set_result(None)
+            return
+        while self.waiting:
+            deadline, waiter = self.waiting.pop(0)
+            if not waiter.done():  # not given up on
+                deadline.blocked = False
+                self.holder = deadline
+                waiter.set_result(None)
+                return
+
+    def leave(self, deadline: Deadline) -> None:
+        """``deadline``'s call is over: it neither waits nor holds the right to read on."""
+        if deadline.blocked:
+            self.waiting = [w for w in self.waiting if w[0] is not deadline]
+        if self.holder is deadline:
+            self.holder = None
+        if self.holder is None and self.waiting:
+            self._next()
 
 
 class Deadline:
@@ -49,7 +89,7 @@ class Deadline:
     """
 
     __slots__ = ("loop", "started", "first_s", "stall_s", "activity", "last", "chunks", "headers", "unframed",
-                 "box")
+                 "box", "blocked")
 
     def __init__(self, first_s: float, stall_s: float, activity: Callable[[], float] | None,
                  box: BoxBytes | None = None):
@@ -62,21 +102,27 @@ class Deadline:
         self.headers = False  # the status line and headers came
         self.unframed = 0  # bytes of an unfinished frame (or answer) the reader holds now (:meth:`hold`)
         self.box = box  # what the instance's calls hold together (None: not counted)
+        self.blocked = False  # the call must wait before it reads on (BoxBytes.room)
 
     def hold(self, n: int) -> None:
         """The reader now holds ``n`` bytes of an unfinished frame (or answer) of this call (0: none, as
-        when the call ends). Raises :class:`EngineFailed` when that takes the instance's calls past their
-        bound together (:class:`BoxBytes`)."""
+        when the call ends). When that takes the instance's calls past their bound together, this call
+        either reads on as the box's one ``holder`` or is ``blocked`` until there is room (:class:`BoxBytes`)."""
         box = self.box
-        if box is not None:
-            grew = n > self.unframed
-            box.held += n - self.unframed
+        if box is None:
             self.unframed = n
-            if grew and box.limit is not None and box.held > box.limit and box.held > n:
-                raise EngineFailed(f"the instance's calls hold {box.held} bytes of unfinished frames at once, over "
-                                   f"the bound of {box.limit} for one instance (engine_max_instance_buffer_mb)")
-        else:
-            self.unframed = n
+            return
+        grew = n > self.unframed
+        box.held += n - self.unframed
+        self.unframed = n
+        if grew:
+            if box.limit is not None and box.held > box.limit and box.held > n:
+                if box.holder is None:
+                    box.holder = self
+                elif box.holder is not self:
+                    self.blocked = True
+        elif box.holder is self or (n == 0 and self.blocked):  # its frame is done, or the call is over
+            box.leave(self)
 
     def chunk(self, n: int = 1) -> None:
         """``n`` complete chunks came."""
