@@ -45,7 +45,9 @@ import types
 import uuid
 from pathlib import Path
 
+import aiohttp
 import pytest
+from conftest import FAST
 from support import async_wait_until, free_port
 
 from rollout_manager.cpu_engine.model import build_model, reference_generate
@@ -97,8 +99,14 @@ def expected_prompt_ids(question: str) -> list[int]:
             + [SPECIAL.index("</s>"), SPECIAL.index("<|assistant|>")])
 
 
-def compose_config(model_dir: Path, manager_port: int):
-    """verl's own ppo_trainer config, as ``python -m verl.trainer.main_ppo ...`` composes and checks it."""
+def compose_config(model_dir: Path, manager_port: int, relays_config: Path | None = None):
+    """verl's own ppo_trainer config, as ``python -m verl.trainer.main_ppo ...`` composes and checks it; with
+    ``relays_config`` the plugin runs the manager as a control actor and two relay actors with that config."""
+    manager = ([f"+actor_rollout_ref.rollout.custom.rollout_manager.port={manager_port}",
+                "+actor_rollout_ref.rollout.custom.rollout_manager.launch=true"]  # attaches: one is listening there
+               if relays_config is None else
+               ["+actor_rollout_ref.rollout.custom.rollout_manager.ray_relays=2",
+                f"+actor_rollout_ref.rollout.custom.rollout_manager.config_path={relays_config}"])
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
@@ -125,8 +133,7 @@ def compose_config(model_dir: Path, manager_port: int):
             "trainer.v1.trainer_mode=sync",
             "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
             "+actor_rollout_ref.rollout.custom.rollout_manager.host=127.0.0.1",
-            f"+actor_rollout_ref.rollout.custom.rollout_manager.port={manager_port}",
-            "+actor_rollout_ref.rollout.custom.rollout_manager.launch=true",  # attaches: one is listening there
+            *manager,
         ])
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     cfg.transfer_queue.enable = True  # TaskRunnerV1.run sets it, then resolves
@@ -141,8 +148,9 @@ def model():
 
 @pytest.fixture
 def local_ray():
-    """Start a small local Ray as ``run_ppo`` does, then TransferQueue as ``TaskRunnerV1.run`` does; both are
-    shut down at the end."""
+    """Start a small local Ray as ``run_ppo`` does, its node on 127.0.0.2 (Ray swaps 127.0.0.1 for the host's
+    own address, and actors listen on their node's address), then TransferQueue as ``TaskRunnerV1.run`` does;
+    both are shut down at the end."""
     import ray
     import transfer_queue as tq
 
@@ -154,7 +162,8 @@ def local_ray():
 
         runtime_env = OmegaConf.to_container(OmegaConf.create(get_ppo_ray_runtime_env(config)))
         runtime_env.setdefault("env_vars", {})["TRANSFER_QUEUE_ENABLE"] = "1"
-        ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, object_store_memory=200 << 20,
+        ray.init(address="local", _node_ip_address="127.0.0.2", num_cpus=4, num_gpus=0, include_dashboard=False,
+                 object_store_memory=200 << 20,
                  runtime_env=runtime_env, logging_level="WARNING")
         started.append(True)
         tq.init(config.transfer_queue)
@@ -196,15 +205,6 @@ def prompt_statuses(partition_id: str = "train") -> dict[str, str]:
 
 async def test_v1_agent_loops_stream_whole_greedy_groups_through_the_manager(start_manager, start_engines,
                                                                              local_ray, model, tmp_path):
-    import torch
-    import transfer_queue as tq
-    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
-    from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
-
-    import trainer_plugin.verl_registration  # noqa: F401 - what verl's plugin entry point loads on `import verl`
-    from trainer_plugin.verl_rollout import DisaggregatedReplica
-
     # Ray and TransferQueue start (run_ppo, TaskRunnerV1.run) while the manager and the engines come up.
     port = free_port()
     config = compose_config(write_tiny_model(tmp_path / "tiny-model", model.config.vocab_size), port)
@@ -219,6 +219,54 @@ async def test_v1_agent_loops_stream_whole_greedy_groups_through_the_manager(sta
                                         return_exceptions=True):
         if isinstance(outcome, BaseException):
             raise outcome
+    await one_streamed_step(config, model, f"127.0.0.1:{port}")
+
+
+async def test_v1_agent_loops_through_the_manager_as_ray_relay_actors(start_engines, local_ray, model, tmp_path):
+    """The same step with ``custom.rollout_manager.ray_relays = 2``: verl's replica launch starts the manager as
+    a control actor and two relay actors in the job's Ray, the boxes register through a relay, and the agent
+    loops' batches spread over the relays, which answer every sample exactly."""
+    from trainer_plugin import relay_actors
+
+    settings = tmp_path / "manager.toml"
+    settings.write_text("".join(f"{k} = {v}\n" for k, v in {**FAST, "relay_report_s": "0.1"}.items()))
+    config = compose_config(write_tiny_model(tmp_path / "tiny-model", model.config.vocab_size), 0, settings)
+    outcomes = await asyncio.gather(asyncio.to_thread(local_ray, config),
+                                    start_engines(["--token-delay-s", "0.002"], ["--token-delay-s", "0.004"]),
+                                    return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    engines = outcomes[1]
+    try:
+        await one_streamed_step(config, model, None, engines)
+        urls = await asyncio.to_thread(relay_actors.find)
+        assert len(urls) == 2
+
+        async def answered() -> list[int]:
+            async with aiohttp.ClientSession() as s, s.get(urls[0] + "/get_instances_status") as r:
+                relays = (await r.json())["relays"]
+            return [int(relay["finished"]) for relay in relays]
+
+        async def all_answered() -> bool:
+            return sum(await answered()) == len(QUESTIONS) * N
+
+        await async_wait_until(all_answered, 20, message="the relays' reports count every sample once")
+    finally:
+        await asyncio.to_thread(relay_actors.stop_all)
+
+
+async def one_streamed_step(config, model, address: str | None, engines=()) -> None:
+    """One sync-mode step through verl's V1 streaming path against the manager (at ``address``; None: the
+    relay actors the replica launch starts, with ``engines`` registered through a relay once they run)."""
+    import torch
+    import transfer_queue as tq
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
+
+    import trainer_plugin.verl_registration  # noqa: F401 - what verl's plugin entry point loads on `import verl`
+    from trainer_plugin.verl_rollout import DisaggregatedReplica
 
     # ---- TaskRunnerV1.run and PPOTrainer._setup, the rollout side (synchronous code: off the event loop)
     def setup():
@@ -232,8 +280,11 @@ async def test_v1_agent_loops_stream_whole_greedy_groups_through_the_manager(sta
     replicas = servers.get_replicas()
     assert [type(r) for r in replicas] == [DisaggregatedReplica] * 2  # actor world size 2 / rollout tp 1
     assert len({r.server_handle for r in replicas}) == 1  # one shared proxy actor...
-    assert servers.get_addresses() == [f"127.0.0.1:{port}"] * 2  # ...whose address is the manager's
+    if address is not None:
+        assert servers.get_addresses() == [address] * 2  # ...whose address is the manager's
     assert type(servers.get_client()) is LLMServerClient  # what the sync trainer hands the agent loops
+    if engines:
+        await register_through_a_relay(engines)
 
     # ---- PPOTrainer._submit_batch_to_rollout (sync mode)
     step = 1
@@ -317,3 +368,21 @@ async def test_v1_agent_loops_stream_whole_greedy_groups_through_the_manager(sta
     # the agent loops' 16 per-sample calls reached the manager coalesced into batch requests
     stats = await replicas[0].server_handle.batching_stats.remote()
     assert stats["requests"] == len(QUESTIONS) * N and stats["batches"] < stats["requests"], stats
+
+
+async def register_through_a_relay(engines) -> None:
+    """Register ``engines`` at the first relay the plugin finds through Ray and wait until both are active."""
+    from trainer_plugin import relay_actors
+
+    url = (await asyncio.to_thread(relay_actors.find))[0]
+    async with aiohttp.ClientSession() as s:
+        for engine in engines:
+            async with s.post(url + "/register_rollout_instance", json={"host": "127.0.0.1", "port": engine.port}) as r:
+                assert r.status == 200, await r.text()
+
+        async def active() -> bool:
+            async with s.get(url + "/get_instances_status") as r:
+                listed = (await r.json())["instances"]
+            return len(listed) == len(engines) and all(i["state"] == "active" for i in listed)
+
+        await async_wait_until(active, 30, message="the engines active behind the relays")
