@@ -196,10 +196,11 @@ async def run_path(control: aiohttp.ClientSession, fleet: Fleet, step: Step, pat
                    manager: bool = False, seed: int = 0, epoch: int = 0, model: LengthModel,
                    how: str = "verl") -> Result:
     """One step through one path; its makespan (first send to last answer) and the fleet's counts. The
-    requests go on connections of their own (a pooled one idle since the last run may be closing)."""
+    requests go on connections of their own, each closed after its answer: a connection kept idle may be closed by
+    the server meanwhile (the manager keeps at most 256 idle per client), and a request sent on it would fail."""
     await fleet.reset(control)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True)) as s:
         makespan, outs = await send_step(s, fleet, step, tag, urls, plan, caps, manager, how)
     exact = sum(1 for x in step.samples
                 if outs[x.index]["output_ids"] == reference(x.prompt, x.seed, step.budget, model))
