@@ -219,6 +219,7 @@ class Manager:
             self.hub.list_distrusted = provisional.list_item
             self.probes.verdict_listeners.append(self.hub.on_verdict)
             self.probes.before_send = self.hub.announce
+            self.evacuations.elsewhere = self.hub.running_on  # a box goes once the relays' sequences left it
         if self.link is not None:
             if cfg.relay_checkpoint_tokens:  # running sequences saved outside this relay (rollout.checkpoints)
                 saving = self.generator.checkpoints = Checkpoints(cfg.relay_checkpoint_tokens)
@@ -468,7 +469,8 @@ class Manager:
         drained = await asyncio.gather(*(self._wait_idle(i, self.config.drain_timeout_s) for i in targets))
         for inst, idle in zip(targets, drained):
             by = "removed by request of its box (box token)" if box_token is not None else "removed by request"
-            reason = by if idle else f"{by} after drain timeout ({inst.load.in_flight} request(s) still in flight)"
+            left = inst.load.in_flight if self.hub is None else self.hub.in_flight().get(inst.id, 0)
+            reason = by if idle else f"{by} after drain timeout ({left} request(s) still in flight)"
             if self.registry.transition(inst, State.DEAD, reason):
                 removed.append(inst.endpoint)
         return {"removed": removed, "not_found": not_found, "skipped": skipped}
@@ -502,7 +504,11 @@ class Manager:
         return inst
 
     async def _wait_idle(self, inst: Instance, timeout_s: float) -> bool:
-        return await self.dispatcher.changed.wait_for(lambda: inst.load.in_flight == 0, timeout_s)
+        """Until nothing runs on ``inst``: here, or (the control process) in any relay, as the relays report."""
+        hub = self.hub
+        if hub is None:
+            return await self.dispatcher.changed.wait_for(lambda: inst.load.in_flight == 0, timeout_s)
+        return await hub.reported.wait_for(lambda: not hub.running_on(inst.id), timeout_s)
 
 
 def token_digest(token: str) -> str:

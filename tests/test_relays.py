@@ -441,3 +441,34 @@ async def test_a_box_quarantined_by_the_control_process_is_cut_back_in_the_relay
     assert cut and any(s["end"] > s["start"] for s in cut), "nothing a passing probe vouched for was kept"
     assert any(s["outcome"].startswith("distrusted: quarantined")
                for meta in metas for s in meta.get("discarded_segments", []))
+
+
+async def test_shutdown_of_a_box_waits_for_the_relays_sequences_on_it(start_manager, start_engines, model):
+    """``/shutdown_instances`` at the control process drains the box in every relay: it answers once the relays
+    report nothing running there, so the box may be stopped then and no sequence has to move (and prefill again)."""
+    m, engines = await with_relays(start_manager, start_engines)
+    batch = prompts(16)
+    got: dict[int, dict[str, Any]] = {}
+    async with ManagerClient(m.url, **FAST_CLIENT) as client:
+        async def step() -> None:
+            async for line in client.batch_generate(
+                    [(i, {"input_ids": p, "sampling_params": GREEDY}) for i, p in enumerate(batch)]):
+                assert line["success"], line
+                got[line["id"]] = line["data"]
+
+        task = asyncio.ensure_future(step())
+
+        async def both_busy() -> bool:
+            return all(i["in_flight"] > 0 for i in (await m.status())["instances"])
+
+        await async_wait_until(both_busy, 20, message="sequences running on both boxes, as the relays report")
+        endpoint = f"127.0.0.1:{engines[0].port}"
+        status, answer = await m.post("/shutdown_instances", {"endpoints": [endpoint]})
+        assert status == 200 and answer["removed"] == [endpoint], answer
+        os.kill(engines[0].proc.pid, signal.SIGKILL)  # as its operator would, once the call returned
+        assert len(got) < len(batch)  # removed mid-step, once its own sequences were done
+        await task
+    assert {i: d["output_ids"] for i, d in got.items()} == \
+        {i: reference_generate(model, p, MAX_NEW)[0] for i, p in enumerate(batch)}
+    ran_on = [{s["endpoint"] for s in d["meta_info"]["segments"]} for d in got.values()]
+    assert sum(endpoint in on for on in ran_on) > 0 and all(len(on) == 1 for on in ran_on)  # none moved

@@ -94,14 +94,21 @@ class RelayHub:
         # relays' distrusted samples are listed (its own ledger, the one /distrusted_samples reads).
         self.distrusting_of: Callable[[str], str | None] = _nobody
         self.list_distrusted: Callable[[DistrustedItem], None] = _drop
+        # When each instance stopped taking new work (draining, evacuating), on time.time(): relays' reports from
+        # after that, plus a fleet tick, come from relays that saw it (running_on).
+        self._closed_at: dict[str, float] = {}
+        self.reported = Signal()  # a relay reported
         registry.listeners.append(self._on_event)
 
     def _on_event(self, inst: Instance, event: Event) -> None:
         self._dirty = True
         self._changed.notify()
-        if event.new == State.DEAD:
+        if event.new in (State.DRAINING, State.EVACUATING):
+            self._closed_at[inst.id] = time.time()
+        elif event.new == State.DEAD:
             self._trust.pop(inst.id, None)
             self._marked.pop(inst.id, None)
+            self._closed_at.pop(inst.id, None)
 
     # ------------------------------------------------------------ trust, carried out by the relays
     def trust_of(self, inst: Instance) -> TrustView:
@@ -184,7 +191,9 @@ class RelayHub:
         missing = self.saved.apply(report.relay, report.saved, report.done)
         for item in report.distrusted:
             self.list_distrusted(item)
-        return {"unknown_instances": unknown, "missing": missing, "lengths": self._share_lengths(report)}
+        answer = {"unknown_instances": unknown, "missing": missing, "lengths": self._share_lengths(report)}
+        self.reported.notify()
+        return answer
 
     def _share_lengths(self, report: RelayReport) -> list[tuple[int, int]]:
         """Keep the lengths ``report``'s relay finished; answer those the other relays finished since its last
@@ -238,6 +247,14 @@ class RelayHub:
             record = self.relays.get(relay)
             if record is not None:
                 record.connected = False
+
+    def running_on(self, iid: str) -> bool:
+        """Whether a connected relay may still run sequences on instance ``iid``, which takes no new work: until
+        every connected relay has reported, from after it saw that (``TICK_S`` after the change), none there. A
+        relay that is gone runs nothing: its sequences continue elsewhere."""
+        since = self._closed_at.get(iid, 0.0) + TICK_S
+        return any(r.connected and (r.last_report is None or r.last_report_at is None or r.last_report_at < since
+                                    or r.last_report.load.instances.get(iid, 0) > 0) for r in self.relays.values())
 
     def in_flight(self) -> dict[str, int]:
         """Sequences on each instance over the connected relays, as they last reported."""

@@ -115,6 +115,8 @@ class Evacuator:
         self.preemption_tokens_lost = 0.0  # estimated: made twice after failures without notice
         self.failures_without_notice = 0  # sequences cut by a failure of a box that was not evacuating
         self._noticed: set[str] = set()  # instance ids that ever had a notice (ids are never reused in a run)
+        # Whether other processes (the relays) still run sequences on an instance: set by the control process.
+        self.elsewhere: Callable[[str], bool] = _nowhere
         self.generation = 0  # moves on whenever an admission is made again (dispatch.EvacuatingBoxes)
         migrator.failed = self._failed
         dispatcher.evacuating = self
@@ -262,7 +264,8 @@ class Evacuator:
     def _emptied(self, ev: Evacuation) -> bool:
         """Whether ``ev``'s box may go now: its notice is final and nothing runs on it or is still being
         aborted there (every request placed on it was released)."""
-        return ev.source in FINAL_SOURCES and not self.migrator.on(ev.inst) and ev.inst.load.in_flight == 0
+        return ev.source in FINAL_SOURCES and not self.migrator.on(ev.inst) and ev.inst.load.in_flight == 0 \
+            and not self.elsewhere(ev.inst.id)
 
     def _plan(self, ev: Evacuation) -> None:
         """Make the plan again and start the moves it asks for that a box has room for now; past
@@ -354,3 +357,7 @@ class Evacuator:
                 "sequences_moved": self.sequences_moved, "tokens_saved": self.tokens_saved,
                 "failures_without_notice": self.failures_without_notice,
                 "preemption_tokens_lost_estimate": round(self.preemption_tokens_lost, 1)}
+
+
+def _nowhere(iid: str) -> bool:
+    return False
