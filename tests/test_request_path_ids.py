@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
+from rollout_manager.instances.served_ids import below
 from rollout_manager.placement.affinity import AffinityKeys, _chain
-from rollout_manager.rollout.vocab import below
 
 
 def by_slices(ids: list[int], block: int, start: int = 0, h: int = 0) -> list[tuple[int, int]]:

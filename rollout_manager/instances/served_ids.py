@@ -12,12 +12,30 @@ enough: it bounds what callers may send, never what the manager sends on its own
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
+from typing import Annotated, Any
+
+import msgspec
 
 from rollout_manager.instances.instance import Instance
-from rollout_manager.rollout.vocab import below
 from rollout_manager.sglang.logprob_probe import ID_RUNGS
 
 _ENOUGH = ID_RUNGS[-1]  # past the probe's top rung, more ids seen change nothing
+
+
+@lru_cache(maxsize=64)
+def _ids_below(limit: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(lt=limit)]]
+
+
+def below(ids: list[int], limit: int) -> bool:
+    """Whether every id of ``ids`` is below ``limit``: ``max(ids) < limit``, checked by msgspec in C (a
+    third less than ``max`` on a long prompt, whose Python comparisons are most of its cost)."""
+    try:
+        msgspec.convert(ids, _ids_below(limit))
+    except msgspec.ValidationError:  # an id at or past it (or not an int: max decides)
+        return not ids or max(ids) < limit
+    return True
 
 
 def safe_id_limit(inst: Instance) -> int:
