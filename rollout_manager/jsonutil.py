@@ -21,6 +21,12 @@ def dumps(obj: Any) -> bytes:
     return orjson.dumps(obj, default=_to_json)
 
 
+def fragment(encoded: bytes) -> Any:
+    """JSON already encoded (by :func:`dumps`), put into a document as it is (orjson's ``Fragment``): a
+    value sent twice is encoded once."""
+    return orjson.Fragment(encoded)
+
+
 def _to_json(obj: Any) -> Any:
     to_json = getattr(obj, "to_json", None)
     if to_json is None:

@@ -1,13 +1,21 @@
 """The per-id steps of the ``/generate`` path, made cheaper for long prompts, give the values they gave:
 the affinity keys' prefix hashes (cut at C speed) are the block-by-block definition's, and the check of
-ids against a bound (msgspec's, in C) answers as ``max`` does."""
+ids against a bound (msgspec's, in C) answers as ``max`` does, and a chat turn's prompt encoded once is
+the JSON the engine and the caller got before, never sent for other ids (a continuation's)."""
 
 from __future__ import annotations
 
 import random
 
+import msgspec
+import orjson
+
+from rollout_manager import jsonutil
 from rollout_manager.instances.served_ids import below
+from rollout_manager.openai_front import responses
 from rollout_manager.placement.affinity import AffinityKeys, _chain
+from rollout_manager.sglang.generate_request import continuation, encode
+from rollout_manager.sglang.openai_turn import TurnSampling, turn_body
 
 
 def by_slices(ids: list[int], block: int, start: int = 0, h: int = 0) -> list[tuple[int, int]]:
@@ -38,3 +46,18 @@ def test_below_answers_as_max() -> None:
         limit = rng.randrange(0, 1100)
         assert below(ids, limit) == (not ids or max(ids) < limit)
     assert below([True, 3], 4) and not below([True, 4], 4)  # what msgspec refuses, max decides
+
+
+def test_a_prompt_encoded_once_is_the_same_json_and_only_for_its_own_ids() -> None:
+    ids = list(range(1000, 1300))
+    sampling = TurnSampling(16, temperature=0.0)
+    plain = turn_body(ids, sampling, stream=False)
+    once = turn_body(ids, sampling, stream=False, ids_json=jsonutil.dumps(ids))
+    assert encode(once) == encode(plain)
+    later = continuation(once, [7, 8], rid="rm-1")  # a continuation on another box: its own, longer list
+    assert orjson.loads(encode(later))["input_ids"] == [*ids, 7, 8]
+    other = msgspec.structs.replace(once, input_ids=ids[:10])
+    assert orjson.loads(encode(other))["input_ids"] == ids[:10]
+    reply = responses.Reply("chatcmpl-1", 0, "m", None)
+    assert jsonutil.dumps(responses.whole(reply, "chat.completion", [], [ids], len(ids), 0, jsonutil.dumps(ids))) \
+        == jsonutil.dumps(responses.whole(reply, "chat.completion", [], [ids], len(ids), 0))

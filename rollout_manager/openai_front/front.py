@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, cast
 
+from rollout_manager import jsonutil
 from rollout_manager.errors import ManagerError
 from rollout_manager.manager import Manager
 from rollout_manager.openai_front import responses, tool_calls
@@ -46,6 +47,7 @@ class Prepared:
     messages: list[dict[str, Any]] | None = None
     tool_names: frozenset[str] | None = None  # the declared functions, when the answer is read for calls
     parallel_tool_calls: bool = True
+    prompt_json: bytes | None = None  # the one prompt's ids as JSON, encoded once for the engine and the answer
 
     @property
     def reads(self) -> bool:
@@ -121,11 +123,12 @@ class Front:
             raise invalid(field, str(exc)) from None
 
     def _request(self, body: ChatRequest | CompletionRequest, prompts: list[list[int]], budget: int | None,
-                 session_id: str | None, forced: ForcedCalls | None = None, experts_from: int = 0) -> Request:
+                 session_id: str | None, forced: ForcedCalls | None = None, experts_from: int = 0,
+                 ids_json: bytes | None = None) -> Request:
         """``experts_from``: with ``return_routed_experts``, the first position whose experts are wanted (a
-        session's turn asks only for the rows its branch lacks)."""
+        session's turn asks only for the rows its branch lacks); ``ids_json``: the one prompt's JSON."""
         seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j, forced, experts_from),
-                                          stream=body.stream), session_id)
+                                          stream=body.stream, ids_json=ids_json), session_id)
                 for ids in prompts for j in range(body.n)]
         return Request(seqs, batched=len(seqs) > 1, stream=body.stream)
 
@@ -155,9 +158,10 @@ class Front:
             if session is not None:
                 self.ledger.check_room(session, plan)
             parallel = body.parallel_tool_calls is not False
+            ids_json = jsonutil.dumps(plan.ids)  # sent to the engine and returned in the answer: encoded once
             request = self._request(body, [plan.ids], body.budget, session_id,
                                     tool_calls.forced(tools, body.tool_choice, parallel),
-                                    branch.expert_rows if branch is not None and plan.extends else 0)
+                                    branch.expert_rows if branch is not None and plan.extends else 0, ids_json)
         except BaseException:
             if session is not None:
                 self.ledger.end(session)
@@ -166,7 +170,8 @@ class Front:
         if tools:  # the answer is read for calls (tool_calls.py, with the model's response schema)
             names = frozenset(str(t["function"]["name"]) for t in tools)
         return Prepared(self._reply("chatcmpl", session_id), True, [plan.ids], body.n, request, body.logprobs,
-                        renderer, session, plan, list(body.messages), names, body.parallel_tool_calls is not False)
+                        renderer, session, plan, list(body.messages), names, body.parallel_tool_calls is not False,
+                        ids_json)
 
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None,
                                  owner: str | None = None) -> Prepared:
@@ -268,7 +273,8 @@ class Front:
                 if i == 0:
                     self._record(p, result, message)
             prompt_tokens = sum(map(len, p.prompts)) * p.n
-            return responses.whole(p.reply, CHAT if p.chat else TEXT, choices, p.prompts, prompt_tokens, made)
+            return responses.whole(p.reply, CHAT if p.chat else TEXT, choices, p.prompts, prompt_tokens, made,
+                                   p.prompt_json)
         finally:
             self.close(p)
 

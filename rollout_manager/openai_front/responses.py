@@ -8,6 +8,7 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_manager import jsonutil
 from rollout_manager.sglang.openai_turn import TurnResult
 
 
@@ -69,11 +70,15 @@ def completion_choice(index: int, text: str, result: TurnResult, logprobs: dict[
 
 
 def whole(reply: Reply, kind: str, choices: list[dict[str, Any]], prompt_ids: list[list[int]],
-          prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """A non-streamed answer; ``kind`` is ``chat.completion`` or ``text_completion``."""
+          prompt_tokens: int, completion_tokens: int, prompt_json: bytes | None = None) -> dict[str, Any]:
+    """A non-streamed answer; ``kind`` is ``chat.completion`` or ``text_completion``. ``prompt_json``: the
+    one prompt's ids already encoded (as they were for the engine)."""
+    ids: Any = prompt_ids[0] if len(prompt_ids) == 1 else prompt_ids
+    if prompt_json is not None and len(prompt_ids) == 1:
+        ids = jsonutil.fragment(prompt_json)
     out: dict[str, Any] = {"id": reply.id, "object": kind, "created": reply.created, "model": reply.model,
                            "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
-                           "prompt_token_ids": prompt_ids[0] if len(prompt_ids) == 1 else prompt_ids}
+                           "prompt_token_ids": ids}
     if reply.session_id is not None:
         out["session_id"] = reply.session_id
     return out

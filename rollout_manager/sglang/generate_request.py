@@ -127,6 +127,10 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     # from which position (``routed_experts_start_len``; a continuation asks only for the rows it lacks).
     routed_experts: bool = False
     experts_from: int = 0
+    # ``input_ids`` already encoded by a caller that sends the same ids elsewhere too (a chat turn's answer
+    # returns its prompt): (that list, its JSON), used by :func:`encode` only while ``input_ids`` is that very
+    # list (a continuation's body has a list of its own)
+    ids_json: tuple[list[int], bytes] | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -250,7 +254,12 @@ def continuation(body: SequenceBody, made: Sequence[int], *, rid: str, stream_in
 
 def encode(body: SequenceBody | Sequence[SequenceBody]) -> bytes:
     """The JSON an engine is sent: for one sequence, or for several as one batch (:func:`encode_batch`)."""
-    return jsonutil.dumps(body.to_json()) if isinstance(body, SequenceBody) else encode_batch(body)
+    if not isinstance(body, SequenceBody):
+        return encode_batch(body)
+    out = body.to_json()
+    if body.ids_json is not None and body.ids_json[0] is body.input_ids:
+        out["input_ids"] = jsonutil.fragment(body.ids_json[1])
+    return jsonutil.dumps(out)
 
 
 def joinable(body: SequenceBody) -> bool:
