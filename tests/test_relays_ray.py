@@ -237,6 +237,20 @@ async def test_a_relay_actor_sigkilled_mid_step_answers_every_id_once_through_th
     await _fleet(again, engines, register=False)
     # sent again marked so: the relay that took them on continued from what the lost relay had saved
     assert (await _status(again[0]))["relay_checkpoints"]["claimed"] > 0
+    # rank zero's next weight push goes through a relay that answers now, not the lost one's old address
+    from trainer_plugin import weight_push
+    from trainer_plugin.client import ManagerClient
+    from trainer_plugin.settings import ManagerSettings, PluginSettings
+
+    [gone] = set(urls) - set(again)
+    pusher = weight_push.WeightPusher(gone, [], 0)
+    settings = PluginSettings(ManagerSettings(ray_relays=2))
+    client = await weight_push._current_relay(pusher, ManagerClient(gone), settings)
+    try:
+        assert client.base_url in again and pusher.manager_url == client.base_url
+        assert (await client.health())["status"] == "healthy"
+    finally:
+        await client.close()
 
 
 async def test_the_control_actor_sigkilled_mid_step_is_started_again_with_the_same_run(

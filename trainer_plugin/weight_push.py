@@ -34,7 +34,10 @@ import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .settings import PluginSettings
 
 log = logging.getLogger("trainer_plugin.weight_push")
 
@@ -294,6 +297,9 @@ async def push_to_rollout_manager(weights: Iterable[Any], global_steps: int | No
         return {"pushed": False, "staged": leader}
     assert pusher is not None  # rank zero holds every node's senders
     try:
+        from .settings import from_rollout_config
+
+        client = await _current_relay(pusher, client, from_rollout_config(context.rollout_config))
         answer = await pusher.publish(client, int(global_steps))
     finally:
         comm.barrier()
@@ -311,6 +317,26 @@ async def _check_model_path_version(manager_url: str) -> None:
             f"weight version 0 (a fresh run starts from the model path) is below the rollout manager's current "
             f"version {current} at {manager_url}: its instances serve weights of an earlier run; restart the "
             f"manager and its instances, or resume this run from step {current} or later")
+
+
+async def _current_relay(pusher: WeightPusher, client: Any, settings: PluginSettings) -> Any:
+    """With the manager as Ray actors (``ray_relays``), a client of a relay that answers now: the relay rank zero
+    found first may have been lost, or started again by Ray at another address, since. Otherwise ``client``."""
+    global _PUSHER
+    if not settings.manager.ray_relays:
+        return client
+    from . import manager_address
+    from .client import ManagerClient
+
+    url = (await asyncio.to_thread(manager_address.resolve, settings)).rstrip("/")
+    if url == client.base_url:
+        return client
+    log.info("weight pushes go to the manager's relay at %s (%s is gone or moved)", url, client.base_url)
+    fresh = ManagerClient(url)
+    pusher.manager_url = url
+    _PUSHER = (pusher, fresh)
+    await client.close()
+    return fresh
 
 
 async def _pusher(context: WeightPushContext, comm: NodeComm) -> tuple[WeightPusher | None, Any]:
