@@ -1,10 +1,12 @@
 """Relay processes (docs/relays.md): a control process and N relays that share the manager's port.
 
 In process: a relay's registry follows the control process's through the views that changed, and the relays'
-parts of each box's bound add up to the bound. With real processes on 127.0.0.1 (`serve` with relays = 2, CPU
-engines): a step through both relays gives the greedy reference's tokens; the control process SIGKILLed mid-step
-loses nothing and comes back with the same boxes; a relay SIGKILLed mid-step loses nothing the trainer's client
-sent (it sends the unanswered ids again, through the other relay).
+parts of each box's bound add up to the bound; one report carries a bounded number of saved tokens, and a relay
+with more reports again at once (to a real HTTP endpoint) until the control process holds them all. With real
+processes on 127.0.0.1 (`serve` with relays = 2, CPU engines): a step through both relays gives the greedy
+reference's tokens; the control process SIGKILLed mid-step loses nothing and comes back with the same boxes; a
+relay SIGKILLed mid-step loses nothing the trainer's client sent (it sends the unanswered ids again, through the
+other relay).
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
+from aiohttp import web
 from support import async_wait_until, descendants
 
 from rollout_manager.config import ConfigError, load_config
 from rollout_manager.cpu_engine.model import build_model, reference_generate
+from rollout_manager.instances.control_link import ControlLink
 from rollout_manager.instances.health import adopt_engine
 from rollout_manager.instances.instance import EngineFacts
 from rollout_manager.instances.mirror import ViewTracker, follow, view_of
 from rollout_manager.instances.registry import Kind, Registry, State
 from rollout_manager.instances.relay_hub import RelayHub
-from rollout_manager.instances.relay_messages import RelayReport, SavedSegment, SavedTokens
+from rollout_manager.instances.relay_messages import RelayLoad, RelayReport, SavedSegment, SavedTokens
 from rollout_manager.instances.saved_tokens import SavedStore
 from rollout_manager.instances.version import WeightVersion
 from rollout_manager.ops import render_status
@@ -158,6 +163,61 @@ def test_checkpoints_save_every_k_tokens_and_only_move_on_once_a_report_arrived(
     resume(resumed, SavedTokens("k", 0, _b([1, 2, 3]), [], [SavedSegment("inst-1", "h:1", "0", 0, 3)], [0]))
     assert list(resumed.output_ids) == [1, 2, 3] and resumed.remaining == 7
     assert [(s.instance, s.start, s.end) for s in resumed.segments] == [("inst-1", 0, 3)]
+
+
+def test_one_report_carries_at_most_per_report_tokens_taking_the_sequences_in_turn():
+    saving = Checkpoints(every=4, per_report=10)
+    seqs = {k: SequenceState(body=_body([5, 6]), rid=k) for k in "abc"}
+    for k, seq in seqs.items():
+        saving.track(k, seq)
+        seq.output_ids.extend(range(8))
+    out = saving.collect()  # 8 of a and 2 of b; more waits
+    assert [(p.key, p.start, p.count) for p in out.saved] == [("a", 0, 8), ("b", 0, 2)] and out.more
+    out.arrived([])
+    out = saving.collect()  # c first (a and b went to the back of the turn), then b's rest
+    assert [(p.key, p.start, p.count) for p in out.saved] == [("c", 0, 8), ("b", 2, 2)] and out.more
+    out.lost()  # not arrived: the same tokens go again
+    out = saving.collect()
+    assert [(p.key, p.start, p.count) for p in out.saved] == [("c", 0, 8), ("b", 2, 2)]
+    out.arrived([])
+    out = saving.collect()  # b's last 4, and nothing left
+    assert [(p.key, p.start, _ids(p)) for p in out.saved] == [("b", 4, [4, 5, 6, 7])] and not out.more
+    out.arrived([])
+    assert saving.collect().saved == []
+
+
+async def test_a_relay_reports_again_at_once_while_saved_tokens_wait_and_the_control_process_holds_all():
+    store, sizes = SavedStore(), []
+
+    async def report(request: web.Request) -> web.Response:
+        body = await request.read()
+        got = msgspec.json.decode(body, type=RelayReport)
+        sizes.append(sum(p.count for p in got.saved))
+        return web.json_response({"missing": store.apply(got.relay, got.saved, got.done)})
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/relay/report", report)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    saving = Checkpoints(every=4, per_report=1000)
+    seqs = [SequenceState(body=_body([5, 6]), rid=str(i)) for i in range(5)]
+    for i, seq in enumerate(seqs):
+        saving.track(str(i), seq)
+        seq.output_ids.extend(range(i, i + 700))
+    try:
+        async with aiohttp.ClientSession() as session:
+            link = ControlLink(f"http://127.0.0.1:{port}", 0, "", Registry(), WeightVersion(), session, RelayLoad,
+                               report_s=3600)
+            link.collect = saving.collect
+            await link.report()  # one call: four reports of at most 1,000 tokens, one after the other
+    finally:
+        await runner.cleanup()
+    assert sizes == [1000, 1000, 1000, 500]
+    saved = store.claim(1, [str(i) for i in range(5)])
+    assert {k: _ids(v) for k, v in saved.items()} == {str(i): list(range(i, i + 700)) for i in range(5)}
 
 
 def _b(ids: list[int]) -> bytes:

@@ -10,6 +10,7 @@ control process (the newest ``MAX_PENDING`` of them).
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 from collections.abc import Callable
@@ -37,6 +38,7 @@ log = logging.getLogger("rollout_manager.instances.control_link")
 MAX_PENDING = 10_000  # failures kept while no control process listens
 MAX_LINE = 64 * 1024 * 1024  # one fleet line: a thousand instances' views are about 0.5 MB
 BACKOFF_S = (0.1, 2.0)
+SEND_PIECE = 256 * 1024  # aiohttp reads a BytesIO body this much at a time, waiting for the socket between
 
 
 class ControlLink:
@@ -148,32 +150,45 @@ class ControlLink:
     async def _report(self) -> None:
         while True:
             await asyncio.sleep(self.report_s)
+            await self.report()
+
+    async def report(self) -> None:
+        """Report now, and again at once while saved tokens were left for the next report (one carries a bounded
+        number, ``rollout.checkpoints``), for at most one report interval: everything to save goes within it unless
+        the control process takes longer than that to read it (then the rest goes after the next interval)."""
+        loop = asyncio.get_running_loop()
+        until, more = loop.time() + self.report_s, True
+        while more and loop.time() < until:
             try:
-                await self._report_once()
+                more = await self._report_once()
             except Exception:  # a fault here must not end the reports (failures, saved tokens)
                 log.exception("a report to the control process at %s failed to be made", self.url)
+                more = False
 
-    async def _report_once(self) -> None:
+    async def _report_once(self) -> bool:
+        """One report; whether saved tokens were left for the next."""
         failures, successes = self._failures, self._successes
         self._failures, self._successes = [], set()
         outgoing = self.collect()
         distrusted, listed = self.distrusted()
         lengths = self._unsent_lengths + self.take_lengths()
-        report = RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes), outgoing.saved,
-                             outgoing.done, distrusted, lengths)
+        body = msgspec.json.encode(RelayReport(self.relay, os.getpid(), self.load(), failures, sorted(successes),
+                                               outgoing.saved, outgoing.done, distrusted, lengths))
+        outgoing.saved = []  # the body carries them now: their ids are freed before it is sent
         try:
-            answer = await self._post("/relay/report", msgspec.json.encode(report))
+            answer = await self._post("/relay/report", body)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
             self._failures[:0] = failures  # kept for the next control process, oldest first
             del self._failures[:-MAX_PENDING]
             self._successes |= successes
             outgoing.lost()
             self._unsent_lengths = lengths[-MAX_PENDING:]
-            return
+            return False
         outgoing.arrived([str(k) for k in answer.get("missing", ())])
         listed()
         self._unsent_lengths = []
         self.learn_lengths([(int(k), int(n)) for k, n in answer.get("lengths", ())])
+        return outgoing.more
 
     def tell_marked(self, instance: str, sent: int) -> None:
         """This relay marked what ``instance`` made for trust probe ``sent``: the probe waits for that."""
@@ -203,7 +218,10 @@ class ControlLink:
             return {}
 
     async def _post(self, path: str, body: bytes) -> dict[str, Any]:
-        async with self.session.post(f"{self.url}{path}", data=body, timeout=aiohttp.ClientTimeout(total=10),
+        # A large body (a report's saved tokens) goes a piece at a time (SEND_PIECE): given whole, it is copied with
+        # the headers and again into the transport's buffer, three copies of it at once.
+        data: bytes | io.BytesIO = io.BytesIO(body) if len(body) > SEND_PIECE else body
+        async with self.session.post(f"{self.url}{path}", data=data, timeout=aiohttp.ClientTimeout(total=10),
                                      headers={**self.headers, "Content-Type": "application/json"}) as resp:
             resp.raise_for_status()
             answer = await resp.json()

@@ -102,12 +102,14 @@ class RelayReport(msgspec.Struct, frozen=True):
 class Outgoing:
     """What a relay's next report carries of its saved sequences, and what the relay does with the outcome:
     ``arrived(missing)`` once the control process has it (``missing``: keys it holds nothing of, to send whole
-    next time), ``lost()`` when it did not arrive (nothing moved on; the done keys are said again)."""
+    next time), ``lost()`` when it did not arrive (nothing moved on; the done keys are said again). ``more``: tokens
+    to save were left for the next report (one carries a bounded number), which goes at once."""
 
     saved: list[SavedTokens]
     done: list[str]
     arrived: Callable[[list[str]], None]
     lost: Callable[[], None]
+    more: bool = False
 
 
 class Claim(msgspec.Struct, frozen=True):

@@ -4,8 +4,11 @@
 Each sequence of a batch gets a key from its caller's id, its place in the request and its prompt. With every
 report (``relay_report_s``) the relay sends the control process the tokens each running sequence made since its
 last save, once there are at least ``every`` of them; what the control process holds moves on only when a report
-arrives. When the trainer's client sends the unanswered ids again (``X-Rollout-Resume``), the relay that gets them
-claims their saved tokens and each sequence continues from there, as it would on another box after a failure.
+arrives. One report carries at most ``per_report`` tokens (``MAX_REPORT_TOKENS``: 512 KiB of ids), taken round the
+sequences in turn; the rest goes in the next one, which the relay sends at once (``Outgoing.more``), so what
+encoding and sending a report takes is bounded whatever the relay holds. When the trainer's client sends the
+unanswered ids again (``X-Rollout-Resume``), the relay that gets them claims their saved tokens and each sequence
+continues from there, as it would on another box after a failure.
 
 Not saved: sequences that asked for routed experts or top log-probs (their per-token extras are not kept
 outside), and single ``/generate`` calls (no id to find them by).
@@ -26,6 +29,11 @@ from rollout_manager.rollout.request import Request, SequenceRequest
 from rollout_manager.rollout.sequence import SequenceState
 
 RESUME_HEADER = "X-Rollout-Resume"  # the trainer's client sends ids again after a lost stream
+# Saved tokens one report carries at most (4 bytes each, 5.3 in the JSON): what encoding and sending a report takes
+# stays about 1.5 MB whatever the relay holds, where one report of every held sequence's tokens took about 6 bytes
+# a token in flight (docs/benchmarks.md, section 17). More reports cost the control process 459 us each against the
+# 11 ms its 131,072 tokens take (0.084 us a token).
+MAX_REPORT_TOKENS = 128 * 1024
 
 
 def key_of(rid: Any, index: int, item: SequenceRequest) -> str:
@@ -71,8 +79,9 @@ def resume(seq: SequenceState, saved: SavedTokens) -> None:
 class Checkpoints:
     """The running sequences this relay saves, and what of each the control process holds."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, per_report: int = MAX_REPORT_TOKENS) -> None:
         self.every = every
+        self.per_report = per_report
         self._live: dict[str, tuple[SequenceState, int]] = {}  # key -> (sequence, tokens the control process holds)
         self._done: list[str] = []
 
@@ -87,19 +96,32 @@ class Checkpoints:
             self._done.append(key)
 
     def collect(self) -> Outgoing:
-        """What the next report carries; nothing moves on here until it arrived (``Outgoing.arrived``)."""
+        """What the next report carries; nothing moves on here until it arrived (``Outgoing.arrived``). At most
+        ``per_report`` tokens: a sequence's piece may stop short of what it made (the rest goes next time), and the
+        sequences sent go to the back of the turn, so the next report starts with those this one left."""
         saved: list[SavedTokens] = []
         moved: list[tuple[str, SequenceState, int]] = []
+        budget, more = self.per_report, False
         for key, (seq, held) in self._live.items():
             made = len(seq.output_ids)
             if (made - held < self.every and made >= held) or seq.per_token:
                 continue
+            if budget <= 0:
+                more = True
+                break
             start = min(held, made)  # cut back below what was saved: the control process cuts there too
-            logprobs = seq.logprobs[start:made] if len(seq.logprobs) == made else []
-            saved.append(SavedTokens(key, start, seq.output_ids[start:made].tobytes(), logprobs,
+            end = min(made, start + budget)
+            more = more or end < made
+            budget -= end - start
+            logprobs = seq.logprobs[start:end] if len(seq.logprobs) == made else []
+            with memoryview(seq.output_ids) as view:  # one copy of the ids, no array slice between
+                ids = view[start:end].tobytes()
+            saved.append(SavedTokens(key, start, ids, logprobs,
                                      [SavedSegment(s.instance, s.endpoint, s.weight_version, s.start, s.end)
                                       for s in seq.segments], list(seq.versions)))
-            moved.append((key, seq, made))
+            moved.append((key, seq, end))
+        for key, _, _ in moved:  # round the sequences in turn
+            self._live[key] = self._live.pop(key)
         done, self._done = self._done, []
 
         def arrived(missing: list[str]) -> None:
@@ -113,7 +135,7 @@ class Checkpoints:
         def lost() -> None:
             self._done[:0] = done
 
-        return Outgoing(saved, done, arrived, lost)
+        return Outgoing(saved, done, arrived, lost, more)
 
     @property
     def saving(self) -> int:
