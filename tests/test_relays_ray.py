@@ -251,6 +251,14 @@ async def test_a_relay_actor_sigkilled_mid_step_answers_every_id_once_through_th
         assert (await client.health())["status"] == "healthy"
     finally:
         await client.close()
+    # the rollout proxy's calls that are not batches find a relay that answers too
+    from trainer_plugin.proxy import ManagerProxyServer
+
+    proxy = ManagerProxyServer(gone, prompt_length=8, response_length=MAX_NEW, batch_window_s=0, ray_relays=True)
+    try:
+        assert (await proxy.health())["status"] == "healthy" and proxy.batcher is not None
+    finally:
+        await proxy.close()
 
 
 async def test_the_control_actor_sigkilled_mid_step_is_started_again_with_the_same_run(

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout_manager.sglang.answer import ReceivedAnswer
 
 from .client import ManagerClient, ManagerHTTPError
+from .client_errors import ManagerUnavailable
 from .relay_spread import RelaySpread
 from .request_batcher import RequestBatcher
 from .routed_experts import (
@@ -191,7 +193,9 @@ class ManagerProxyServer:
         ``max_staleness``: how many versions behind the published one a sample may be made by (-1: any;
         sent as ``min_weight_version``, see :func:`weight_floor`); ``routed_experts``: the model's MoE
         layout when verl's routing replay is on (None: off); ``ray_relays``: the manager runs as Ray actors, and
-        batches are spread over its relays, found through Ray (``relay_spread``)."""
+        every generate call goes out as part of a batch spread over its relays, found through Ray (``relay_spread``;
+        with no batching window a batch of the calls made together), its health and fleet checks to a relay that
+        answers then."""
         self.manager_url = manager_url
         self.client_options = dict(client_options or {})
         self.prompt_length = prompt_length
@@ -222,7 +226,7 @@ class ManagerProxyServer:
 
     @property
     def batcher(self) -> RequestBatcher | None:
-        if self._batcher is None and self.batch_window_s > 0:
+        if self._batcher is None and (self.batch_window_s > 0 or self._spread is not None):  # relays: always
             self._batcher = RequestBatcher(self._spread or self.client, window_s=self.batch_window_s,
                                            max_batch=self.max_batch)
         return self._batcher
@@ -275,7 +279,7 @@ class ManagerProxyServer:
         """With routing replay on: fail unless some instance of the manager can return routed experts
         (see :func:`~trainer_plugin.routed_experts.require_routed_experts`). Run at start and before the
         first replay request (boxes may register after the trainer starts)."""
-        fleet = FleetExperts.from_status(await self.client.get_instances_status())
+        fleet = FleetExperts.from_status(await self._ask(lambda client: client.get_instances_status()))
         if self.routed_experts is not None:
             require_routed_experts(fleet, self.manager_url)
         return fleet
@@ -328,7 +332,23 @@ class ManagerProxyServer:
         return None
 
     async def health(self) -> dict[str, Any]:
-        return await self.client.health()
+        return await self._ask(lambda client: client.health())
+
+    async def _ask(self, call: Callable[[ManagerClient], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """``call`` on the manager; under Ray relays on a relay that answers now, found through Ray (the
+        start-up URL's relay may have been started again elsewhere)."""
+        spread = self._spread
+        if spread is None:
+            return await call(self.client)
+        for fresh in (False, True):
+            urls = await spread.relays(fresh)
+            if urls:
+                try:
+                    return await call(spread.client(urls[0]))
+                except ManagerUnavailable:
+                    if fresh:
+                        raise
+        return await call(self.client)
 
     def batching_stats(self) -> dict[str, int]:
         """How many batches and requests went out coalesced (zero when batching is off)."""
