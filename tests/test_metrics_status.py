@@ -336,8 +336,33 @@ async def test_status_page_counts_agree_with_badges_and_tokens_and_waiting_are_l
     dom = await render_page(tmp_path, status)
     assert polls >= 2, polls
     assert text_of(dom, "n-instances") == "(2 syncing)"
+    assert re.search(r'<section id="relays-section" style="display: none;?">', dom)  # one process: no relays
     assert float(text_of(dom, "c-tps")) > 0  # tokens streamed, although no sequence finished
     assert text_of(dom, "c-waiting") == "3"
+
+
+@pytest.mark.slow
+@needs_chromium
+async def test_status_page_lists_the_relays_when_the_manager_runs_them(tmp_path):
+    """With relays the control process's status lists each relay; the page shows them, the lost one marked."""
+    relay = {"relay": 0, "pid": 4242, "connected": True, "restarts": 1, "report_age_s": 0.2, "in_flight": 17,
+             "waiting": 3, "finished": 905, "streamed_tokens": 123456, "cpu_s": 12.5, "saving": 11}
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({
+            "ready_instances": 2, "pending_instances": 0, "weight_version": 1,
+            "counts": {"pending": 0, "syncing": 2, "active": 0, "draining": 0},
+            "instances": [syncing_instance(1), syncing_instance(2)],
+            "relays": [relay, {**relay, "relay": 1, "pid": 4343, "connected": False, "restarts": 0}],
+            "local": {"open": False, "budget_s": 1.0}, "weight_senders": {"senders": []},
+            "recent_events": [], "recent_weight_pushes": [],
+        })
+
+    dom = await render_page(tmp_path, status)
+    rows = tbody(dom, "relays")
+    assert "4242" in rows and "4343" in rows and "905" in rows and "123456" in rows, rows
+    assert text_of(dom, "n-relays") == "(1 of 2 connected)"
+    assert '<section id="relays-section" style="">' in dom
 
 
 @pytest.mark.slow
