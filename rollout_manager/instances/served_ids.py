@@ -45,13 +45,17 @@ def safe_id_limit(inst: Instance) -> int:
     return max(checked, inst.ids_served)
 
 
-def note_served(inst: Instance, prompt: Sequence[int], output: Sequence[int]) -> None:
+def note_served(inst: Instance, prompt: Sequence[int], output: Sequence[int], prompt_max: int | None = None) -> None:
     """``inst`` made tokens for ``prompt`` + ``output`` (it prefilled the prompt and sampled or prefilled the
     output): each of those ids is one it takes. Costs one pass over the ids until the box's limit is past
-    what the probe needs, nothing after."""
+    what the probe needs, nothing after; ``prompt_max``: ``max(prompt)`` when the caller knows it (a chat
+    session's ledger keeps it turn to turn), so the prompt is not passed over."""
     if safe_id_limit(inst) >= _ENOUGH:
         return
     served = inst.ids_served
+    if prompt_max is not None:
+        served = max(served, prompt_max + 1)
+        prompt = ()
     for ids in (prompt, output):  # most calls change nothing: checked against what it took, in C
         if ids and not below(list(ids) if type(ids) is not list else ids, served):
             served = max(served, max(ids) + 1)

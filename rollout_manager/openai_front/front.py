@@ -18,13 +18,14 @@ from rollout_manager.manager import Manager
 from rollout_manager.openai_front import responses, tool_calls
 from rollout_manager.openai_front.errors import OpenAIError, invalid
 from rollout_manager.openai_front.ledger import Ledger, PromptPlan, Session
-from rollout_manager.openai_front.prompt import plan_chat, plan_ids, retokenized
+from rollout_manager.openai_front.prompt import known_ids, plan_chat, plan_ids, retokenized
 from rollout_manager.openai_front.render import Renderer
 from rollout_manager.openai_front.schemas import ChatRequest, CompletionRequest, not_found_model
 from rollout_manager.openai_front.schemas import prompts as prompts_of
 from rollout_manager.rollout.generation import Generator
 from rollout_manager.rollout.request import Request, SequenceRequest
 from rollout_manager.sglang.answer import ErrorChunk, GenerateAnswer
+from rollout_manager.sglang.generate_request import KnownIds
 from rollout_manager.sglang.openai_turn import ForcedCalls, TurnResult, TurnSampling, read_answer, turn_body
 
 log = logging.getLogger("rollout_manager.openai_front")
@@ -48,6 +49,7 @@ class Prepared:
     tool_names: frozenset[str] | None = None  # the declared functions, when the answer is read for calls
     parallel_tool_calls: bool = True
     prompt_json: bytes | None = None  # the one prompt's ids as JSON, encoded once for the engine and the answer
+    known: KnownIds | None = None  # a session turn's prompt ids as the rollout path needs them (prompt.known_ids)
 
     @property
     def reads(self) -> bool:
@@ -124,13 +126,21 @@ class Front:
 
     def _request(self, body: ChatRequest | CompletionRequest, prompts: list[list[int]], budget: int | None,
                  session_id: str | None, forced: ForcedCalls | None = None, experts_from: int = 0,
-                 ids_json: bytes | None = None) -> Request:
+                 ids_json: bytes | None = None, known: KnownIds | None = None) -> Request:
         """``experts_from``: with ``return_routed_experts``, the first position whose experts are wanted (a
-        session's turn asks only for the rows its branch lacks); ``ids_json``: the one prompt's JSON."""
+        session's turn asks only for the rows its branch lacks); ``ids_json``: the one prompt's JSON;
+        ``known``: what the session's ledger gave of the one prompt's ids."""
         seqs = [SequenceRequest(turn_body(ids, self._sampling(body, budget, j, forced, experts_from),
-                                          stream=body.stream, ids_json=ids_json), session_id)
+                                          stream=body.stream, ids_json=ids_json, known=known), session_id)
                 for ids in prompts for j in range(body.n)]
         return Request(seqs, batched=len(seqs) > 1, stream=body.stream)
+
+    def _known(self, session: Session | None, plan: PromptPlan | None) -> KnownIds | None:
+        """A session turn's :class:`KnownIds`, made from its branch and its new ids only."""
+        if session is None or plan is None:
+            return None
+        table = self.generator.dispatcher.affinity
+        return known_ids(plan, session.branch, table.settings.block_tokens if table is not None else 0)
 
     def _reply(self, prefix: str, session_id: str | None) -> responses.Reply:
         return responses.Reply(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model, session_id)
@@ -159,9 +169,11 @@ class Front:
                 self.ledger.check_room(session, plan)
             parallel = body.parallel_tool_calls is not False
             ids_json = jsonutil.dumps(plan.ids)  # sent to the engine and returned in the answer: encoded once
+            known = self._known(session, plan)
             request = self._request(body, [plan.ids], body.budget, session_id,
                                     tool_calls.forced(tools, body.tool_choice, parallel),
-                                    branch.expert_rows if branch is not None and plan.extends else 0, ids_json)
+                                    branch.expert_rows if branch is not None and plan.extends else 0, ids_json,
+                                    known)
         except BaseException:
             if session is not None:
                 self.ledger.end(session)
@@ -171,7 +183,7 @@ class Front:
             names = frozenset(str(t["function"]["name"]) for t in tools)
         return Prepared(self._reply("chatcmpl", session_id), True, [plan.ids], body.n, request, body.logprobs,
                         renderer, session, plan, list(body.messages), names, body.parallel_tool_calls is not False,
-                        ids_json)
+                        ids_json, known)
 
     async def prepare_completion(self, body: CompletionRequest, session_id: str | None,
                                  owner: str | None = None) -> Prepared:
@@ -199,13 +211,14 @@ class Front:
                 self.ledger.check_room(session, plan)
             branch = None if session is None else session.branch
             held = branch.expert_rows if branch is not None and plan is not None and plan.extends else 0
-            request = self._request(body, ids_list, body.budget, session_id, experts_from=held)
+            known = self._known(session, plan)
+            request = self._request(body, ids_list, body.budget, session_id, experts_from=held, known=known)
         except BaseException:
             if session is not None:
                 self.ledger.end(session)
             raise
         return Prepared(self._reply("cmpl", session_id), False, ids_list, body.n, request, body.logprobs is not None,
-                        renderer, session, plan)
+                        renderer, session, plan, known=known)
 
     # ------------------------------------------------------------------ running
     def _text(self, p: Prepared, answer: GenerateAnswer, ids: list[int]) -> str:
@@ -231,7 +244,7 @@ class Front:
     def _record(self, p: Prepared, result: TurnResult, answer: dict[str, Any] | None) -> None:
         if p.session is not None and p.plan is not None:
             start = p.request.sequences[0].body.experts_from  # the first position whose experts were asked for
-            self.ledger.record(p.session, p.plan, p.messages, result, answer, start)
+            self.ledger.record(p.session, p.plan, p.messages, result, answer, start, p.known)
 
     async def check(self, session: Session) -> None:
         """Each branch's re-tokenization divergence (:func:`.prompt.retokenized`), found when its trajectory

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_manager.openai_front.errors import OpenAIError
+from rollout_manager.sglang.generate_request import KnownIds
 from rollout_manager.sglang.openai_turn import TurnResult
 
 
@@ -89,6 +90,12 @@ class Branch:
     # ``ids`` had ``checked`` tokens (-1: never checked)
     retokenized: Divergence | None = None
     checked: int = -1
+    # What the last turn's prompt gave of the ids (a prefix of ``ids``), so the next turn, which extends them,
+    # works out only its new ids' part (``front.known_ids``): the largest id in ``ids`` (None: not known) and
+    # the affinity hash of each whole ``block`` of the prompt (placement.affinity.block_hashes).
+    max_id: int | None = None
+    block: int = 0
+    hashes: array[int] = field(default_factory=lambda: array("q"))
 
     @property
     def nbytes(self) -> int:
@@ -249,10 +256,11 @@ class Ledger:
                                   f"openai_session_max_tokens {self.max_tokens}; read and free it first")
 
     def record(self, session: Session, plan: PromptPlan, messages: list[dict[str, Any]] | None,
-               result: TurnResult, answer: dict[str, Any] | None, experts_from: int = 0) -> None:
+               result: TurnResult, answer: dict[str, Any] | None, experts_from: int = 0,
+               known: KnownIds | None = None) -> None:
         """A finished turn into the session: its template tokens (mask 0), its sampled ids (mask 1);
         ``answer`` is the assistant message the caller was given (content and tool calls), which the next
-        turn's history must repeat."""
+        turn's history must repeat; ``known``: what the turn's prompt ids gave (kept for the next turn)."""
         branch = session.branch
         if plan.divergence is not None:
             session.divergences.append(plan.divergence)
@@ -265,6 +273,11 @@ class Ledger:
             branch.ids.extend(added)
             branch.mask.extend(_mask(bytes(len(added))))
             branch.logprobs.extend(_logprobs(bytes(4 * len(added))))  # zero bytes: 0.0
+        if known is not None and known.ids is plan.ids:
+            branch.max_id = max(known.max_id, max(result.output_ids, default=-1))
+            branch.block, branch.hashes = known.block, array("q", known.hashes)
+        else:  # nothing known of the new ids: the next turn passes over them all
+            branch.max_id, branch.block, branch.hashes = None, 0, array("q")
         branch.ids.extend(result.output_ids)
         branch.mask.extend(_mask(b"\x01" * len(result.output_ids)))
         branch.logprobs.extend(_logprobs(0.0 if lp is None else lp for lp in result.logprobs))

@@ -16,6 +16,8 @@ from typing import Any
 
 from rollout_manager.openai_front.ledger import Branch, Divergence, PromptPlan
 from rollout_manager.openai_front.render import Renderer
+from rollout_manager.placement.affinity import block_hashes
+from rollout_manager.sglang.generate_request import KnownIds
 
 
 def _content(m: dict[str, Any]) -> Any:
@@ -100,3 +102,21 @@ def plan_ids(branch: Branch | None, turn: int, ids: list[int]) -> PromptPlan:
         return PromptPlan(ids, extends=True)
     at = next((i for i, (a, b) in enumerate(zip(ids, branch.ids)) if a != b), min(len(ids), n))
     return PromptPlan(ids, extends=False, divergence=Divergence(turn, at, n - at, "rewritten"))
+
+
+def known_ids(plan: PromptPlan, branch: Branch | None, block: int) -> KnownIds:
+    """What the rollout path would work out of the plan's ids by passing over them all (their largest id, the
+    affinity hashes of their blocks of ``block`` ids; 0: affinity is off), from what the branch kept of its
+    last turn and the turn's new ids only, when the plan extends the branch (its ids start with the
+    branch's); from all of them otherwise. Equal to what the whole ids give (tests/test_openai_known_ids.py)."""
+    ids = plan.ids
+    base = branch if branch is not None and plan.extends else None
+    held = len(base.ids) if base is not None else 0
+    top = max(ids[held:], default=-1) if held else max(ids, default=-1)
+    if base is not None:
+        if base.max_id is None:  # the branch's last turn kept nothing: the history is passed over once
+            top = max(ids, default=-1)
+        else:
+            top = max(top, base.max_id)
+    done = base.hashes if base is not None and base.block == block else ()
+    return KnownIds(ids, top, block, block_hashes(ids, block, done) if block else [])

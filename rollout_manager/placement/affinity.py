@@ -34,7 +34,7 @@ from rollout_manager.placement.throughput_aware import ThroughputAware
 KEY_FIELD = "trajectory_key"  # the body key the manager reads (and strips) for a request's affinity key
 
 __all__ = ["AffinityKeys", "AffinityTable", "AffinitySettings", "KEY_FIELD", "KEY_HEADER", "FALLBACK_REASONS",
-           "fallback_reason", "overloaded"]
+           "block_hashes", "fallback_reason", "overloaded"]
 
 KEY_HEADER = "X-Trajectory-Key"
 KEY_MAX_LEN = 512
@@ -74,6 +74,14 @@ def _chain(ids: Sequence[int], block: int, start: int = 0, h: int = 0) -> list[t
     return out
 
 
+def block_hashes(ids: Sequence[int], block: int, known: Sequence[int] = ()) -> list[int]:
+    """The chained hash of every whole block of ``ids``, as :class:`AffinityKeys` holds them, hashing only the
+    blocks after ``known``: the hashes of a prefix of ``ids`` made before (a chat session's earlier turn,
+    whose prompt the next one extends), so a turn hashes its new ids, not its history."""
+    start = len(known) * block
+    return [*known, *(h for _, h in _chain(ids[start:], block, start, known[-1] if known else 0))]
+
+
 class AffinityKeys(NamedTuple):
     """What one request can be recognised by (a named tuple: one is built per sequence)."""
 
@@ -84,8 +92,14 @@ class AffinityKeys(NamedTuple):
     tail: tuple[int, ...] = ()  # the input after its last whole block
 
     @classmethod
-    def of(cls, input_ids: Sequence[int], trajectory: str | None, block: int) -> AffinityKeys:
-        blocks = _chain(input_ids, block)
+    def of(cls, input_ids: Sequence[int], trajectory: str | None, block: int,
+           hashes: Sequence[int] | None = None) -> AffinityKeys:
+        """``hashes``: :func:`block_hashes` of ``input_ids`` made by the caller (used when there is one per
+        whole block), so they are not made again."""
+        if hashes is not None and len(hashes) == len(input_ids) // block:
+            blocks = list(zip(range(block, (len(hashes) + 1) * block, block), hashes))
+        else:
+            blocks = _chain(input_ids, block)
         head = blocks[-1][1] if blocks else 0
         tail = tuple(input_ids[len(blocks) * block:])
         return cls(trajectory, len(input_ids), hash((len(input_ids), head, tail)), tuple(blocks), tail)
@@ -101,8 +115,9 @@ class AffinityTable:
     def __len__(self) -> int:
         return len(self._map)
 
-    def keys(self, input_ids: Sequence[int], trajectory: str | None) -> AffinityKeys:
-        return AffinityKeys.of(input_ids, trajectory, self.settings.block_tokens)
+    def keys(self, input_ids: Sequence[int], trajectory: str | None,
+             hashes: Sequence[int] | None = None) -> AffinityKeys:
+        return AffinityKeys.of(input_ids, trajectory, self.settings.block_tokens, hashes)
 
     def _get(self, key: tuple[str, Any]) -> str | None:
         inst = self._map.get(key)

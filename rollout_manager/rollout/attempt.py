@@ -163,7 +163,8 @@ class Attempts:
         """What the call came to, carried out on the sequence and the instance (:meth:`_carry_out`)."""
         self._carry_out(outcome, seq, inst, segments, progress)
         if segments.made:  # it prefilled the prompt and what came before: ids it takes (the probe's)
-            note_served(inst, seq.body.input_ids, seq.output_ids)
+            known = seq.body.known()
+            note_served(inst, seq.body.input_ids, seq.output_ids, None if known is None else known.max_id)
         if seq.at_boundary and on_tokens is not None:
             on_tokens(seq)  # the piece's last chunk (a final one) was not streamed yet
 

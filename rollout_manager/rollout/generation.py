@@ -279,7 +279,10 @@ class Generator:
         """The sequence's state, its place in the length model, and its affinity keys (None: affinity is off)."""
         body = item.body
         table = self.dispatcher.affinity
-        keys = table.keys(body.input_ids, item.trajectory_key) if table is not None else None
+        known = body.known()  # a chat session's block hashes, made for its new ids only
+        hashes = known.hashes if known is not None and table is not None and \
+            known.block == table.settings.block_tokens else None
+        keys = table.keys(body.input_ids, item.trajectory_key, hashes) if table is not None else None
         own = f"rm-{self._rid_prefix}{next(self._rid_counter)}"
         seq = SequenceState(body=body, rid=body.rid or own, engine_rid=own, min_version=item.min_version)
         self.stats["sequences"] += 1

@@ -13,7 +13,7 @@ changes (seed, budget, interval, rid).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Annotated, Any, Generic, TypeVar, cast
+from typing import Annotated, Any, Generic, NamedTuple, TypeVar, cast
 
 import msgspec
 
@@ -114,6 +114,16 @@ _DEFAULT_SAMPLING = Sampling()
 _BODY_KEYS = frozenset(GenerateFields.__struct_fields__)
 
 
+class KnownIds(NamedTuple):
+    """What a caller already knows of a prompt's ids, so the rollout path does not pass over them all again:
+    a chat session's ledger keeps these turn to turn and works out only the new ids' part."""
+
+    ids: list[int]  # the list they were made for: valid only while a body's ``input_ids`` is that very list
+    max_id: int  # max(ids), -1 for none
+    block: int  # the affinity block size ``hashes`` were cut by (0: none made)
+    hashes: Sequence[int]  # ``placement.affinity.block_hashes(ids, block)``
+
+
 class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     """One sequence's ``/generate`` body (a caller's, or one the manager sends an engine)."""
 
@@ -131,6 +141,13 @@ class SequenceBody(msgspec.Struct, frozen=True, gc=False):
     # returns its prompt): (that list, its JSON), used by :func:`encode` only while ``input_ids`` is that very
     # list (a continuation's body has a list of its own)
     ids_json: tuple[list[int], bytes] | None = None
+    known_ids: KnownIds | None = None  # what the caller knows of ``input_ids`` (:meth:`known`)
+
+    def known(self) -> KnownIds | None:
+        """The caller's :class:`KnownIds` while ``input_ids`` is the list they were made for (a
+        continuation's body has a list of its own), else None."""
+        k = self.known_ids
+        return k if k is not None and k.ids is self.input_ids else None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from msgspec import UNSET
 
 from rollout_manager.sglang.answer import AnswerMeta, GenerateAnswer
-from rollout_manager.sglang.generate_request import Sampling, SequenceBody
+from rollout_manager.sglang.generate_request import KnownIds, Sampling, SequenceBody
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,13 @@ class TurnSampling:
     experts_from: int | None = None  # R3: the routed experts of every position from this one (None: not asked)
 
 
-def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool, ids_json: bytes | None = None) -> SequenceBody:
+def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool, ids_json: bytes | None = None,
+              known: KnownIds | None = None) -> SequenceBody:
     """One sequence's ``/generate`` body: the prompt ids, the sampling, log-probs always asked for (the
     ledger keeps them; SGLang computes them at no extra forward pass), and SGLang's ``top_logprobs_num``
     when the caller wants the most likely tokens too. ``ids`` is the body's own, not a copy (a session's
     prompt is its whole history; nothing changes a body's ids in place); ``ids_json``: their JSON, when the
-    caller encoded them already."""
+    caller encoded them already; ``known``: what the caller knows of them (a session's ledger)."""
     rest: dict[str, Any] = {}
     if sampling.temperature is not None:
         rest["temperature"] = sampling.temperature
@@ -98,7 +99,7 @@ def turn_body(ids: list[int], sampling: TurnSampling, *, stream: bool, ids_json:
     extra = {TOP_LOGPROBS_NUM: sampling.top_logprobs} if sampling.top_logprobs else {}
     return SequenceBody(ids, params, stream=stream, return_logprob=True, rest=extra,
                         routed_experts=sampling.experts_from is not None, experts_from=sampling.experts_from or 0,
-                        ids_json=None if ids_json is None else (ids, ids_json))
+                        ids_json=None if ids_json is None else (ids, ids_json), known_ids=known)
 
 
 TOP_LOGPROBS_NUM = "top_logprobs_num"  # the /generate field asking for them
