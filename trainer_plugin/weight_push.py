@@ -334,7 +334,8 @@ async def _current_relay(pusher: WeightPusher, client: Any, settings: PluginSett
     log.info("weight pushes go to the manager's relay at %s (%s is gone or moved)", url, client.base_url)
     fresh = ManagerClient(url)
     pusher.manager_url = url
-    _PUSHER = (pusher, fresh)
+    if _PUSHER is not None and _PUSHER[0] is pusher:  # the process's pusher: its next pushes start there
+        _PUSHER = (pusher, fresh)
     await client.close()
     return fresh
 

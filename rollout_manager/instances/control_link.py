@@ -112,6 +112,9 @@ class ControlLink:
                 if self.connected:  # it was followed until now: connect again soon
                     log.warning("control process at %s lost (%s): serving on the last fleet seen", self.url, exc)
                     delay = BACKOFF_S[0]
+                elif delay >= BACKOFF_S[1]:  # still not followed after the backoff's growth: say why, each time
+                    log.warning("cannot follow the control process at %s (%s): trying again in %.1fs", self.url,
+                                exc, delay)
                 self.connected = False
             except Exception:  # a fault here must not end the following: the relay would serve a stale fleet
                 log.exception("following the control process at %s failed; connecting again", self.url)
