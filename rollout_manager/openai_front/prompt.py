@@ -111,12 +111,9 @@ def known_ids(plan: PromptPlan, branch: Branch | None, block: int) -> KnownIds:
     branch's); from all of them otherwise. Equal to what the whole ids give (tests/test_openai_known_ids.py)."""
     ids = plan.ids
     base = branch if branch is not None and plan.extends else None
-    held = len(base.ids) if base is not None else 0
-    top = max(ids[held:], default=-1) if held else max(ids, default=-1)
-    if base is not None:
-        if base.max_id is None:  # the branch's last turn kept nothing: the history is passed over once
-            top = max(ids, default=-1)
-        else:
-            top = max(top, base.max_id)
+    if base is not None and base.max_id is not None:
+        top = max(base.max_id, max(ids[len(base.ids):], default=-1))
+    else:  # no branch to extend, or its last turn kept nothing: the history is passed over once
+        top = max(ids, default=-1)
     done = base.hashes if base is not None and base.block == block else ()
     return KnownIds(ids, top, block, block_hashes(ids, block, done) if block else [])
